@@ -1,0 +1,1 @@
+"""EAGLE speculative-decoding serving engine: one replica."""

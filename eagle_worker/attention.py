@@ -1,0 +1,176 @@
+"""Paged attention over a flat KV cache, with per-sequence masks (causal, tree, sliding window).
+
+One forward pass carries an `AttentionContext`: where each new token's K/V goes (`slot_mapping`)
+and, per group of sequences, which cache slots each sequence attends to and with what mask.
+Prefill chunks, plain decodes and draft-tree verification are all the same thing here: a
+sequence has committed context in the cache plus `q_len` new tokens whose mutual visibility is
+given by a [q_len, q_len] mask (lower-triangular for normal tokens, ancestor mask for trees).
+Sequences are grouped so that a long prefill does not pad every decode to its length.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class SeqAttention:
+    """What one sequence attends to in this forward pass (host-side description)."""
+
+    q_start: int                       # offset of its first new token in the flat batch
+    q_positions: list[int]             # rope positions of the new tokens
+    kv_slots: list[int]                # cache slots of context then new tokens, in order
+    kv_positions: list[int]            # positions of those keys
+    new_token_mask: torch.Tensor | None = None  # [q_len, q_len] bool; None means causal
+
+    @property
+    def q_len(self) -> int:
+        return len(self.q_positions)
+
+
+@dataclass
+class AttentionGroup:
+    """Sequences padded together into one batched SDPA call."""
+
+    token_index: torch.Tensor   # [B, Q] flat token index of each query (0 where padded)
+    query_valid: torch.Tensor   # [B, Q] bool
+    kv_slots: torch.Tensor      # [B, K] cache slots (0 where padded)
+    base_mask: torch.Tensor     # [B, 1, Q, K] bool
+    q_pos: torch.Tensor         # [B, Q]
+    k_pos: torch.Tensor         # [B, K]
+    out_index: torch.Tensor     # [N] flat token index of each valid query, row-major
+    _window_masks: dict = field(default_factory=dict)
+
+    def mask(self, sliding_window: int | None) -> torch.Tensor:
+        if sliding_window is None:
+            return self.base_mask
+        m = self._window_masks.get(sliding_window)
+        if m is None:
+            near = (self.q_pos[:, :, None] - self.k_pos[:, None, :]) < sliding_window
+            m = self.base_mask & near[:, None]  # a query always sees itself, so rows stay finite
+            self._window_masks[sliding_window] = m
+        return m
+
+
+@dataclass
+class AttentionContext:
+    slot_mapping: torch.Tensor          # [T] cache slot of each new token
+    groups: list[AttentionGroup]
+    use_cache: bool = True              # False: keys are the new tokens themselves (no KV cache)
+
+
+def _build_group(seqs: list[SeqAttention], device: torch.device) -> AttentionGroup:
+    B = len(seqs)
+    Q = max(s.q_len for s in seqs)
+    K = max(len(s.kv_slots) for s in seqs)
+    token_index = torch.zeros(B, Q, dtype=torch.long)
+    query_valid = torch.zeros(B, Q, dtype=torch.bool)
+    kv_slots = torch.zeros(B, K, dtype=torch.long)
+    mask = torch.zeros(B, 1, Q, K, dtype=torch.bool)
+    q_pos = torch.zeros(B, Q, dtype=torch.long)
+    k_pos = torch.zeros(B, K, dtype=torch.long)
+    for b, s in enumerate(seqs):
+        q, k = s.q_len, len(s.kv_slots)
+        ctx = k - q
+        token_index[b, :q] = torch.arange(s.q_start, s.q_start + q)
+        query_valid[b, :q] = True
+        kv_slots[b, :k] = torch.tensor(s.kv_slots, dtype=torch.long)
+        q_pos[b, :q] = torch.tensor(s.q_positions, dtype=torch.long)
+        k_pos[b, :k] = torch.tensor(s.kv_positions, dtype=torch.long)
+        mask[b, 0, :q, :ctx] = True
+        new = s.new_token_mask if s.new_token_mask is not None else torch.ones(q, q, dtype=torch.bool).tril()
+        mask[b, 0, :q, ctx:k] = new
+        mask[b, 0, q:, 0] = True  # padded queries attend somewhere so softmax stays finite
+    out_index = token_index[query_valid]
+    to = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+    return AttentionGroup(to(token_index), to(query_valid), to(kv_slots), to(mask), to(q_pos), to(k_pos), to(out_index))
+
+
+def build_context(seqs: list[SeqAttention], slot_mapping: list[int], device: torch.device,
+                  use_cache: bool = True, max_pad_ratio: float = 2.0) -> AttentionContext:
+    """Group sequences by query length so padding stays bounded, then build each group's masks."""
+    order = sorted(range(len(seqs)), key=lambda i: seqs[i].q_len)
+    groups: list[list[SeqAttention]] = []
+    for i in order:
+        s = seqs[i]
+        if groups and s.q_len <= max(8, groups[-1][0].q_len * max_pad_ratio):
+            groups[-1].append(s)
+        else:
+            groups.append([s])
+    return AttentionContext(
+        slot_mapping=torch.tensor(slot_mapping, dtype=torch.long).to(device, non_blocking=True),
+        groups=[_build_group(g, device) for g in groups],
+        use_cache=use_cache,
+    )
+
+
+def causal_context(seq_lens: list[int], device: torch.device) -> AttentionContext:
+    """Context for a cache-free forward of whole sequences packed back to back (parity, features)."""
+    seqs, start = [], 0
+    for n in seq_lens:
+        idx = list(range(start, start + n))
+        seqs.append(SeqAttention(q_start=start, q_positions=list(range(n)), kv_slots=idx, kv_positions=list(range(n))))
+        start += n
+    return build_context(seqs, list(range(start)), device, use_cache=False)
+
+
+_CONTEXT: AttentionContext | None = None
+
+
+@contextmanager
+def attention_context(ctx: AttentionContext):
+    global _CONTEXT
+    prev, _CONTEXT = _CONTEXT, ctx
+    try:
+        yield ctx
+    finally:
+        _CONTEXT = prev
+
+
+def get_context() -> AttentionContext:
+    if _CONTEXT is None:
+        raise RuntimeError("attention called outside attention_context()")
+    return _CONTEXT
+
+
+class Attention(nn.Module):
+    """Scaled dot-product attention for one layer's local heads, reading/writing the paged cache.
+
+    `k_cache`/`v_cache` are [num_slots, num_kv_heads, head_dim] views assigned by the model
+    runner when it allocates the cache; a slot is `block_id * block_size + offset`.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+        self.sliding_window = sliding_window
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        ctx = get_context()
+        T = q.shape[0]
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if ctx.use_cache:
+            self.k_cache.index_copy_(0, ctx.slot_mapping, k)
+            self.v_cache.index_copy_(0, ctx.slot_mapping, v)
+            k_src, v_src = self.k_cache, self.v_cache
+        else:
+            k_src, v_src = k, v
+        out = q.new_empty(T, self.num_heads, self.head_dim)
+        for g in ctx.groups:
+            qg = q[g.token_index].transpose(1, 2)          # [B, H, Q, D]
+            kg = k_src[g.kv_slots].transpose(1, 2)          # [B, Hkv, K, D]
+            vg = v_src[g.kv_slots].transpose(1, 2)
+            o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask(self.sliding_window),
+                                               scale=self.scale, enable_gqa=self.num_kv_heads != self.num_heads)
+            out[g.out_index] = o.transpose(1, 2)[g.query_valid]
+        return out.view(T, self.num_heads * self.head_dim)

@@ -1,0 +1,40 @@
+"""Tensor-parallel state of this process: rank, world size and the collectives layers need.
+
+A replica with `tp_size=1` never touches `torch.distributed`; the cluster package calls
+`init_tensor_parallel` on every rank of a TP group before building the model.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+_TP_RANK = 0
+_TP_SIZE = 1
+
+
+def init_tensor_parallel(rank: int, world_size: int) -> None:
+    global _TP_RANK, _TP_SIZE
+    _TP_RANK, _TP_SIZE = rank, world_size
+
+
+def tp_rank() -> int:
+    return _TP_RANK
+
+
+def tp_size() -> int:
+    return _TP_SIZE
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    if _TP_SIZE > 1:
+        dist.all_reduce(x)
+    return x
+
+
+def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
+    """Concatenate each rank's shard along the last dimension (vocab-parallel logits)."""
+    if _TP_SIZE == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(_TP_SIZE)]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=-1)
