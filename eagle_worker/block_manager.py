@@ -1,0 +1,92 @@
+"""Paged KV memory: fixed-size blocks, one block table per sequence, nothing shared.
+
+Slot of position p of a sequence = block_table[p // block_size] * block_size + p % block_size.
+Speculative decoding appends a draft tree's tokens *uncommitted* after the committed ones and
+then keeps only the accepted subset: `keep_subset` says which slots must be copied where, so the
+kept tokens end up contiguous, and returns the blocks no longer needed.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from eagle_worker.sequence import Sequence
+
+
+class OutOfBlocks(RuntimeError):
+    pass
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int):
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.free_blocks: deque[int] = deque(range(num_blocks))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        return max(0, self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table))
+
+    def can_append(self, seq: Sequence, num_new_tokens: int, reserve: int = 0) -> bool:
+        return self.blocks_needed(seq, num_new_tokens) + reserve <= self.num_free_blocks
+
+    def append_slots(self, seq: Sequence, num_new_tokens: int) -> torch.Tensor:
+        """Slots for positions [num_computed, num_computed + n), allocating blocks as needed.
+
+        The tokens stay uncommitted until `commit` (or `keep_subset`) advances num_computed_tokens.
+        """
+        need = self.blocks_needed(seq, num_new_tokens)
+        if need > self.num_free_blocks:
+            raise OutOfBlocks(f"need {need} blocks, {self.num_free_blocks} free")
+        for _ in range(need):
+            seq.block_table.append(self.free_blocks.popleft())
+        start = seq.num_computed_tokens
+        return self.slots(seq, start, start + num_new_tokens)
+
+    def slots(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
+        pos = torch.arange(start, end)
+        table = torch.tensor(seq.block_table, dtype=torch.long)
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def commit(self, seq: Sequence, num_tokens: int) -> None:
+        seq.num_computed_tokens += num_tokens
+
+    def keep_subset(self, seq: Sequence, keep: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keep uncommitted tokens at offsets `keep` (ascending), drop the rest.
+
+        Returns (src_slots, dst_slots) whose KV must be copied so the kept tokens sit at
+        positions num_computed .. num_computed+len(keep)-1; then commits them and frees the
+        blocks past the new end.
+        """
+        base = seq.num_computed_tokens
+        if any(b <= a for a, b in zip(keep, keep[1:])):
+            raise ValueError(f"keep offsets must be strictly ascending, got {keep}")
+        end = base + (keep[-1] + 1 if keep else 0)
+        if self.blocks_for(end) > len(seq.block_table):
+            raise ValueError(f"offset {keep[-1]} was never appended")
+        src = self.slots(seq, base, end)[torch.tensor(keep, dtype=torch.long)] if keep else torch.empty(0, dtype=torch.long)
+        dst = self.slots(seq, base, base + len(keep))
+        moved = src != dst
+        seq.num_computed_tokens = base + len(keep)
+        self.trim(seq)
+        return src[moved], dst[moved]
+
+    def trim(self, seq: Sequence) -> None:
+        """Free blocks beyond those the committed tokens occupy."""
+        keep_blocks = self.blocks_for(seq.num_computed_tokens)
+        while len(seq.block_table) > keep_blocks:
+            self.free_blocks.append(seq.block_table.pop())
+
+    def free(self, seq: Sequence) -> None:
+        self.free_blocks.extend(reversed(seq.block_table))
+        seq.block_table = []
+        seq.num_computed_tokens = 0

@@ -1,0 +1,37 @@
+"""Engine configuration: which model, which device, how much KV memory, how big a step may be."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    model: str = "gemma-3-270m"
+    dtype: str = "float32"
+    device: str = "cpu"
+    draft: str | None = None           # path of an EAGLE head, "default", or None
+    tp_size: int = 1
+    block_size: int = 16
+    kv_cache_gb: float = 1.0           # KV memory budget; blocks = budget / bytes per block
+    num_kv_blocks: int | None = None   # overrides kv_cache_gb (tests)
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024 # token budget per step (prefill chunks + decodes)
+    max_model_len: int | None = None   # default: the model's context length, capped at 8192
+    chat_template: str | None = None   # Jinja template overriding the tokenizer's
+    seed: int = 0                      # engine generator for requests without their own seed
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"EngineConfig.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"EngineConfig.device={self.device!r} but CUDA is not available")
+        if self.block_size <= 0 or self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
+            raise ValueError("EngineConfig.block_size, max_num_seqs and max_num_batched_tokens must be positive")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]

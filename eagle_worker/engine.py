@@ -1,0 +1,177 @@
+"""The engine one replica runs: requests in, one scheduled step at a time, incremental outputs out.
+
+step() = schedule (continuous batching over the paged cache) -> worker runs the target (and, with
+a draft head, drafts and verifies) -> append the new tokens, applying stop rules token by token
+-> report what changed. Everything a request can get wrong is refused in add_request.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from eagle_worker.block_manager import BlockManager
+from eagle_worker.chat_template import render_chat, resolve_chat_template
+from eagle_worker.config import EngineConfig
+from eagle_worker.detokenizer import detokenize_incrementally, finalize_text
+from eagle_worker.model_runner import ModelRunner
+from eagle_worker.outputs import RequestOutput
+from eagle_worker.sampling_params import SamplingParams
+from eagle_worker.scheduler import Scheduler
+from eagle_worker.sequence import Sequence, SequenceStatus
+from eagle_worker.worker import DecodeWorker
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.runner = ModelRunner(config)
+        self.tokenizer = self.runner.tokenizer
+        self.max_model_len = self.runner.max_model_len
+        self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.worker = DecodeWorker(self.runner, self.block_manager)
+        self.chat_template = resolve_chat_template(self.tokenizer, self.runner.hf_config, config.chat_template)
+        self.requests: dict[str, Sequence] = {}
+        self._aborted: list[RequestOutput] = []
+        self._seed_source = torch.Generator().manual_seed(config.seed)
+        self._last_step = {"batch_size": 0, "num_tokens": 0}
+        self.totals = {"steps": 0, "generated_tokens": 0, "prompt_tokens": 0, "finished_requests": 0}
+
+    # ---- requests -------------------------------------------------------------------------
+    def tokenize(self, prompt: str) -> list[int]:
+        bos = self.tokenizer.bos_token
+        add_special = not (bos and prompt.startswith(bos))   # a chat template may already hold BOS
+        return self.tokenizer.encode(prompt, add_special_tokens=add_special)
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        return render_chat(self.tokenizer, self.chat_template, messages, self.config.model)
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    priority: int = 0) -> None:
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already running")
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise ValueError("prompt is empty")
+            token_ids = self.tokenize(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            token_ids = list(prompt)
+            vocab = self.runner.model.vocab_size
+            bad = [t for t in token_ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        else:
+            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens; the maximum context is {self.max_model_len} "
+                             f"tokens including at least one generated token")
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seed_source))
+        generator = torch.Generator(device=self.runner.device).manual_seed(seed)
+        seq = Sequence(request_id, token_ids, params, priority, generator)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+        self.totals["prompt_tokens"] += len(token_ids)
+
+    def abort(self, request_id: str) -> bool:
+        seq = self.requests.get(request_id)
+        if seq is None:
+            return False
+        self._finish(seq, "abort")
+        self._aborted.append(self._output(seq))
+        del self.requests[request_id]
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests) or bool(self._aborted)
+
+    # ---- the step loop ----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs, self._aborted = self._aborted, []
+        batch = self.scheduler.schedule()
+        if not batch:
+            return outputs
+        self._last_step = {"batch_size": len(batch), "num_tokens": sum(b.num_tokens for b in batch)}
+        new_tokens = self.worker.execute(batch)
+        now = time.monotonic()
+        for item in batch:
+            seq = item.seq
+            if seq.metrics.first_scheduled_time is None:
+                seq.metrics.first_scheduled_time = now
+            tokens = new_tokens.get(seq.request_id)
+            if not tokens:
+                continue                          # a prefill chunk that did not reach the end
+            self._append(seq, tokens)
+            outputs.append(self._output(seq))
+            if seq.is_finished:
+                del self.requests[seq.request_id]
+        self.totals["steps"] += 1
+        return outputs
+
+    def _append(self, seq: Sequence, tokens: list[tuple[int, float | None]]) -> None:
+        """Add accepted tokens one at a time so EOS, stop ids, stop strings and limits hold exactly."""
+        p = seq.params
+        for token, logprob in tokens:
+            seq.token_ids.append(token)
+            if logprob is not None:
+                seq.logprobs.append(logprob)
+            self.totals["generated_tokens"] += 1
+            if seq.metrics.first_token_time is None:
+                seq.metrics.first_token_time = time.monotonic()
+            new_text = detokenize_incrementally(self.tokenizer, seq)
+            if (token in self.runner.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+                return self._finish(seq, "stop")
+            if p.stop and new_text and self._hit_stop_string(seq, len(new_text)):
+                return self._finish(seq, "stop", flush=False)
+            if seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_model_len:
+                return self._finish(seq, "length")
+
+    def _hit_stop_string(self, seq: Sequence, new_chars: int) -> bool:
+        longest = max(len(s) for s in seq.params.stop)
+        window_start = max(0, len(seq.text) - new_chars - longest + 1)
+        for s in seq.params.stop:
+            at = seq.text.find(s, window_start)
+            if at >= 0:
+                seq.text = seq.text[: at + len(s)] if seq.params.include_stop_str_in_output else seq.text[:at]
+                return True
+        return False
+
+    def _finish(self, seq: Sequence, reason: str, flush: bool = True) -> None:
+        if flush and reason != "abort":
+            finalize_text(self.tokenizer, seq)
+        seq.finish_reason = reason
+        seq.status = SequenceStatus.FINISHED
+        seq.metrics.finished_time = time.monotonic()
+        self.scheduler.remove(seq)
+        self.totals["finished_requests"] += 1
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        out_ids = seq.output_token_ids
+        new_ids = out_ids[seq.num_emitted_tokens:]
+        delta = seq.text[seq.num_emitted_chars:]
+        seq.num_emitted_tokens, seq.num_emitted_chars = len(out_ids), len(seq.text)
+        return RequestOutput(
+            request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids, token_ids=list(out_ids),
+            text=seq.text, new_token_ids=new_ids, delta_text=delta, finished=seq.is_finished,
+            finish_reason=seq.finish_reason, logprobs=list(seq.logprobs) if seq.params.logprobs else None,
+            metrics=seq.metrics.as_dict(seq.num_output_tokens, seq.num_prompt_tokens))
+
+    # ---- introspection ----------------------------------------------------------------------
+    def stats(self) -> dict:
+        total = self.block_manager.num_blocks
+        free = self.block_manager.num_free_blocks
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_free_blocks": free,
+            "num_total_blocks": total,
+            "kv_usage": 1.0 - free / total,
+            "batch_size_last_step": self._last_step["batch_size"],
+            "tokens_last_step": self._last_step["num_tokens"],
+            **self.totals,
+        }

@@ -1,0 +1,60 @@
+"""The offline Python API, in vLLM's shape: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+from __future__ import annotations
+
+import itertools
+
+from eagle_worker.config import EngineConfig
+from eagle_worker.engine import LLMEngine
+from eagle_worker.outputs import RequestOutput
+from eagle_worker.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str = "gemma-3-270m", dtype: str = "float32", device: str = "cpu", **kwargs):
+        self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, device=device, **kwargs))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: str | list[str] | list[list[int]],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run all prompts to completion with continuous batching; outputs in prompt order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        ids = [f"llm-{next(self._ids)}" for _ in prompts]
+        try:
+            for rid, prompt, p in zip(ids, prompts, params):
+                self.engine.add_request(rid, prompt, p)
+        except ValueError:
+            for rid in ids:
+                self.engine.abort(rid)
+            self.engine.step()   # drain the abort notices
+            raise
+        finished: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+            bar = tqdm(total=len(ids), desc="generate")
+        while len(finished) < len(ids):
+            for out in self.engine.step():
+                if out.finished and out.request_id in ids:
+                    finished[out.request_id] = out
+                    if bar:
+                        bar.update(1)
+        if bar:
+            bar.close()
+        return [finished[rid] for rid in ids]
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        """One conversation or a list of them, rendered with the model's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.engine.apply_chat_template(c) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)

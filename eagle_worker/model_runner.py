@@ -1,0 +1,130 @@
+"""Loads the target model, owns its paged KV cache and runs batched forward passes over it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+from eagle_worker import default_models
+from eagle_worker.attention import SeqAttention, attention_context, build_context
+from eagle_worker.config import EngineConfig
+from eagle_worker.loader import load_weights, resolve_model_path
+from eagle_worker.models.registry import model_class_for
+
+
+@dataclass
+class ForwardItem:
+    """One sequence's share of a forward: new tokens after `len(ctx_slots)` committed ones."""
+
+    token_ids: list[int]
+    positions: torch.Tensor          # [n] rope positions of the new tokens
+    new_slots: torch.Tensor          # [n] cache slots the new tokens' K/V go to
+    ctx_slots: torch.Tensor          # [ctx] cache slots of committed context (positions 0..ctx-1)
+    logit_rows: list[int]            # offsets (within the new tokens) whose logits are wanted
+    new_token_mask: torch.Tensor | None = None   # [n, n] visibility among new tokens; None = causal
+
+
+@dataclass
+class ForwardResult:
+    logits: torch.Tensor             # [sum(len(logit_rows)), V] in item order
+    hidden: torch.Tensor             # [T, H] final-norm output of every new token
+    aux_hidden: list[torch.Tensor]   # inputs of the requested layers, [T, H] each
+    row_offsets: list[int]           # start of each item's tokens in the flat batch
+
+
+def resolve_model(name: str) -> Path:
+    if default_models.is_builtin(name):
+        return default_models.materialize(name)
+    return resolve_model_path(name)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = config.torch_dtype
+        self.model_path = resolve_model(config.model)
+        self.hf_config = AutoConfig.from_pretrained(self.model_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.eos_token_ids = self._eos_token_ids()
+        model_cls = model_class_for(self.hf_config)
+        prev_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                self.model = model_cls(self.hf_config)
+        finally:
+            torch.set_default_dtype(prev_dtype)
+        load_weights(self.model, self.model_path)
+        self.model.eval()
+        self.attn_layers = self.model.attention_layers()
+        self.num_kv_blocks = self._allocate_kv_cache()
+        self.max_model_len = self._max_model_len()
+
+    def _eos_token_ids(self) -> set[int]:
+        ids = set()
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        try:
+            gen = GenerationConfig.from_pretrained(self.model_path)
+            eos = gen.eos_token_id
+            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        except OSError:
+            pass
+        return ids
+
+    def _allocate_kv_cache(self) -> int:
+        a = self.attn_layers[0]
+        per_token = 2 * len(self.attn_layers) * a.num_kv_heads * a.head_dim * self.dtype.itemsize
+        per_block = per_token * self.config.block_size
+        num_blocks = self.config.num_kv_blocks or int(self.config.kv_cache_gb * 2**30 // per_block)
+        if num_blocks <= 0:
+            raise ValueError(f"kv_cache_gb={self.config.kv_cache_gb} holds no block of {per_block} bytes")
+        slots = num_blocks * self.config.block_size
+        self.kv_cache = torch.zeros(2, len(self.attn_layers), slots, a.num_kv_heads, a.head_dim,
+                                    dtype=self.dtype, device=self.device)
+        for i, layer in enumerate(self.attn_layers):
+            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+        return num_blocks
+
+    def _max_model_len(self) -> int:
+        native = getattr(self.hf_config, "max_position_embeddings", 8192)
+        limit = self.config.max_model_len or min(native, 8192)
+        if limit > native:
+            raise ValueError(f"max_model_len={limit} exceeds the model's context of {native} tokens")
+        return min(limit, self.num_kv_blocks * self.config.block_size)
+
+    @torch.inference_mode()
+    def forward(self, items: list[ForwardItem], aux_layers: tuple[int, ...] = ()) -> ForwardResult:
+        seqs, slot_mapping, token_ids, positions, logit_index, offsets = [], [], [], [], [], []
+        start = 0
+        for it in items:
+            n, ctx = len(it.token_ids), len(it.ctx_slots)
+            offsets.append(start)
+            seqs.append(SeqAttention(
+                q_start=start, q_positions=it.positions.tolist(),
+                kv_slots=torch.cat([it.ctx_slots, it.new_slots]).tolist(),
+                kv_positions=list(range(ctx)) + it.positions.tolist(),
+                new_token_mask=it.new_token_mask))
+            slot_mapping.extend(it.new_slots.tolist())
+            token_ids.extend(it.token_ids)
+            positions.append(it.positions)
+            logit_index.extend(start + r for r in it.logit_rows)
+            start += n
+        ctx = build_context(seqs, slot_mapping, self.device)
+        input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        pos = torch.cat(positions).to(self.device)
+        with attention_context(ctx):
+            out = self.model(input_ids, pos, aux_layers=aux_layers)
+        hidden, aux = (out if aux_layers else (out, []))
+        idx = torch.tensor(logit_index, dtype=torch.long, device=self.device)
+        logits = self.model.compute_logits(hidden[idx]) if logit_index else hidden.new_empty(0, 0)
+        return ForwardResult(logits=logits, hidden=hidden, aux_hidden=aux, row_offsets=offsets)
+
+    def copy_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Move K/V of kept draft tokens into place, in every layer at once."""
+        if len(src):
+            src, dst = src.to(self.device), dst.to(self.device)
+            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]

@@ -1,0 +1,95 @@
+"""Continuous batching: which sequences run this step and how many tokens each feeds.
+
+Every step: running sequences first (decodes before prefill chunks, so long prompts never starve
+them), then waiting requests by (priority, arrival) while the token budget, the sequence limit
+and free KV blocks allow. Long prompts are split into chunks. When KV blocks run out, the
+least urgent, most recently arrived running sequence is preempted: its blocks are freed and it
+is recomputed later (vLLM's recompute preemption), so a full cache never crashes the engine.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from eagle_worker.block_manager import BlockManager
+from eagle_worker.config import EngineConfig
+from eagle_worker.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_tokens: int          # tokens fed from seq.num_computed_tokens on
+
+    @property
+    def completes(self) -> bool:
+        """True when this chunk reaches the sequence's end, so the step samples a token for it."""
+        return self.seq.num_computed_tokens + self.num_tokens == len(self.seq)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: list[tuple[tuple[int, float], Sequence]] = []   # sorted by (priority, arrival)
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        key = (seq.priority, seq.metrics.arrival_time)
+        bisect.insort(self.waiting, (key, seq), key=lambda item: item[0])
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop a sequence (finished or aborted) from the queues and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        self.waiting = [(k, s) for k, s in self.waiting if s is not seq]
+        self.block_manager.free(seq)
+
+    def schedule(self) -> list[ScheduledSeq]:
+        """Plan one step and allocate the KV slots of every scheduled token."""
+        budget = self.config.max_num_batched_tokens
+        batch: list[ScheduledSeq] = []
+        self.running.sort(key=lambda s: (s.num_pending_tokens > 1, s.priority, s.metrics.arrival_time))
+        for seq in list(self.running):
+            if seq not in self.running:        # preempted by an earlier sequence in this loop
+                continue
+            if budget <= 0:
+                break
+            n = min(seq.num_pending_tokens, budget)
+            while not self.block_manager.can_append(seq, n):
+                victim = max(self.running, key=lambda s: (s.priority, s.metrics.arrival_time))
+                for item in batch:
+                    if item.seq is victim:
+                        batch.remove(item)
+                        budget += item.num_tokens
+                        break
+                self.preempt(victim)
+                if victim is seq:
+                    break
+            if seq not in self.running:
+                continue
+            self.block_manager.append_slots(seq, n)
+            batch.append(ScheduledSeq(seq, n))
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0][1]
+            n = min(seq.num_pending_tokens, budget)
+            if not self.block_manager.can_append(seq, n):
+                break                          # admission by KV memory: wait for blocks
+            self.waiting.pop(0)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self.block_manager.append_slots(seq, n)
+            batch.append(ScheduledSeq(seq, n))
+            budget -= n
+        return batch
+
+    def preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.metrics.num_preemptions += 1
+        self.add(seq)

@@ -1,0 +1,100 @@
+"""One request as the engine tracks it: its tokens, its KV blocks, its progress and its metrics."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from eagle_worker.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class SequenceMetrics:
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_target_forwards: int = 0     # decode steps that ran the target for this sequence (prefill excluded)
+    num_decode_tokens: int = 0       # tokens those steps produced (accepted drafts + bonus)
+    num_preemptions: int = 0
+    accepted_per_depth: list[int] = field(default_factory=list)  # speculative: accepted drafts at depth d
+
+    def as_dict(self, num_output_tokens: int, prompt_tokens: int) -> dict:
+        forwards = self.num_target_forwards
+        out = {
+            "num_prompt_tokens": prompt_tokens,
+            "num_output_tokens": num_output_tokens,
+            "num_target_forwards": forwards,
+            "mean_accepted_tokens": (self.num_decode_tokens / forwards) if forwards else 1.0,
+            "num_preemptions": self.num_preemptions,
+        }
+        if self.first_token_time is not None:
+            out["ttft_s"] = self.first_token_time - self.arrival_time
+        if self.finished_time is not None:
+            out["latency_s"] = self.finished_time - self.arrival_time
+            if num_output_tokens > 1 and self.first_token_time is not None:
+                out["tpot_s"] = (self.finished_time - self.first_token_time) / (num_output_tokens - 1)
+        if self.accepted_per_depth:
+            out["accepted_per_depth"] = list(self.accepted_per_depth)
+        return out
+
+
+class Sequence:
+    """Token ids are prompt + output; `num_computed_tokens` of them have committed KV in the cache.
+
+    The engine feeds tokens [num_computed_tokens, len) each step (a prefill chunk or the one
+    newest token) and samples when that reaches the end.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 priority: int, generator: torch.Generator):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.token_ids = list(prompt_token_ids)
+        self.params = params
+        self.priority = priority
+        self.generator = generator
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.num_computed_tokens = 0
+        self.finish_reason: str | None = None
+        self.logprobs: list[float] = []
+        self.metrics = SequenceMetrics()
+        # incremental detokenization state
+        self.text = ""
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.num_emitted_tokens = 0   # output tokens already reported
+        self.num_emitted_chars = 0    # text chars already reported
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens not yet in the KV cache (the whole prompt at first, then the newest token)."""
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED

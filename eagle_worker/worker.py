@@ -1,0 +1,45 @@
+"""Plain decoding worker: one target forward per step, one sampled token per finished chunk.
+
+The EAGLE worker (spec/eagle_worker.py) has the same `execute` signature and drafts and verifies
+trees instead; the engine does not know which one it drives.
+"""
+from __future__ import annotations
+
+import torch
+
+from eagle_worker.block_manager import BlockManager
+from eagle_worker.model_runner import ForwardItem, ModelRunner
+from eagle_worker.sampler import sample
+from eagle_worker.scheduler import ScheduledSeq
+
+
+def forward_item(block_manager: BlockManager, item: ScheduledSeq) -> ForwardItem:
+    """The forward description of a scheduled chunk (its slots are already allocated)."""
+    seq, n = item.seq, item.num_tokens
+    start = seq.num_computed_tokens
+    slots = block_manager.slots(seq, 0, start + n)
+    return ForwardItem(token_ids=seq.token_ids[start:start + n], positions=torch.arange(start, start + n),
+                       new_slots=slots[start:], ctx_slots=slots[:start],
+                       logit_rows=[n - 1] if item.completes else [])
+
+
+class DecodeWorker:
+    def __init__(self, runner: ModelRunner, block_manager: BlockManager):
+        self.runner = runner
+        self.block_manager = block_manager
+
+    def execute(self, batch: list[ScheduledSeq]) -> dict[str, list[tuple[int, float | None]]]:
+        """Run one forward; return the new (token, logprob) list of each sequence that sampled."""
+        result = self.runner.forward([forward_item(self.block_manager, it) for it in batch])
+        sampling = [it for it in batch if it.completes]
+        for it in batch:
+            if it.completes and it.num_tokens == 1:
+                it.seq.metrics.num_target_forwards += 1
+                it.seq.metrics.num_decode_tokens += 1
+            self.block_manager.commit(it.seq, it.num_tokens)
+        if not sampling:
+            return {}
+        tokens, logprobs = sample(result.logits, [it.seq.params for it in sampling],
+                                  [it.seq.generator for it in sampling])
+        return {it.seq.request_id: [(tokens[i], logprobs[i] if logprobs else None)]
+                for i, it in enumerate(sampling)}
