@@ -1,8 +1,21 @@
-"""EAGLE speculative-decoding serving engine: what one replica runs."""
-from eagle_worker.config import EngineConfig
-from eagle_worker.engine import LLMEngine
-from eagle_worker.llm import LLM
-from eagle_worker.outputs import RequestOutput
-from eagle_worker.sampling_params import SamplingParams
+"""EAGLE speculative-decoding serving engine: what one replica runs.
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput"]
+Names are imported lazily so that light modules (sampling params, block manager) load without
+pulling in transformers and the model code.
+"""
+import importlib
+
+_EXPORTS = {
+    "LLM": "eagle_worker.llm",
+    "LLMEngine": "eagle_worker.engine",
+    "EngineConfig": "eagle_worker.config",
+    "SamplingParams": "eagle_worker.sampling_params",
+    "RequestOutput": "eagle_worker.outputs",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'eagle_worker' has no attribute {name!r}")

@@ -1,0 +1,113 @@
+"""Paged KV bookkeeping: allocation, freeing, preemption, uncommitted append + keep-subset, no leaks."""
+import pytest
+import torch
+
+from eagle_worker.block_manager import BlockManager, OutOfBlocks
+from eagle_worker.config import EngineConfig
+from eagle_worker.sampling_params import SamplingParams
+from eagle_worker.scheduler import Scheduler
+from eagle_worker.sequence import Sequence, SequenceStatus
+
+
+def make_seq(rid, n_prompt, priority=0):
+    return Sequence(rid, list(range(1, n_prompt + 1)), SamplingParams(), priority, torch.Generator())
+
+
+def test_allocation_is_proportional_to_length_and_freed():
+    bm = BlockManager(num_blocks=10, block_size=4)
+    s = make_seq("a", 9)
+    slots = bm.append_slots(s, 9)
+    assert len(s.block_table) == 3 and bm.num_free_blocks == 7
+    assert slots.tolist() == [s.block_table[p // 4] * 4 + p % 4 for p in range(9)]
+    bm.commit(s, 9)
+    bm.append_slots(s, 3)          # 12 tokens still fit in 3 blocks
+    assert len(s.block_table) == 3
+    bm.commit(s, 3)
+    bm.append_slots(s, 1)
+    assert len(s.block_table) == 4
+    bm.free(s)
+    assert bm.num_free_blocks == 10 and s.block_table == []
+
+
+def test_out_of_blocks_raises_without_partial_allocation():
+    bm = BlockManager(num_blocks=2, block_size=4)
+    s = make_seq("a", 9)
+    with pytest.raises(OutOfBlocks):
+        bm.append_slots(s, 9)
+    assert bm.num_free_blocks == 2 and s.block_table == []
+
+
+def test_keep_subset_moves_kept_tokens_and_frees_tail_blocks():
+    bm = BlockManager(num_blocks=10, block_size=4)
+    s = make_seq("a", 6)
+    bm.append_slots(s, 6)
+    bm.commit(s, 6)
+    tree_slots = bm.append_slots(s, 7)              # positions 6..12 uncommitted (draft tree)
+    assert len(s.block_table) == 4 and s.num_computed_tokens == 6
+    src, dst = bm.keep_subset(s, [0, 3, 5])
+    # kept offsets 3 and 5 move to positions 7 and 8; offset 0 stays in place
+    assert src.tolist() == [tree_slots[3].item(), tree_slots[5].item()]
+    assert dst.tolist() == [tree_slots[1].item(), tree_slots[2].item()]
+    assert s.num_computed_tokens == 9 and len(s.block_table) == 3 and bm.num_free_blocks == 7
+    src, dst = bm.keep_subset(s, [])                 # nothing appended and nothing kept
+    assert len(src) == 0 and s.num_computed_tokens == 9
+
+
+def test_keep_subset_rejects_bad_offsets():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    s = make_seq("a", 2)
+    bm.append_slots(s, 3)
+    with pytest.raises(ValueError):
+        bm.keep_subset(s, [2, 1])
+
+
+def test_scheduler_chunks_prefill_and_decodes_first():
+    cfg = EngineConfig(max_num_batched_tokens=8, block_size=4)
+    bm = BlockManager(num_blocks=32, block_size=4)
+    sch = Scheduler(cfg, bm)
+    long, short = make_seq("long", 20), make_seq("short", 3)
+    sch.add(long)
+    batch = sch.schedule()
+    assert [(b.seq.request_id, b.num_tokens, b.completes) for b in batch] == [("long", 8, False)]
+    bm.commit(long, 8)
+    sch.add(short)
+    batch = sch.schedule()
+    assert [(b.seq.request_id, b.num_tokens) for b in batch] == [("long", 8)]
+    bm.commit(long, 8)
+    batch = sch.schedule()       # long finishes its prompt (4 tokens), short is admitted in the same step
+    assert [(b.seq.request_id, b.num_tokens) for b in batch] == [("long", 4), ("short", 3)]
+    for b in batch:
+        bm.commit(b.seq, b.num_tokens)
+        b.seq.token_ids.append(7)
+    batch = sch.schedule()       # both decode one token
+    assert sorted((b.seq.request_id, b.num_tokens) for b in batch) == [("long", 1), ("short", 1)]
+
+
+def test_priority_orders_admission():
+    cfg = EngineConfig(max_num_batched_tokens=4, block_size=4)
+    sch = Scheduler(cfg, BlockManager(num_blocks=32, block_size=4))
+    sch.add(make_seq("offline", 4, priority=1))
+    sch.add(make_seq("online", 4, priority=0))
+    assert [b.seq.request_id for b in sch.schedule()] == ["online"]
+
+
+def test_full_cache_preempts_least_urgent_then_recomputes_without_leaks():
+    cfg = EngineConfig(max_num_batched_tokens=64, block_size=4)
+    bm = BlockManager(num_blocks=4, block_size=4)
+    sch = Scheduler(cfg, bm)
+    online, offline = make_seq("online", 8, priority=0), make_seq("offline", 8, priority=1)
+    sch.add(online)
+    sch.add(offline)
+    for b in sch.schedule():
+        bm.commit(b.seq, b.num_tokens)
+        b.seq.token_ids.append(5)
+    assert bm.num_free_blocks == 0
+    batch = sch.schedule()       # online needs a 3rd block: offline is preempted
+    assert [b.seq.request_id for b in batch] == ["online"]
+    assert offline.status == SequenceStatus.WAITING and offline.num_computed_tokens == 0
+    assert offline.metrics.num_preemptions == 1
+    sch.remove(online)
+    batch = sch.schedule()       # offline is recomputed: prompt + its generated token
+    assert [(b.seq.request_id, b.num_tokens) for b in batch] == [("offline", 9)]
+    sch.remove(offline)
+    assert bm.num_free_blocks == bm.num_blocks
