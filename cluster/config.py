@@ -1,0 +1,256 @@
+"""ServeConfig: everything needed to stand up the serving cluster, validated once at the edge.
+
+The same model feeds `eaglectl serve`, the Ray Serve `app_builder` entry point (Serve config files,
+KubeRay `RayService`) and the KubeRay manifest renderer, so it is self-contained: it imports nothing
+from the engine or from Ray. Load it from YAML with `ServeConfig.from_yaml(path)`; a bad file raises
+`ConfigError` listing every offending field as a dotted path (`limits.max_tokens: ...`).
+
+Example YAML (every key optional)::
+
+    model: gemma-3-270m
+    served_model_name: gemma-3-270m   # name clients pass as "model"; defaults to `model`
+    draft: null                       # EAGLE draft head; null = plain decoding
+    dtype: float32
+    device: cpu                       # cpu | cuda
+    tp_size: 1                        # ranks per replica (tensor parallel)
+    num_replicas: 1                   # fixed count, or instead:
+    # autoscaling: {min_replicas: 1, max_replicas: 4, target_ongoing_requests: 16,
+    #               upscale_delay_s: 30, downscale_delay_s: 600}
+    placement_strategy: PACK          # PACK | STRICT_PACK (all ranks of a replica on one node)
+    resources_per_rank: {cpu: 1, gpu: 0}
+    limits: {max_model_len: 2048, max_tokens: 1024, max_num_seqs: 64,
+             max_queued_requests: 64, max_router_queue: 128}
+    api_keys: []                      # literal keys, and/or
+    api_keys_env: EAGLE_API_KEYS      # env var with comma-separated keys, and/or
+    api_keys_file: /etc/eagle/keys    # one key per line, '#' comments
+    chat_template: null               # Jinja template overriding the model's
+    host: 0.0.0.0
+    port: 8000
+"""
+from __future__ import annotations
+
+import os
+from enum import Enum
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A config that cannot be served; the message lists each bad field and why."""
+
+
+class PlacementStrategy(str, Enum):
+    PACK = "PACK"                # prefer one node, spill over when it is full
+    STRICT_PACK = "STRICT_PACK"  # all ranks of a replica on one node or not scheduled at all
+
+
+class _Strict(BaseModel):
+    # Unknown keys are almost always typos in hand-written YAML: reject them.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class AutoscalingConfig(_Strict):
+    """Ray Serve autoscaling of engine replicas, driven by ongoing requests per replica."""
+
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(1, ge=1)
+    initial_replicas: int | None = Field(None, ge=0)
+    target_ongoing_requests: float = Field(16.0, gt=0)
+    upscale_delay_s: float = Field(30.0, ge=0)
+    downscale_delay_s: float = Field(600.0, ge=0)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "AutoscalingConfig":
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) > max_replicas ({self.max_replicas})")
+        if self.initial_replicas is not None and not (
+            self.min_replicas <= self.initial_replicas <= self.max_replicas
+        ):
+            raise ValueError("initial_replicas must lie within [min_replicas, max_replicas]")
+        return self
+
+    def to_serve(self) -> dict[str, Any]:
+        """The `autoscaling_config` dict Ray Serve expects."""
+        out = {
+            "min_replicas": self.min_replicas,
+            "max_replicas": self.max_replicas,
+            "target_ongoing_requests": self.target_ongoing_requests,
+            "upscale_delay_s": self.upscale_delay_s,
+            "downscale_delay_s": self.downscale_delay_s,
+        }
+        if self.initial_replicas is not None:
+            out["initial_replicas"] = self.initial_replicas
+        return out
+
+
+class RankResources(_Strict):
+    """Resources one tensor-parallel rank (one process) reserves; CPU may be fractional."""
+
+    cpu: float = Field(1.0, ge=0)
+    gpu: int = Field(0, ge=0, le=1)
+
+    def bundle(self) -> dict[str, float]:
+        out = {"CPU": self.cpu}
+        if self.gpu:
+            out["GPU"] = float(self.gpu)
+        return out
+
+
+class Limits(_Strict):
+    """Admission limits: what one request may ask for and how much work a replica queues."""
+
+    max_model_len: int | None = Field(None, ge=16, description="prompt + output tokens; None = engine default")
+    max_tokens: int = Field(1024, ge=1, description="largest max_tokens a request may ask for")
+    max_num_seqs: int = Field(64, ge=1, description="sequences the engine batches at once")
+    max_queued_requests: int = Field(64, ge=0, description="requests waiting inside one replica")
+    max_router_queue: int = Field(
+        128, ge=1, description="requests waiting in the router for a free replica before 503"
+    )
+
+    @model_validator(mode="after")
+    def _tokens_fit(self) -> "Limits":
+        if self.max_model_len is not None and self.max_tokens >= self.max_model_len:
+            raise ValueError(
+                f"max_tokens ({self.max_tokens}) must be < max_model_len ({self.max_model_len}) "
+                "to leave room for a prompt"
+            )
+        return self
+
+
+class IngressConfig(_Strict):
+    """The HTTP front (FastAPI) deployment; light, so it gets a sliver of a CPU by default."""
+
+    num_replicas: int = Field(1, ge=1)
+    num_cpus: float = Field(0.1, ge=0)
+
+
+class ServeConfig(_Strict):
+    """The whole serving cluster: model, parallelism, scaling, placement, limits and auth."""
+
+    model: str = "gemma-3-270m"
+    served_model_name: str | None = None
+    draft: str | None = None
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    device: Literal["cpu", "cuda"] = "cpu"
+    engine: str = Field("eagle_worker", description="module exposing LLMEngine/EngineConfig/SamplingParams")
+    tp_size: int = Field(1, ge=1, le=64)
+    num_replicas: int | None = Field(None, ge=1)
+    autoscaling: AutoscalingConfig | None = None
+    placement_strategy: PlacementStrategy = PlacementStrategy.PACK
+    resources_per_rank: RankResources = RankResources()
+    limits: Limits = Limits()
+    ingress: IngressConfig = IngressConfig()
+    api_keys: list[str] = Field(default_factory=list)
+    api_keys_env: str | None = None
+    api_keys_file: str | None = None
+    chat_template: str | None = None
+    app_name: str = "eagle"
+    host: str = "0.0.0.0"
+    port: int = Field(8000, ge=1, le=65535)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "ServeConfig":
+        if self.num_replicas is not None and self.autoscaling is not None:
+            raise ValueError("set either num_replicas or autoscaling, not both")
+        if self.device == "cuda" and self.resources_per_rank.gpu != 1:
+            raise ValueError("device: cuda needs resources_per_rank.gpu: 1 (one GPU per rank)")
+        if self.device == "cpu" and self.resources_per_rank.gpu:
+            raise ValueError("device: cpu must not reserve GPUs (resources_per_rank.gpu: 0)")
+        if any(not k.strip() for k in self.api_keys):
+            raise ValueError("api_keys must not contain empty keys")
+        return self
+
+    # ---- derived values --------------------------------------------------------------------
+    @property
+    def model_name(self) -> str:
+        """The name clients must send as `model`."""
+        return self.served_model_name or self.model
+
+    @property
+    def auth_enabled(self) -> bool:
+        return bool(self.api_keys or self.api_keys_env or self.api_keys_file)
+
+    @property
+    def max_ongoing_per_replica(self) -> int:
+        """Serve's per-replica cap: what the engine runs plus what it may queue."""
+        return self.limits.max_num_seqs + self.limits.max_queued_requests
+
+    def replica_count_options(self) -> dict[str, Any]:
+        """`num_replicas` or `autoscaling_config` for the engine deployment."""
+        if self.autoscaling is not None:
+            return {"autoscaling_config": self.autoscaling.to_serve()}
+        return {"num_replicas": self.num_replicas or 1}
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for the engine's `EngineConfig`."""
+        kw: dict[str, Any] = dict(
+            model=self.model, dtype=self.dtype, device=self.device, draft=self.draft,
+            tp_size=self.tp_size, max_num_seqs=self.limits.max_num_seqs,
+        )
+        if self.limits.max_model_len is not None:
+            kw["max_model_len"] = self.limits.max_model_len
+        return kw
+
+    def resolve_api_keys(self) -> frozenset[str]:
+        """All accepted keys. Read where the server runs (env/secret files live there), and
+        fail loudly when a named source is missing: serving open by accident is worse than not
+        starting."""
+        keys = {k.strip() for k in self.api_keys}
+        if self.api_keys_env:
+            raw = os.environ.get(self.api_keys_env)
+            if raw is None:
+                raise ConfigError(f"api_keys_env: environment variable {self.api_keys_env!r} is not set")
+            keys |= {k.strip() for k in raw.split(",") if k.strip()}
+        if self.api_keys_file:
+            path = Path(self.api_keys_file)
+            if not path.is_file():
+                raise ConfigError(f"api_keys_file: {path} does not exist")
+            for line in path.read_text().splitlines():
+                line = line.split("#", 1)[0].strip()
+                if line:
+                    keys.add(line)
+        if self.auth_enabled and not keys:
+            raise ConfigError("API keys are configured but none were found: refusing to serve open")
+        return frozenset(keys)
+
+    # ---- loading ---------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None, source: str = "config") -> "ServeConfig":
+        """Validate a plain dict (YAML document, Serve `args`), raising ConfigError on failure."""
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            raise ConfigError(format_validation_error(e, source)) from None
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike) -> "ServeConfig":
+        path = Path(path)
+        try:
+            data = yaml.safe_load(path.read_text())
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: invalid YAML: {e}") from None
+        return cls.from_dict(data, source=str(path))
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json", exclude_none=True), sort_keys=False)
+
+
+def format_validation_error(err: ValidationError, source: str = "config") -> str:
+    """One line per problem, with a dotted field path: `config: limits.max_tokens: ...`."""
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field"
+        lines.append(f"{loc}: {msg}")
+    return f"{source}: invalid serve config:\n  " + "\n  ".join(lines)

@@ -1,0 +1,258 @@
+"""EngineReplica: one engine replica inside a Ray actor (a Ray Serve replica in production).
+
+Why a thread: `engine.step()` is blocking torch work that can take 100 ms or more. Running it on
+the actor's event loop would stall everything else the actor does (new requests, aborts, Serve
+health checks and routing-stats probes). So the step loop runs in a daemon thread that owns the
+engine; async methods talk to it through a command queue (add/abort) and get outputs back through
+per-request asyncio queues (`call_soon_threadsafe`). The engine is only ever touched by that thread.
+
+`submit` is an async generator: under Serve it is called with `handle.options(stream=True)`, as a
+plain Ray actor method it is a streaming generator. Items are the engine's `RequestOutput`s; when
+the consumer lags, consecutive outputs are merged (deltas concatenated) so a slow reader costs
+one item, not one per step. A request the engine refuses yields a single `Rejected` (HTTP 400)
+instead of raising, so the caller gets the engine's message without a Ray traceback around it.
+The final output of a request carries `metrics["replica_id"]` and `metrics["replica_stats"]`,
+which the HTTP layer turns into per-replica gauges.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import importlib
+import logging
+import queue
+import re
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from cluster.config import ServeConfig
+
+logger = logging.getLogger(__name__)
+
+# Fields an engine ValueError may name; used to fill the OpenAI error's `param`.
+_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "stop",
+           "logprobs", "ignore_eos", "messages", "prompt", "max_model_len")
+
+
+@dataclass
+class Rejected:
+    """The engine refused the request (bad input); maps to HTTP 400."""
+
+    message: str
+    param: str | None = None
+
+
+class EngineDiedError(RuntimeError):
+    """The replica's engine loop crashed; the request may be retried on another replica."""
+
+
+def guess_param(message: str) -> str | None:
+    """The request field an engine error message talks about, if any."""
+    for name in _PARAMS:
+        if re.search(rf"\b{name}\b", message):
+            return "prompt" if name == "max_model_len" else name
+    return None
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+def _merge(outs: list) -> Any:
+    """Collapse consecutive outputs of one request into one (deltas concatenated)."""
+    if len(outs) == 1 or not dataclasses.is_dataclass(outs[-1]):
+        return outs[-1]
+    return dataclasses.replace(
+        outs[-1],
+        new_token_ids=[t for o in outs for t in o.new_token_ids],
+        delta_text="".join(o.delta_text for o in outs),
+    )
+
+
+class EngineReplica:
+    """Hosts one `LLMEngine` (rank 0 of a tensor-parallel group when tp_size > 1)."""
+
+    def __init__(self, config: dict | ServeConfig):
+        self.config = config if isinstance(config, ServeConfig) else ServeConfig.from_dict(config)
+        self.replica_id = _replica_id()
+        mod = importlib.import_module(self.config.engine)
+        self._sampling_params_cls = mod.SamplingParams
+        self.tp = None
+        if self.config.tp_size > 1:
+            from cluster.tp_group import TPGroup
+
+            self.tp = TPGroup.create(self.config)  # rank 0 joins the process group here
+        self.engine = mod.LLMEngine(mod.EngineConfig(**self.config.engine_kwargs()))
+        if self.tp is not None:
+            self.tp.start_workers()
+        self.max_model_len = getattr(getattr(self.engine, "config", None), "max_model_len", None)
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._stats: dict[str, Any] = self._snapshot_stats(step_s=0.0)
+        self._dead: BaseException | None = None
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run_loop, name="engine-loop", daemon=True)
+        self._thread.start()
+        logger.info("replica %s ready (model=%s tp=%d)", self.replica_id, self.config.model, self.config.tp_size)
+
+    # ---- public API (async actor methods) --------------------------------------------------
+    async def submit(
+        self,
+        request_id: str,
+        prompt: str | list[int] | None,
+        params: dict[str, Any],
+        priority: int = 0,
+        messages: list[dict] | None = None,
+    ) -> AsyncIterator[Any]:
+        """Stream the request's outputs. `messages` (chat) is rendered with the chat template."""
+        if self._dead is not None:
+            raise EngineDiedError(f"replica {self.replica_id}: engine is dead: {self._dead!r}")
+        if request_id in self._streams:
+            yield Rejected(f"duplicate request id {request_id!r}")
+            return
+        try:
+            if messages is not None:
+                prompt = self.render_chat(messages)
+            sp = self._sampling_params_cls(**params)
+        except (ValueError, TypeError) as e:
+            yield Rejected(str(e), guess_param(str(e)) or ("messages" if messages is not None else None))
+            return
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[request_id] = stream
+        added: concurrent.futures.Future = concurrent.futures.Future()
+        self._cmds.put(("add", request_id, prompt, sp, priority, added))
+        finished = False
+        try:
+            try:
+                await asyncio.wrap_future(added)
+            except ValueError as e:
+                finished = True
+                yield Rejected(str(e), guess_param(str(e)))
+                return
+            while True:
+                items = [await stream.queue.get()]
+                while not stream.queue.empty():
+                    items.append(stream.queue.get_nowait())
+                for item in items:
+                    if isinstance(item, BaseException):
+                        raise item
+                out = _merge(items)
+                if out.finished:
+                    finished = True
+                    out = dataclasses.replace(out, metrics={
+                        **(out.metrics or {}), "replica_id": self.replica_id, "replica_stats": dict(self._stats),
+                    }) if dataclasses.is_dataclass(out) else out
+                yield out
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:  # consumer went away (client disconnect, cancellation): free the slot
+                self._cmds.put(("abort", request_id))
+
+    def render_chat(self, messages: list[dict]) -> str:
+        """Chat messages -> prompt text, with the configured template override if any."""
+        if self.config.chat_template:
+            return self.engine.tokenizer.apply_chat_template(
+                messages, chat_template=self.config.chat_template, tokenize=False, add_generation_prompt=True
+            )
+        return self.engine.apply_chat_template(messages)
+
+    async def abort(self, request_id: str) -> None:
+        self._cmds.put(("abort", request_id))
+
+    async def stats(self) -> dict[str, Any]:
+        return dict(self._stats)
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """Ray Serve polls this for the request router (see cluster/router.py)."""
+        return dict(self._stats)
+
+    def check_health(self) -> None:
+        """Ray Serve health check: a dead engine loop or TP rank makes Serve replace us."""
+        if self._dead is not None:
+            raise EngineDiedError(f"engine loop died: {self._dead!r}")
+        if not self._thread.is_alive():
+            raise EngineDiedError("engine loop thread exited")
+        if self.tp is not None:
+            self.tp.check_health()
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        self._cmds.put(("wake",))
+        if self.tp is not None:
+            self.tp.shutdown()
+
+    def __del__(self):
+        self._stopping = True
+
+    # ---- engine thread ---------------------------------------------------------------------
+    def _run_loop(self) -> None:
+        try:
+            while not self._stopping:
+                self._drain_commands(block=not self.engine.has_unfinished_requests())
+                if not self.engine.has_unfinished_requests():
+                    continue
+                t0 = time.perf_counter()
+                outs = self.engine.step()
+                self._stats = self._snapshot_stats(time.perf_counter() - t0)
+                for out in outs:
+                    self._deliver(out.request_id, out)
+        except BaseException as e:  # the engine is unusable: fail everyone, let Serve replace us
+            logger.exception("replica %s: engine loop crashed", self.replica_id)
+            self._dead = e
+            err = EngineDiedError(f"replica {self.replica_id}: engine failed: {e!r}")
+            for rid in list(self._streams):
+                self._deliver(rid, err)
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            cmd = self._cmds.get(timeout=0.5) if block else self._cmds.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._apply(cmd)
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, cmd: tuple) -> None:
+        if cmd[0] == "add":
+            _, rid, prompt, sp, priority, fut = cmd
+            if fut.cancelled() or rid not in self._streams:
+                return
+            try:
+                self.engine.add_request(rid, prompt, sp, priority=priority)
+            except ValueError as e:
+                fut.set_exception(e)
+            else:
+                fut.set_result(None)
+        elif cmd[0] == "abort":
+            self.engine.abort(cmd[1])
+
+    def _deliver(self, request_id: str, item: Any) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+    def _snapshot_stats(self, step_s: float) -> dict[str, Any]:
+        st = dict(self.engine.stats())
+        st.update(replica_id=self.replica_id, num_streams=len(getattr(self, "_streams", ())), step_s=step_s,
+                  updated_at=time.time())
+        return st
+
+
+def _replica_id() -> str:
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # plain Ray actor or plain object
+        return uuid.uuid4().hex[:8]

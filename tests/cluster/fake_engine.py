@@ -1,0 +1,172 @@
+"""A tiny stand-in engine honouring the `eagle_worker` engine contract.
+
+Used with `ServeConfig(engine="tests.cluster.fake_engine")` so the HTTP, router and replica layers can
+be tested fast and deterministically. Byte-level "tokenizer"; tokens are a hash of the context so
+greedy output is reproducible. `FAKE_ENGINE_STEP_S` slows each step (to test load and deaths).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import time
+from dataclasses import dataclass, field
+
+ALPHABET = b"abcdefghij klmnopqrstuvwxyz"
+EOS = 0
+
+
+class ByteTokenizer:
+    eos_token_id = EOS
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return bytes(i for i in ids if i != EOS).decode(errors="replace")
+
+    def apply_chat_template(self, messages, chat_template=None, tokenize=False, add_generation_prompt=True):
+        tpl = chat_template or "{role}: {content}\n"
+        out = "".join(tpl.format(role=m["role"], content=m["content"]) for m in messages)
+        return out + ("assistant:" if add_generation_prompt else "")
+
+
+@dataclass
+class EngineConfig:
+    model: str = "fake"
+    dtype: str = "float32"
+    device: str = "cpu"
+    draft: str | None = None
+    tp_size: int = 1
+    max_num_seqs: int = 64
+    max_model_len: int = 512
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: bool = False
+
+    def __post_init__(self):
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    new_token_ids: list[int] = field(default_factory=list)
+    delta_text: str = ""
+    finished: bool = False
+    finish_reason: str | None = None
+    metrics: dict = field(default_factory=dict)
+
+
+@dataclass
+class _Seq:
+    rid: str
+    prompt: list[int]
+    params: SamplingParams
+    priority: int
+    arrival: float
+    rng: random.Random
+    out: list[int] = field(default_factory=list)
+    first_token_t: float | None = None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.tokenizer = ByteTokenizer()
+        self.step_s = float(os.environ.get("FAKE_ENGINE_STEP_S", "0"))
+        self.waiting: list[_Seq] = []
+        self.running: list[_Seq] = []
+        self.aborted: list[_Seq] = []
+        self.last_batch = 0
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        return self.tokenizer.apply_chat_template(messages)
+
+    def add_request(self, request_id, prompt, params, priority: int = 0) -> None:
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        if len(ids) + params.max_tokens > self.config.max_model_len:
+            raise ValueError(
+                f"prompt is too long: {len(ids)} prompt tokens + max_tokens {params.max_tokens} "
+                f"exceeds max_model_len {self.config.max_model_len}"
+            )
+        seed = params.seed if params.seed is not None else random.getrandbits(32)
+        self.waiting.append(_Seq(request_id, ids, params, priority, time.monotonic(), random.Random(seed)))
+
+    def abort(self, request_id: str) -> None:
+        for q in (self.waiting, self.running):
+            for s in list(q):
+                if s.rid == request_id:
+                    q.remove(s)
+                    self.aborted.append(s)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running or self.aborted)
+
+    def _next_token(self, s: _Seq) -> int:
+        if s.params.temperature == 0:
+            h = hashlib.sha256(bytes(s.prompt + s.out)).digest()[0]
+            return ALPHABET[h % len(ALPHABET)]
+        return ALPHABET[s.rng.randrange(len(ALPHABET))]
+
+    def step(self) -> list[RequestOutput]:
+        if self.step_s:
+            time.sleep(self.step_s)
+        outs = [RequestOutput(s.rid, s.prompt, list(s.out), self.tokenizer.decode(s.out),
+                              finished=True, finish_reason="abort") for s in self.aborted]
+        self.aborted.clear()
+        self.waiting.sort(key=lambda s: (s.priority, s.arrival))
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            self.running.append(self.waiting.pop(0))
+        self.last_batch = len(self.running)
+        for s in list(self.running):
+            tok = self._next_token(s)
+            s.out.append(tok)
+            if s.first_token_t is None:
+                s.first_token_t = time.monotonic()
+            text = self.tokenizer.decode(s.out)
+            prev = self.tokenizer.decode(s.out[:-1])
+            reason = None
+            if len(s.out) >= s.params.max_tokens:
+                reason = "length"
+            for stop in s.params.stop or []:
+                if stop in text:
+                    text = text[: text.index(stop)]
+                    reason = "stop"
+            if reason:
+                self.running.remove(s)
+            outs.append(RequestOutput(
+                s.rid, s.prompt, list(s.out), text, [tok], text[len(prev):] if len(text) > len(prev) else "",
+                reason is not None, reason,
+                {"num_output_tokens": len(s.out), "num_target_forwards": len(s.out),
+                 "mean_accepted_tokens": 1.0, "ttft_s": s.first_token_t - s.arrival},
+            ))
+        return outs
+
+    def stats(self) -> dict:
+        total = 1024
+        used = sum(len(s.prompt) + len(s.out) for s in self.running) // 16
+        return dict(num_running=len(self.running), num_waiting=len(self.waiting),
+                    num_free_blocks=total - used, num_total_blocks=total, kv_usage=used / total,
+                    batch_size_last_step=self.last_batch, tokens_per_step=1.0)
