@@ -1,0 +1,77 @@
+"""Shared fixtures: tiny random models with a real (tiny, byte-level BPE) tokenizer, and the default model."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.", "Question: what is two plus two?\nAnswer: four.",
+    "def add(a, b):\n    return a + b\n", "Bonjour, comment ça va ? Très bien, merci. 你好 🙂",
+    "Speculative decoding drafts tokens and verifies them in one pass.",
+] * 20
+
+
+def make_tokenizer(vocab_size: int = 320):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "<bos>", "<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_CORPUS, trainer)
+    from tokenizers.processors import TemplateProcessing
+    tok.post_processor = TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
+
+
+def tiny_config(family: str, vocab_size: int = 320):
+    from transformers import AutoConfig
+
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if family == "llama":
+        return AutoConfig.for_model("llama", **common, rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    if family == "qwen2":
+        return AutoConfig.for_model("qwen2", **common)
+    if family == "qwen3":
+        return AutoConfig.for_model("qwen3", **common, head_dim=16)
+    if family == "gemma3":
+        return AutoConfig.for_model("gemma3_text", **common, head_dim=16, sliding_window=8,
+                                    layer_types=["sliding_attention", "full_attention"] * 2, query_pre_attn_scalar=16)
+    raise ValueError(family)
+
+
+def save_tiny_model(family: str, path: Path, seed: int = 0) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = tiny_config(family)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():   # sharper logits than the default init, so greedy paths are not all ties
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.2)
+    model.save_pretrained(path)
+    make_tokenizer(cfg.vocab_size).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A factory: tiny_model_dir("llama") -> folder with config, safetensors and tokenizer."""
+    cache: dict[str, Path] = {}
+
+    def get(family: str = "llama") -> Path:
+        if family not in cache:
+            cache[family] = save_tiny_model(family, tmp_path_factory.mktemp(f"tiny-{family}"))
+        return cache[family]
+    return get
