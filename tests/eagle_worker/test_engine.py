@@ -1,0 +1,154 @@
+"""Engine behaviour on tiny random models: greedy parity with transformers, batching, chunked
+prefill, preemption, seeds, stop rules, abort, bad input, and no leaked KV blocks."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from eagle_worker import LLM, SamplingParams
+from eagle_worker.config import EngineConfig
+from eagle_worker.engine import LLMEngine
+
+PROMPTS = ["The quick brown fox", "Question: what is two plus two?\nAnswer:", "def add(a, b):\n",
+           "Bonjour", "Speculative decoding drafts tokens and verifies them in one pass. The quick",
+           "x", "The lazy dog", "two plus two"]
+
+
+def hf_greedy(model, tokenizer, prompt: str, n: int) -> list[int]:
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    # no EOS stop, no min_new_tokens (which would mask EOS and change the argmax)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def assert_no_leaks(engine: LLMEngine) -> None:
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert not engine.scheduler.running and not engine.scheduler.waiting and not engine.requests
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def family_setup(request, tiny_model_dir):
+    path = tiny_model_dir(request.param)
+    ref = AutoModelForCausalLM.from_pretrained(path).eval()
+    return path, ref
+
+
+def test_greedy_matches_transformers_alone_and_in_batch(family_setup):
+    path, ref = family_setup
+    llm = LLM(model=str(path), block_size=4, num_kv_blocks=256)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    expected = [hf_greedy(ref, llm.tokenizer, p, 16) for p in PROMPTS]
+    alone = [llm.generate(p, params)[0].token_ids for p in PROMPTS[:3]]
+    assert alone == expected[:3]
+    batched = llm.generate(PROMPTS, params)
+    assert [o.token_ids for o in batched] == expected
+    assert all(o.finish_reason == "length" and o.metrics["mean_accepted_tokens"] == 1.0 for o in batched)
+    assert_no_leaks(llm.engine)
+
+
+def test_chunked_prefill_and_preemption_do_not_change_greedy_output(tiny_model_dir):
+    path = tiny_model_dir("llama")
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    roomy = LLM(model=str(path), block_size=4, num_kv_blocks=512).generate(PROMPTS, params)
+    # 5-token step budget chunks every prompt; 20 blocks of 4 cannot hold 8 sequences of 30-70 tokens -> preemption
+    tight = LLM(model=str(path), block_size=4, num_kv_blocks=20, max_num_batched_tokens=5)
+    outs = tight.generate(PROMPTS, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in roomy]
+    assert sum(o.metrics["num_preemptions"] for o in outs) > 0
+    assert_no_leaks(tight.engine)
+
+
+def test_seed_gives_same_sample_alone_and_in_batch(tiny_model_dir):
+    llm = LLM(model=str(tiny_model_dir("llama")), block_size=4, num_kv_blocks=256)
+    seeded = SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
+    alone = llm.generate(PROMPTS[0], seeded)[0].token_ids
+    others = [SamplingParams(max_tokens=20, temperature=0.8, ignore_eos=True) for _ in PROMPTS[1:]]
+    batched = llm.generate(PROMPTS, [seeded] + others)[0].token_ids
+    assert alone == batched
+    different = llm.generate(PROMPTS[0], SamplingParams(max_tokens=20, temperature=1.0, seed=99, ignore_eos=True))
+    assert different[0].token_ids != alone
+
+
+def test_stop_token_ids_stop_strings_eos_and_logprobs(tiny_model_dir):
+    llm = LLM(model=str(tiny_model_dir("llama")), block_size=4, num_kv_blocks=256)
+    base = llm.generate(PROMPTS[1], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0]
+    stop_id = base.token_ids[5]
+    first = base.token_ids.index(stop_id)
+    out = llm.generate(PROMPTS[1], SamplingParams(max_tokens=16, temperature=0.0, stop_token_ids=[stop_id], ignore_eos=True))[0]
+    assert out.finish_reason == "stop" and out.token_ids == base.token_ids[: first + 1]
+    stop_str = base.text[len(base.text) // 2: len(base.text) // 2 + 2]
+    if stop_str.strip():
+        out = llm.generate(PROMPTS[1], SamplingParams(max_tokens=16, temperature=0.0, stop=[stop_str], ignore_eos=True))[0]
+        assert out.finish_reason == "stop" and stop_str not in out.text and base.text.startswith(out.text)
+    # EOS: make EOS the model's argmax by prompting with token ids and checking the rule on a sampled EOS
+    eos = llm.tokenizer.eos_token_id
+    out = llm.generate(PROMPTS[1], SamplingParams(max_tokens=16, temperature=0.0, stop_token_ids=[], ignore_eos=False))[0]
+    assert (eos in out.token_ids) == (out.finish_reason == "stop")
+    lp = llm.generate(PROMPTS[1], SamplingParams(max_tokens=4, temperature=0.0, logprobs=True, ignore_eos=True))[0]
+    assert len(lp.logprobs) == 4 and all(x <= 0 for x in lp.logprobs)
+
+
+def test_incremental_outputs_and_abort(tiny_model_dir):
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir("llama")), block_size=4, num_kv_blocks=256))
+    engine.add_request("a", PROMPTS[0], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+    engine.add_request("b", PROMPTS[1], SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
+    deltas, tokens = {"a": "", "b": ""}, {"a": [], "b": []}
+    finished = {}
+    for _ in range(12):
+        for out in engine.step():
+            deltas[out.request_id] += out.delta_text
+            tokens[out.request_id] += out.new_token_ids
+            if out.finished:
+                finished[out.request_id] = out
+    assert finished["a"].text == deltas["a"] and finished["a"].token_ids == tokens["a"]
+    assert "b" not in finished
+    assert engine.abort("b") and not engine.abort("nope")
+    outs = engine.step()
+    assert [(o.request_id, o.finish_reason, o.finished) for o in outs] == [("b", "abort", True)]
+    assert_no_leaks(engine)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=-3), "max_tokens"), (dict(temperature=-0.1), "temperature"),
+    (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(min_p=2.0), "min_p"),
+])
+def test_bad_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_bad_requests_are_refused_and_engine_keeps_serving(tiny_model_dir):
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir("llama")), block_size=4, num_kv_blocks=64, max_model_len=64))
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("e1", "", SamplingParams())
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("e2", [], SamplingParams())
+    with pytest.raises(ValueError, match="maximum context"):
+        engine.add_request("e3", "fox " * 200, SamplingParams())
+    with pytest.raises(ValueError, match="out of range"):
+        engine.add_request("e4", [1, 5, 10**6], SamplingParams())
+    with pytest.raises(ValueError, match="SamplingParams"):
+        engine.add_request("e5", "hi", {"max_tokens": 3})
+    engine.add_request("ok", "The quick", SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    with pytest.raises(ValueError, match="already running"):
+        engine.add_request("ok", "again", SamplingParams())
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert outs[-1].finished and len(outs[-1].token_ids) == 3
+    assert_no_leaks(engine)
+
+
+def test_generation_stops_at_max_model_len(tiny_model_dir):
+    llm = LLM(model=str(tiny_model_dir("llama")), block_size=4, num_kv_blocks=64, max_model_len=20)
+    out = llm.generate("The quick brown fox", SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(out.prompt_token_ids) + len(out.token_ids) == 20
+
+
+def test_unknown_model_and_bad_config_are_clear_errors(tmp_path):
+    with pytest.raises(ValueError, match="no-such-model"):
+        LLM(model="no-such-model")
+    with pytest.raises(ValueError, match="dtype"):
+        EngineConfig(dtype="float8")
