@@ -13,6 +13,7 @@ Example YAML (every key optional)::
     dtype: float32
     device: cpu                       # cpu | cuda
     tp_size: 1                        # ranks per replica (tensor parallel)
+    kv_cache_gb: null                 # KV-cache budget per replica; null = engine default
     num_replicas: 1                   # fixed count, or instead:
     # autoscaling: {min_replicas: 1, max_replicas: 4, target_ongoing_requests: 16,
     #               upscale_delay_s: 30, downscale_delay_s: 600}
@@ -137,6 +138,7 @@ class ServeConfig(_Strict):
     device: Literal["cpu", "cuda"] = "cpu"
     engine: str = Field("eagle_worker", description="module exposing LLMEngine/EngineConfig/SamplingParams")
     tp_size: int = Field(1, ge=1, le=64)
+    kv_cache_gb: float | None = Field(None, gt=0, description="KV-cache budget per replica; None = engine default")
     num_replicas: int | None = Field(None, ge=1)
     autoscaling: AutoscalingConfig | None = None
     placement_strategy: PlacementStrategy = PlacementStrategy.PACK
@@ -192,6 +194,10 @@ class ServeConfig(_Strict):
         )
         if self.limits.max_model_len is not None:
             kw["max_model_len"] = self.limits.max_model_len
+        if self.kv_cache_gb is not None:
+            kw["kv_cache_gb"] = self.kv_cache_gb
+        if self.chat_template is not None:
+            kw["chat_template"] = self.chat_template
         return kw
 
     def resolve_api_keys(self) -> frozenset[str]:

@@ -52,6 +52,9 @@ class EngineDiedError(RuntimeError):
 
 def guess_param(message: str) -> str | None:
     """The request field an engine error message talks about, if any."""
+    lead = re.match(r"\s*(?:SamplingParams\.)?(\w+)", message)
+    if lead and lead.group(1) in _PARAMS:
+        return "prompt" if lead.group(1) == "max_model_len" else lead.group(1)
     for name in _PARAMS:
         if re.search(rf"\b{name}\b", message):
             return "prompt" if name == "max_model_len" else name
@@ -91,7 +94,8 @@ class EngineReplica:
         self.engine = mod.LLMEngine(mod.EngineConfig(**self.config.engine_kwargs()))
         if self.tp is not None:
             self.tp.start_workers()
-        self.max_model_len = getattr(getattr(self.engine, "config", None), "max_model_len", None)
+        self.max_model_len = getattr(self.engine, "max_model_len", None) or getattr(
+            getattr(self.engine, "config", None), "max_model_len", None)
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._stats: dict[str, Any] = self._snapshot_stats(step_s=0.0)
@@ -157,11 +161,7 @@ class EngineReplica:
                 self._cmds.put(("abort", request_id))
 
     def render_chat(self, messages: list[dict]) -> str:
-        """Chat messages -> prompt text, with the configured template override if any."""
-        if self.config.chat_template:
-            return self.engine.tokenizer.apply_chat_template(
-                messages, chat_template=self.config.chat_template, tokenize=False, add_generation_prompt=True
-            )
+        """Chat messages -> prompt text (the config's `chat_template` reaches the engine config)."""
         return self.engine.apply_chat_template(messages)
 
     async def abort(self, request_id: str) -> None:
@@ -244,8 +244,8 @@ class EngineReplica:
 
     def _snapshot_stats(self, step_s: float) -> dict[str, Any]:
         st = dict(self.engine.stats())
-        st.update(replica_id=self.replica_id, num_streams=len(getattr(self, "_streams", ())), step_s=step_s,
-                  updated_at=time.time())
+        st.update(replica_id=self.replica_id, max_model_len=getattr(self, "max_model_len", None),
+                  num_streams=len(getattr(self, "_streams", ())), step_s=step_s, updated_at=time.time())
         return st
 
 

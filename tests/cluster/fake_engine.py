@@ -40,6 +40,8 @@ class EngineConfig:
     tp_size: int = 1
     max_num_seqs: int = 64
     max_model_len: int = 512
+    kv_cache_gb: float = 1.0
+    chat_template: str | None = None
 
 
 @dataclass
@@ -98,9 +100,12 @@ class LLMEngine:
         self.running: list[_Seq] = []
         self.aborted: list[_Seq] = []
         self.last_batch = 0
+        self.max_model_len = config.max_model_len
 
     def apply_chat_template(self, messages: list[dict]) -> str:
-        return self.tokenizer.apply_chat_template(messages)
+        if any("content" not in m for m in messages):
+            raise ValueError("messages must have content")
+        return self.tokenizer.apply_chat_template(messages, chat_template=self.config.chat_template)
 
     def add_request(self, request_id, prompt, params, priority: int = 0) -> None:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)

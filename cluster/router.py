@@ -1,0 +1,167 @@
+"""Routing requests across engine replicas: a Ray Serve custom request router plus retry on death.
+
+Why Serve's request router and not a router actor: a router actor would sit on every token's path
+(one more hop, one more process to keep alive, a single point of failure) and would have to
+re-implement what Serve already does well: replica discovery, health checks and replacement,
+autoscaling on ongoing requests, per-replica concurrency caps (`max_ongoing_requests`) and a
+bounded caller-side queue (`max_queued_requests` -> `BackPressureError` -> HTTP 503). Serve's
+`RequestRouter` extension point lets us keep all of that and replace only the *choice*: each
+replica publishes its engine stats through `record_routing_stats` (cluster/replica.py) and
+`LoadAwareRouter` ranks replicas with them. It runs inside every caller (our FastAPI ingress), so
+routing adds no hop and scales with the ingress.
+
+Load of a replica = max(requests this caller has in flight there, running + waiting from its
+last stats) / its capacity, plus its KV-cache usage. The local count reacts instantly (so a
+burst does not pile onto the replica that looked idle a second ago); the stats add what other
+callers sent and how full the KV cache is. Offline work (priority >= 1) prefers replicas with
+KV headroom and no backlog, so batch traffic fills idle capacity instead of queueing in front of
+online users; inside a replica the engine schedules by priority too (0 = online first).
+
+Replica death (`stream_outputs`): if a replica dies (actor gone, engine loop crashed) before any
+token of a request reached the client, the request is transparently re-submitted and Serve
+routes it to a live replica; once tokens were streamed, the client gets a clear `ReplicaLostError`
+instead of a silently restarted (and so duplicated) text.
+"""
+from __future__ import annotations
+
+import logging
+import random
+from collections import defaultdict
+from typing import Any, AsyncIterator, List, Optional
+
+import ray.exceptions
+from ray.serve.exceptions import BackPressureError
+from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from cluster.replica import EngineDiedError, Rejected
+
+logger = logging.getLogger(__name__)
+
+_DEATH = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, EngineDiedError)
+try:  # Serve raises its own type when a replica goes away mid-call on some paths
+    from ray.serve.exceptions import ReplicaUnavailableError
+
+    _DEATH = _DEATH + (ReplicaUnavailableError,)
+except ImportError:  # pragma: no cover - older Ray
+    pass
+
+
+class OverloadedError(RuntimeError):
+    """Every replica is at capacity and the router queue is full (HTTP 503)."""
+
+
+class ReplicaLostError(RuntimeError):
+    """The replica serving a request died and the request could not be retried (HTTP 503)."""
+
+
+class LoadAwareRouter(FIFOMixin, RequestRouter):
+    """Ranks replicas by engine load (see the module docstring); Serve enforces capacity."""
+
+    def initialize_state(self, offline_kv_threshold: float = 0.8, kv_weight: float = 1.0, **kwargs):
+        self.offline_kv_threshold = offline_kv_threshold
+        self.kv_weight = kv_weight
+        self._inflight: dict[ReplicaID, int] = defaultdict(int)
+
+    def load(self, replica: RunningReplica) -> float:
+        """Lower is better: fraction of capacity in use plus weighted KV usage."""
+        stats = replica.routing_stats or {}
+        queued = int(stats.get("num_running", 0)) + int(stats.get("num_waiting", 0))
+        ongoing = max(self._inflight.get(replica.replica_id, 0), queued,
+                      self.replica_queue_len_cache.get(replica.replica_id) or 0)
+        capacity = max(1, replica.max_ongoing_requests)
+        return ongoing / capacity + self.kv_weight * float(stats.get("kv_usage", 0.0))
+
+    def has_headroom(self, replica: RunningReplica) -> bool:
+        stats = replica.routing_stats or {}
+        return float(stats.get("kv_usage", 0.0)) < self.offline_kv_threshold and not stats.get("num_waiting", 0)
+
+    async def choose_replicas(
+        self, candidate_replicas: List[RunningReplica], pending_request: Optional[PendingRequest] = None
+    ) -> List[List[RunningReplica]]:
+        """Replicas in preference order, one per rank; Serve skips the ones that are full."""
+        replicas = list(candidate_replicas)
+        random.shuffle(replicas)  # break ties randomly so equal replicas share the load
+        ranked = sorted(replicas, key=self.load)
+        if request_priority(pending_request) > 0:
+            ranked = [r for r in ranked if self.has_headroom(r)] + [r for r in ranked if not self.has_headroom(r)]
+        return [[r] for r in ranked]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        self._inflight[replica_id] += 1
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        n = self._inflight.get(replica_id, 0) - 1
+        if n > 0:
+            self._inflight[replica_id] = n
+        else:
+            self._inflight.pop(replica_id, None)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID):
+        super().on_replica_actor_died(replica_id)
+        self._inflight.pop(replica_id, None)
+
+
+def request_priority(pending_request: Optional[PendingRequest]) -> int:
+    if pending_request is None:
+        return 0
+    try:
+        return int(pending_request.kwargs.get("priority", 0))
+    except (TypeError, ValueError, AttributeError):
+        return 0
+
+
+def router_config(stats_period_s: float = 1.0) -> dict[str, Any]:
+    """`request_router_config` for the engine deployment."""
+    return {
+        "request_router_class": "cluster.router.LoadAwareRouter",
+        "request_routing_stats_period_s": stats_period_s,
+        "request_routing_stats_timeout_s": max(2.0, 2 * stats_period_s),
+    }
+
+
+async def stream_outputs(
+    handle,
+    request_id: str,
+    prompt: str | list[int] | None,
+    params: dict[str, Any],
+    priority: int = 0,
+    messages: list[dict] | None = None,
+    *,
+    max_attempts: int = 3,
+    restartable: bool = False,
+) -> AsyncIterator[Any]:
+    """Outputs of one request from whichever replica Serve picks, surviving replica deaths.
+
+    `restartable=True` (non-streaming callers, who have sent the client nothing yet) also retries
+    after tokens were produced: outputs are cumulative, so the caller just keeps the last one.
+    Raises OverloadedError when the system is full and ReplicaLostError when it cannot retry.
+    """
+    tokens_seen = 0
+    for attempt in range(max_attempts):
+        rid = request_id if attempt == 0 else f"{request_id}-retry{attempt}"
+        gen = handle.options(stream=True).submit.remote(rid, prompt, params, priority=priority, messages=messages)
+        done = False
+        try:
+            async for out in gen:
+                if not isinstance(out, Rejected):
+                    tokens_seen += len(out.new_token_ids)
+                yield out
+            done = True
+            return
+        except BackPressureError as e:
+            raise OverloadedError(
+                "the server is overloaded: every replica is at capacity and the queue is full; retry later"
+            ) from e
+        except _DEATH as e:
+            if tokens_seen and not restartable:
+                raise ReplicaLostError(
+                    f"the replica serving this request died after {tokens_seen} tokens were streamed; "
+                    "the partial response cannot be resumed, please retry the request"
+                ) from e
+            logger.warning("request %s: replica failed (%s); retrying (attempt %d/%d)",
+                           request_id, type(e).__name__, attempt + 2, max_attempts)
+            tokens_seen = 0
+        finally:
+            if not done:  # consumer left early (client disconnect) or the call failed: stop the work
+                gen.cancel()
+    raise ReplicaLostError(f"request {request_id} failed on {max_attempts} replicas in a row; giving up")

@@ -1,0 +1,322 @@
+"""The Ray Serve application: an OpenAI-compatible FastAPI ingress in front of engine replicas.
+
+Two deployments: `OpenAIIngress` (HTTP, validation, auth, SSE, metrics; cheap, CPU-light) and
+`LLMServer` (cluster/replica.py: one engine per replica, TP ranks in the replica's placement
+group). The ingress reaches replicas through a DeploymentHandle whose routing is
+`cluster.router.LoadAwareRouter`; Serve autoscales `LLMServer` on ongoing requests.
+
+Entry points: `app_builder(args)` (`cluster.serve_app:app_builder` in Serve config files and
+KubeRay RayService specs; args are a ServeConfig dict), `build_app(config)` and
+`run_serve(config, address, blocking)` (what `eaglectl serve` calls).
+"""
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from ray import serve
+
+from cluster import openai_api as oa
+from cluster.config import ServeConfig
+from cluster.metrics import ServeMetrics
+from cluster.replica import EngineReplica, Rejected
+from cluster.router import OverloadedError, ReplicaLostError, router_config, stream_outputs
+
+logger = logging.getLogger(__name__)
+api = FastAPI(title="eagle-serve", docs_url=None, redoc_url=None)
+
+
+@api.exception_handler(oa.APIError)
+async def _api_error(request: Request, exc: oa.APIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+def _validation_error(e: ValidationError) -> oa.APIError:
+    err = e.errors()[0]
+    loc = [str(p) for p in err["loc"] if not str(p).startswith(("function-after", "function-before"))]
+    param = ".".join(loc) or None
+    msg = err["msg"].removeprefix("Value error, ")
+    more = f" (and {len(e.errors()) - 1} more errors)" if len(e.errors()) > 1 else ""
+    return oa.APIError(400, f"{param}: {msg}{more}" if param else msg + more, param=param)
+
+
+class _CompletionRender:
+    prefix = "cmpl"
+
+    def __init__(self, model: str):
+        self.model = model
+
+    def full(self, rid, out) -> oa.CompletionResponse:
+        choice = oa.CompletionChoice(text=out.text, finish_reason=oa.finish_reason(out.finish_reason),
+                                     logprobs=oa.logprobs_block(out.token_ids, getattr(out, "logprobs", None)))
+        return oa.CompletionResponse(id=rid, model=self.model, choices=[choice],
+                                     usage=oa.usage(len(out.prompt_token_ids), len(out.token_ids)))
+
+    def head(self, rid):
+        return []
+
+    def chunk(self, rid, out) -> oa.CompletionResponse:
+        choice = oa.CompletionChoice(text=out.delta_text, finish_reason=oa.finish_reason(out.finish_reason))
+        return oa.CompletionResponse(id=rid, model=self.model, choices=[choice])
+
+    def usage_chunk(self, rid, out) -> oa.CompletionResponse:
+        return oa.CompletionResponse(id=rid, model=self.model, choices=[],
+                                     usage=oa.usage(len(out.prompt_token_ids), len(out.token_ids)))
+
+
+class _ChatRender:
+    prefix = "chatcmpl"
+
+    def __init__(self, model: str):
+        self.model = model
+
+    def full(self, rid, out) -> oa.ChatCompletionResponse:
+        lp = getattr(out, "logprobs", None)
+        logprobs = None if lp is None else {"content": [
+            {"token": str(t), "logprob": p, "bytes": None, "top_logprobs": []} for t, p in zip(out.token_ids, lp)]}
+        choice = oa.ChatChoice(message=oa.ChatCompletionMessage(content=out.text), logprobs=logprobs,
+                               finish_reason=oa.finish_reason(out.finish_reason))
+        return oa.ChatCompletionResponse(id=rid, model=self.model, choices=[choice],
+                                         usage=oa.usage(len(out.prompt_token_ids), len(out.token_ids)))
+
+    def head(self, rid):
+        return [oa.ChatCompletionChunk(id=rid, model=self.model, choices=[
+            oa.ChatChunkChoice(delta=oa.DeltaMessage(role="assistant", content=""))])]
+
+    def chunk(self, rid, out) -> oa.ChatCompletionChunk:
+        delta = oa.DeltaMessage(content=out.delta_text if out.delta_text or not out.finished else None)
+        return oa.ChatCompletionChunk(id=rid, model=self.model, choices=[
+            oa.ChatChunkChoice(delta=delta, finish_reason=oa.finish_reason(out.finish_reason))])
+
+    def usage_chunk(self, rid, out) -> oa.ChatCompletionChunk:
+        return oa.ChatCompletionChunk(id=rid, model=self.model, choices=[],
+                                      usage=oa.usage(len(out.prompt_token_ids), len(out.token_ids)))
+
+
+@serve.deployment(name="OpenAIIngress")
+@serve.ingress(api)
+class OpenAIIngress:
+    def __init__(self, config: dict, engine):
+        self.config = ServeConfig.from_dict(config)
+        self.engine = engine
+        self.api_keys = self.config.resolve_api_keys()  # fails the deployment if a key source is missing
+        self.metrics = ServeMetrics(self.config.model_name)
+        self.max_model_len: int | None = self.config.limits.max_model_len
+
+    # ---- plumbing ----------------------------------------------------------------------------
+    def _check_auth(self, request: Request) -> None:
+        if not self.api_keys:
+            return
+        header = request.headers.get("authorization", "")
+        key = header[7:].strip() if header.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
+        if key not in self.api_keys:
+            raise oa.APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                              type="authentication_error", code="invalid_api_key")
+
+    async def _parse(self, request: Request, model_cls):
+        self._check_auth(request)
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise oa.APIError(400, "request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise oa.APIError(400, "request body must be a JSON object")
+        try:
+            req = model_cls.model_validate(body)
+        except ValidationError as e:
+            raise _validation_error(e) from None
+        if req.model not in (self.config.model_name, self.config.model):
+            raise oa.APIError(404, f"model {req.model!r} does not exist; this server serves "
+                              f"{self.config.model_name!r}", param="model", code="model_not_found")
+        return req
+
+    def _max_tokens(self, requested: int | None, default: int) -> int:
+        limit = self.config.limits.max_tokens
+        if requested is not None and requested > limit:
+            raise oa.APIError(400, f"max_tokens: {requested} exceeds this server's limit of {limit}",
+                              param="max_tokens")
+        return requested if requested is not None else min(default, limit)
+
+    async def _first(self, it: AsyncIterator[Any]) -> Any:
+        """The first output, with refusals and overload turned into HTTP errors before headers go out."""
+        try:
+            out = await it.__anext__()
+        except StopAsyncIteration:
+            raise oa.APIError(500, "the engine returned no output", type="server_error") from None
+        except OverloadedError as e:
+            raise oa.APIError(503, str(e), type="overloaded_error", code="overloaded") from None
+        except ReplicaLostError as e:
+            raise oa.APIError(503, str(e), type="server_error", code="replica_lost") from None
+        if isinstance(out, Rejected):
+            raise oa.APIError(400, out.message, param=out.param)
+        return out
+
+    async def _run(self, endpoint: str, req, prompt, messages, max_tokens: int, logprobs: bool, render):
+        """Shared body of both endpoints; `render` builds responses/chunks for the endpoint."""
+        t0 = time.monotonic()
+        rid = oa.new_id(render.prefix)
+        params = req.sampling_params(max_tokens, logprobs)
+        it = stream_outputs(self.engine, rid, prompt, params, req.priority, messages, restartable=not req.stream)
+        self.metrics.inflight.labels(self.config.model_name).inc()
+        status = 500
+        try:
+            first = await self._first(it)
+            ttft = time.monotonic() - t0
+            self.metrics.first_token(ttft)
+            if not req.stream:
+                last = first
+                async for out in it:
+                    last = out
+                self._finish(last, t0, ttft)
+                status = 200
+                return JSONResponse(render.full(rid, last).model_dump(mode="json"))
+            status = 200
+            return StreamingResponse(self._sse(it, first, rid, req, render, t0, ttft), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
+        except oa.APIError as e:
+            status = e.status
+            raise
+        finally:
+            if not req.stream or status != 200:
+                self.metrics.inflight.labels(self.config.model_name).dec()
+            self.metrics.request_done(endpoint, status)
+            if not req.stream or status != 200:
+                await it.aclose()
+
+    async def _sse(self, it, first, rid: str, req, render, t0: float, ttft: float) -> AsyncIterator[str]:
+        out = first
+        try:
+            for chunk in render.head(rid):
+                yield oa.sse(chunk)
+            yield oa.sse(render.chunk(rid, out))
+            self.metrics.tokens(len(out.new_token_ids))
+            while not out.finished:
+                out = await it.__anext__()
+                self.metrics.tokens(len(out.new_token_ids))
+                yield oa.sse(render.chunk(rid, out))
+            if req.include_usage:
+                yield oa.sse(render.usage_chunk(rid, out))
+            self._finish(out, t0, ttft, count_tokens=False)
+        except StopAsyncIteration:
+            pass
+        except (ReplicaLostError, OverloadedError) as e:
+            yield oa.sse(oa.APIError(503, str(e), type="server_error", code="replica_lost").body())
+        except Exception as e:  # never end a stream silently
+            logger.exception("stream %s failed", rid)
+            yield oa.sse(oa.APIError(500, f"internal error: {e!r}", type="server_error").body())
+        finally:
+            self.metrics.inflight.labels(self.config.model_name).dec()
+            await it.aclose()
+        yield "data: [DONE]\n\n"
+
+    def _finish(self, out, t0: float, ttft: float, count_tokens: bool = True) -> None:
+        if count_tokens:
+            self.metrics.tokens(len(out.token_ids))
+        self.metrics.finished(out, time.monotonic() - t0, ttft)
+
+    # ---- routes ------------------------------------------------------------------------------
+    @api.post("/v1/completions")
+    async def completions(self, request: Request):
+        req = await self._parse(request, oa.CompletionRequest)
+        max_tokens = self._max_tokens(req.max_tokens, default=16)
+        render = _CompletionRender(self.config.model_name)
+        return await self._run("completions", req, req.prompt, None, max_tokens, req.logprobs is not None, render)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        req = await self._parse(request, oa.ChatCompletionRequest)
+        try:
+            messages = req.template_messages()
+        except ValueError as e:
+            raise oa.APIError(400, f"messages: {e}", param="messages") from None
+        max_tokens = self._max_tokens(req.requested_max_tokens, default=self.config.limits.max_tokens)
+        render = _ChatRender(self.config.model_name)
+        return await self._run("chat", req, None, messages, max_tokens, req.logprobs, render)
+
+    @api.get("/v1/models")
+    async def models(self, request: Request):
+        self._check_auth(request)
+        card = oa.ModelCard(id=self.config.model_name, root=self.config.model, max_model_len=self.max_model_len)
+        return JSONResponse(oa.ModelList(data=[card]).model_dump(mode="json"))
+
+    @api.get("/health")
+    async def health(self):
+        try:
+            st = await asyncio.wait_for(self.engine.stats.remote(), timeout=10)
+        except Exception as e:
+            return JSONResponse({"status": "unhealthy", "error": repr(e)}, status_code=503)
+        self.metrics.replica_stats(st)
+        return {"status": "ok", "model": self.config.model_name}
+
+    @api.get("/metrics")
+    async def prometheus(self):
+        try:  # refresh at least one replica's gauges even when idle
+            self.metrics.replica_stats(await asyncio.wait_for(self.engine.stats.remote(), timeout=2))
+        except Exception:
+            pass
+        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+# ---- building and running ----------------------------------------------------------------------
+def engine_deployment_options(config: ServeConfig) -> dict[str, Any]:
+    """Serve options of the engine deployment: replica count/autoscaling, resources, routing, caps."""
+    bundle = config.resources_per_rank.bundle()
+    opts: dict[str, Any] = dict(
+        name="LLMServer",
+        max_ongoing_requests=config.max_ongoing_per_replica,
+        max_queued_requests=config.limits.max_router_queue,
+        request_router_config=router_config(),
+        health_check_period_s=5.0,
+        health_check_timeout_s=60.0,
+        graceful_shutdown_timeout_s=30.0,
+        ray_actor_options={"num_cpus": bundle["CPU"], "num_gpus": bundle.get("GPU", 0)},
+        **config.replica_count_options(),
+    )
+    if config.tp_size > 1:  # rank 0 is the replica actor in bundle 0; ranks 1.. go in the other bundles
+        opts["placement_group_bundles"] = [dict(bundle) for _ in range(config.tp_size)]
+        opts["placement_group_strategy"] = config.placement_strategy.value
+    return opts
+
+
+def build_app(config: ServeConfig):
+    """The bound Serve application for `config`."""
+    cfg = config.model_dump(mode="json")
+    llm = serve.deployment(EngineReplica).options(**engine_deployment_options(config))
+    ingress = OpenAIIngress.options(num_replicas=config.ingress.num_replicas,
+                                    ray_actor_options={"num_cpus": config.ingress.num_cpus})
+    return ingress.bind(cfg, llm.bind(cfg))
+
+
+def app_builder(args: dict[str, Any]):
+    """`import_path: cluster.serve_app:app_builder` for Serve config files and KubeRay; args = ServeConfig."""
+    return build_app(ServeConfig.from_dict(dict(args or {}), source="serve app args"))
+
+
+def run_serve(config: ServeConfig, address: str | None = None, blocking: bool = True) -> str:
+    """Start (or join, with `address`) a Ray cluster, deploy the app, and return its base URL.
+
+    `blocking=True` serves until interrupted (Ctrl-C), then deletes the app.
+    """
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=address, namespace="eagle-serve", ignore_reinit_error=True)
+    serve.start(http_options={"host": config.host, "port": config.port})
+    serve.run(build_app(config), name=config.app_name, route_prefix="/")
+    host = "127.0.0.1" if config.host in ("0.0.0.0", "::") else config.host
+    url = f"http://{host}:{config.port}"
+    logger.info("serving %s at %s/v1", config.model_name, url)
+    if blocking:
+        try:
+            while True:
+                time.sleep(1)
+        except KeyboardInterrupt:
+            logger.info("shutting down %s", config.app_name)
+        finally:
+            serve.delete(config.app_name)
+    return url

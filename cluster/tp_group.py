@@ -1,0 +1,163 @@
+"""TPGroup: the ranks of one tensor-parallel replica as Ray actors in the replica's placement group.
+
+Rank 0 is the replica itself (cluster/replica.py, bundle 0 of the placement group Serve reserves
+for it via `placement_group_bundles`); ranks 1..n-1 are `TPRankWorker` actors pinned to bundles
+1..n-1, so PACK / STRICT_PACK decide whether a replica may span nodes. All ranks join one
+torch.distributed group (gloo on CPU, NCCL on CUDA) whose TCP rendezvous is hosted by rank 0, then
+call `eagle_worker.parallel.init_tensor_parallel(rank, world)` so the sharded layers know their
+slice.
+
+Engine-side contract (TODO(engine), wired by the engine owner):
+  * ranks 1..n-1 call `<engine module>.run_tp_worker(config: EngineConfig) -> None`: build the
+    model shard, then loop: receive the step's forward inputs from rank 0 (e.g. a
+    `torch.distributed.broadcast_object_list` of the ForwardItems), run the sharded forward (the
+    layers all-reduce / all-gather internally), repeat; return when rank 0 broadcasts "stop".
+  * rank 0's `LLMEngine`, seeing `tp_size() > 1`, broadcasts each step's forward inputs before
+    its own forward and broadcasts "stop" on shutdown. Sampling happens on rank 0 only.
+Until the engine exposes `run_tp_worker`, a tp_size > 1 replica refuses to start with a message
+that says so; the group itself (placement, rendezvous, collectives) is tested by `selftest`.
+"""
+from __future__ import annotations
+
+import datetime
+import importlib
+import logging
+import socket
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from cluster.config import ServeConfig
+
+logger = logging.getLogger(__name__)
+HOOK = "run_tp_worker"
+RENDEZVOUS_TIMEOUT_S = 300
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _init_process_group(backend: str, init_method: str, rank: int, world: int) -> None:
+    import torch.distributed as dist
+
+    from eagle_worker.parallel import init_tensor_parallel
+
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
+    init_tensor_parallel(rank, world)
+
+
+def _all_reduce_rank(rank: int) -> float:
+    """Sum of (rank + 1) over the group: world * (world + 1) / 2 when every rank took part."""
+    import torch
+    import torch.distributed as dist
+
+    x = torch.tensor([float(rank + 1)])
+    if torch.cuda.is_available() and dist.get_backend() == "nccl":
+        x = x.cuda()
+    dist.all_reduce(x)
+    return float(x.item())
+
+
+@ray.remote(max_concurrency=2)  # `run` blocks for the replica's life; `ping` must still answer
+class TPRankWorker:
+    """One non-zero rank: joins the group, then runs the engine's worker loop."""
+
+    def __init__(self, rank: int, world: int, engine_module: str, engine_kwargs: dict[str, Any]):
+        self.rank, self.world = rank, world
+        self.engine_module, self.engine_kwargs = engine_module, engine_kwargs
+
+    def node_ip(self) -> str:
+        return ray.util.get_node_ip_address()
+
+    def init_distributed(self, backend: str, init_method: str) -> int:
+        _init_process_group(backend, init_method, self.rank, self.world)
+        return self.rank
+
+    def all_reduce_rank(self) -> float:
+        return _all_reduce_rank(self.rank)
+
+    def run(self) -> None:
+        mod = importlib.import_module(self.engine_module)
+        getattr(mod, HOOK)(mod.EngineConfig(**self.engine_kwargs))
+
+    def ping(self) -> int:
+        return self.rank
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class TPGroup:
+    """Created by rank 0 (inside its actor); owns the worker actors of ranks 1..n-1."""
+
+    def __init__(self, workers: list, backend: str, engine_module: str, engine_kwargs: dict[str, Any]):
+        self.workers = workers
+        self.backend = backend
+        self.engine_module, self.engine_kwargs = engine_module, engine_kwargs
+        self._loops: list = []
+
+    @classmethod
+    def create(cls, config: ServeConfig, require_engine_hook: bool = True) -> "TPGroup":
+        """Place ranks 1..n-1, form the process group with this process as rank 0, and return."""
+        if require_engine_hook and not hasattr(importlib.import_module(config.engine), HOOK):
+            raise NotImplementedError(
+                f"tp_size={config.tp_size} needs the engine's tensor-parallel worker loop "
+                f"`{config.engine}.{HOOK}(config)` on the non-zero ranks, which this engine does not provide yet"
+            )
+        world = config.tp_size
+        pg = ray.util.get_current_placement_group()
+        res = config.resources_per_rank
+        workers = []
+        for rank in range(1, world):
+            opts: dict[str, Any] = {"num_cpus": res.cpu, "num_gpus": res.gpu}
+            if pg is not None:
+                opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                    placement_group=pg, placement_group_bundle_index=rank,
+                    placement_group_capture_child_tasks=True)
+            workers.append(TPRankWorker.options(**opts).remote(rank, world, config.engine, config.engine_kwargs()))
+        group = cls(workers, "nccl" if config.device == "cuda" else "gloo", config.engine, config.engine_kwargs())
+        group._rendezvous(world)
+        return group
+
+    def _rendezvous(self, world: int) -> None:
+        host = ray.util.get_node_ip_address()
+        init_method = f"tcp://{host}:{_free_port(host)}"
+        refs = [w.init_distributed.remote(self.backend, init_method) for w in self.workers]
+        logger.info("TP rendezvous at %s (world=%d, backend=%s)", init_method, world, self.backend)
+        _init_process_group(self.backend, init_method, 0, world)
+        ray.get(refs, timeout=RENDEZVOUS_TIMEOUT_S)
+
+    def selftest(self) -> list[float]:
+        """All-reduce across every rank; each returns world*(world+1)/2 when the group works."""
+        refs = [w.all_reduce_rank.remote() for w in self.workers]
+        mine = _all_reduce_rank(0)
+        return [mine] + ray.get(refs, timeout=60)
+
+    def start_workers(self) -> None:
+        """Start the engine worker loop on ranks 1..n-1 (after rank 0 built its engine)."""
+        self._loops = [w.run.remote() for w in self.workers]
+
+    def check_health(self) -> None:
+        """Raise if any rank's loop ended (it only ends by crashing or by its actor dying)."""
+        if self._loops:
+            done, _ = ray.wait(self._loops, num_returns=1, timeout=0)
+            if done:
+                ray.get(done[0])  # re-raises the rank's error
+                raise RuntimeError("a tensor-parallel rank's worker loop exited")
+        ray.get([w.ping.remote() for w in self.workers], timeout=30)
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+
+        for w in self.workers:
+            ray.kill(w, no_restart=True)
+        if dist.is_initialized():
+            dist.destroy_process_group()
