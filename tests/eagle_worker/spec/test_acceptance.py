@@ -1,0 +1,235 @@
+"""Tree acceptance: greedy walks, and losslessness of sampling checked statistically against the
+exact target distribution, with a deliberately wrong variant as the negative control."""
+from __future__ import annotations
+
+import functools
+import itertools
+import random
+
+import pytest
+import torch
+
+from eagle_worker.spec import acceptance
+from eagle_worker.spec.acceptance import accept_batch, accept_greedy, accept_sampling
+from eagle_worker.spec.tree import TreeBatch
+
+
+def onehot_logits(argmaxes: list[int], V: int = 8) -> torch.Tensor:
+    x = torch.randn(len(argmaxes), V) * 0.1
+    x[torch.arange(len(argmaxes)), torch.tensor(argmaxes)] = 5.0
+    return x
+
+
+# ------------------------------------------------------------------------------------ greedy
+
+def test_greedy_chain_fully_accepted_bonus_from_leaf():
+    parents, tokens = [-1, 0, 1, 2], [7, 3, 4, 5]
+    logits = onehot_logits([3, 4, 5, 6])        # row i: argmax after node i
+    a = accept_greedy(parents, tokens, logits)
+    assert a.path == [0, 1, 2, 3] and a.bonus == 6 and a.tokens == [3, 4, 5, 6]
+
+
+def test_greedy_rejects_at_root():
+    a = accept_greedy([-1, 0, 1], [7, 3, 4], onehot_logits([2, 4, 1]))
+    assert a.path == [0] and a.tokens == [2] and a.num_accepted == 0
+
+
+def test_greedy_takes_matching_sibling_and_stops_mid_tree():
+    # root -> {1:tok 3, 2:tok 5}; 1 -> {3: tok 1}; 2 -> {4: tok 2, 5: tok 6}
+    parents, tokens = [-1, 0, 0, 1, 2, 2], [0, 3, 5, 1, 2, 6]
+    logits = onehot_logits([5, 0, 6, 0, 0, 0])
+    a = accept_greedy(parents, tokens, logits)
+    assert a.path == [0, 2, 5] and a.tokens == [5, 6, 0]
+    logits = onehot_logits([5, 0, 7, 0, 0, 0])  # neither child of node 2 matches
+    a = accept_greedy(parents, tokens, logits)
+    assert a.path == [0, 2] and a.tokens == [5, 7]
+
+
+def test_greedy_duplicate_siblings_take_the_first():
+    a = accept_greedy([-1, 0, 0, 2], [0, 4, 4, 1], onehot_logits([4, 2, 1, 3]))
+    assert a.path == [0, 1] and a.tokens == [4, 2]
+
+
+def test_greedy_flat_rows_match_padded_batch():
+    trees = [([-1, 0, 0, 1], [0, 3, 5, 1]), ([-1, 0], [0, 2]), ([-1, 0, 1, 2, 2], [0, 1, 2, 3, 4])]
+    batch = TreeBatch.stack([p for p, _ in trees], [t for _, t in trees])
+    torch.manual_seed(0)
+    V = 6
+    flat = torch.randn(sum(len(p) for p, _ in trees), V)
+    flat[0, 3] = flat[1, 1] = flat[4, 2] = 9.0      # make some drafts the argmax
+    offsets = torch.tensor([0, 4, 6])
+    padded = torch.full((3, batch.max_nodes, V), -1e9)
+    for b, (p, _) in enumerate(trees):
+        padded[b, : len(p)] = flat[offsets[b]: offsets[b] + len(p)]
+    a = accept_batch(batch, flat, greedy=True, row_offsets=offsets)
+    b = accept_batch(batch, padded, greedy=True)
+    assert a == b
+    singles = [accept_greedy(p, t, flat[offsets[i]: offsets[i] + len(p)]) for i, (p, t) in enumerate(trees)]
+    assert a == singles
+    assert a[0].path == [0, 1, 3]
+
+
+def test_sampling_with_one_hot_target_equals_greedy():
+    parents, tokens = [-1, 0, 0, 1, 2], [0, 3, 5, 1, 2]
+    logits = onehot_logits([5, 0, 2, 4, 1])
+    probs = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[1]).float()
+    for seed in range(5):
+        s = accept_sampling(parents, tokens, probs, torch.Generator().manual_seed(seed))
+        assert s == accept_greedy(parents, tokens, logits)
+
+
+def test_callable_probs_with_engine_sampler_and_mixed_batch():
+    from eagle_worker.sampler import target_probs
+    from eagle_worker.sampling_params import SamplingParams
+
+    params = [SamplingParams(temperature=0.7, top_k=3), SamplingParams(temperature=0.0), SamplingParams(top_p=0.8)]
+    trees = [([-1, 0, 0, 1], [0, 3, 5, 1]), ([-1, 0, 1], [0, 2, 2]), ([-1, 0], [0, 4])]
+    batch = TreeBatch.stack([p for p, _ in trees], [t for _, t in trees])
+    logits = torch.randn(3, batch.max_nodes, 10, generator=torch.Generator().manual_seed(1))
+    greedy = torch.tensor([p.greedy for p in params])
+
+    def fn(rows, tree_idx):
+        return torch.stack([target_probs(r, params[int(i)]) for r, i in zip(rows, tree_idx)])
+
+    gens = [torch.Generator().manual_seed(s) for s in (1, 2, 3)]
+    out = accept_batch(batch, logits, greedy, probs=fn, generators=gens)
+    dense = torch.stack([target_probs(logits[b], params[b]) for b in range(3)])
+    gens = [torch.Generator().manual_seed(s) for s in (1, 2, 3)]
+    assert out == accept_batch(batch, logits, greedy, probs=dense, generators=gens)
+    assert out[1] == accept_greedy(*trees[1], logits[1, :3])
+    assert out[0].bonus in dense[0, out[0].path[-1]].nonzero().flatten().tolist() or out[0].num_accepted > 0
+
+
+def test_per_request_generator_is_independent_of_the_batch():
+    parents, tokens = [-1, 0, 0, 1, 1, 2], [0, 1, 2, 3, 4, 5]
+    probs = torch.softmax(torch.randn(6, 6, generator=torch.Generator().manual_seed(0)), -1)
+    alone = [accept_sampling(parents, tokens, probs, torch.Generator().manual_seed(s)) for s in range(30)]
+    other_p, other_t = [-1, 0, 1, 2, 3, 4, 5, 6, 7], [0, 1, 1, 1, 1, 1, 1, 1, 1]
+    batch = TreeBatch.stack([other_p, parents], [other_t, tokens])
+    big = torch.full((2, 9, 6), 1 / 6)
+    big[1, :6] = probs
+    for s in range(30):
+        gens = [torch.Generator().manual_seed(1000 + s), torch.Generator().manual_seed(s)]
+        assert accept_batch(batch, None, greedy=False, probs=big, generators=gens)[1] == alone[s]
+
+
+# ------------------------------------------------------------------------------ losslessness
+
+V, POS = 6, 3   # vocabulary, number of generated tokens whose joint distribution is checked
+
+
+def _target_tables(seed: int) -> dict[tuple, torch.Tensor]:
+    """p(next | prefix) for every prefix of length < POS, plus one shared tail distribution.
+    Mixes sharp (one token ~0.9) and flat distributions, with some exact zeros (top-k-like)."""
+    g = torch.Generator().manual_seed(seed)
+    table = {}
+    for n in range(POS):
+        for prefix in itertools.product(range(V), repeat=n):
+            scale = 3.0 if (len(prefix) + sum(prefix)) % 3 else 0.5      # sharp or flat
+            p = torch.softmax(torch.randn(V, generator=g) * scale, 0)
+            if sum(prefix) % 4 == 1:
+                p[torch.randint(V, (1,), generator=g)] = 0.0   # a token the request can never emit
+            table[prefix] = p / p.sum()
+    table["tail"] = torch.full((V,), 1.0 / V)
+    return table
+
+
+def _p(table, ctx: tuple) -> torch.Tensor:
+    return table[ctx] if len(ctx) < POS else table["tail"]
+
+
+def _adversarial_tree(table, prefix: tuple, rng: random.Random) -> tuple[list[int], list[int]]:
+    """A drafted tree for this prefix: root children include the target's most and least likely
+    tokens, a random one and a duplicate; deeper levels random-ish, including zero-prob tokens."""
+    parents, tokens, ctxs = [-1], [prefix[-1] if prefix else 0], [prefix]
+    frontier = [0]
+    for depth in range(1, 4):
+        nxt = []
+        for node in frontier:
+            p = _p(table, ctxs[node])
+            order = torch.argsort(p, descending=True).tolist()
+            if depth == 1:
+                kids = [order[0], order[-1], rng.randrange(V), order[0]]
+                rng.shuffle(kids)
+            else:
+                kids = rng.sample(range(V), rng.randint(0, 3))
+            for t in kids:
+                parents.append(node)
+                tokens.append(t)
+                ctxs.append(ctxs[node] + (t,))
+                nxt.append(len(parents) - 1)
+        frontier = [n for n in nxt if rng.random() < 0.6]
+    return parents, tokens, ctxs
+
+
+def _simulate(n_trials: int, seed: int) -> torch.Tensor:
+    """Counts [V]*POS of the first POS tokens generated by repeated draft-and-accept rounds."""
+    table = _target_tables(seed)
+    rng = random.Random(seed)
+    prefixes = [p for p in table if p != "tail"]
+    pid = {p: i for i, p in enumerate(prefixes)}
+    trees = [_adversarial_tree(table, p, rng) for p in prefixes]
+    batch_all = TreeBatch.stack([t[0] for t in trees], [t[1] for t in trees])
+    probs_all = torch.zeros(len(trees), batch_all.max_nodes, V)
+    for i, (_, _, ctxs) in enumerate(trees):
+        for j, c in enumerate(ctxs):
+            probs_all[i, j] = _p(table, c)
+    gen = torch.Generator().manual_seed(seed)
+    out = [[] for _ in range(n_trials)]
+    active = list(range(n_trials))
+    while active:
+        ids = torch.tensor([pid[tuple(out[t])] for t in active])
+        batch = TreeBatch(batch_all.parents[ids], batch_all.depth[ids], batch_all.tokens[ids],
+                          batch_all.logprobs[ids], batch_all.num_nodes[ids])
+        res = accept_batch(batch, None, greedy=False, probs=probs_all[ids], generators=gen)
+        for t, a in zip(active, res):
+            out[t].extend(a.tokens)
+        active = [t for t in active if len(out[t]) < POS]
+    counts = torch.zeros([V] * POS)
+    for o in out:
+        counts[tuple(o[:POS])] += 1
+    return counts, table
+
+
+def _exact(table) -> torch.Tensor:
+    joint = torch.zeros([V] * POS)
+    for seq in itertools.product(range(V), repeat=POS):
+        pr = 1.0
+        for i in range(POS):
+            pr *= float(table[seq[:i]][seq[i]])
+        joint[seq] = pr
+    return joint
+
+
+def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, float]:
+    """(p-value, total variation): cells with expected count < 5 are pooled into one."""
+    n = counts.sum()
+    exp, obs = (probs * n).flatten().double(), counts.flatten().double()
+    small = exp < 5
+    exp = torch.cat([exp[~small], exp[small].sum()[None]])
+    obs = torch.cat([obs[~small], obs[small].sum()[None]])
+    keep = exp > 0
+    stat = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()
+    df = torch.tensor(float(keep.sum() - 1), dtype=torch.float64)
+    p = torch.special.gammaincc(df / 2, stat / 2)
+    tv = 0.5 * (counts / n - probs).abs().sum()
+    return float(p), float(tv)
+
+
+N_TRIALS = 6000
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_sampling_is_lossless(seed):
+    counts, table = _simulate(N_TRIALS, seed)
+    p, tv = _chi2_pvalue(counts, _exact(table))
+    assert p > 1e-3, f"chi-square rejects losslessness (p={p:.2e}, TV={tv:.3f})"
+
+
+def test_negative_control_wrong_residual_is_rejected(monkeypatch):
+    """Same harness and threshold with rejected siblings NOT removed from p: must be caught."""
+    wrong = functools.partial(acceptance._walk_sampling, zero_rejected=False)
+    monkeypatch.setattr(acceptance, "_walk_sampling", wrong)
+    counts, table = _simulate(N_TRIALS, 0)
+    p, tv = _chi2_pvalue(counts, _exact(table))
+    assert p < 1e-3, f"the statistical test failed to catch a lossy acceptance rule (p={p:.2e}, TV={tv:.3f})"
