@@ -22,9 +22,9 @@ class SeqAttention:
     """What one sequence attends to in this forward pass (host-side description)."""
 
     q_start: int                       # offset of its first new token in the flat batch
-    q_positions: list[int]             # rope positions of the new tokens
-    kv_slots: list[int]                # cache slots of context then new tokens, in order
-    kv_positions: list[int]            # positions of those keys
+    q_positions: torch.Tensor | list[int]   # rope positions of the new tokens
+    kv_slots: torch.Tensor | list[int]      # cache slots of context then new tokens, in order
+    kv_positions: torch.Tensor | list[int]  # positions of those keys
     new_token_mask: torch.Tensor | None = None  # [q_len, q_len] bool; None means causal
 
     @property
@@ -78,9 +78,9 @@ def _build_group(seqs: list[SeqAttention], device: torch.device) -> AttentionGro
         ctx = k - q
         token_index[b, :q] = torch.arange(s.q_start, s.q_start + q)
         query_valid[b, :q] = True
-        kv_slots[b, :k] = torch.tensor(s.kv_slots, dtype=torch.long)
-        q_pos[b, :q] = torch.tensor(s.q_positions, dtype=torch.long)
-        k_pos[b, :k] = torch.tensor(s.kv_positions, dtype=torch.long)
+        kv_slots[b, :k] = torch.as_tensor(s.kv_slots)
+        q_pos[b, :q] = torch.as_tensor(s.q_positions)
+        k_pos[b, :k] = torch.as_tensor(s.kv_positions)
         mask[b, 0, :q, :ctx] = True
         new = s.new_token_mask if s.new_token_mask is not None else torch.ones(q, q, dtype=torch.bool).tril()
         mask[b, 0, :q, ctx:k] = new
@@ -90,7 +90,7 @@ def _build_group(seqs: list[SeqAttention], device: torch.device) -> AttentionGro
     return AttentionGroup(to(token_index), to(query_valid), to(kv_slots), to(mask), to(q_pos), to(k_pos), to(out_index))
 
 
-def build_context(seqs: list[SeqAttention], slot_mapping: list[int], device: torch.device,
+def build_context(seqs: list[SeqAttention], slot_mapping: torch.Tensor | list[int], device: torch.device,
                   use_cache: bool = True, max_pad_ratio: float = 2.0) -> AttentionContext:
     """Group sequences by query length so padding stays bounded, then build each group's masks."""
     order = sorted(range(len(seqs)), key=lambda i: seqs[i].q_len)
@@ -102,7 +102,7 @@ def build_context(seqs: list[SeqAttention], slot_mapping: list[int], device: tor
         else:
             groups.append([s])
     return AttentionContext(
-        slot_mapping=torch.tensor(slot_mapping, dtype=torch.long).to(device, non_blocking=True),
+        slot_mapping=torch.as_tensor(slot_mapping, dtype=torch.long).to(device, non_blocking=True),
         groups=[_build_group(g, device) for g in groups],
         use_cache=use_cache,
     )

@@ -104,15 +104,16 @@ class ModelRunner:
             n, ctx = len(it.token_ids), len(it.ctx_slots)
             offsets.append(start)
             seqs.append(SeqAttention(
-                q_start=start, q_positions=it.positions.tolist(),
-                kv_slots=torch.cat([it.ctx_slots, it.new_slots]).tolist(),
-                kv_positions=list(range(ctx)) + it.positions.tolist(),
+                q_start=start, q_positions=it.positions,
+                kv_slots=torch.cat([it.ctx_slots, it.new_slots]),
+                kv_positions=torch.cat([torch.arange(ctx), it.positions]),
                 new_token_mask=it.new_token_mask))
-            slot_mapping.extend(it.new_slots.tolist())
+            slot_mapping.append(it.new_slots)
             token_ids.extend(it.token_ids)
             positions.append(it.positions)
             logit_index.extend(start + r for r in it.logit_rows)
             start += n
+        slot_mapping = torch.cat(slot_mapping)
         ctx = build_context(seqs, slot_mapping, self.device)
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         pos = torch.cat(positions).to(self.device)
