@@ -1,0 +1,55 @@
+"""Vocab-parallel input embedding and LM head.
+
+Each rank owns a contiguous slice of ceil(V / tp) vocabulary rows (the last one padded). The
+embedding zeroes rows it does not own and all-reduces; the head computes local logits and
+all-gathers them along the vocab dimension, then drops the padding.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eagle_worker.layers.linear import check_shape
+from eagle_worker.parallel import all_gather_last_dim, all_reduce, tp_rank, tp_size
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, num_embeddings: int, embedding_dim: int):
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.shard_size = -(-num_embeddings // self.tp_size)
+        self.vocab_start = self.tp_rank * self.shard_size
+        self.vocab_end = min(self.vocab_start + self.shard_size, num_embeddings)
+        self.weight = nn.Parameter(torch.zeros(self.shard_size, embedding_dim), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
+        check_shape(loaded_weight, (self.num_embeddings, self.embedding_dim))
+        n = self.vocab_end - self.vocab_start
+        param.data[:n].copy_(loaded_weight.narrow(0, self.vocab_start, n))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        mask = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        local = torch.where(mask, input_ids - self.vocab_start, 0)
+        y = F.embedding(local, self.weight) * mask.unsqueeze(-1).to(self.weight.dtype)
+        return all_reduce(y)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Hidden states -> full-vocab logits. `tie_to(embedding)` shares the embedding's weight."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int):
+        super().__init__(num_embeddings, embedding_dim)
+
+    def tie_to(self, embedding: VocabParallelEmbedding) -> None:
+        self.weight = embedding.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)
+        if self.tp_size == 1:
+            return logits
+        return all_gather_last_dim(logits)[..., : self.num_embeddings]
