@@ -1,14 +1,18 @@
 """A tiny stand-in engine honouring the `eagle_worker` engine contract.
 
-Used with `ServeConfig(engine="tests.cluster.fake_engine")` so the HTTP, router and replica layers can
-be tested fast and deterministically. Byte-level "tokenizer"; tokens are a hash of the context so
-greedy output is reproducible. `FAKE_ENGINE_STEP_S` slows each step (to test load and deaths).
+Used with `ServeConfig(engine="tests.cluster.fake_engine")` to test what the real engine cannot be
+made to do on cue. Byte-level "tokenizer"; tokens are a hash of the context so greedy output is
+reproducible. Markers in a prompt inject faults, so each test controls its own requests:
+  [slow:S]             every step sleeps S seconds while this request runs
+  [die-once:PATH:N]    after N output tokens the whole process exits, unless PATH exists (created first)
+  [crash-once:PATH:N]  same, but step() raises instead (the engine loop dies, the actor lives)
 """
 from __future__ import annotations
 
 import hashlib
 import os
 import random
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -89,6 +93,8 @@ class _Seq:
     rng: random.Random
     out: list[int] = field(default_factory=list)
     first_token_t: float | None = None
+    slow: float = 0.0
+    fault: tuple[str, str, int] | None = None
 
 
 class LLMEngine:
@@ -117,7 +123,13 @@ class LLMEngine:
                 f"exceeds max_model_len {self.config.max_model_len}"
             )
         seed = params.seed if params.seed is not None else random.getrandbits(32)
-        self.waiting.append(_Seq(request_id, ids, params, priority, time.monotonic(), random.Random(seed)))
+        seq = _Seq(request_id, ids, params, priority, time.monotonic(), random.Random(seed))
+        text = prompt if isinstance(prompt, str) else ""
+        if m := re.search(r"\[slow:([\d.]+)\]", text):
+            seq.slow = float(m.group(1))
+        if m := re.search(r"\[(die|crash)-once:([^:\]]+):(\d+)\]", text):
+            seq.fault = (m.group(1), m.group(2), int(m.group(3)))
+        self.waiting.append(seq)
 
     def abort(self, request_id: str) -> None:
         for q in (self.waiting, self.running):
@@ -135,9 +147,19 @@ class LLMEngine:
             return ALPHABET[h % len(ALPHABET)]
         return ALPHABET[s.rng.randrange(len(ALPHABET))]
 
+    def _maybe_fault(self, s: _Seq) -> None:
+        if s.fault and len(s.out) >= s.fault[2] and not os.path.exists(s.fault[1]):
+            open(s.fault[1], "w").close()
+            if s.fault[0] == "die":
+                os._exit(1)
+            raise RuntimeError("injected engine crash")
+
     def step(self) -> list[RequestOutput]:
-        if self.step_s:
-            time.sleep(self.step_s)
+        delay = max([self.step_s] + [s.slow for s in self.running])
+        if delay:
+            time.sleep(delay)
+        for s in self.running:
+            self._maybe_fault(s)
         outs = [RequestOutput(s.rid, s.prompt, list(s.out), self.tokenizer.decode(s.out),
                               finished=True, finish_reason="abort") for s in self.aborted]
         self.aborted.clear()

@@ -1,0 +1,146 @@
+"""The OpenAI-compatible endpoint end to end: real Ray Serve, real HTTP, the official `openai` client,
+the real engine on a tiny random Gemma 3 (fast on CPU; its chat template is Gemma's fallback)."""
+from __future__ import annotations
+
+import concurrent.futures as cf
+
+import openai
+import pytest
+import requests
+
+from cluster.config import ServeConfig
+
+MODEL = "tiny-gemma"
+NO_EOS = {"ignore_eos": True}  # random weights may emit EOS at once; lengths must be exact here
+
+
+@pytest.fixture(scope="module")
+def app(deploy, tiny_model_dir):
+    cfg = ServeConfig(
+        model=str(tiny_model_dir("gemma3")), served_model_name=MODEL, num_replicas=1,
+        resources_per_rank={"cpu": 1}, kv_cache_gb=0.02, app_name="api",
+        limits={"max_model_len": 128, "max_tokens": 32, "max_num_seqs": 4, "max_queued_requests": 16},
+    )
+    return deploy(cfg)
+
+
+def test_models(app):
+    models = app.client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert requests.get(f"{app.url}/v1/models").json()["data"][0]["max_model_len"] == 128
+
+
+def test_health(app):
+    r = requests.get(f"{app.url}/health")
+    assert r.status_code == 200 and r.json()["status"] == "ok"
+
+
+def test_completion_and_usage(app):
+    r = app.client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=6,
+                                      temperature=0, extra_body=NO_EOS)
+    assert r.object == "text_completion" and r.model == MODEL
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 6
+    assert r.usage.prompt_tokens > 1 and r.usage.total_tokens == r.usage.prompt_tokens + 6
+
+
+def test_completion_stream_matches_non_stream(app):
+    kw = dict(model=MODEL, prompt="Question: what is two plus two?", max_tokens=12, temperature=0, extra_body=NO_EOS)
+    full = app.client.completions.create(**kw)
+    chunks = list(app.client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_token_id_prompt(app):
+    r = app.client.completions.create(model=MODEL, prompt=[1, 40, 41, 42], max_tokens=3, temperature=0,
+                                      extra_body=NO_EOS)
+    assert r.usage.prompt_tokens == 4 and r.usage.completion_tokens == 3
+
+
+def test_chat_and_stream(app):
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Bonjour, comment ça va ?"}]
+    full = app.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10, temperature=0,
+                                              extra_body=NO_EOS)
+    assert full.object == "chat.completion" and full.choices[0].message.role == "assistant"
+    assert full.usage.completion_tokens == 10
+    chunks = list(app.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10, temperature=0,
+                                                     extra_body=NO_EOS, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == full.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_stop_sequence_and_seed(app):
+    kw = dict(model=MODEL, prompt="def add(a, b):", max_tokens=16, temperature=1.0, seed=7, extra_body=NO_EOS)
+    a, b = app.client.completions.create(**kw), app.client.completions.create(**kw)
+    assert a.choices[0].text == b.choices[0].text  # same seed, same sample
+    text = a.choices[0].text
+    if len(text) > 3:
+        stop = text[2:4]
+        c = app.client.completions.create(**kw, stop=[stop])
+        assert c.choices[0].finish_reason == "stop" and stop not in c.choices[0].text
+
+
+def _err(exc_info):
+    body = exc_info.value.body
+    return body.get("error", body) if isinstance(body, dict) and "error" in body else body
+
+
+@pytest.mark.parametrize("kwargs,status,param,needle", [
+    (dict(max_tokens=10_000), 400, "max_tokens", "limit of 32"),
+    (dict(prompt="hello " * 200), 400, "prompt", "maximum context"),
+    (dict(model="no-such-model"), 404, "model", "does not exist"),
+    (dict(temperature=-1), 400, "temperature", "greater than or equal"),
+    (dict(top_p=0), 400, "top_p", "greater than"),
+    (dict(n=2), 400, "n", "n=1"),
+    (dict(prompt=""), 400, "prompt", "empty"),
+    (dict(extra_body={"top_k": -5}), 400, "top_k", ""),
+])
+def test_bad_completion_requests(app, kwargs, status, param, needle):
+    req = dict(model=MODEL, prompt="hi", max_tokens=2) | kwargs
+    with pytest.raises(openai.APIStatusError) as ei:
+        app.client.completions.create(**req)
+    assert ei.value.status_code == status
+    err = _err(ei)
+    assert err["param"] == param and needle in err["message"], err
+    assert err["type"] and "code" in err
+
+
+def test_bad_chat_requests(app):
+    with pytest.raises(openai.BadRequestError) as ei:
+        app.client.chat.completions.create(model=MODEL, messages=[], max_tokens=2)
+    assert _err(ei)["param"] == "messages"
+    with pytest.raises(openai.BadRequestError) as ei:
+        app.client.chat.completions.create(model=MODEL, messages=[{"role": "wizard", "content": "x"}], max_tokens=2)
+    assert _err(ei)["param"].startswith("messages.0.role")
+
+
+def test_malformed_json_then_still_serving(app):
+    r = requests.post(f"{app.url}/v1/completions", data="{not json", headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = app.client.completions.create(model=MODEL, prompt="still alive?", max_tokens=2, extra_body=NO_EOS)
+    assert r.usage.completion_tokens == 2
+
+
+def test_concurrent_load_all_complete(app):
+    """More requests than max_num_seqs: the surplus queues in the replica and all finish."""
+    def one(i):
+        return app.client.completions.create(model=MODEL, prompt=f"request {i}: the quick", max_tokens=5,
+                                             temperature=0, extra_body=NO_EOS)
+
+    with cf.ThreadPoolExecutor(12) as pool:
+        results = list(pool.map(one, range(12)))
+    assert all(r.usage.completion_tokens == 5 for r in results)
+
+
+def test_metrics(app):
+    app.client.completions.create(model=MODEL, prompt="metrics", max_tokens=3, extra_body=NO_EOS)
+    text = requests.get(f"{app.url}/metrics").text
+    for name in ("eagle_ttft_seconds_count", "eagle_tpot_seconds_count", "eagle_generation_tokens_total",
+                 "eagle_mean_accepted_tokens_count", "eagle_generation_tokens_per_second",
+                 "eagle_replica_kv_usage", "eagle_replica_queue_depth", 'eagle_requests_total{endpoint="completions"'):
+        assert name in text.replace(f'model="{MODEL}",', ""), name
