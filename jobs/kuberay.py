@@ -1,0 +1,495 @@
+"""KubeRay manifests (RayService, RayCluster, RayJob, PodDisruptionBudget, Service) from the serve config.
+
+Why a renderer instead of hand-written YAML: the RayService's Serve app, its GPU worker group and the
+batch RayJob must agree on model, TP size, GPUs per node and replica bounds. They are all derived
+here from one file whose `serve:` section is the `ServeConfig` that `eaglectl serve` reads and whose
+`kubernetes:` section (`KubeConfig`) holds what only a cluster needs (image, GPU type, pod sizes,
+volumes, secrets). A plain ServeConfig file works too (all-default `kubernetes:`).
+`eaglectl deploy render --config serve.yaml [--job job.yaml] --out DIR` writes one manifest a file.
+"""
+from __future__ import annotations
+
+import math
+import re
+import shlex
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import click
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
+
+from cluster.config import ConfigError, PlacementStrategy, ServeConfig, format_validation_error
+
+RAY_VERSION = "2.60.0"          # must equal the Ray in the image (deploy/Dockerfile.* ARG RAY_VERSION)
+IMAGE_VERSION = "0.1.0"         # tag of the images the README builds
+IMPORT_PATH = "cluster.serve_app:app_builder"
+HOME = "/home/ray"              # the image's non-root user's home (uid 1000, like rayproject/ray)
+GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"  # set by NVIDIA GPU feature discovery / the GPU operator
+
+Name = Annotated[str, StringConstraints(pattern=r"^[a-z]([-a-z0-9]*[a-z0-9])?$", max_length=40)]
+Quantity = Annotated[str, StringConstraints(pattern=r"^([0-9]+(\.[0-9]+)?|\.[0-9]+)(m|[KMGTPE]i?)?$")]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SecretRef(_Strict):
+    """One key of a Kubernetes Secret, exposed to the pods as an environment variable."""
+    name: Name
+    key: str
+
+
+class PodResources(_Strict):
+    """Requests = limits (Ray sizes itself from the limits; GPUs must be equal anyway)."""
+    cpu: Quantity
+    memory: Quantity
+    ephemeral_storage: Quantity | None = None
+
+
+class HeadConfig(_Strict):
+    resources: PodResources = PodResources(cpu="2", memory="8Gi")
+
+
+class WorkerConfig(_Strict):
+    """Worker pods. Serving replicas live only here (the head advertises 0 CPUs)."""
+    gpus_per_node: int = Field(0, ge=0, le=16)
+    gpu_product: str | None = Field(None, description=f"node label {GPU_PRODUCT_LABEL}, e.g. NVIDIA-L4")
+    resources: PodResources | None = None   # None: sized from the serve config
+    min_nodes: int | None = Field(None, ge=0)  # None: from the serve replica bounds
+    max_nodes: int | None = Field(None, ge=1)
+    node_selector: dict[str, str] = Field(default_factory=dict)
+
+
+class StorageConfig(_Strict):
+    """Weights are mounted (a PVC holding models and EAGLE heads) or downloaded at start, never baked."""
+    models_claim: Name | None = None          # PVC mounted read-only at models_path
+    models_path: str = "/models"
+    download: bool = False                    # fetch hub ids at start (EAGLE_ALLOW_DOWNLOAD=1)
+    hf_token_secret: SecretRef | None = None  # HF_TOKEN for gated models
+    cache_size: Quantity = "20Gi"             # emptyDir for the HF / built-in model caches
+
+
+class KubeConfig(_Strict):
+    """Deployment-only settings: the `kubernetes:` section of the config file."""
+    name: Name = "eagle"
+    namespace: Name | None = None
+    image: str | None = None                  # None: eagle-serve:<version>-cpu|cuda
+    image_pull_policy: Literal["IfNotPresent", "Always", "Never"] = "IfNotPresent"
+    image_pull_secrets: list[Name] = Field(default_factory=list)
+    ray_version: str = RAY_VERSION
+    head: HeadConfig = HeadConfig()
+    workers: WorkerConfig = WorkerConfig()
+    storage: StorageConfig = StorageConfig()
+    api_keys_secret: SecretRef | None = None  # fills the env var named by serve.api_keys_env
+    service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
+    idle_timeout_seconds: int = Field(300, ge=0)  # autoscaler v2: idle worker -> removed
+    upscaling_mode: Literal["Default", "Aggressive", "Conservative"] = "Default"
+    pdb_max_unavailable: int = Field(1, ge=1)
+    env: dict[str, str] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _image_pinned(self) -> "KubeConfig":
+        if self.image is not None and (self.image.endswith(":latest") or ":" not in self.image.rsplit("/", 1)[-1]):
+            raise ValueError("image: pin a tag or digest (not ':latest'): pods must run the Ray of ray_version")
+        return self
+
+
+class DeployConfig(_Strict):
+    """A serve config plus how to run it on Kubernetes; checks that the two fit together."""
+    serve: ServeConfig = ServeConfig()
+    kubernetes: KubeConfig = KubeConfig()
+
+    @model_validator(mode="after")
+    def _fits(self) -> "DeployConfig":
+        s, w = self.serve, self.kubernetes.workers
+        if s.device == "cuda":
+            if w.gpus_per_node < s.tp_size or w.gpus_per_node % s.tp_size:
+                raise ValueError(f"kubernetes.workers.gpus_per_node ({w.gpus_per_node}) must be a multiple of "
+                                 f"serve.tp_size ({s.tp_size}): a TP replica never spans nodes")
+            if s.tp_size > 1 and s.placement_strategy != PlacementStrategy.STRICT_PACK:
+                raise ValueError("serve.placement_strategy must be STRICT_PACK for tp_size > 1 on Kubernetes "
+                                 "(all ranks of a replica on one node)")
+        elif w.gpus_per_node or w.gpu_product:
+            raise ValueError("serve.device is cpu: kubernetes.workers must not ask for GPUs")
+        if s.api_keys:
+            raise ValueError("serve.api_keys would be written into the RayService in plain text: "
+                             "use serve.api_keys_env with kubernetes.api_keys_secret")
+        if (self.kubernetes.api_keys_secret is None) != (s.api_keys_env is None):
+            raise ValueError("kubernetes.api_keys_secret and serve.api_keys_env go together")
+        lo, hi = self.node_bounds
+        if lo > hi:
+            raise ValueError(f"kubernetes.workers: min_nodes ({lo}) > max_nodes ({hi})")
+        need = self.replicas_per_node * s.tp_size * s.resources_per_rank.cpu + s.ingress.num_cpus
+        if cpu_cores(self.worker_resources.cpu) < need:
+            raise ValueError(f"kubernetes.workers.resources.cpu ({self.worker_resources.cpu}) is below the "
+                             f"{need:g} CPUs one node's replicas and the ingress reserve: they would never schedule")
+        return self
+
+    # ---- derived sizes ---------------------------------------------------------------------
+    @property
+    def replicas_per_node(self) -> int:
+        gpus = self.kubernetes.workers.gpus_per_node
+        return gpus // self.serve.tp_size if self.serve.device == "cuda" else 1
+
+    @property
+    def node_bounds(self) -> tuple[int, int]:
+        """Worker pods for the serve replica bounds: one node per `replicas_per_node` replicas."""
+        s, w = self.serve, self.kubernetes.workers
+        lo, hi = (s.autoscaling.min_replicas, s.autoscaling.max_replicas) if s.autoscaling else (
+            s.num_replicas or 1, s.num_replicas or 1)
+        # at least one worker: the HTTP ingress runs on a worker (the head advertises no CPUs)
+        lo_n = max(1, math.ceil(lo / self.replicas_per_node))
+        hi_n = max(lo_n, math.ceil(hi / self.replicas_per_node))
+        return (lo_n if w.min_nodes is None else w.min_nodes, hi_n if w.max_nodes is None else w.max_nodes)
+
+    @property
+    def worker_resources(self) -> PodResources:
+        w, s = self.kubernetes.workers, self.serve
+        if w.resources is not None:
+            return w.resources
+        if s.device == "cuda":  # a few CPUs and 24Gi of host memory per GPU (loading, tokenizing, Ray)
+            return PodResources(cpu=str(4 * w.gpus_per_node), memory=f"{24 * w.gpus_per_node}Gi")
+        cpus = math.ceil(s.tp_size * s.resources_per_rank.cpu + s.ingress.num_cpus)
+        return PodResources(cpu=str(max(2, cpus)), memory="8Gi")
+
+    @property
+    def image(self) -> str:
+        return self.kubernetes.image or f"eagle-serve:{IMAGE_VERSION}-{'cuda' if self.serve.device == 'cuda' else 'cpu'}"
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "DeployConfig":
+        """`serve:` + `kubernetes:` sections, or a plain ServeConfig file (default `kubernetes:`)."""
+        data = _load_yaml(path)
+        if not (data.keys() & {"serve", "kubernetes"}):
+            data = {"serve": data}
+        return _validate(cls, data, str(path))
+
+
+def load_serve_config(path: str | Path) -> ServeConfig:
+    """The ServeConfig of a deploy file or of a plain serve file: lets `eaglectl serve` read either."""
+    return DeployConfig.from_yaml(path).serve
+
+
+class DataVolume(_Strict):
+    claim: Name                               # PVC (ReadWriteMany: every node reads the dataset)
+    path: str = "/data"
+
+
+class JobConfig(_Strict):
+    """A batch RayJob: `eaglectl submit-job` over a Parquet dataset on a volume or in object storage."""
+    name: Name = "eagle-batch"
+    input: str                                # /data/prompts.parquet, s3://bucket/prompts/, gs://...
+    output: str
+    model: str | None = None                  # None: serve.model / serve.draft / serve.tp_size
+    draft: str | None = None
+    tp_size: int | None = Field(None, ge=1)
+    replicas: int = Field(1, ge=1)
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    seed: int | None = None
+    data_volume: DataVolume | None = None
+    storage_secret: Name | None = None        # Secret with object-store credentials (envFrom)
+    ttl_seconds_after_finished: int = Field(3600, ge=0)
+    active_deadline_seconds: int | None = Field(None, ge=1)
+    backoff_limit: int = Field(0, ge=0)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "JobConfig":
+        return _validate(cls, _load_yaml(path), str(path))
+
+
+def _load_yaml(path: str | Path) -> dict:
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    return data
+
+
+def _validate(cls, data: dict, source: str):
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e, source).replace("invalid serve config", "invalid config")) from None
+
+
+def cpu_cores(q: str) -> float:
+    return float(q[:-1]) / 1000 if q.endswith("m") else float(q)
+
+
+# ---- pieces of pods ------------------------------------------------------------------------------
+def _labels(cfg: DeployConfig, component: str) -> dict[str, str]:
+    return {"app.kubernetes.io/name": "eagle-serve", "app.kubernetes.io/instance": cfg.kubernetes.name,
+            "app.kubernetes.io/component": component, "app.kubernetes.io/managed-by": "eaglectl"}
+
+
+def _meta(cfg: DeployConfig, name: str, component: str, **extra) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name}
+    if cfg.kubernetes.namespace:
+        meta["namespace"] = cfg.kubernetes.namespace
+    return {**meta, "labels": _labels(cfg, component), **extra}
+
+
+def _resources(r: PodResources, gpus: int = 0) -> dict[str, Any]:
+    q = {"cpu": r.cpu, "memory": r.memory}
+    if r.ephemeral_storage:
+        q["ephemeral-storage"] = r.ephemeral_storage
+    if gpus:
+        q["nvidia.com/gpu"] = str(gpus)
+    return {"requests": dict(q), "limits": dict(q)}
+
+
+def _probe(port: int, path: str, delay: int, failures: int) -> dict[str, Any]:
+    # httpGet, not exec: needs no wget/curl in the image and reads the same Ray health endpoints
+    return {"httpGet": {"path": path, "port": port}, "initialDelaySeconds": delay, "periodSeconds": 5,
+            "timeoutSeconds": 2, "failureThreshold": failures}
+
+
+def _env(cfg: DeployConfig, job: JobConfig | None = None) -> list[dict[str, Any]]:
+    k = cfg.kubernetes
+    env = [{"name": "HF_HOME", "value": f"{HOME}/.cache/huggingface"},
+           {"name": "EAGLE_CACHE_DIR", "value": f"{HOME}/.cache/eagle-serve/models"}]
+    if k.storage.download:
+        env.append({"name": "EAGLE_ALLOW_DOWNLOAD", "value": "1"})
+    if k.storage.hf_token_secret:
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": k.storage.hf_token_secret.model_dump()}})
+    if k.api_keys_secret and job is None:
+        env.append({"name": cfg.serve.api_keys_env, "valueFrom": {"secretKeyRef": k.api_keys_secret.model_dump()}})
+    env += [{"name": n, "value": v} for n, v in sorted(k.env.items())]
+    return env
+
+
+def _volumes(cfg: DeployConfig, job: JobConfig | None) -> tuple[list[dict], list[dict]]:
+    st = cfg.kubernetes.storage
+    vols = [{"name": "dshm", "emptyDir": {"medium": "Memory"}},  # Ray's object store lives in /dev/shm
+            {"name": "cache", "emptyDir": {"sizeLimit": st.cache_size}}]
+    mounts = [{"name": "dshm", "mountPath": "/dev/shm"}, {"name": "cache", "mountPath": f"{HOME}/.cache"}]
+    if st.models_claim:
+        vols.append({"name": "models", "persistentVolumeClaim": {"claimName": st.models_claim, "readOnly": True}})
+        mounts.append({"name": "models", "mountPath": st.models_path, "readOnly": True})
+    if job is not None and job.data_volume:
+        vols.append({"name": "data", "persistentVolumeClaim": {"claimName": job.data_volume.claim}})
+        mounts.append({"name": "data", "mountPath": job.data_volume.path})
+    return vols, mounts
+
+
+def _pod(cfg: DeployConfig, container: dict, labels: dict, job: JobConfig | None, worker: bool) -> dict:
+    k = cfg.kubernetes
+    vols, mounts = _volumes(cfg, job)
+    container = {"name": container["name"], "image": cfg.image, "imagePullPolicy": k.image_pull_policy, **container,
+                 "env": _env(cfg, job), "volumeMounts": mounts,
+                 "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}}
+    if job is not None and job.storage_secret:
+        container["envFrom"] = [{"secretRef": {"name": job.storage_secret}}]
+    spec: dict[str, Any] = {"containers": [container], "volumes": vols,
+                            "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000,
+                                                "fsGroup": 1000}}
+    if k.image_pull_secrets:
+        spec["imagePullSecrets"] = [{"name": n} for n in k.image_pull_secrets]
+    if worker:
+        sel = dict(k.workers.node_selector)
+        if k.workers.gpu_product:
+            sel[GPU_PRODUCT_LABEL] = k.workers.gpu_product
+        if sel:
+            spec["nodeSelector"] = sel
+        if k.workers.gpus_per_node:  # GPU node pools are usually tainted so only GPU pods land there
+            spec["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+        spec["terminationGracePeriodSeconds"] = 60  # Serve drains a replica for up to 30 s
+    return {"metadata": {"labels": labels}, "spec": spec}
+
+
+def _cluster_spec(cfg: DeployConfig, component: str, job: JobConfig | None = None,
+                  serving: bool = False) -> dict[str, Any]:
+    """A RayCluster spec: CPU-less head (GCS, Serve controller, dashboard) + one worker group."""
+    k, s = cfg.kubernetes, cfg.serve
+    head_ports = [{"containerPort": 6379, "name": "gcs"}, {"containerPort": 8265, "name": "dashboard"},
+                  {"containerPort": 10001, "name": "client"}, {"containerPort": 8080, "name": "metrics"},
+                  {"containerPort": s.port, "name": "serve"}]
+    head = {"name": "ray-head", "ports": head_ports, "resources": _resources(k.head.resources),
+            "readinessProbe": _probe(8265, "/api/gcs_healthz", 10, 10),
+            "livenessProbe": _probe(8265, "/api/gcs_healthz", 30, 120)}
+    worker_ready = _probe(s.port, "/-/healthz", 10, 10) if serving else _probe(52365, "/api/local_raylet_healthz", 10, 10)
+    worker = {"name": "ray-worker", "resources": _resources(cfg.worker_resources, k.workers.gpus_per_node),
+              "readinessProbe": worker_ready,
+              "livenessProbe": _probe(52365, "/api/local_raylet_healthz", 30, 120)}
+    lo, hi = cfg.node_bounds if job is None else (_job_nodes(cfg, job),) * 2
+    head_labels = {**_labels(cfg, component), "eagle-serve/role": "head"}
+    worker_labels = {**_labels(cfg, component), "eagle-serve/role": "worker"}
+    spec: dict[str, Any] = {
+        "rayVersion": k.ray_version,
+        "headGroupSpec": {"rayStartParams": {"num-cpus": "0", "dashboard-host": "0.0.0.0", "metrics-export-port": "8080"},
+                          "template": _pod(cfg, head, head_labels, job, worker=False)},
+        "workerGroupSpecs": [{"groupName": "gpu-workers" if s.device == "cuda" else "cpu-workers", "replicas": lo,
+                              "minReplicas": lo, "maxReplicas": hi, "numOfHosts": 1, "rayStartParams": {},
+                              "template": _pod(cfg, worker, worker_labels, job, worker=True)}],
+    }
+    if job is None:  # serving and interactive clusters grow and shrink; a batch cluster is sized up front
+        spec = {"enableInTreeAutoscaling": True,
+                "autoscalerOptions": {"version": "v2", "upscalingMode": k.upscaling_mode,
+                                      "idleTimeoutSeconds": k.idle_timeout_seconds, "imagePullPolicy": k.image_pull_policy,
+                                      "resources": _resources(PodResources(cpu="500m", memory="512Mi"))},
+                **spec}
+    return spec
+
+
+# ---- manifests -----------------------------------------------------------------------------------
+def serve_config_v2(cfg: DeployConfig) -> dict[str, Any]:
+    """The Serve config: our app, args = the serve section as written, and its replica scaling
+    repeated as a deployment override so `kubectl get rayservice -o yaml` shows it."""
+    s = cfg.serve
+    args = s.model_dump(mode="json", exclude_unset=True)
+    llm = {"name": "LLMServer", **s.replica_count_options(), "max_ongoing_requests": s.max_ongoing_per_replica}
+    return {"proxy_location": "EveryNode", "http_options": {"host": "0.0.0.0", "port": s.port},
+            "applications": [{"name": s.app_name, "route_prefix": "/", "import_path": IMPORT_PATH, "args": args,
+                              "deployments": [llm, {"name": "OpenAIIngress", "num_replicas": s.ingress.num_replicas}]}]}
+
+
+def _scrape_annotations(port: int) -> dict[str, str]:
+    return {"prometheus.io/scrape": "true", "prometheus.io/port": str(port), "prometheus.io/path": "/metrics"}
+
+
+def _http_ports(port: int) -> list[dict[str, Any]]:
+    return [{"name": "serve", "port": port, "targetPort": port, "protocol": "TCP"}]
+
+
+def rayservice(cfg: DeployConfig) -> dict[str, Any]:
+    k, name = cfg.kubernetes, cfg.kubernetes.name
+    http = {"metadata": {"name": f"{name}-http", "labels": _labels(cfg, "serving"),
+                         "annotations": _scrape_annotations(cfg.serve.port)},
+            "spec": {"type": k.service_type, "ports": _http_ports(cfg.serve.port)}}
+    return {"apiVersion": "ray.io/v1", "kind": "RayService", "metadata": _meta(cfg, name, "serving"),
+            "spec": {"serveConfigV2": yaml.safe_dump(serve_config_v2(cfg), sort_keys=False),
+                     "serveService": http, "rayClusterConfig": _cluster_spec(cfg, "serving", serving=True)}}
+
+
+def pdb(cfg: DeployConfig) -> dict[str, Any]:
+    """Node drains evict serving workers one at a time (the Ray autoscaler deletes pods, unaffected)."""
+    sel = {"app.kubernetes.io/instance": cfg.kubernetes.name, "app.kubernetes.io/component": "serving",
+           "eagle-serve/role": "worker"}
+    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+            "metadata": _meta(cfg, f"{cfg.kubernetes.name}-workers", "serving"),
+            "spec": {"maxUnavailable": cfg.kubernetes.pdb_max_unavailable, "selector": {"matchLabels": sel}}}
+
+
+def raycluster(cfg: DeployConfig) -> dict[str, Any]:
+    return {"apiVersion": "ray.io/v1", "kind": "RayCluster",
+            "metadata": _meta(cfg, f"{cfg.kubernetes.name}-dev", "interactive"),
+            "spec": _cluster_spec(cfg, "interactive")}
+
+
+def raycluster_http(cfg: DeployConfig) -> dict[str, Any]:
+    """The interactive cluster's HTTP port (`eaglectl serve --address` starts Serve on its head)."""
+    name = f"{cfg.kubernetes.name}-dev"
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": _meta(cfg, f"{name}-http", "interactive", annotations=_scrape_annotations(cfg.serve.port)),
+            "spec": {"type": cfg.kubernetes.service_type, "ports": _http_ports(cfg.serve.port),
+                     "selector": {"ray.io/cluster": name, "ray.io/node-type": "head"}}}
+
+
+def _job_tp(cfg: DeployConfig, job: JobConfig) -> int:
+    return job.tp_size or cfg.serve.tp_size
+
+
+def _job_nodes(cfg: DeployConfig, job: JobConfig) -> int:
+    """Worker pods for the job's engine replicas, `gpus_per_node // tp` replicas a node (1 on CPU)."""
+    gpus, tp = cfg.kubernetes.workers.gpus_per_node, _job_tp(cfg, job)
+    if cfg.serve.device != "cuda":
+        return job.replicas
+    if gpus < tp or gpus % tp:
+        raise ConfigError(f"job tp_size ({tp}) must divide kubernetes.workers.gpus_per_node ({gpus})")
+    return math.ceil(job.replicas / (gpus // tp))
+
+
+def job_entrypoint(cfg: DeployConfig, job: JobConfig) -> str:
+    """`eaglectl submit-job ...`, run by the RayJob on its own cluster's head; --wait so the RayJob
+    succeeds or fails with the batch."""
+    model, draft = job.model or cfg.serve.model, job.draft if job.draft is not None else cfg.serve.draft
+    argv = ["eaglectl", "submit-job", job.input, "--output", job.output, "--model", model]
+    if draft:
+        argv += ["--draft", draft]
+    for flag, value in (("--max-tokens", job.max_tokens), ("--temperature", job.temperature),
+                        ("--top-p", job.top_p), ("--seed", job.seed)):
+        if value is not None:
+            argv += [flag, str(value)]
+    argv += ["--replicas", str(job.replicas), "--tp-size", str(_job_tp(cfg, job)), "--wait"]
+    return shlex.join(argv)
+
+
+def rayjob(cfg: DeployConfig, job: JobConfig) -> dict[str, Any]:
+    spec: dict[str, Any] = {"entrypoint": job_entrypoint(cfg, job), "shutdownAfterJobFinishes": True,
+                            "ttlSecondsAfterFinished": job.ttl_seconds_after_finished,
+                            "backoffLimit": job.backoff_limit, "submissionMode": "K8sJobMode"}
+    if job.active_deadline_seconds:
+        spec["activeDeadlineSeconds"] = job.active_deadline_seconds
+    spec["rayClusterSpec"] = _cluster_spec(cfg, "batch", job=job)
+    return {"apiVersion": "ray.io/v1", "kind": "RayJob", "metadata": _meta(cfg, job.name, "batch"), "spec": spec}
+
+
+def render(cfg: DeployConfig, job: JobConfig | None = None) -> dict[str, dict[str, Any]]:
+    """File name -> manifest. Apply `rayservice.yaml` + `pdb.yaml` to serve, `rayjob.yaml` for a
+    batch, `raycluster*.yaml` for an interactive cluster."""
+    out = {"rayservice.yaml": rayservice(cfg), "pdb.yaml": pdb(cfg), "raycluster.yaml": raycluster(cfg),
+           "raycluster-http.yaml": raycluster_http(cfg)}
+    if job is not None:
+        out["rayjob.yaml"] = rayjob(cfg, job)
+    return out
+
+
+class _Dumper(yaml.SafeDumper):
+    pass
+
+
+_Dumper.add_representer(str, lambda d, s: d.represent_scalar(
+    "tag:yaml.org,2002:str", s, style="|" if "\n" in s else None))
+
+
+def to_yaml(manifest: dict[str, Any], sources: str) -> str:
+    head = f"# Rendered by `eaglectl deploy render` from {sources}: edit those and re-render, not this file.\n"
+    return head + yaml.dump(manifest, Dumper=_Dumper, sort_keys=False, width=1 << 16)
+
+
+def render_files(config: str | Path, job: str | Path | None = None) -> dict[str, str]:
+    """File name -> YAML text, from config files (what the CLI writes and the tests compare)."""
+    cfg = DeployConfig.from_yaml(config)
+    job_cfg = JobConfig.from_yaml(job) if job else None
+    sources = " + ".join(Path(p).name for p in (config, job) if p)
+    return {name: to_yaml(m, sources) for name, m in render(cfg, job_cfg).items()}
+
+
+# ---- CLI ---------------------------------------------------------------------------------------
+@click.group("deploy")
+def deploy() -> None:
+    """Kubernetes (KubeRay) manifests from the serve config."""
+
+
+@deploy.command("render")
+@click.option("--config", "config", required=True, type=click.Path(exists=True, dir_okay=False),
+              help="serve.yaml: a ServeConfig, or `serve:` + `kubernetes:` sections.")
+@click.option("--job", "job", type=click.Path(exists=True, dir_okay=False), help="job.yaml: a batch RayJob.")
+@click.option("--out", "out", required=True, type=click.Path(file_okay=False), help="Folder for the manifests.")
+@click.option("--check", is_flag=True, help="Write nothing; exit 1 if --out differs from a fresh render.")
+def render_cmd(config, job, out, check) -> None:
+    """Write rayservice.yaml, pdb.yaml, raycluster.yaml, raycluster-http.yaml (and rayjob.yaml)."""
+    try:
+        files = render_files(config, job)
+    except ConfigError as e:
+        raise click.ClickException(str(e)) from None
+    out = Path(out)
+    if check:
+        stale = sorted(n for n, text in files.items() if not (out / n).is_file() or (out / n).read_text() != text)
+        extra = sorted(p.name for p in out.glob("*.yaml") if p.name not in files) if out.is_dir() else []
+        if stale or extra:
+            raise click.ClickException(f"{out} is not up to date: stale {stale}, not rendered {extra}")
+        click.echo(f"{out}: up to date")
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (out / name).write_text(text)
+        click.echo(str(out / name))
