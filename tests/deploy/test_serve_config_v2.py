@@ -1,0 +1,107 @@
+"""Every RayService's serveConfigV2 parses, is a strict Ray Serve config, imports, and its args pass
+ServeConfig; a broken one is caught."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import yaml
+
+from cluster.config import ServeConfig
+from jobs.kuberay import DeployConfig
+from tests.deploy.examples import ROOT, SETUPS, committed_manifest_files, fresh, inputs
+from tests.deploy.serve_check import OUR_IMPORT_PATH, import_error, serve_config_errors
+
+SERVE_APP_PRESENT = (ROOT / "cluster" / "serve_app.py").is_file()
+
+
+def _rayservices():
+    out = []
+    for p in committed_manifest_files():
+        out += [(str(p.relative_to(ROOT)), d) for d in yaml.safe_load_all(p.read_text()) if d and d["kind"] == "RayService"]
+    for s in SETUPS:
+        out += [(f"fresh {s}/{n}", yaml.safe_load(t)) for n, t in fresh(s).items() if n == "rayservice.yaml"]
+    return out
+
+
+RAYSERVICES = _rayservices()
+IDS = [w for w, _ in RAYSERVICES]
+
+
+def _apps(manifest):
+    return yaml.safe_load(manifest["spec"]["serveConfigV2"])["applications"]
+
+
+def test_there_are_rayservices():
+    assert len(RAYSERVICES) >= 2 * len(SETUPS) >= 4
+
+
+@pytest.mark.parametrize("where,manifest", RAYSERVICES, ids=IDS)
+def test_serve_config_parses_and_args_pass_serve_config(where, manifest):
+    assert serve_config_errors(manifest, check_import=False) == []
+    apps = _apps(manifest)
+    assert [a["import_path"] for a in apps] == [OUR_IMPORT_PATH]
+    ServeConfig.from_dict(apps[0]["args"])
+
+
+@pytest.mark.parametrize("where,manifest", RAYSERVICES, ids=IDS)
+def test_import_path_imports_and_overrides_match_the_app(where, manifest):
+    if not SERVE_APP_PRESENT:
+        pytest.xfail("cluster/serve_app.py is not in the repo yet (the cluster engineer is writing it)")
+    assert serve_config_errors(manifest) == []
+
+
+@pytest.mark.parametrize("setup", SETUPS)
+def test_args_are_the_serve_section_and_ports_agree(setup):
+    cfg = DeployConfig.from_yaml(inputs(setup)[0])
+    m = yaml.safe_load(fresh(setup)["rayservice.yaml"])
+    doc = yaml.safe_load(m["spec"]["serveConfigV2"])
+    assert ServeConfig.from_dict(doc["applications"][0]["args"]) == cfg.serve
+    head = m["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    serve_port = {p["name"]: p["containerPort"] for p in head["ports"]}["serve"]
+    assert doc["http_options"]["port"] == serve_port == cfg.serve.port
+    assert m["spec"]["serveService"]["spec"]["ports"][0]["port"] == cfg.serve.port
+
+
+def _with(manifest, mutate):
+    m = copy.deepcopy(manifest)
+    doc = yaml.safe_load(m["spec"]["serveConfigV2"])
+    mutate(doc, doc["applications"][0])
+    m["spec"]["serveConfigV2"] = yaml.safe_dump(doc)
+    return m
+
+
+BROKEN = {
+    "import path": (lambda d, a: a.update(import_path="cluster.serve_app:no_such_builder"), "does not import"),
+    "module": (lambda d, a: a.update(import_path="cluster.no_such_module:app"), "does not import"),
+    "unknown arg": (lambda d, a: a["args"].update(tp_sise=2), "tp_sise: unknown field"),
+    "bad arg": (lambda d, a: a["args"].update(tp_size=0), "tp_size"),
+    "inconsistent args": (lambda d, a: a["args"].update(num_replicas=2), "num_replicas or autoscaling"),
+    "unknown app key": (lambda d, a: a.update(routeprefix="/"), "routeprefix: unknown field"),
+    "unknown top key": (lambda d, a: d.update(http_option={}), "http_option: unknown field"),
+    "bad Serve value": (lambda d, a: d.update(proxy_location="Everywhere"), "proxy_location"),
+    "unknown deployment": (lambda d, a: a["deployments"][0].update(name="LLM"), "not a deployment of the app"),
+    "override changes scaling": (lambda d, a: a["deployments"][0]["autoscaling_config"].update(max_replicas=9),
+                                 "max_replicas"),
+}
+
+
+@pytest.mark.parametrize("case", BROKEN)
+def test_broken_serve_config_is_rejected(case):
+    mutate, expected = BROKEN[case]
+    if not SERVE_APP_PRESENT and case in ("import path", "unknown deployment", "override changes scaling"):
+        pytest.xfail("cluster/serve_app.py is not in the repo yet")
+    good = next(m for w, m in RAYSERVICES if "gpu-tp2" in w)
+    errs = serve_config_errors(_with(good, mutate))
+    assert any(expected in e for e in errs), errs
+
+
+def test_not_yaml_is_rejected():
+    m = copy.deepcopy(RAYSERVICES[0][1])
+    m["spec"]["serveConfigV2"] = "applications: [unclosed"
+    assert "not YAML" in serve_config_errors(m)[0]
+
+
+def test_import_error_helper():
+    assert import_error("json:dumps") is None
+    assert "ModuleNotFoundError" in import_error("no_such_mod_xyz:f")
