@@ -152,21 +152,19 @@ def _walk_greedy(batch, children, rows, idx, paths, bonus) -> None:
 
 
 def _uniforms(batch: TreeBatch, idx: list[int], generators, dev) -> torch.Tensor:
-    """[S, M] uniforms in [0, 1): column i for trying node i, column 0 for the bonus draw."""
-    M = batch.max_nodes
+    """[S, M] float64 uniforms in [0, 1): column i for trying node i, column 0 for the bonus.
+    Drawn on each generator's own device (no host round trip), then padded."""
     n = batch.num_nodes[idx].tolist()
-    u = torch.zeros(len(idx), M, dtype=torch.float64)
     if generators is None or isinstance(generators, torch.Generator):
-        flat = torch.rand(sum(n), generator=generators, dtype=torch.float64,
-                          device=generators.device if generators is not None else "cpu").cpu()
-        for j, chunk in enumerate(flat.split(n)):
-            u[j, : n[j]] = chunk
+        gdev = generators.device if generators is not None else dev
+        flat = torch.rand(sum(n), generator=generators, dtype=torch.float64, device=gdev).to(dev)
     else:
-        for j, bb in enumerate(idx):
-            g = generators[bb]
-            u[j, : n[j]] = torch.rand(n[j], generator=g, dtype=torch.float64,
-                                      device=g.device if g is not None else "cpu").cpu()
-    return u.to(dev)
+        flat = torch.cat([torch.rand(k, generator=generators[bb], dtype=torch.float64,
+                                     device=generators[bb].device if generators[bb] is not None else dev).to(dev)
+                          for k, bb in zip(n, idx)])
+    u = torch.zeros(len(idx), batch.max_nodes, dtype=torch.float64, device=dev)
+    u[torch.arange(batch.max_nodes, device=dev)[None, :] < torch.tensor(n, device=dev)[:, None]] = flat
+    return u
 
 
 def _walk_sampling(batch, children, rows, idx, u, paths, bonus, zero_rejected: bool = True) -> None:
