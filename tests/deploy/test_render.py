@@ -1,0 +1,228 @@
+"""The renderer: examples are up to date, the CLI works, sizes follow the serve config, bad configs fail."""
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from cluster.config import ConfigError, ServeConfig
+from jobs.kuberay import (RAY_VERSION, DeployConfig, JobConfig, deploy, job_entrypoint, load_serve_config,
+                          render)
+from tests.deploy.examples import EXAMPLES, SETUPS, fresh, inputs
+
+
+# ---- committed examples == fresh renders -------------------------------------------------------------
+@pytest.mark.parametrize("setup", SETUPS)
+def test_committed_examples_are_up_to_date(setup):
+    out = EXAMPLES / setup / "manifests"
+    committed = {p.name: p.read_text() for p in out.glob("*.yaml")}
+    assert committed == fresh(setup), (f"deploy/examples/{setup}/manifests is stale: run eaglectl deploy render "
+                                       f"--config deploy/examples/{setup}/serve.yaml --job deploy/examples/{setup}/job.yaml "
+                                       f"--out deploy/examples/{setup}/manifests")
+
+
+@pytest.mark.parametrize("setup", SETUPS)
+def test_cli_check_agrees(setup):
+    serve, job = inputs(setup)
+    args = ["render", "--config", str(serve), "--out", str(EXAMPLES / setup / "manifests"), "--check"]
+    r = CliRunner().invoke(deploy, args + (["--job", str(job)] if job else []))
+    assert r.exit_code == 0, r.output
+
+
+# ---- the CLI -------------------------------------------------------------------------------------------
+def _write(tmp_path, name, text):
+    p = tmp_path / name
+    p.write_text(textwrap.dedent(text))
+    return p
+
+
+def test_cli_renders_a_plain_serve_config(tmp_path):
+    cfg = _write(tmp_path, "serve.yaml", "model: gemma-3-270m\nnum_replicas: 2\n")
+    r = CliRunner().invoke(deploy, ["render", "--config", str(cfg), "--out", str(tmp_path / "out")])
+    assert r.exit_code == 0, r.output
+    names = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert names == ["pdb.yaml", "raycluster-http.yaml", "raycluster.yaml", "rayservice.yaml"]
+    svc = yaml.safe_load((tmp_path / "out" / "rayservice.yaml").read_text())
+    group = svc["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
+    assert (group["minReplicas"], group["maxReplicas"]) == (2, 2)
+    assert svc["spec"]["rayClusterConfig"]["rayVersion"] == RAY_VERSION
+    # then --check passes, and a hand edit makes it fail
+    check = ["render", "--config", str(cfg), "--out", str(tmp_path / "out"), "--check"]
+    assert CliRunner().invoke(deploy, check).exit_code == 0
+    (tmp_path / "out" / "pdb.yaml").write_text("edited: by hand\n")
+    r = CliRunner().invoke(deploy, check)
+    assert r.exit_code == 1 and "pdb.yaml" in r.output
+
+
+def test_cli_reports_bad_config_with_dotted_paths(tmp_path):
+    cfg = _write(tmp_path, "serve.yaml", """\
+        serve: {tp_size: 0}
+        kubernetes: {workers: {gpus_per_nod: 2}}
+        """)
+    r = CliRunner().invoke(deploy, ["render", "--config", str(cfg), "--out", str(tmp_path / "out")])
+    assert r.exit_code == 1
+    assert "serve.tp_size" in r.output and "kubernetes.workers.gpus_per_nod: unknown field" in r.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_needs_config_and_out(tmp_path):
+    assert CliRunner().invoke(deploy, ["render", "--out", str(tmp_path)]).exit_code == 2
+    assert "render" in CliRunner().invoke(deploy, ["--help"]).output
+
+
+def test_one_file_drives_serve_and_deploy():
+    for setup in SETUPS:
+        serve_path = inputs(setup)[0]
+        assert isinstance(load_serve_config(serve_path), ServeConfig)
+        assert load_serve_config(serve_path) == DeployConfig.from_yaml(serve_path).serve
+
+
+# ---- sizing ----------------------------------------------------------------------------------------------
+def _cfg(serve: dict, kube: dict | None = None) -> DeployConfig:
+    return DeployConfig.model_validate({"serve": serve, "kubernetes": kube or {}})
+
+
+GPU = {"device": "cuda", "dtype": "bfloat16", "resources_per_rank": {"gpu": 1}}
+
+
+def _group(manifest):
+    spec = manifest["spec"].get("rayClusterConfig") or manifest["spec"].get("rayClusterSpec") or manifest["spec"]
+    return spec["workerGroupSpecs"][0]
+
+
+def test_tp2_on_2_gpu_nodes_is_one_replica_per_node():
+    cfg = _cfg({**GPU, "tp_size": 2, "placement_strategy": "STRICT_PACK",
+                "autoscaling": {"min_replicas": 1, "max_replicas": 4}}, {"workers": {"gpus_per_node": 2}})
+    svc = render(cfg)["rayservice.yaml"]
+    g = _group(svc)
+    assert (g["minReplicas"], g["maxReplicas"], g["replicas"]) == (1, 4, 1)
+    res = g["template"]["spec"]["containers"][0]["resources"]
+    assert res["limits"]["nvidia.com/gpu"] == res["requests"]["nvidia.com/gpu"] == "2"
+    assert svc["spec"]["rayClusterConfig"]["enableInTreeAutoscaling"] is True
+    assert svc["spec"]["rayClusterConfig"]["autoscalerOptions"]["version"] == "v2"
+    head = svc["spec"]["rayClusterConfig"]["headGroupSpec"]
+    assert head["rayStartParams"]["num-cpus"] == "0"
+    assert "nvidia.com/gpu" not in head["template"]["spec"]["containers"][0]["resources"]["limits"]
+
+
+def test_tp2_on_8_gpu_nodes_packs_four_replicas_a_node():
+    cfg = _cfg({**GPU, "tp_size": 2, "placement_strategy": "STRICT_PACK",
+                "autoscaling": {"min_replicas": 0, "max_replicas": 6}},
+               {"workers": {"gpus_per_node": 8, "gpu_product": "NVIDIA-H100-80GB-HBM3"}})
+    g = _group(render(cfg)["rayservice.yaml"])
+    assert (g["minReplicas"], g["maxReplicas"]) == (1, 2)  # the ingress keeps one worker
+    assert g["template"]["spec"]["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+
+
+def test_cpu_cluster_has_no_gpus_and_no_gpu_tolerations():
+    cfg = _cfg({"autoscaling": {"min_replicas": 1, "max_replicas": 3}})
+    for name, m in render(cfg).items():
+        assert "nvidia.com/gpu" not in yaml.safe_dump(m), name
+    assert _group(render(cfg)["raycluster.yaml"])["maxReplicas"] == 3
+
+
+def test_node_bounds_can_be_overridden():
+    cfg = _cfg({"num_replicas": 2}, {"workers": {"min_nodes": 0, "max_nodes": 5}})
+    g = _group(render(cfg)["rayservice.yaml"])
+    assert (g["minReplicas"], g["maxReplicas"]) == (0, 5)
+
+
+@pytest.mark.parametrize("serve,kube,message", [
+    ({**GPU, "tp_size": 2, "placement_strategy": "STRICT_PACK"}, {"workers": {"gpus_per_node": 3}}, "multiple of"),
+    ({**GPU, "tp_size": 4, "placement_strategy": "STRICT_PACK"}, {"workers": {"gpus_per_node": 2}}, "multiple of"),
+    ({**GPU, "tp_size": 2}, {"workers": {"gpus_per_node": 2}}, "STRICT_PACK"),
+    ({}, {"workers": {"gpus_per_node": 1}}, "must not ask for GPUs"),
+    ({"api_keys": ["sk-secret"]}, {}, "plain text"),
+    ({"api_keys_env": "EAGLE_API_KEYS"}, {}, "go together"),
+    ({}, {"image": "eagle-serve:latest"}, "pin a tag"),
+    ({}, {"image": "registry:5000/eagle-serve"}, "pin a tag"),
+    ({}, {"name": "Eagle"}, "kubernetes.name"),
+    ({"resources_per_rank": {"cpu": 4}}, {"workers": {"resources": {"cpu": "2", "memory": "4Gi"}}}, "never schedule"),
+    ({}, {"workers": {"resources": {"cpu": "2 cores", "memory": "4Gi"}}}, "resources.cpu"),
+    ({}, {"workers": {"min_nodes": 3, "max_nodes": 2}}, "min_nodes"),
+])
+def test_bad_deploy_configs_are_refused(tmp_path, serve, kube, message):
+    p = tmp_path / "serve.yaml"
+    p.write_text(yaml.safe_dump({"serve": serve, "kubernetes": kube}))
+    with pytest.raises(ConfigError, match=message):
+        DeployConfig.from_yaml(p)
+
+
+def test_api_keys_come_from_the_secret():
+    cfg = _cfg({"api_keys_env": "EAGLE_API_KEYS"}, {"api_keys_secret": {"name": "keys", "key": "k"}})
+    env = _group(render(cfg)["rayservice.yaml"])["template"]["spec"]["containers"][0]["env"]
+    assert {"name": "EAGLE_API_KEYS", "valueFrom": {"secretKeyRef": {"name": "keys", "key": "k"}}} in env
+    assert "sk-" not in yaml.safe_dump(render(cfg))
+
+
+# ---- objects fit together ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("setup", SETUPS)
+def test_pdb_selects_serving_workers_only(setup):
+    files = {n: yaml.safe_load(t) for n, t in fresh(setup).items()}
+    sel = files["pdb.yaml"]["spec"]["selector"]["matchLabels"]
+    cluster = files["rayservice.yaml"]["spec"]["rayClusterConfig"]
+    worker_labels = _group(files["rayservice.yaml"])["template"]["metadata"]["labels"]
+    head_labels = cluster["headGroupSpec"]["template"]["metadata"]["labels"]
+    assert sel.items() <= worker_labels.items()
+    assert not sel.items() <= head_labels.items()
+    for other in ("raycluster.yaml", "rayjob.yaml"):
+        if other in files:
+            spec = files[other]["spec"].get("rayClusterSpec") or files[other]["spec"]
+            assert not sel.items() <= _group({"spec": spec})["template"]["metadata"]["labels"].items()
+
+
+@pytest.mark.parametrize("setup", SETUPS)
+def test_http_service_points_at_the_interactive_head(setup):
+    files = {n: yaml.safe_load(t) for n, t in fresh(setup).items()}
+    svc, rc = files["raycluster-http.yaml"], files["raycluster.yaml"]
+    assert svc["spec"]["selector"] == {"ray.io/cluster": rc["metadata"]["name"], "ray.io/node-type": "head"}
+    head = rc["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert svc["spec"]["ports"][0]["targetPort"] in {p["containerPort"] for p in head["ports"]}
+    assert svc["metadata"]["annotations"]["prometheus.io/path"] == "/metrics"
+
+
+@pytest.mark.parametrize("setup", SETUPS)
+def test_every_pod_runs_non_root_with_probes_and_limits(setup):
+    for name, text in fresh(setup).items():
+        m = yaml.safe_load(text)
+        spec = m["spec"].get("rayClusterConfig") or m["spec"].get("rayClusterSpec") or m["spec"]
+        if "headGroupSpec" not in spec:
+            continue
+        for group in [spec["headGroupSpec"], *spec["workerGroupSpecs"]]:
+            pod = group["template"]["spec"]
+            assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0
+            c = pod["containers"][0]
+            assert c["readinessProbe"] and c["livenessProbe"], name
+            assert c["resources"]["limits"] == c["resources"]["requests"], name
+            assert c["image"].rsplit(":", 1)[-1] not in ("", "latest")
+            assert {v["name"] for v in pod["volumes"]} >= {"dshm", "cache"}
+
+
+# ---- the batch job ---------------------------------------------------------------------------------------
+def test_rayjob_runs_submit_job_and_shuts_down():
+    cfg = _cfg({**GPU, "tp_size": 2, "placement_strategy": "STRICT_PACK", "draft": "/models/head"},
+               {"workers": {"gpus_per_node": 4}})
+    job = JobConfig(input="s3://b/in/", output="s3://b/out/", replicas=3, max_tokens=64, storage_secret="s3")
+    m = render(cfg, job)["rayjob.yaml"]
+    assert m["spec"]["shutdownAfterJobFinishes"] is True
+    assert m["spec"]["entrypoint"] == job_entrypoint(cfg, job)
+    assert m["spec"]["entrypoint"].startswith("eaglectl submit-job s3://b/in/ --output s3://b/out/")
+    assert "--draft /models/head" in m["spec"]["entrypoint"] and "--tp-size 2" in m["spec"]["entrypoint"]
+    g = _group({"spec": m["spec"]["rayClusterSpec"]})
+    assert g["minReplicas"] == g["maxReplicas"] == g["replicas"] == 2  # 3 replicas, 2 per 4-GPU node
+    assert "enableInTreeAutoscaling" not in m["spec"]["rayClusterSpec"]
+    env_from = g["template"]["spec"]["containers"][0]["envFrom"]
+    assert env_from == [{"secretRef": {"name": "s3"}}]
+
+
+def test_rayjob_tp_must_fit_the_nodes():
+    cfg = _cfg({**GPU, "tp_size": 2, "placement_strategy": "STRICT_PACK"}, {"workers": {"gpus_per_node": 2}})
+    with pytest.raises(ConfigError, match="must divide"):
+        render(cfg, JobConfig(input="/data/in.parquet", output="/data/out", tp_size=4))
+
+
+def test_job_entrypoint_quotes_paths():
+    job = JobConfig(input="/data/my prompts.parquet", output="/data/out")
+    assert "'/data/my prompts.parquet'" in job_entrypoint(_cfg({}), job)
