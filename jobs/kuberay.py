@@ -10,7 +10,6 @@ volumes, secrets). A plain ServeConfig file works too (all-default `kubernetes:`
 from __future__ import annotations
 
 import math
-import re
 import shlex
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -27,7 +26,8 @@ IMPORT_PATH = "cluster.serve_app:app_builder"
 HOME = "/home/ray"              # the image's non-root user's home (uid 1000, like rayproject/ray)
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"  # set by NVIDIA GPU feature discovery / the GPU operator
 
-Name = Annotated[str, StringConstraints(pattern=r"^[a-z]([-a-z0-9]*[a-z0-9])?$", max_length=40)]
+Name = Annotated[str, StringConstraints(pattern=r"^[a-z]([-a-z0-9]*[a-z0-9])?$", max_length=40)]  # what we create
+Ref = Annotated[str, StringConstraints(pattern=r"^[a-z0-9]([-.a-z0-9]*[a-z0-9])?$", max_length=253)]  # what exists
 Quantity = Annotated[str, StringConstraints(pattern=r"^([0-9]+(\.[0-9]+)?|\.[0-9]+)(m|[KMGTPE]i?)?$")]
 
 
@@ -37,7 +37,7 @@ class _Strict(BaseModel):
 
 class SecretRef(_Strict):
     """One key of a Kubernetes Secret, exposed to the pods as an environment variable."""
-    name: Name
+    name: Ref
     key: str
 
 
@@ -64,7 +64,7 @@ class WorkerConfig(_Strict):
 
 class StorageConfig(_Strict):
     """Weights are mounted (a PVC holding models and EAGLE heads) or downloaded at start, never baked."""
-    models_claim: Name | None = None          # PVC mounted read-only at models_path
+    models_claim: Ref | None = None           # PVC mounted read-only at models_path
     models_path: str = "/models"
     download: bool = False                    # fetch hub ids at start (EAGLE_ALLOW_DOWNLOAD=1)
     hf_token_secret: SecretRef | None = None  # HF_TOKEN for gated models
@@ -77,7 +77,7 @@ class KubeConfig(_Strict):
     namespace: Name | None = None
     image: str | None = None                  # None: eagle-serve:<version>-cpu|cuda
     image_pull_policy: Literal["IfNotPresent", "Always", "Never"] = "IfNotPresent"
-    image_pull_secrets: list[Name] = Field(default_factory=list)
+    image_pull_secrets: list[Ref] = Field(default_factory=list)
     ray_version: str = RAY_VERSION
     head: HeadConfig = HeadConfig()
     workers: WorkerConfig = WorkerConfig()
@@ -173,7 +173,7 @@ def load_serve_config(path: str | Path) -> ServeConfig:
 
 
 class DataVolume(_Strict):
-    claim: Name                               # PVC (ReadWriteMany: every node reads the dataset)
+    claim: Ref                                # PVC (ReadWriteMany: every node reads the dataset)
     path: str = "/data"
 
 
@@ -191,8 +191,8 @@ class JobConfig(_Strict):
     top_p: float | None = Field(None, gt=0, le=1)
     seed: int | None = None
     data_volume: DataVolume | None = None
-    storage_secret: Name | None = None        # Secret with object-store credentials (envFrom)
-    ttl_seconds_after_finished: int = Field(3600, ge=0)
+    storage_secret: Ref | None = None         # Secret with object-store credentials (envFrom)
+    ttl_seconds_after_finished: int = Field(60, ge=0)     # finished cluster kept for logs, then deleted
     active_deadline_seconds: int | None = Field(None, ge=1)
     backoff_limit: int = Field(0, ge=0)
 
