@@ -1,0 +1,275 @@
+"""`eaglectl submit-job` and `eaglectl job status|list|logs|cancel` (registered in jobs/cli.py).
+
+Without `--address` and `RAY_ADDRESS` a job runs right here on an embedded Ray; with one, it is
+submitted to that cluster through the Ray Jobs API and `job ...` follows it. Exit codes: 0 the job
+completed, 1 it failed, 2 bad input or settings (nothing generated), 130 cancelled.
+Also runnable as `python -m jobs.job_cli ...` (that is how the cluster runs the driver).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+import click
+
+EXIT_FAILED, EXIT_USAGE, EXIT_CANCELLED = 1, 2, 130
+
+
+def _setup_logging() -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
+    logging.getLogger("jobs").setLevel(logging.INFO)
+
+
+def _fail(msg: str, code: int = EXIT_USAGE):
+    click.echo(f"error: {msg}", err=True)
+    sys.exit(code)
+
+
+def _address(address: str | None) -> str | None:
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    return None if address in (None, "local") else address
+
+
+def _run_local(cfg, ray_address: str) -> None:
+    """Run the driver in this process; exits with the job's code."""
+    from jobs.input_reader import InputError
+    from jobs.job_config import JobConfigError
+    from jobs.output_writer import OutputError
+    from jobs.progress import summary
+    from jobs.replica_pool import JobFailed
+    from jobs.runner import run_job
+
+    _setup_logging()
+    try:
+        manifest = run_job(cfg, ray_address=ray_address)
+    except (InputError, JobConfigError, OutputError) as e:
+        _fail(str(e))
+    except JobFailed as e:
+        _fail(f"job failed: {e}", EXIT_FAILED)
+    except KeyboardInterrupt:
+        _fail("interrupted; committed rows are kept, run the same command again to resume", EXIT_CANCELLED)
+    click.echo(summary(manifest))
+    if manifest["status"] == "cancelled":
+        sys.exit(EXIT_CANCELLED)
+
+
+@click.command("submit-job")
+@click.argument("input", metavar="INPUT")
+@click.option("--output", "-o", help="Output folder [default: <input name>.out next to the input].")
+@click.option("--format", "fmt", type=click.Choice(["auto", "parquet", "openai-batch"]), default="auto",
+              show_default=True, help="Output format; auto = openai-batch for .jsonl input, else parquet.")
+@click.option("--model", help="Built-in name, local folder or hub id [default: gemma-3-270m].")
+@click.option("--draft", help="EAGLE head: auto (the model's, when the engine has one), none, or a path [default: auto].")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]))
+@click.option("--device", type=click.Choice(["cpu", "cuda"]))
+@click.option("--max-tokens", type=int, help="Per-row default, overridden by a max_tokens column [default: 256].")
+@click.option("--temperature", type=float, help="[default: 0.0]")
+@click.option("--top-p", type=float, help="[default: 1.0]")
+@click.option("--top-k", type=int, help="[default: -1, off]")
+@click.option("--seed", type=int, help="Seed for every row [default: one derived from each row's id].")
+@click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--max-model-len", type=int)
+@click.option("--replicas", type=int, help="Engine replicas [default: 1].")
+@click.option("--tp-size", type=int, help="Tensor-parallel ranks per replica [default: 1].")
+@click.option("--cpus-per-replica", type=float, help="[default: the cluster's CPUs split over the replicas]")
+@click.option("--max-num-seqs", type=int, help="Batch size of each engine [default: 64].")
+@click.option("--max-in-flight", type=int, help="Rows queued per replica [default: 2 x max-num-seqs].")
+@click.option("--keep-columns", is_flag=True, help="Carry the input's other columns into the output.")
+@click.option("--overwrite", is_flag=True, help="Delete existing output instead of resuming it.")
+@click.option("--rows-per-file", type=int, help="Rows per committed output file [default: 10000].")
+@click.option("--commit-interval", "commit_interval_s", type=float, help="Commit at least every N seconds [default: 30].")
+@click.option("--engine", hidden=True)
+@click.option("--address", help="Ray cluster (dashboard http://head:8265, or RAY_ADDRESS); none = run here.")
+@click.option("--job-id", help="Submission id on the cluster [default: generated].")
+@click.option("--wait/--no-wait", default=True, show_default=True, help="On a cluster: follow the job until it ends.")
+def submit_job(input, fmt, stop, address, job_id, wait, **opts):
+    """Generate completions for every row of INPUT (Parquet file, folder or glob; or OpenAI Batch JSONL)."""
+    from jobs.job_config import JobConfig, JobConfigError
+
+    try:
+        cfg = JobConfig.from_options(input=input, format=fmt, stop=list(stop) or None, **opts).absolute()
+    except JobConfigError as e:
+        _fail(str(e))
+    address = _address(address)
+    if address is None:
+        _run_local(cfg, "local")
+        return
+    _submit_remote(cfg, address, job_id, wait)
+
+
+def _submit_remote(cfg, address: str, job_id: str | None, wait: bool) -> None:
+    from jobs import ray_jobs
+    from jobs.input_reader import InputError, open_input
+
+    if Path(cfg.input).exists():   # a path we can see: check it now rather than on the cluster
+        try:
+            open_input(cfg.input, cfg.keep_columns, exclude=cfg.output)
+        except InputError as e:
+            _fail(str(e))
+    try:
+        jid = ray_jobs.submit(address, cfg, job_id)
+    except ConnectionError as e:
+        _fail(str(e), EXIT_FAILED)
+    click.echo(f"submitted job {jid} to {ray_jobs.jobs_address(address)}; output: {cfg.output}")
+    click.echo(f"follow it with: eaglectl job status {jid} --address {address} --follow")
+    if not wait:
+        return
+    try:
+        ray_jobs.tail_logs(address, jid, lambda s: click.echo(s, nl=False))
+        st = ray_jobs.wait(address, jid, poll_s=1.0)
+    except KeyboardInterrupt:
+        click.echo(f"\nstopped following; job {jid} keeps running (eaglectl job cancel {jid} to stop it)", err=True)
+        sys.exit(EXIT_CANCELLED)
+    click.echo(f"job {jid}: {st['status']}" + (f" ({st['message']})" if st.get("message") else ""))
+    sys.exit(0 if st["status"] == "SUCCEEDED" else EXIT_FAILED)
+
+
+@click.command("run-job", hidden=True)
+@click.option("--config-json", required=True)
+@click.option("--address", default="auto", show_default=True)
+def run_job_cmd(config_json, address):
+    """The job driver on a cluster (the Ray job entrypoint)."""
+    from jobs.job_config import JobConfig
+
+    cfg = JobConfig.model_validate_json(config_json)
+    _run_local(cfg, address)
+
+
+# ---- following jobs -----------------------------------------------------------------------------
+def _need_address(address: str | None) -> str:
+    a = _address(address)
+    if a is None:
+        _fail("needs --address or RAY_ADDRESS (the cluster's dashboard, e.g. http://head:8265); "
+              "jobs without one run in the foreground and their status is in <output>/_manifest.json")
+    return a
+
+
+def _manifest_line(output: str | None) -> str | None:
+    from jobs.output_writer import read_manifest
+    from jobs.progress import summary
+
+    if output and Path(output).is_dir():
+        m = read_manifest(output)
+        if m:
+            return summary(m)
+    return None
+
+
+@click.group("job")
+def job():
+    """Follow jobs submitted to a Ray cluster (status, list, logs, cancel)."""
+
+
+_address_opt = click.option("--address", help="Ray cluster dashboard (http://head:8265) [default: RAY_ADDRESS].")
+
+
+@job.command("status")
+@click.argument("job_id", metavar="JOB")
+@_address_opt
+@click.option("--follow", "-f", is_flag=True, help="Wait until the job ends; exit 0 only if it succeeded.")
+@click.option("--json", "as_json", is_flag=True)
+def job_status(job_id, address, follow, as_json):
+    """Status of JOB (a submission id, or a local output folder)."""
+    from jobs import ray_jobs
+
+    if Path(job_id).is_dir() and _address(address) is None:   # a local job's output folder
+        line = _manifest_line(job_id)
+        if line is None:
+            _fail(f"{job_id}: no job manifest there")
+        click.echo(line)
+        return
+    address = _need_address(address)
+
+    def show(st):
+        if as_json:
+            click.echo(json.dumps(st, default=str))
+        else:
+            msg = f" ({st['message']})" if st.get("message") else ""
+            click.echo(f"{st['job_id']}: {st['status']}{msg}")
+            line = _manifest_line(st["metadata"].get("output"))
+            if line:
+                click.echo(line)
+    try:
+        st = ray_jobs.wait(address, job_id, on_change=show) if follow else ray_jobs.info(address, job_id)
+    except ConnectionError as e:
+        _fail(str(e), EXIT_FAILED)
+    except RuntimeError as e:
+        _fail(f"job {job_id}: {e}", EXIT_FAILED)
+    if not follow:
+        show(st)
+    if follow:
+        sys.exit(0 if st["status"] == "SUCCEEDED" else EXIT_FAILED)
+
+
+@job.command("list")
+@_address_opt
+@click.option("--all", "show_all", is_flag=True, help="Include Ray jobs that are not eaglectl jobs.")
+@click.option("--json", "as_json", is_flag=True)
+def job_list(address, show_all, as_json):
+    """Jobs on the cluster, oldest first."""
+    from jobs import ray_jobs
+
+    try:
+        jobs = ray_jobs.list_jobs(_need_address(address))
+    except ConnectionError as e:
+        _fail(str(e), EXIT_FAILED)
+    if not show_all:
+        jobs = [j for j in jobs if j["metadata"].get("eagle_job")]
+    if as_json:
+        click.echo(json.dumps(jobs, default=str))
+        return
+    for j in jobs:
+        md = j["metadata"]
+        click.echo(f"{j['job_id']}\t{j['status']}\t{md.get('input', j['entrypoint'][:60])} -> {md.get('output', '')}")
+
+
+@job.command("logs")
+@click.argument("job_id", metavar="JOB")
+@_address_opt
+@click.option("--follow", "-f", is_flag=True, help="Keep printing until the job ends.")
+def job_logs(job_id, address, follow):
+    """The driver's log of JOB (progress lines and summary)."""
+    from jobs import ray_jobs
+
+    address = _need_address(address)
+    try:
+        if follow:
+            ray_jobs.tail_logs(address, job_id, lambda s: click.echo(s, nl=False))
+        else:
+            click.echo(ray_jobs.logs(address, job_id), nl=False)
+    except ConnectionError as e:
+        _fail(str(e), EXIT_FAILED)
+    except RuntimeError as e:
+        _fail(f"job {job_id}: {e}", EXIT_FAILED)
+
+
+@job.command("cancel")
+@click.argument("job_id", metavar="JOB")
+@_address_opt
+def job_cancel(job_id, address):
+    """Stop JOB; committed rows stay, and submitting the same job again resumes it."""
+    from jobs import ray_jobs
+
+    try:
+        stopped = ray_jobs.stop(_need_address(address), job_id)
+    except ConnectionError as e:
+        _fail(str(e), EXIT_FAILED)
+    except RuntimeError as e:
+        _fail(f"job {job_id}: {e}", EXIT_FAILED)
+    click.echo(f"{job_id}: {'stopping' if stopped else 'already finished'}")
+
+
+@click.group()
+def main() -> None:
+    """Offline generation jobs (the same commands as in eaglectl)."""
+
+
+main.add_command(submit_job)
+main.add_command(job)
+main.add_command(run_job_cmd)
+
+if __name__ == "__main__":
+    main()

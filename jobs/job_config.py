@@ -1,0 +1,165 @@
+"""JobConfig: one offline generation job, validated once at the edge (CLI flags, Ray job entrypoint).
+
+The same JSON travels from `eaglectl submit-job` to the driver, whether the driver runs here or as
+a Ray job on a cluster, so the config is plain data: paths are made absolute on the client and
+nothing in it imports Ray or the engine. `generation_fingerprint()` is what a resumed run must
+share with the run that wrote the existing output (same model, same sampling, same columns), so a
+resume never mixes two different jobs' rows in one dataset.
+"""
+from __future__ import annotations
+
+import glob as _glob
+import importlib.util
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+JSONL_SUFFIXES = (".jsonl", ".ndjson")
+
+
+class JobConfigError(ValueError):
+    """A job that cannot run; the message says which setting and why."""
+
+
+class JobConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    # what to read and where to write
+    input: str
+    output: str | None = Field(None, description="output folder; default `<input name>.out/` next to the input")
+    format: Literal["auto", "parquet", "openai-batch"] = "auto"
+    keep_columns: bool = False
+    overwrite: bool = False
+
+    # the model
+    model: str = "gemma-3-270m"
+    draft: str = Field("auto", description="'auto' (the model's EAGLE head when the engine has one), 'none', or a path")
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    device: Literal["cpu", "cuda"] = "cpu"
+    engine: str = Field("eagle_worker", description="module exposing LLMEngine/EngineConfig/SamplingParams")
+    chat_template: str | None = None
+    max_model_len: int | None = Field(None, ge=16)
+
+    # sampling defaults (per-row columns override them)
+    max_tokens: int = Field(256, ge=1)
+    temperature: float = Field(0.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1)
+    seed: int | None = None
+    stop: list[str] | None = None
+
+    # execution
+    replicas: int = Field(1, ge=1)
+    tp_size: int = Field(1, ge=1)
+    cpus_per_replica: float | None = Field(None, gt=0, description="default: the CPUs of the cluster split evenly")
+    max_num_seqs: int = Field(64, ge=1)
+    max_in_flight: int | None = Field(None, ge=1, description="rows sent to one replica at once; default 2*max_num_seqs")
+    max_row_retries: int = Field(2, ge=0, description="re-runs of a row whose replica died")
+    max_replica_restarts: int | None = Field(None, ge=0, description="default: 2 per replica")
+    startup_timeout_s: float = Field(900.0, gt=0)
+
+    # committing output
+    rows_per_file: int = Field(10_000, ge=1)
+    row_group_rows: int = Field(1_000, ge=1)
+    commit_interval_s: float = Field(30.0, gt=0, description="a file is committed at least this often")
+    read_batch_rows: int = Field(256, ge=1)
+    log_interval_s: float = Field(10.0, gt=0)
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_list(cls, v):
+        if isinstance(v, str):
+            return [v]
+        return v or None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "JobConfig":
+        if self.row_group_rows > self.rows_per_file:
+            self.row_group_rows = self.rows_per_file
+        if self.max_model_len is not None and self.max_tokens >= self.max_model_len:
+            raise ValueError(f"max_tokens ({self.max_tokens}) must be < max_model_len ({self.max_model_len})")
+        return self
+
+    # ---- derived values --------------------------------------------------------------------
+    @property
+    def in_flight_per_replica(self) -> int:
+        """Enough queued rows that a replica never waits for the driver between two steps."""
+        return self.max_in_flight or 2 * self.max_num_seqs
+
+    @property
+    def replica_restarts(self) -> int:
+        return 2 * self.replicas if self.max_replica_restarts is None else self.max_replica_restarts
+
+    def input_is_jsonl(self) -> bool:
+        return self.input.lower().endswith(JSONL_SUFFIXES)
+
+    def output_format(self) -> str:
+        if self.format != "auto":
+            return self.format
+        return "openai-batch" if self.input_is_jsonl() else "parquet"
+
+    def resolved_draft(self) -> str | None:
+        """None (plain decoding), or what the engine's `EngineConfig.draft` gets."""
+        if self.draft == "none":
+            return None
+        if self.draft == "auto":
+            return "default" if engine_has_eagle(self.engine) else None
+        return self.draft
+
+    def generation_fingerprint(self) -> dict:
+        """Settings that change what a row's output is; a resume must match them."""
+        return {k: getattr(self, k) for k in ("model", "dtype", "engine", "chat_template", "max_model_len",
+                                              "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+                                              "keep_columns")} | {
+            "draft": self.resolved_draft(), "format": self.output_format()}
+
+    def absolute(self) -> "JobConfig":
+        """Paths made absolute and the default output filled in (before shipping to a cluster)."""
+        inp = os.path.abspath(os.path.expanduser(self.input))
+        out = os.path.abspath(os.path.expanduser(self.output or default_output(inp)))
+        return self.model_copy(update={"input": inp, "output": out})
+
+    @classmethod
+    def from_options(cls, **kwargs) -> "JobConfig":
+        """Build from CLI options (None = use the default), raising JobConfigError with field names."""
+        try:
+            return cls(**{k: v for k, v in kwargs.items() if v is not None})
+        except ValidationError as e:
+            lines = [f"{'.'.join(map(str, err['loc'])) or 'config'}: {err['msg'].removeprefix('Value error, ')}"
+                     for err in e.errors()]
+            raise JobConfigError("invalid job settings:\n  " + "\n  ".join(lines)) from None
+
+
+def _is_glob(path: str) -> bool:
+    return _glob.has_magic(path)
+
+
+def glob_base(pattern: str) -> Path:
+    """The folder a glob is rooted at: its longest prefix without wildcards."""
+    parts = Path(pattern).parts
+    base = []
+    for p in parts:
+        if _glob.has_magic(p):
+            break
+        base.append(p)
+    return Path(*base) if base else Path(".")
+
+
+def default_output(input_path: str) -> str:
+    """`data/prompts.parquet` -> `data/prompts.out`; a folder `data/x/` -> `data/x.out`; a glob -> `<base>/job.out`."""
+    if _is_glob(input_path):
+        return str(glob_base(input_path) / "job.out")
+    p = Path(input_path)
+    if p.is_dir():
+        return str(p.parent / f"{p.name}.out")
+    return str(p.parent / f"{p.stem}.out")
+
+
+def engine_has_eagle(engine_module: str) -> bool:
+    """Whether the engine ships an EAGLE worker (eagle_worker/spec/eagle_worker.py, not there yet)."""
+    try:
+        return importlib.util.find_spec(f"{engine_module}.spec.eagle_worker") is not None
+    except (ImportError, ValueError):
+        return False

@@ -1,0 +1,117 @@
+"""Job progress: a bar on a terminal, periodic plain log lines otherwise (Ray job logs, CI), a summary.
+
+Rates are over this run only (rows skipped on resume are shown as done but do not inflate the
+throughput or the ETA). Tau = tokens produced per target forward over all rows so far (1.0 without
+a draft head).
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+
+
+def fmt_duration(s: float | None) -> str:
+    if s is None or s != s or s == float("inf"):
+        return "?"
+    s = int(s)
+    h, rem = divmod(s, 3600)
+    m, sec = divmod(rem, 60)
+    return f"{h}h{m:02d}m{sec:02d}s" if h else f"{m}m{sec:02d}s" if m else f"{sec}s"
+
+
+@dataclass
+class RunStats:
+    """What this run produced (rows counted when finished, whether committed yet or not)."""
+
+    rows: int = 0
+    error_rows: int = 0
+    completion_tokens: int = 0
+    decode_tokens: int = 0
+    forwards: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+    def add(self, rec: dict) -> None:
+        self.rows += 1
+        if rec.get("error") is not None:
+            self.error_rows += 1
+            return
+        self.completion_tokens += rec.get("completion_tokens") or 0
+        f = rec.get("forwards") or 0
+        self.forwards += f
+        self.decode_tokens += round((rec.get("accepted_tokens_per_step") or 1.0) * f)
+
+    @property
+    def elapsed(self) -> float:
+        return max(1e-9, time.monotonic() - self.started)
+
+    @property
+    def tau(self) -> float:
+        return self.decode_tokens / self.forwards if self.forwards else 1.0
+
+    @property
+    def rows_per_s(self) -> float:
+        return self.rows / self.elapsed
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.completion_tokens / self.elapsed
+
+
+class Progress:
+    def __init__(self, total: int, initial: int, interval_s: float = 10.0, stream=None, tty: bool | None = None):
+        self.total, self.initial = total, initial
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty() if tty is None else tty
+        self.interval_s = interval_s
+        self._last_log = time.monotonic()
+        self._bar = None
+        if self.tty:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, initial=initial, unit="row", file=self.stream, dynamic_ncols=True,
+                             smoothing=0.1)
+
+    def update(self, stats: RunStats, extra: str = "", force: bool = False) -> None:
+        done = self.initial + stats.rows
+        if self._bar is not None:
+            self._bar.n = done
+            self._bar.set_postfix_str(f"{stats.tokens_per_s:.0f} tok/s, tau {stats.tau:.2f}, "
+                                      f"{stats.error_rows} errors{extra}", refresh=False)
+            self._bar.refresh()
+            return
+        now = time.monotonic()
+        if force or now - self._last_log >= self.interval_s:
+            self._last_log = now
+            print(self.line(stats) + extra, file=self.stream, flush=True)
+
+    def line(self, stats: RunStats) -> str:
+        done = self.initial + stats.rows
+        pct = 100.0 * done / self.total if self.total else 100.0
+        left = max(0, self.total - done)
+        eta = left / stats.rows_per_s if stats.rows else None
+        return (f"rows {done}/{self.total} ({pct:.1f}%) | {stats.rows_per_s:.1f} rows/s | "
+                f"{stats.tokens_per_s:.1f} tok/s | tau {stats.tau:.2f} | errors {stats.error_rows} | "
+                f"ETA {fmt_duration(eta)}")
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+def summary(manifest: dict) -> str:
+    """The end-of-job report, from the manifest."""
+    run = (manifest.get("runs") or [{}])[-1]
+    lines = [
+        f"job {manifest.get('status')}: {manifest.get('rows', 0)}/{manifest.get('input_rows', 0)} rows in "
+        f"{manifest.get('output')} ({manifest.get('error_rows', 0)} error rows, "
+        f"{manifest.get('duplicate_ids_skipped', 0)} duplicate ids skipped)",
+        f"this run: {run.get('rows', 0)} rows in {fmt_duration(run.get('wall_s'))} | "
+        f"{run.get('rows_per_s', 0):.2f} rows/s | {run.get('output_tokens_per_s', 0):.1f} output tok/s | "
+        f"tau {run.get('tau', 1.0):.2f} | {run.get('replicas', 0)} replica(s) | "
+        f"driver peak RSS {run.get('driver_peak_rss_mb', 0):.0f} MB",
+    ]
+    if manifest.get("error"):
+        lines.append(f"error: {manifest['error']}")
+    return "\n".join(lines)

@@ -1,0 +1,240 @@
+"""The job's engine replicas: `cluster.replica.EngineReplica` actors driven straight from the job driver.
+
+Why not through Ray Serve and its router: an offline job wants whole results, not token streams,
+and owns its replicas for its lifetime. Going through a Serve handle would stream every step of
+every row through a second process. Here each replica is the cluster layer's `EngineReplica` (same
+engine thread, same command queue, same rejection handling, offline priority 1) with one extra
+method, `generate`, that consumes the stream inside the actor and returns one small dict per row.
+
+Distribution: each row goes to the ready replica with the fewest rows in flight, and a replica
+holds at most `in_flight_per_replica` rows (2x its batch by default), so every engine always has
+its next rows queued while the driver holds only a bounded window of work.
+
+Failures: a replica that dies (actor lost, node lost, engine loop crashed) is killed and replaced
+(at most `replica_restarts` times per job); its in-flight rows go back to the driver, which sends
+them again: nothing was written for them, so nothing is lost or duplicated. A row whose replicas
+keep dying is written as an error row after `max_row_retries` re-runs.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.exceptions import ActorUnavailableError, RayActorError
+
+from cluster.config import Limits, RankResources, ServeConfig
+from cluster.replica import EngineDiedError, EngineReplica, Rejected
+from jobs.input_reader import Row
+from jobs.job_config import JobConfig
+
+logger = logging.getLogger(__name__)
+OFFLINE_PRIORITY = 1
+
+
+class JobFailed(RuntimeError):
+    """The job cannot go on (no replica can start, every restart used); committed output stays."""
+
+
+class JobReplica(EngineReplica):
+    """EngineReplica plus a whole-result call for batch work."""
+
+    async def generate(self, request_id: str, prompt, params: dict, messages: list[dict] | None = None,
+                       priority: int = OFFLINE_PRIORITY) -> dict[str, Any]:
+        last = None
+        async for out in self.submit(request_id, prompt, params, priority=priority, messages=messages):
+            if isinstance(out, Rejected):
+                return {"error": out.message, "error_param": out.param}
+            last = out
+        m = last.metrics or {}
+        return {"text": last.text, "finish_reason": last.finish_reason,
+                "prompt_tokens": len(last.prompt_token_ids), "completion_tokens": len(last.token_ids),
+                "accepted_tokens_per_step": float(m.get("mean_accepted_tokens", 1.0)),
+                "latency_s": m.get("latency_s"), "forwards": int(m.get("num_target_forwards", 0))}
+
+    def info(self) -> dict[str, Any]:
+        return {"replica_id": self.replica_id, "node_ip": ray.util.get_node_ip_address(),
+                "max_model_len": self.max_model_len}
+
+
+def serve_config(cfg: JobConfig, cpus: float) -> ServeConfig:
+    """The cluster layer's replica config for this job's engine."""
+    limits = dict(max_num_seqs=cfg.max_num_seqs)
+    if cfg.max_model_len is not None:
+        limits.update(max_model_len=cfg.max_model_len, max_tokens=cfg.max_model_len - 1)
+    return ServeConfig(model=cfg.model, draft=cfg.resolved_draft(), dtype=cfg.dtype, device=cfg.device,
+                       engine=cfg.engine, tp_size=cfg.tp_size, chat_template=cfg.chat_template,
+                       limits=Limits(**limits),
+                       resources_per_rank=RankResources(cpu=cpus, gpu=1 if cfg.device == "cuda" else 0))
+
+
+def default_cpus_per_replica(cfg: JobConfig) -> float:
+    """The cluster's CPUs split evenly over the replicas, no more than the biggest node has."""
+    if cfg.cpus_per_replica is not None:
+        return cfg.cpus_per_replica
+    if cfg.device == "cuda":
+        return 1.0
+    total = ray.cluster_resources().get("CPU", 1.0)
+    biggest = max((n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n.get("Alive")), default=total)
+    return float(max(1, int(min(biggest, total // (cfg.replicas * cfg.tp_size)))))
+
+
+@dataclass
+class _Replica:
+    index: int
+    actor: Any
+    ready_ref: Any = None            # set while starting
+    info: dict = field(default_factory=dict)
+    in_flight: int = 0
+    dead: bool = False
+    pg: Any = None
+
+    @property
+    def ready(self) -> bool:
+        return self.ready_ref is None and not self.dead
+
+
+@dataclass
+class _Call:
+    row: Row
+    replica: _Replica
+    sent_at: float
+
+
+class ReplicaPool:
+    def __init__(self, cfg: JobConfig):
+        self.cfg = cfg
+        self.cpus = default_cpus_per_replica(cfg)
+        self.serve_cfg = serve_config(cfg, self.cpus).model_dump(mode="json")
+        self.replicas: list[_Replica] = []
+        self.calls: dict[Any, _Call] = {}   # ObjectRef -> call
+        self.restarts_left = cfg.replica_restarts
+        self.started_at = time.monotonic()
+        self.last_error: str | None = None
+        self._cls = ray.remote(JobReplica)
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        for i in range(self.cfg.replicas):
+            self.replicas.append(self._spawn(i))
+
+    def _spawn(self, index: int) -> _Replica:
+        opts: dict[str, Any] = dict(num_cpus=self.cpus, max_restarts=0, max_concurrency=4 * self.cfg.in_flight_per_replica,
+                                    scheduling_strategy="SPREAD")
+        if self.cfg.device == "cuda":
+            opts["num_gpus"] = 1
+        pg = None
+        if self.cfg.tp_size > 1:  # rank 0 (this actor) in bundle 0, the other ranks in the rest
+            from ray.util.placement_group import placement_group
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            bundle = {"CPU": self.cpus, **({"GPU": 1} if self.cfg.device == "cuda" else {})}
+            pg = placement_group([dict(bundle) for _ in range(self.cfg.tp_size)], strategy="PACK")
+            opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                placement_group=pg, placement_group_bundle_index=0, placement_group_capture_child_tasks=True)
+        actor = self._cls.options(**opts).remote(self.serve_cfg)
+        return _Replica(index, actor, ready_ref=actor.info.remote(), pg=pg)
+
+    def shutdown(self) -> None:
+        for r in self.replicas:
+            self._kill(r)
+        self.calls.clear()
+
+    def _kill(self, r: _Replica) -> None:
+        r.dead = True
+        try:
+            ray.kill(r.actor, no_restart=True)
+        except Exception:  # already gone
+            pass
+        if r.pg is not None:
+            ray.util.remove_placement_group(r.pg)
+            r.pg = None
+
+    # ---- dispatch ----------------------------------------------------------------------------
+    @property
+    def num_ready(self) -> int:
+        return sum(r.ready for r in self.replicas)
+
+    def free_slots(self) -> int:
+        limit = self.cfg.in_flight_per_replica
+        return sum(limit - r.in_flight for r in self.replicas if r.ready)
+
+    def submit(self, row: Row, params: dict) -> None:
+        r = min((r for r in self.replicas if r.ready), key=lambda r: r.in_flight)
+        rid = row.id if not row.attempts else f"{row.id}#retry{row.attempts}"
+        ref = r.actor.generate.remote(rid, row.prompt, params, messages=row.messages, priority=OFFLINE_PRIORITY)
+        r.in_flight += 1
+        self.calls[ref] = _Call(row, r, time.monotonic())
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.calls)
+
+    # ---- collecting --------------------------------------------------------------------------
+    def poll(self, timeout: float) -> tuple[list[tuple[Row, dict]], list[Row]]:
+        """(finished rows with results, rows to send again because their replica died)."""
+        starting = {r.ready_ref: r for r in self.replicas if r.ready_ref is not None and not r.dead}
+        waitable = list(self.calls) + list(starting)
+        if not waitable:
+            time.sleep(min(timeout, 0.05))
+            return [], []
+        ready, rest = ray.wait(waitable, num_returns=1, timeout=timeout)
+        if ready and rest:
+            more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
+            ready += more
+        done, retry = [], []
+        for ref in ready:
+            if ref in starting:
+                self._on_started(starting[ref], ref)
+                continue
+            call = self.calls.pop(ref)
+            call.replica.in_flight -= 1
+            try:
+                done.append((call.row, ray.get(ref)))
+            except (RayActorError, ActorUnavailableError, EngineDiedError) as e:
+                self._on_death(call.replica, e)
+                retry.append(call.row)
+            except Exception as e:  # a bug on one row: report it on that row, keep going
+                done.append((call.row, {"error": f"internal error: {type(e).__name__}: {_first_line(e)}"}))
+        self._check_startup()
+        return done, retry
+
+    def _on_started(self, r: _Replica, ref) -> None:
+        try:
+            r.info = ray.get(ref)
+            r.ready_ref = None
+            logger.info("replica %d ready on %s (%s CPUs)", r.index, r.info.get("node_ip"), self.cpus)
+        except Exception as e:
+            self.last_error = f"replica {r.index} failed to start: {_first_line(e)}"
+            logger.error("%s", self.last_error)
+            self._on_death(r, e)
+
+    def _on_death(self, r: _Replica, err: BaseException) -> None:
+        if r.dead:
+            return
+        logger.warning("replica %d died (%s); %d rows in flight there go back to the queue",
+                       r.index, _first_line(err), r.in_flight)
+        self._kill(r)
+        if self.restarts_left > 0:
+            self.restarts_left -= 1
+            self.replicas[self.replicas.index(r)] = self._spawn(r.index)
+        self.last_error = self.last_error or _first_line(err)
+
+    def _check_startup(self) -> None:
+        alive = [r for r in self.replicas if not r.dead]
+        if not alive:
+            raise JobFailed(f"no replica left ({self.last_error or 'all died'}); committed output is kept, "
+                            "run the same command again to resume")
+        if not any(r.ready for r in alive) and time.monotonic() - self.started_at > self.cfg.startup_timeout_s:
+            raise JobFailed(f"no replica became ready within {self.cfg.startup_timeout_s:.0f}s; each needs "
+                            f"{self.cpus} CPUs (--cpus-per-replica) and the cluster has "
+                            f"{ray.cluster_resources().get('CPU', 0)}")
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip() or type(e).__name__
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    # Ray wraps remote errors in a traceback; the last line holds the actual message
+    return (lines[-1] if len(lines) > 1 else lines[0])[:500]

@@ -1,0 +1,265 @@
+"""The job driver: stream rows in, keep every replica busy, write results out, exactly once.
+
+One loop, one thread: pull rows from the input until the replicas' free slots are covered, send
+them, collect whatever finished (ray.wait), hand results to the part writer, commit on schedule.
+Memory is bounded by design: one input batch, the rows in flight (replicas x in_flight), one
+output row group, and 16 bytes per row id seen.
+
+Exactly once: the committed output files are the only record of progress. At start their ids are
+read (`OutputDir.open`) and those rows are skipped; a row is handed to the writer once (rows lost
+to a dead replica were never handed over, so they are simply sent again); a temp file is renamed
+into place whole. So whenever the driver dies (SIGKILL included), a rerun redoes exactly the rows
+that were not committed. Ray starts lazily, at the first row that needs generating, so resuming a
+finished job costs no model load.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import resource
+import signal
+import socket
+import time
+from collections import deque
+
+import psutil
+
+from jobs.id_set import IdSet
+from jobs.input_reader import Row, iter_rows, open_input
+from jobs.job_config import JobConfig, JobConfigError
+from jobs.output_writer import OutputDir, PartWriter, new_run_id, output_schema
+from jobs.progress import Progress, RunStats
+
+logger = logging.getLogger(__name__)
+_EMPTY = {"text": None, "finish_reason": None, "prompt_tokens": None, "completion_tokens": None,
+          "accepted_tokens_per_step": None, "latency_s": None, "error": None}
+
+
+def row_seed(row_id: str) -> int:
+    """A stable per-row seed: sampled rows come out the same on a resume as on the first run."""
+    return int.from_bytes(hashlib.blake2b(row_id.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "big") >> 2
+
+
+def row_params(cfg: JobConfig, row: Row) -> dict:
+    p = {"max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k,
+         "seed": cfg.seed, "stop": cfg.stop}
+    p.update(row.params)
+    if isinstance(p["stop"], str):
+        p["stop"] = [p["stop"]]
+    if p["seed"] is None:
+        p["seed"] = row_seed(row.id)
+    return p
+
+
+def _rss_mb() -> float:
+    return psutil.Process().memory_info().rss / 2**20
+
+
+class JobRunner:
+    def __init__(self, cfg: JobConfig, ray_address: str = "local", progress_stream=None):
+        self.cfg = cfg.absolute()
+        self.ray_address = ray_address
+        self.progress_stream = progress_stream
+        self.fmt = self.cfg.output_format()
+        if self.fmt == "openai-batch" and self.cfg.keep_columns:
+            raise JobConfigError("--keep-columns has no place in the OpenAI Batch output format; use --format parquet")
+        self.run_id = new_run_id()
+        self.stats = RunStats()
+        self.pool = None
+        self.stopping: str | None = None
+        self.duplicates = self.skipped_done = 0
+        self.rss_peak = self.rss_at_10pct = 0.0
+        self._owns_ray = False
+
+    # ---- the whole job -----------------------------------------------------------------------
+    def run(self) -> dict:
+        """Run to completion (or cancellation/failure); returns the final manifest."""
+        self.plan = open_input(self.cfg.input, self.cfg.keep_columns, exclude=self.cfg.output)  # before any model
+        self.out = OutputDir(self.cfg.output, self.fmt)
+        try:
+            self.done_ids, self.prior = self.out.open(self.cfg.generation_fingerprint(), self.cfg.overwrite)
+            self.writer = PartWriter(self.out, output_schema(self.plan.kept), self.run_id, self.cfg.rows_per_file,
+                                     self.cfg.row_group_rows, self.cfg.commit_interval_s,
+                                     on_commit=lambda: self._write_manifest("running"))
+            self.started_at = time.time()
+            self._write_manifest("running")
+            if len(self.done_ids):
+                logger.info("resuming: %d rows already in %s", len(self.done_ids), self.cfg.output)
+            status, error = "completed", None
+            old = self._install_signals()
+            try:
+                self._loop()
+                status = "cancelled" if self.stopping else "completed"
+            except BaseException as e:
+                status, error = "failed", f"{type(e).__name__}: {e}"
+                raise
+            finally:
+                self._restore_signals(old)
+                if self.pool is not None:
+                    self.pool.shutdown()
+                self.writer.commit()   # rows that finished are good whatever happened to the rest
+                manifest = self._write_manifest(status, error)
+                if self.progress:
+                    self.progress.close()
+                self._shutdown_ray()
+        finally:
+            self.out.close()
+        return manifest
+
+    def _loop(self) -> None:
+        cfg = self.cfg
+        rows = iter_rows(self.plan, cfg.read_batch_rows)
+        self.seen = IdSet()
+        queue: deque[Row] = deque()
+        exhausted = False
+        total = self.plan.total_rows
+        self.progress = Progress(total, min(len(self.done_ids), total), cfg.log_interval_s, self.progress_stream)
+        while True:
+            want = max(1, self.pool.free_slots()) if self.pool is not None and self.pool.num_ready else 1
+            while not exhausted and not self.stopping and len(queue) < want:
+                row = next(rows, None)
+                if row is None:
+                    exhausted = True
+                elif self._admit(row):
+                    queue.append(row)
+            if queue and self.pool is None and not self.stopping:
+                self._start_pool()
+            while queue and self.pool is not None and self.pool.num_ready and self.pool.free_slots() > 0 \
+                    and not self.stopping:
+                row = queue.popleft()
+                self.pool.submit(row, row_params(cfg, row))
+            in_flight = self.pool.in_flight if self.pool is not None else 0
+            if self.stopping or (exhausted and not queue and not in_flight):
+                return
+            if self.pool is not None:
+                done, lost = self.pool.poll(timeout=0.5)
+                for row, res in done:
+                    self._emit(row, res)
+                for row in reversed(lost):
+                    row.attempts += 1
+                    if row.attempts > cfg.max_row_retries:
+                        self._emit(row, {"error": f"the replica running this row died {row.attempts} times"})
+                    else:
+                        queue.appendleft(row)
+            if self.writer.due():
+                self.writer.commit()
+            self._sample_rss(total)
+            starting = self.pool is not None and not self.pool.num_ready
+            self.progress.update(self.stats, " | waiting for replicas to load the model" if starting else "")
+
+    def _admit(self, row: Row) -> bool:
+        """False for rows not to send: already committed, duplicate id, or bad (written as error now)."""
+        if not self.seen.add(row.id):
+            self.duplicates += 1
+            if self.duplicates <= 5:
+                logger.warning("duplicate id %r in the input: only its first row is generated", row.id)
+            return False
+        if row.id in self.done_ids:
+            self.skipped_done += 1
+            return False
+        if row.error is not None:
+            self._emit(row, {"error": row.error})
+            return False
+        return True
+
+    def _emit(self, row: Row, res: dict) -> None:
+        rec = {"id": row.id, **_EMPTY, **res, **row.extra, "chat": row.chat, "model": row.model or self.cfg.model}
+        self.writer.add(rec)
+        self.stats.add(rec)
+
+    # ---- Ray and replicas --------------------------------------------------------------------
+    def _start_pool(self) -> None:
+        import ray
+
+        from jobs.replica_pool import ReplicaPool
+
+        if not ray.is_initialized():
+            self._owns_ray = True
+            if self.ray_address == "local":
+                ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False,
+                         namespace="eagle-jobs", logging_level=logging.WARNING)
+            else:
+                ray.init(address=self.ray_address, namespace="eagle-jobs", logging_level=logging.WARNING)
+        self.pool = ReplicaPool(self.cfg)
+        self.pool.start()
+        logger.info("starting %d replica(s) of %s (draft: %s, %s CPUs each)", self.cfg.replicas, self.cfg.model,
+                    self.cfg.resolved_draft() or "none", self.pool.cpus)
+
+    def _shutdown_ray(self) -> None:
+        if self._owns_ray:
+            import ray
+
+            ray.shutdown()
+            self._owns_ray = False
+
+    # ---- signals -----------------------------------------------------------------------------
+    def _install_signals(self):
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return None
+
+        def handler(signum, frame):
+            if self.stopping:      # second signal: stop now
+                raise KeyboardInterrupt
+            self.stopping = signal.Signals(signum).name
+            logger.warning("%s: stopping; finished rows are committed, the rest is redone on resume",
+                           self.stopping)
+        return {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def _restore_signals(self, old) -> None:
+        for s, h in (old or {}).items():
+            signal.signal(s, h)
+
+    # ---- bookkeeping -------------------------------------------------------------------------
+    progress: Progress | None = None
+
+    def _sample_rss(self, total: int) -> None:
+        rss = _rss_mb()
+        self.rss_peak = max(self.rss_peak, rss)
+        if not self.rss_at_10pct and self.stats.rows >= max(1, total // 10):
+            self.rss_at_10pct = rss
+
+    def _write_manifest(self, status: str, error: str | None = None) -> dict:
+        c = self.writer.committed
+        rows = self.prior.rows + c.rows
+        prev_runs = [r for r in self.out.manifest.get("runs", []) if r.get("run_id") != self.run_id]
+        s = self.stats
+        run = {
+            "run_id": self.run_id, "host": socket.gethostname(), "status": status,
+            "started_at": self.started_at, "updated_at": time.time(), "wall_s": s.elapsed,
+            "rows": s.rows, "rows_committed": c.rows, "error_rows": s.error_rows,
+            "completion_tokens": s.completion_tokens, "decode_tokens": s.decode_tokens, "target_forwards": s.forwards,
+            "rows_per_s": s.rows_per_s, "output_tokens_per_s": s.tokens_per_s, "tau": s.tau,
+            "skipped_already_done": self.skipped_done, "replicas": self.cfg.replicas,
+            "cpus_per_replica": getattr(self.pool, "cpus", None),
+            "driver_peak_rss_mb": max(self.rss_peak, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+            if status != "running" else self.rss_peak,
+            "driver_sampled_peak_rss_mb": self.rss_peak, "driver_rss_mb_at_10pct": self.rss_at_10pct,
+        }
+        runs = prev_runs + [run]
+        forwards = sum(r.get("target_forwards", 0) for r in runs)
+        input_rows = self.plan.total_rows
+        manifest = {
+            "status": status, "error": error, "input": self.cfg.input, "input_files": len(self.plan.files),
+            "input_rows": input_rows, "output": self.cfg.output, "format": self.fmt,
+            "rows": rows, "ok_rows": rows - self.prior.error_rows - c.error_rows,
+            "error_rows": self.prior.error_rows + c.error_rows,
+            "duplicate_ids_skipped": self.duplicates,
+            "complete": status == "completed" and rows == input_rows - self.duplicates,
+            "prompt_tokens": self.prior.prompt_tokens + c.prompt_tokens,
+            "completion_tokens": self.prior.completion_tokens + c.completion_tokens,
+            "mean_accepted_tokens_per_step": (sum(r.get("decode_tokens", 0) for r in runs) / forwards) if forwards else 1.0,
+            "fingerprint": self.cfg.generation_fingerprint(), "config": self.cfg.model_dump(mode="json"),
+            "runs": runs,
+        }
+        self.out.write_manifest(manifest)
+        if status != "running" and self.progress:
+            self.progress.update(self.stats, force=True)
+            self.progress.close()
+        return manifest
+
+
+def run_job(cfg: JobConfig, ray_address: str = "local", progress_stream=None) -> dict:
+    return JobRunner(cfg, ray_address, progress_stream).run()
