@@ -118,6 +118,9 @@ class DeployConfig(_Strict):
                              "use serve.api_keys_env with kubernetes.api_keys_secret")
         if (self.kubernetes.api_keys_secret is None) != (s.api_keys_env is None):
             raise ValueError("kubernetes.api_keys_secret and serve.api_keys_env go together")
+        if s.device == "cuda" and s.autoscaling and s.autoscaling.min_replicas == 0:
+            raise ValueError("serve.autoscaling.min_replicas: 0 frees no GPU node on Kubernetes: the HTTP ingress "
+                             "keeps one worker, so set min_replicas >= 1")
         lo, hi = self.node_bounds
         if lo > hi:
             raise ValueError(f"kubernetes.workers: min_nodes ({lo}) > max_nodes ({hi})")

@@ -109,11 +109,16 @@ def test_tp2_on_2_gpu_nodes_is_one_replica_per_node():
 
 def test_tp2_on_8_gpu_nodes_packs_four_replicas_a_node():
     cfg = _cfg({**GPU, "tp_size": 2, "placement_strategy": "STRICT_PACK",
-                "autoscaling": {"min_replicas": 0, "max_replicas": 6}},
+                "autoscaling": {"min_replicas": 1, "max_replicas": 6}},
                {"workers": {"gpus_per_node": 8, "gpu_product": "NVIDIA-H100-80GB-HBM3"}})
     g = _group(render(cfg)["rayservice.yaml"])
-    assert (g["minReplicas"], g["maxReplicas"]) == (1, 2)  # the ingress keeps one worker
+    assert (g["minReplicas"], g["maxReplicas"]) == (1, 2)
     assert g["template"]["spec"]["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+
+
+def test_cpu_scale_to_zero_keeps_one_worker_for_the_ingress():
+    g = _group(render(_cfg({"autoscaling": {"min_replicas": 0, "max_replicas": 2}}))["rayservice.yaml"])
+    assert (g["minReplicas"], g["maxReplicas"]) == (1, 2)
 
 
 def test_cpu_cluster_has_no_gpus_and_no_gpu_tolerations():
@@ -133,6 +138,7 @@ def test_node_bounds_can_be_overridden():
     ({**GPU, "tp_size": 2, "placement_strategy": "STRICT_PACK"}, {"workers": {"gpus_per_node": 3}}, "multiple of"),
     ({**GPU, "tp_size": 4, "placement_strategy": "STRICT_PACK"}, {"workers": {"gpus_per_node": 2}}, "multiple of"),
     ({**GPU, "tp_size": 2}, {"workers": {"gpus_per_node": 2}}, "STRICT_PACK"),
+    ({**GPU, "autoscaling": {"min_replicas": 0, "max_replicas": 2}}, {"workers": {"gpus_per_node": 1}}, "frees no GPU"),
     ({}, {"workers": {"gpus_per_node": 1}}, "must not ask for GPUs"),
     ({"api_keys": ["sk-secret"]}, {}, "plain text"),
     ({"api_keys_env": "EAGLE_API_KEYS"}, {}, "go together"),
