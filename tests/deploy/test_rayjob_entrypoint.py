@@ -7,7 +7,6 @@ in `jobs.cli:main`, these tests fail on purpose: the RayJob would fail on the cl
 from __future__ import annotations
 
 import shlex
-import tomllib
 
 import click
 import pytest
@@ -44,6 +43,7 @@ def test_every_setup_has_a_job():
 
 
 def test_eaglectl_is_the_console_script():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts["eaglectl"] == "jobs.cli:main"
 
