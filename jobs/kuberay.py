@@ -176,15 +176,19 @@ def load_serve_config(path: str | Path) -> ServeConfig:
 
 
 class DataVolume(_Strict):
-    claim: Ref                                # PVC (ReadWriteMany: every node reads the dataset)
+    claim: Ref                                # PVC, ReadWriteMany: the driver and every replica see it
     path: str = "/data"
 
 
 class JobConfig(_Strict):
-    """A batch RayJob: `eaglectl submit-job` over a Parquet dataset on a volume or in object storage."""
+    """A batch RayJob: `eaglectl submit-job` over a Parquet dataset on a shared volume.
+
+    Paths, not object-store URLs: `eaglectl submit-job` reads and writes local paths, so the dataset
+    lives on `data_volume`, mounted in every pod of the job's cluster."""
     name: Name = "eagle-batch"
-    input: str                                # /data/prompts.parquet, s3://bucket/prompts/, gs://...
-    output: str
+    input: str                                # Parquet file, folder or glob under data_volume.path
+    output: str                               # output folder under data_volume.path
+    data_volume: DataVolume
     model: str | None = None                  # None: serve.model / serve.draft / serve.tp_size
     draft: str | None = None
     tp_size: int | None = Field(None, ge=1)
@@ -193,11 +197,19 @@ class JobConfig(_Strict):
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     seed: int | None = None
-    data_volume: DataVolume | None = None
-    storage_secret: Ref | None = None         # Secret with object-store credentials (envFrom)
+    extra_args: list[str] = Field(default_factory=list)  # more submit-job flags, e.g. [--keep-columns]
     ttl_seconds_after_finished: int = Field(60, ge=0)     # finished cluster kept for logs, then deleted
     active_deadline_seconds: int | None = Field(None, ge=1)
     backoff_limit: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _on_the_volume(self) -> "JobConfig":
+        root = self.data_volume.path.rstrip("/") + "/"
+        for field in ("input", "output"):
+            if not getattr(self, field).startswith(root):
+                raise ValueError(f"{field} must be a path under data_volume.path ({root}): the job's pods see "
+                                 "only that volume (submit-job reads local paths, not object-store URLs)")
+        return self
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "JobConfig":
@@ -277,7 +289,7 @@ def _volumes(cfg: DeployConfig, job: JobConfig | None) -> tuple[list[dict], list
     if st.models_claim:
         vols.append({"name": "models", "persistentVolumeClaim": {"claimName": st.models_claim, "readOnly": True}})
         mounts.append({"name": "models", "mountPath": st.models_path, "readOnly": True})
-    if job is not None and job.data_volume:
+    if job is not None:
         vols.append({"name": "data", "persistentVolumeClaim": {"claimName": job.data_volume.claim}})
         mounts.append({"name": "data", "mountPath": job.data_volume.path})
     return vols, mounts
@@ -289,8 +301,6 @@ def _pod(cfg: DeployConfig, container: dict, labels: dict, job: JobConfig | None
     container = {"name": container["name"], "image": cfg.image, "imagePullPolicy": k.image_pull_policy, **container,
                  "env": _env(cfg, job), "volumeMounts": mounts,
                  "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}}
-    if job is not None and job.storage_secret:
-        container["envFrom"] = [{"secretRef": {"name": job.storage_secret}}]
     spec: dict[str, Any] = {"containers": [container], "volumes": vols,
                             "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000,
                                                 "fsGroup": 1000}}
@@ -411,17 +421,27 @@ def _job_nodes(cfg: DeployConfig, job: JobConfig) -> int:
 
 
 def job_entrypoint(cfg: DeployConfig, job: JobConfig) -> str:
-    """`eaglectl submit-job ...`, run by the RayJob on its own cluster's head; --wait so the RayJob
-    succeeds or fails with the batch."""
-    model, draft = job.model or cfg.serve.model, job.draft if job.draft is not None else cfg.serve.draft
-    argv = ["eaglectl", "submit-job", job.input, "--output", job.output, "--model", model]
-    if draft:
-        argv += ["--draft", draft]
+    """`eaglectl submit-job ...` with the serve section's model settings, run as the RayJob's driver
+    on the head: it submits the batch to the dashboard next to it and, with --wait, exits with the
+    batch's status, which becomes the RayJob's. Checked against the real CLI when it is installed."""
+    s = cfg.serve
+    draft = job.draft if job.draft is not None else (s.draft or "none")
+    argv = ["eaglectl", "submit-job", job.input, "--output", job.output, "--model", job.model or s.model,
+            "--draft", draft, "--dtype", s.dtype, "--device", s.device]
     for flag, value in (("--max-tokens", job.max_tokens), ("--temperature", job.temperature),
-                        ("--top-p", job.top_p), ("--seed", job.seed)):
+                        ("--top-p", job.top_p), ("--seed", job.seed), ("--max-model-len", s.limits.max_model_len)):
         if value is not None:
             argv += [flag, str(value)]
-    argv += ["--replicas", str(job.replicas), "--tp-size", str(_job_tp(cfg, job)), "--wait"]
+    argv += ["--max-num-seqs", str(s.limits.max_num_seqs), "--replicas", str(job.replicas),
+             "--tp-size", str(_job_tp(cfg, job)), *job.extra_args, "--address", "http://127.0.0.1:8265", "--wait"]
+    try:
+        from jobs.job_cli import submit_job
+    except ImportError:  # not installed: the tests parse the committed entrypoints with the real CLI
+        return shlex.join(argv)
+    try:
+        submit_job.make_context("submit-job", argv[2:])
+    except click.ClickException as e:
+        raise ConfigError(f"job: eaglectl submit-job would refuse {shlex.join(argv[2:])!r}: {e.format_message()}") from None
     return shlex.join(argv)
 
 

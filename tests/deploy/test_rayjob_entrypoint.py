@@ -64,6 +64,22 @@ def test_entrypoint_parses_with_the_real_cli(where, entrypoint):
     assert ctx.params, where
 
 
+@pytest.mark.parametrize("where,entrypoint", ENTRYPOINTS, ids=[w for w, _ in ENTRYPOINTS])
+def test_entrypoint_settings_pass_the_job_config(where, entrypoint):
+    """The submit-job command itself (registered or not) accepts the line and its values."""
+    from jobs.job_cli import submit_job
+    from jobs.job_config import JobConfig
+
+    params = submit_job.make_context("submit-job", shlex.split(entrypoint)[2:]).params
+    assert params["address"] == "http://127.0.0.1:8265" and params["wait"] is True  # the head's own dashboard
+    params["format"] = params.pop("fmt")
+    params["stop"] = list(params["stop"]) or None
+    for key in ("address", "job_id", "wait"):
+        params.pop(key)
+    cfg = JobConfig.from_options(**params)
+    assert cfg.input.startswith("/") and cfg.output.startswith("/")
+
+
 def test_a_bad_entrypoint_is_refused():
     with pytest.raises(click.UsageError):
         _submit_job().make_context("submit-job", ["/data/in.parquet", "--no-such-flag", "1"])

@@ -207,28 +207,49 @@ def test_every_pod_runs_non_root_with_probes_and_limits(setup):
 
 
 # ---- the batch job ---------------------------------------------------------------------------------------
+VOL = {"claim": "eagle-data", "path": "/data"}
+
+
 def test_rayjob_runs_submit_job_and_shuts_down():
     cfg = _cfg({**GPU, "tp_size": 2, "placement_strategy": "STRICT_PACK", "draft": "/models/head"},
                {"workers": {"gpus_per_node": 4}})
-    job = JobConfig(input="s3://b/in/", output="s3://b/out/", replicas=3, max_tokens=64, storage_secret="s3")
+    job = JobConfig(input="/data/in/", output="/data/out", data_volume=VOL, replicas=3, max_tokens=64)
     m = render(cfg, job)["rayjob.yaml"]
     assert m["spec"]["shutdownAfterJobFinishes"] is True
-    assert m["spec"]["entrypoint"] == job_entrypoint(cfg, job)
-    assert m["spec"]["entrypoint"].startswith("eaglectl submit-job s3://b/in/ --output s3://b/out/")
-    assert "--draft /models/head" in m["spec"]["entrypoint"] and "--tp-size 2" in m["spec"]["entrypoint"]
+    ep = m["spec"]["entrypoint"]
+    assert ep == job_entrypoint(cfg, job)
+    assert ep.startswith("eaglectl submit-job /data/in/ --output /data/out")
+    for part in ("--draft /models/head", "--tp-size 2", "--device cuda", "--dtype bfloat16", "--replicas 3", "--wait"):
+        assert part in ep
     g = _group({"spec": m["spec"]["rayClusterSpec"]})
     assert g["minReplicas"] == g["maxReplicas"] == g["replicas"] == 2  # 3 replicas, 2 per 4-GPU node
     assert "enableInTreeAutoscaling" not in m["spec"]["rayClusterSpec"]
-    env_from = g["template"]["spec"]["containers"][0]["envFrom"]
-    assert env_from == [{"secretRef": {"name": "s3"}}]
+    for pod in (g["template"]["spec"], m["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]):
+        assert {"name": "data", "mountPath": "/data"} in pod["containers"][0]["volumeMounts"]
 
 
 def test_rayjob_tp_must_fit_the_nodes():
     cfg = _cfg({**GPU, "tp_size": 2, "placement_strategy": "STRICT_PACK"}, {"workers": {"gpus_per_node": 2}})
     with pytest.raises(ConfigError, match="must divide"):
-        render(cfg, JobConfig(input="/data/in.parquet", output="/data/out", tp_size=4))
+        render(cfg, JobConfig(input="/data/in.parquet", output="/data/out", data_volume=VOL, tp_size=4))
 
 
-def test_job_entrypoint_quotes_paths():
-    job = JobConfig(input="/data/my prompts.parquet", output="/data/out")
-    assert "'/data/my prompts.parquet'" in job_entrypoint(_cfg({}), job)
+@pytest.mark.parametrize("path", ["s3://bucket/in/", "/elsewhere/in.parquet", "relative/in.parquet"])
+def test_job_data_must_be_on_the_volume(tmp_path, path):
+    p = tmp_path / "job.yaml"
+    p.write_text(yaml.safe_dump({"input": path, "output": "/data/out", "data_volume": VOL}))
+    with pytest.raises(ConfigError, match="under data_volume.path"):
+        JobConfig.from_yaml(p)
+
+
+def test_job_entrypoint_quotes_paths_and_plain_decoding_is_explicit():
+    job = JobConfig(input="/data/my prompts.parquet", output="/data/out", data_volume=VOL)
+    ep = job_entrypoint(_cfg({}), job)
+    assert "'/data/my prompts.parquet'" in ep and "--draft none" in ep
+
+
+def test_bad_extra_args_are_refused_at_render_time():
+    pytest.importorskip("jobs.job_cli")
+    job = JobConfig(input="/data/in.parquet", output="/data/out", data_volume=VOL, extra_args=["--no-such-flag"])
+    with pytest.raises(ConfigError, match="would refuse"):
+        job_entrypoint(_cfg({}), job)
