@@ -398,7 +398,7 @@ def raycluster(cfg: DeployConfig) -> dict[str, Any]:
 
 
 def raycluster_http(cfg: DeployConfig) -> dict[str, Any]:
-    """The interactive cluster's HTTP port (`eaglectl serve --address` starts Serve on its head)."""
+    """The interactive cluster's HTTP port: an app started on it (e.g. `serve deploy`) answers here."""
     name = f"{cfg.kubernetes.name}-dev"
     return {"apiVersion": "v1", "kind": "Service",
             "metadata": _meta(cfg, f"{name}-http", "interactive", annotations=_scrape_annotations(cfg.serve.port)),
