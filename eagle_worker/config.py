@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+from eagle_worker.spec.config import SpecConfig
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -13,7 +15,8 @@ class EngineConfig:
     model: str = "gemma-3-270m"
     dtype: str = "float32"
     device: str = "cpu"
-    draft: str | None = None           # path of an EAGLE head, "default", or None
+    draft: str | None = None           # EAGLE head folder, "default" (built-in head) or None/"none"
+    spec: SpecConfig | None = None     # full speculation settings; built from `draft` when not given
     tp_size: int = 1
     block_size: int = 16
     kv_cache_gb: float = 1.0           # KV memory budget; blocks = budget / bytes per block
@@ -29,6 +32,10 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"EngineConfig.device={self.device!r} but CUDA is not available")
+        if self.draft in ("none", ""):
+            self.draft = None
+        if self.spec is None and self.draft is not None:
+            self.spec = SpecConfig(draft=self.draft)
         if self.block_size <= 0 or self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
             raise ValueError("EngineConfig.block_size, max_num_seqs and max_num_batched_tokens must be positive")
 

@@ -30,13 +30,22 @@ class LLMEngine:
         self.max_model_len = self.runner.max_model_len
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size)
         self.scheduler = Scheduler(config, self.block_manager)
-        self.worker = DecodeWorker(self.runner, self.block_manager)
+        self.worker = self._make_worker(config)
         self.chat_template = resolve_chat_template(self.tokenizer, self.runner.hf_config, config.chat_template)
         self.requests: dict[str, Sequence] = {}
         self._aborted: list[RequestOutput] = []
         self._seed_source = torch.Generator().manual_seed(config.seed)
         self._last_step = {"batch_size": 0, "num_tokens": 0}
         self.totals = {"steps": 0, "generated_tokens": 0, "prompt_tokens": 0, "finished_requests": 0}
+
+    def _make_worker(self, config: EngineConfig):
+        if config.spec is None:
+            return DecodeWorker(self.runner, self.block_manager)
+        from eagle_worker.spec.config import resolve_draft
+        from eagle_worker.spec.eagle_worker import EagleWorker
+
+        config.spec.draft = resolve_draft(config.spec.draft, config.model)
+        return EagleWorker(self.runner, self.block_manager, config.spec)
 
     # ---- requests -------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
@@ -148,6 +157,7 @@ class LLMEngine:
         seq.status = SequenceStatus.FINISHED
         seq.metrics.finished_time = time.monotonic()
         self.scheduler.remove(seq)
+        self.worker.release(seq)
         self.totals["finished_requests"] += 1
 
     def _output(self, seq: Sequence) -> RequestOutput:
@@ -174,4 +184,5 @@ class LLMEngine:
             "batch_size_last_step": self._last_step["batch_size"],
             "tokens_last_step": self._last_step["num_tokens"],
             **self.totals,
+            **self.worker.stats(),
         }

@@ -28,6 +28,12 @@ class DecodeWorker:
         self.runner = runner
         self.block_manager = block_manager
 
+    def release(self, seq) -> None:
+        """Nothing to forget: plain decoding keeps no per-request state."""
+
+    def stats(self) -> dict:
+        return {}
+
     def execute(self, batch: list[ScheduledSeq]) -> dict[str, list[tuple[int, float | None]]]:
         """Run one forward; return the new (token, logprob) list of each sequence that sampled."""
         result = self.runner.forward([forward_item(self.block_manager, it) for it in batch])

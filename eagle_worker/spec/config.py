@@ -1,0 +1,43 @@
+"""How to speculate: which head, which tree, how big, and whether the budget adapts to load."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+TREES = ("dynamic", "static", "chain")
+
+
+@dataclass
+class SpecConfig:
+    draft: str                          # head folder, or "default" (the built-in head of a built-in model)
+    method: str | None = None           # "eagle" (EAGLE-1/2) | "eagle3"; None: whatever the checkpoint is
+    tree: str = "dynamic"               # EAGLE-2 dynamic tree, EAGLE-1 static tree, or a chain
+    depth: int = 5                      # draft levels (chain length for "chain")
+    top_k: int = 8                      # dynamic: nodes expanded per level, children per node
+    num_draft_tokens: int = 16          # tree nodes verified per step, root excluded
+    static_choices: list[list[int]] | None = None   # static tree paths; default EAGLE-1's 25-node tree
+    adaptive: bool = True               # choose the budget per step from batch size and measured speed
+
+    def __post_init__(self) -> None:
+        if self.method not in (None, "eagle", "eagle3"):
+            raise ValueError(f"SpecConfig.method must be 'eagle' or 'eagle3', got {self.method!r}")
+        if self.tree not in TREES:
+            raise ValueError(f"SpecConfig.tree must be one of {TREES}, got {self.tree!r}")
+        for name in ("depth", "top_k", "num_draft_tokens"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"SpecConfig.{name} must be >= 1, got {getattr(self, name)!r}")
+
+
+HEADS_DIR = Path(__file__).resolve().parent.parent / "heads"
+
+
+def resolve_draft(draft: str, model: str) -> str:
+    """A head folder for `draft`: a path as is, or "default": the head shipped for a built-in model."""
+    if draft != "default":
+        if not Path(draft).is_dir():
+            raise ValueError(f"draft head {draft!r} is not a folder (expected config.json + weights)")
+        return draft
+    shipped = HEADS_DIR / model
+    if not (shipped / "config.json").exists():
+        raise ValueError(f"model {model!r} has no built-in draft head; pass draft=PATH or draft=None")
+    return str(shipped)

@@ -1,0 +1,199 @@
+"""EAGLE worker: draft trees with the head, verify them with the target in the same batched
+forward as every other sequence's prefill chunk or plain decode, accept losslessly, keep the KV
+of the accepted path only.
+
+Per step: (1) the policy picks a tree budget for this batch size; (2) decoding sequences that get
+a tree reserve uncommitted KV slots and the head drafts all trees together; (3) one target forward
+over prefill chunks, plain decodes and tree tokens (tree-shaped attention masks); (4) greedy or
+sampling acceptance per tree, the accepted path's KV is compacted in place and the rest dropped;
+(5) the target's features of every newly committed token become the head's pending input.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from eagle_worker.block_manager import BlockManager
+from eagle_worker.model_runner import ForwardItem, ModelRunner
+from eagle_worker.sampler import sample, target_probs
+from eagle_worker.scheduler import ScheduledSeq
+from eagle_worker.sequence import Sequence
+from eagle_worker.spec.acceptance import accept_greedy, accept_sampling
+from eagle_worker.spec.config import SpecConfig
+from eagle_worker.spec.drafter import Drafter, DraftSeq, DraftState
+from eagle_worker.spec.head_loader import load_draft_head
+from eagle_worker.spec.heads import DraftHead
+from eagle_worker.spec.policy import SpecPolicy
+from eagle_worker.spec.tree import MC_SIM_7B_63, ancestor_mask, chain, static_tree
+from eagle_worker.worker import forward_item
+
+
+class EagleWorker:
+    def __init__(self, runner: ModelRunner, block_manager: BlockManager, spec: SpecConfig,
+                 head: DraftHead | None = None):
+        self.runner = runner
+        self.block_manager = block_manager
+        self.spec = spec
+        self.head = head or load_draft_head(spec.draft, runner.model, runner.hf_config)
+        if spec.method and spec.method != self.head.kind:
+            raise ValueError(f"SpecConfig.method={spec.method!r} but the head at {spec.draft} is {self.head.kind!r}")
+        for layer in self.head.attention_layers():   # one layer of KV, same slot numbering as the target
+            shape = (runner.kv_cache.shape[2], layer.num_kv_heads, layer.head_dim)
+            layer.k_cache = torch.zeros(shape, dtype=runner.dtype, device=runner.device)
+            layer.v_cache = torch.zeros(shape, dtype=runner.dtype, device=runner.device)
+        self.drafter = Drafter(self.head, runner.device)
+        if spec.tree == "chain":
+            self.shape = chain(spec.depth)
+        elif spec.tree == "static":
+            self.shape = static_tree(spec.static_choices or MC_SIM_7B_63)
+        else:
+            self.shape = None
+        full = spec.num_draft_tokens if self.shape is None else min(spec.num_draft_tokens, self.shape.num_nodes - 1)
+        self.policy = SpecPolicy(full, spec.adaptive)
+        self.states: dict[str, DraftState] = {}
+        depth = spec.depth if self.shape is None else self.shape.max_depth
+        self.totals = {"draft_s": 0.0, "verify_s": 0.0, "spec_steps": 0, "plain_steps": 0,
+                       "drafted_at_depth": [0] * depth, "accepted_at_depth": [0] * depth}
+
+    def release(self, seq: Sequence) -> None:
+        self.states.pop(seq.request_id, None)
+
+    # ---- one step ---------------------------------------------------------------------------
+    def execute(self, batch: list[ScheduledSeq]) -> dict[str, list[tuple[int, float | None]]]:
+        t0 = time.perf_counter()
+        decodes = [it for it in batch if it.num_tokens == 1 and it.completes and self._ready(it.seq)]
+        budget = self.policy.choose(len(decodes)) if decodes else 0
+        trees = self._draft(decodes, budget) if budget else {}
+        t1 = time.perf_counter()
+        items = [self._tree_item(it.seq, trees[it.seq.request_id]) if it.seq.request_id in trees
+                 else forward_item(self.block_manager, it) for it in batch]
+        result = self.runner.forward(items, aux_layers=self.head.aux_layers)
+        features = self.head.target_features((result.hidden, result.aux_hidden))
+        new_tokens = self._accept(batch, items, trees, result, features)
+        t2 = time.perf_counter()
+        self._account(batch, decodes, budget if trees else 0, new_tokens, t0, t1, t2)
+        return new_tokens
+
+    def _ready(self, seq: Sequence) -> bool:
+        st = self.states.get(seq.request_id)
+        return st is not None and len(st.tokens) > 0 and st.start + len(st.tokens) == seq.num_computed_tokens
+
+    def _draft(self, decodes: list[ScheduledSeq], budget: int) -> dict[str, tuple[list[int], list[int], list[int]]]:
+        """Reserve slots and draft a tree of `budget` nodes for each decoding sequence that fits."""
+        spec = self.spec
+        top_k = min(spec.top_k, budget)
+        levels = spec.depth
+        reserve = max(budget + 1, 1 + (levels - 1) * top_k) if self.shape is None else budget + 1
+        batch: list[DraftSeq] = []
+        included: list[Sequence] = []
+        for it in decodes:
+            seq = it.seq
+            c = seq.num_computed_tokens
+            if c + reserve > self.runner.max_model_len or not self.block_manager.can_append(seq, reserve):
+                continue
+            self.block_manager.append_slots(seq, reserve)
+            batch.append(DraftSeq(c, self.block_manager.slots(seq, 0, c + reserve), seq.token_ids[-1],
+                                  self.states[seq.request_id]))
+            included.append(seq)
+        if not batch:
+            return {}
+        root_hidden, root_lp = self.drafter.catch_up(batch)
+        if self.shape is None:
+            tree = self.drafter.grow_dynamic(batch, root_hidden, root_lp, budget, top_k, levels)
+        else:
+            sub = self.shape
+            if budget < sub.num_nodes - 1:   # a prefix of a parents-first tree is a tree
+                sub = type(sub)(sub.parents[:budget + 1], sub.depth[:budget + 1], sub.rank[:budget + 1])
+            tree = self.drafter.grow_static(batch, root_lp, root_hidden, sub)
+        out = {}
+        for b, seq in enumerate(included):
+            n = int(tree.num_nodes[b])
+            out[seq.request_id] = (tree.parents[b, :n].tolist(), tree.tokens[b, :n].tolist(), tree.depth[b, :n].tolist())
+        return out
+
+    def _tree_item(self, seq: Sequence, tree: tuple[list[int], list[int], list[int]]) -> ForwardItem:
+        parents, tokens, depth = tree
+        c, n = seq.num_computed_tokens, len(tokens)
+        slots = self.block_manager.slots(seq, 0, c + n)
+        mask = ancestor_mask(torch.tensor([parents]))[0]
+        return ForwardItem(token_ids=tokens, positions=c + torch.tensor(depth), new_slots=slots[c:],
+                           ctx_slots=slots[:c], logit_rows=list(range(n)), new_token_mask=mask)
+
+    # ---- acceptance and bookkeeping ---------------------------------------------------------
+    def _accept(self, batch, items, trees, result, features) -> dict[str, list[tuple[int, float | None]]]:
+        new_tokens: dict[str, list[tuple[int, float | None]]] = {}
+        plain = [(it, item, off) for it, item, off in zip(batch, items, result.row_offsets)
+                 if it.seq.request_id not in trees]
+        sampled = {}
+        rows = [sum(len(x.logit_rows) for x in items[:i]) for i in range(len(items))]
+        row_of = {id(item): r for item, r in zip(items, rows)}
+        want = [(it, item) for it, item, _ in plain if it.completes]
+        if want:
+            logits = result.logits[torch.tensor([row_of[id(item)] for _, item in want])]
+            toks, lps = sample(logits, [it.seq.params for it, _ in want], [it.seq.generator for it, _ in want])
+            sampled = {it.seq.request_id: (toks[i], lps[i] if lps else None) for i, (it, _) in enumerate(want)}
+        for it, item, off in plain:
+            seq, n, completes = it.seq, it.num_tokens, it.completes
+            start = seq.num_computed_tokens
+            if start == 0:
+                self.states[seq.request_id] = DraftState()
+            st = self.states.setdefault(seq.request_id, DraftState(start=start))
+            self.block_manager.commit(seq, n)
+            nxt = seq.token_ids[start + 1:start + n]
+            if completes:
+                tok, lp = sampled[seq.request_id]
+                new_tokens[seq.request_id] = [(tok, lp)]
+                nxt = nxt + [tok]
+                if n == 1:
+                    seq.metrics.num_target_forwards += 1
+                    seq.metrics.num_decode_tokens += 1
+            else:
+                nxt = nxt + [seq.token_ids[start + n]]
+            st.add(features[off:off + n], nxt)
+        for it, item, off in zip(batch, items, result.row_offsets):
+            seq = it.seq
+            if seq.request_id not in trees:
+                continue
+            parents, tokens, depth = trees[seq.request_id]
+            r = row_of[id(item)]
+            logits = result.logits[r:r + len(tokens)]
+            p = seq.params
+            if p.greedy:
+                acc = accept_greedy(parents, tokens, logits)
+            else:
+                acc = accept_sampling(parents, tokens, lambda rows, _idx, p=p: target_probs(rows, p),
+                                      seq.generator, target_logits=logits)
+            src, dst = self.block_manager.keep_subset(seq, acc.path)
+            self.runner.copy_kv(src, dst)
+            self.states[seq.request_id].add(features[off + torch.tensor(acc.path)], acc.tokens)
+            lps = torch.log_softmax(logits[torch.tensor(acc.path)].float(), -1) if p.logprobs else None
+            new_tokens[seq.request_id] = [(t, lps[i, t].item() if lps is not None else None) for i, t in enumerate(acc.tokens)]
+            seq.metrics.num_target_forwards += 1
+            seq.metrics.num_decode_tokens += len(acc.tokens)
+            self._count_depths(seq, depth, acc.num_accepted)
+        return new_tokens
+
+    def _count_depths(self, seq: Sequence, depth: list[int], accepted: int) -> None:
+        max_d = max(depth)
+        per = seq.metrics.accepted_per_depth
+        per.extend([0] * (len(self.totals["drafted_at_depth"]) - len(per)))
+        for d in range(1, max_d + 1):
+            self.totals["drafted_at_depth"][d - 1] += 1
+            if d <= accepted:
+                self.totals["accepted_at_depth"][d - 1] += 1
+                per[d - 1] += 1
+
+    def _account(self, batch, decodes, budget, new_tokens, t0, t1, t2) -> None:
+        self.totals["draft_s"] += t1 - t0
+        self.totals["verify_s"] += t2 - t1
+        self.totals["spec_steps" if budget else "plain_steps"] += 1
+        if decodes and len(decodes) == len(batch):            # pure decode steps measure cleanly
+            produced = sum(len(new_tokens.get(it.seq.request_id, ())) for it in decodes)
+            self.policy.observe(len(decodes), budget, produced, t2 - t0)
+
+    def stats(self) -> dict:
+        t = self.totals
+        rates = [a / d if d else 0.0 for a, d in zip(t["accepted_at_depth"], t["drafted_at_depth"])]
+        return {"spec_draft_s": t["draft_s"], "spec_verify_s": t["verify_s"], "spec_steps": t["spec_steps"],
+                "plain_steps": t["plain_steps"], "acceptance_rate_per_depth": rates, "policy": self.policy.snapshot()}

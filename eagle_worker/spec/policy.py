@@ -1,0 +1,50 @@
+"""How many draft tokens to verify this step, from measured throughput at this batch size.
+
+Speculation pays at small batches and loses at large ones (verification multiplies the tokens
+the target processes). For each batch-size bucket the policy keeps a moving average of decode
+throughput (tokens produced per second of step time) for each budget it tried, always picks the
+best, tries an untried budget first and re-tries the others now and then, so the choice follows
+the real costs of this machine, model and head, down to no speculation at all.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+
+def _bucket(batch_size: int) -> int:
+    return 1 << max(0, (batch_size - 1).bit_length())
+
+
+class SpecPolicy:
+    def __init__(self, num_draft_tokens: int, adaptive: bool = True, explore_every: int = 40, ema: float = 0.2):
+        self.full = num_draft_tokens
+        self.adaptive = adaptive
+        self.options = sorted({0, max(1, num_draft_tokens // 4), max(1, num_draft_tokens // 2), num_draft_tokens})
+        self.explore_every = explore_every
+        self.ema = ema
+        self.rate: dict[tuple[int, int], float] = {}
+        self.decisions: dict[int, int] = defaultdict(int)
+
+    def choose(self, batch_size: int) -> int:
+        if not self.adaptive:
+            return self.full
+        b = _bucket(batch_size)
+        self.decisions[b] += 1
+        for n in reversed(self.options):
+            if (b, n) not in self.rate:
+                return n
+        ranked = sorted(self.options, key=lambda n: self.rate[(b, n)], reverse=True)
+        if self.decisions[b] % self.explore_every == 0:
+            return ranked[1 + (self.decisions[b] // self.explore_every) % (len(ranked) - 1)]
+        return ranked[0]
+
+    def observe(self, batch_size: int, budget: int, tokens: int, seconds: float) -> None:
+        """Record one pure-decode step: `tokens` produced by `batch_size` sequences in `seconds`."""
+        if seconds <= 0:
+            return
+        key = (_bucket(batch_size), budget)
+        r = tokens / seconds
+        self.rate[key] = r if key not in self.rate else (1 - self.ema) * self.rate[key] + self.ema * r
+
+    def snapshot(self) -> dict:
+        return {f"batch<={b}/draft={n}": round(r, 2) for (b, n), r in sorted(self.rate.items())}
