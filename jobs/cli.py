@@ -28,14 +28,19 @@ def _fail(msg: str) -> None:
 @click.option("--seed", default=None, type=int)
 @click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16", "float16"]))
 @click.option("--device", default="cpu", show_default=True)
+@click.option("--draft", default="none", show_default=True, help="EAGLE head: a folder, 'default' (the built-in head) or 'none'.")
+@click.option("--tree", default="dynamic", show_default=True, type=click.Choice(["dynamic", "static", "chain"]))
+@click.option("--num-draft-tokens", default=16, show_default=True, type=int)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the text.")
-def generate(model, prompt, max_tokens, temperature, top_p, top_k, seed, dtype, device, as_json):
+def generate(model, prompt, max_tokens, temperature, top_p, top_k, seed, dtype, device, draft, tree, num_draft_tokens, as_json):
     """Generate a completion for one prompt."""
     from eagle_worker import LLM, SamplingParams
+    from eagle_worker.spec.config import SpecConfig
 
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-        llm = LLM(model=model, dtype=dtype, device=device)
+        spec = None if draft == "none" else SpecConfig(draft=draft, tree=tree, num_draft_tokens=num_draft_tokens)
+        llm = LLM(model=model, dtype=dtype, device=device, spec=spec)
         out = llm.generate([prompt], params)[0]
     except ValueError as e:
         _fail(str(e))
@@ -44,6 +49,30 @@ def generate(model, prompt, max_tokens, temperature, top_p, top_k, seed, dtype, 
                                "finish_reason": out.finish_reason, "metrics": out.metrics}))
     else:
         click.echo(out.text)
+
+
+@main.command()
+@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False),
+              help="serve.yaml (a ServeConfig, or a deploy file with a `serve:` section).")
+@click.option("--host", default=None, help="Bind address [default: the config's, 127.0.0.1].")
+@click.option("--port", default=None, type=int, help="HTTP port [default: the config's, 8000].")
+@click.option("--address", default=None, help="Ray cluster to join [default: RAY_ADDRESS, else a local Ray].")
+def serve(config_path, host, port, address):
+    """Serve the OpenAI-compatible HTTP API on Ray Serve (default model when no config)."""
+    import os
+
+    from cluster.config import ServeConfig
+    from cluster.serve_app import run_serve
+    from jobs.kuberay import load_serve_config
+
+    try:
+        cfg = load_serve_config(config_path) if config_path else ServeConfig()
+        overrides = {k: v for k, v in (("host", host), ("port", port)) if v is not None}
+        if overrides:
+            cfg = cfg.model_copy(update=overrides)
+    except ValueError as e:
+        _fail(str(e))
+    run_serve(cfg, address=address or os.environ.get("RAY_ADDRESS"), blocking=True)
 
 
 @main.group()
@@ -64,6 +93,29 @@ def bench_decode(model, dtypes, batch_sizes, max_tokens, json_out):
     run(model=model, dtypes=dtypes.split(","), batch_sizes=[int(b) for b in batch_sizes.split(",")],
         max_tokens=max_tokens, json_out=json_out)
 
+
+@bench.command("job")
+@click.option("--model", default="gemma-3-270m", show_default=True)
+@click.option("--rows", default=200, show_default=True, type=int)
+@click.option("--max-tokens", default=64, show_default=True, type=int)
+@click.option("--json", "json_out", default="bench/results/job.json", show_default=True)
+def bench_job(model, rows, max_tokens, json_out):
+    """An offline job over Spec-Bench prompts, with and without the draft head."""
+    from bench.job import run
+
+    run(model=model, rows=rows, max_tokens=max_tokens, json_out=json_out)
+
+
+def _register() -> None:
+    from jobs.job_cli import job, submit_job
+    from jobs.kuberay import deploy
+
+    main.add_command(submit_job)
+    main.add_command(job)
+    main.add_command(deploy)
+
+
+_register()
 
 if __name__ == "__main__":
     main()
