@@ -105,7 +105,16 @@ class OutputDir:
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            os.close(self._lock_fd)
+            self._lock_fd = None
             raise OutputError(f"{self.path}: another job is writing to this output folder right now") from None
+        try:
+            return self._prepare(fingerprint, overwrite)
+        except BaseException:
+            self.close()
+            raise
+
+    def _prepare(self, fingerprint: dict, overwrite: bool) -> tuple[IdSet, Counts]:
         foreign = sorted(n for n in os.listdir(self.path) if not _is_ours(n))
         if foreign:
             raise OutputError(f"{self.path}: the output folder holds files this tool did not write "

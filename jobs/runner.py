@@ -181,6 +181,7 @@ class JobRunner:
                          namespace="eagle-jobs", logging_level=logging.WARNING)
             else:
                 ray.init(address=self.ray_address, namespace="eagle-jobs", logging_level=logging.WARNING)
+            self._install_signals()   # ray.init replaces SIGTERM's handler with its own (SystemExit)
         self.pool = ReplicaPool(self.cfg)
         self.pool.start()
         logger.info("starting %d replica(s) of %s (draft: %s, %s CPUs each)", self.cfg.replicas, self.cfg.model,

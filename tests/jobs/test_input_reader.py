@@ -1,0 +1,139 @@
+"""Input resolution, schema checks before generation, row-level errors, OpenAI Batch JSONL. No Ray."""
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from jobs.input_reader import InputError, iter_rows, open_input
+from jobs.job_cli import submit_job
+from jobs.job_config import JobConfig, default_output
+
+from .conftest import write_parquet
+
+
+def rows_of(spec, **kw):
+    return list(iter_rows(open_input(str(spec), **kw), batch_rows=2))
+
+
+def test_prompt_rows_with_overrides_and_derived_ids(tmp_path):
+    p = write_parquet(tmp_path / "in.parquet", prompt=["a b", "", None, "c"], max_tokens=[3, None, 5, None],
+                      temperature=[0.5, None, None, 1], stop=[["x"], None, None, ["y", "z"]])
+    rows = rows_of(p)
+    assert [r.id for r in rows] == ["in.parquet:0", "in.parquet:1", "in.parquet:2", "in.parquet:3"]
+    assert rows[0].params == {"max_tokens": 3, "temperature": 0.5, "stop": ["x"]}
+    assert rows[1].error == "prompt is empty" and rows[2].error == "prompt is null"
+    assert rows[3].params == {"temperature": 1, "stop": ["y", "z"]} and rows[3].error is None
+
+
+def test_folder_and_glob_inputs(tmp_path):
+    d = tmp_path / "data"
+    write_parquet(d / "b.parquet", prompt=["x"], id=[7])
+    write_parquet(d / "sub" / "a.parquet", prompt=["y", "z"])
+    (d / "_SUCCESS").write_text("")
+    assert [r.id for r in rows_of(d)] == ["7", "sub/a.parquet:0", "sub/a.parquet:1"]
+    assert [r.id for r in rows_of(str(d) + "/**/*.parquet")] == ["7", "sub/a.parquet:0", "sub/a.parquet:1"]
+    assert open_input(str(d)).total_rows == 3
+    assert default_output(str(d)) == str(tmp_path / "data.out")
+    assert default_output(str(d / "b.parquet")) == str(d / "b.out")
+
+
+def test_messages_column(tmp_path):
+    msgs = [[{"role": "user", "content": "hi"}], [], None]
+    p = write_parquet(tmp_path / "m.parquet", messages=msgs)
+    rows = rows_of(p)
+    assert rows[0].messages == [{"role": "user", "content": "hi"}] and rows[0].chat and rows[0].error is None
+    assert rows[1].error == "messages must be a non-empty list"
+    assert rows[2].error == "messages is null"
+
+
+@pytest.mark.parametrize("columns, needle", [
+    ({"text": ["a"]}, "needs a `prompt` column (string) or a `messages` column"),
+    ({"prompt": [1, 2]}, "column `prompt` has type int64; expected string"),
+    ({"prompt": ["a"], "max_tokens": ["8"]}, "column `max_tokens` has type string; expected integer"),
+    ({"prompt": ["a"], "temperature": ["hot"]}, "column `temperature` has type string; expected float"),
+    ({"messages": ["hello"]}, "column `messages` has type string; expected list<struct<role: string, content: string>>"),
+    ({"prompt": ["a"], "id": [1.5]}, "column `id` has type double; expected string or integer"),
+])
+def test_schema_errors_name_file_column_and_type(tmp_path, columns, needle):
+    p = write_parquet(tmp_path / "bad.parquet", **columns)
+    with pytest.raises(InputError) as e:
+        open_input(str(p))
+    assert str(p) in str(e.value) and needle in str(e.value)
+
+
+def test_not_parquet_and_missing(tmp_path):
+    bad = tmp_path / "x.parquet"
+    bad.write_text("not parquet")
+    with pytest.raises(InputError, match="not a readable Parquet file"):
+        open_input(str(bad))
+    with pytest.raises(InputError, match="no such file or folder"):
+        open_input(str(tmp_path / "nope.parquet"))
+    with pytest.raises(InputError, match="matches no files"):
+        open_input(str(tmp_path / "*.parquet.gz"))
+
+
+def test_keep_columns_needs_one_schema(tmp_path):
+    write_parquet(tmp_path / "d" / "a.parquet", prompt=["a"], cat=["x"])
+    write_parquet(tmp_path / "d" / "b.parquet", prompt=["b"], cat=[1])
+    with pytest.raises(InputError, match="--keep-columns needs every input file to have the same columns"):
+        open_input(str(tmp_path / "d"), keep_columns=True)
+    plan = open_input(str(tmp_path / "d" / "a.parquet"), keep_columns=True)
+    assert plan.kept_names == {"prompt": "prompt", "cat": "cat"}
+
+
+def _jsonl(path, recs):
+    path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in recs) + "\n")
+    return path
+
+
+def test_openai_batch_rows(tmp_path):
+    p = _jsonl(tmp_path / "b.jsonl", [
+        {"custom_id": "c1", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+                  "max_completion_tokens": 5, "temperature": 0.2, "seed": 3}},
+        {"custom_id": "c2", "url": "/v1/completions", "body": {"prompt": "once upon", "max_tokens": 4, "stop": "\n"}},
+        {"custom_id": "c3", "body": {"messages": [{"role": "user", "content": "x"}], "n": 2}},
+        {"custom_id": "c4", "body": {"prompt": ""}},
+    ])
+    rows = rows_of(p)
+    assert rows[0].messages == [{"role": "user", "content": "hi"}] and rows[0].chat and rows[0].model == "m"
+    assert rows[0].params == {"max_tokens": 5, "temperature": 0.2, "seed": 3}
+    assert rows[1].prompt == "once upon" and rows[1].params == {"max_tokens": 4, "stop": "\n"} and not rows[1].chat
+    assert "n must be 1" in rows[2].error and rows[3].error == "prompt is empty"
+    assert JobConfig(input=str(p)).output_format() == "openai-batch"
+
+
+@pytest.mark.parametrize("line, needle", [
+    ("{not json", "line 2: not valid JSON"),
+    (json.dumps({"body": {"prompt": "x"}}), "line 2: `custom_id` must be a non-empty string"),
+    (json.dumps({"custom_id": "a", "body": {"prompt": "x"}}), "line 2: duplicate custom_id 'a'"),
+    (json.dumps({"custom_id": "b", "body": {"input": "x"}}), "line 2: `body` must be an object with `messages` or `prompt`"),
+    (json.dumps({"custom_id": "b", "url": "/v1/embeddings", "body": {"prompt": "x"}}), "`url` '/v1/embeddings' is not supported"),
+])
+def test_openai_batch_file_errors(tmp_path, line, needle):
+    p = _jsonl(tmp_path / "b.jsonl", [{"custom_id": "a", "body": {"prompt": "x"}}, line])
+    with pytest.raises(InputError) as e:
+        open_input(str(p))
+    assert needle in str(e.value) and str(p) in str(e.value)
+
+
+def test_cli_malformed_file_fails_before_generation(tmp_path):
+    p = write_parquet(tmp_path / "bad.parquet", question=["what?"], max_tokens=[1])
+    res = CliRunner().invoke(submit_job, [str(p), "--model", "/does/not/matter"], env={"RAY_ADDRESS": ""})
+    assert res.exit_code == 2
+    assert str(p) in res.output and "needs a `prompt` column (string)" in res.output
+    assert not (tmp_path / "bad.out").exists()          # nothing started, nothing written
+
+    pq.write_table(pa.table({"prompt": pa.array([1], pa.int32())}), tmp_path / "typed.parquet")
+    res = CliRunner().invoke(submit_job, [str(tmp_path / "typed.parquet")], env={"RAY_ADDRESS": ""})
+    assert res.exit_code == 2 and "column `prompt` has type int32; expected string" in res.output
+
+
+def test_cli_bad_settings(tmp_path):
+    p = write_parquet(tmp_path / "in.parquet", prompt=["a"])
+    res = CliRunner().invoke(submit_job, [str(p), "--top-p", "2", "--replicas", "0"], env={"RAY_ADDRESS": ""})
+    assert res.exit_code == 2 and "top_p" in res.output and "replicas" in res.output

@@ -1,0 +1,160 @@
+"""Whole jobs on the tiny model with real Ray actors and real Parquet, driven in-process.
+
+Covers: texts equal `LLM.generate`/`LLM.chat` at temperature 0 with per-row overrides, bad rows as
+error rows, duplicate ids, --keep-columns, several committed files, OpenAI Batch JSONL in and out,
+a replica killed mid-job, cancellation and resume, and replicas that cannot start.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+from jobs.job_config import JobConfig
+from jobs.replica_pool import JobFailed
+from jobs.runner import JobRunner, run_job
+
+from .conftest import read_manifest, read_rows, write_parquet
+
+TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+WORDS = "the quick brown fox jumps over the lazy dog question answer speculative decoding".split()
+
+
+def prompt(i: int) -> str:
+    return " ".join(WORDS[(i * 7 + k) % len(WORDS)] for k in range(3 + i % 5))
+
+
+def test_job_matches_llm_generate_with_overrides_and_bad_rows(tmp_path, tiny_model, local_ray):
+    from eagle_worker import LLM, SamplingParams
+
+    n = 30
+    ids = [f"q{i}" for i in range(n)] + ["q3"]                      # q3 twice: generated once
+    prompts = [prompt(i) for i in range(n)] + ["dup"]
+    messages = [None] * (n + 1)
+    max_tokens = [1 + i % 6 for i in range(n)] + [None]
+    temperature = [None] * (n + 1)
+    top_p = [None] * (n + 1)
+    prompts[4] = None                                              # null prompt
+    prompts[5] = "   "                                             # empty prompt
+    prompts[6] = " ".join(["speculative decoding"] * 60)           # longer than max_model_len
+    temperature[7] = -1.0                                          # invalid per-row parameter
+    top_p[8] = 2.0
+    prompts[9], messages[9] = None, [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi fox"}]
+    prompts[10], messages[10] = None, [{"role": "user", "content": "lazy dog?"}]
+    inp = write_parquet(tmp_path / "in.parquet", id=ids, prompt=prompts, messages=messages, max_tokens=max_tokens,
+                        temperature=temperature, top_p=top_p, category=[f"c{i % 3}" for i in range(n + 1)],
+                        text=[f"source {i}" for i in range(n + 1)])
+    cfg = JobConfig(input=str(inp), model=tiny_model, draft="none", max_tokens=6, max_model_len=64,
+                    keep_columns=True, rows_per_file=8, chat_template=TEMPLATE, log_interval_s=1)
+    m = run_job(cfg)
+
+    rows = {r["id"]: r for r in read_rows(tmp_path / "in.out")}
+    assert len(read_rows(tmp_path / "in.out")) == n and set(rows) == set(ids)       # every id exactly once
+    assert m["status"] == "completed" and m["complete"] and m["duplicate_ids_skipped"] == 1
+    assert m["rows"] == n and m["error_rows"] == 5 and len(list((tmp_path / "in.out").glob("part-*.parquet"))) >= 4
+    assert rows["q4"]["error"] == "prompt is null" and rows["q5"]["error"] == "prompt is empty"
+    assert "maximum context is 64" in rows["q6"]["error"] and "temperature" in rows["q7"]["error"]
+    assert "top_p" in rows["q8"]["error"]
+    for bad in ("q4", "q5", "q6", "q7", "q8"):
+        assert rows[bad]["text"] is None and rows[bad]["completion_tokens"] is None
+    assert rows["q3"]["prompt"] == prompt(3)                        # the first row with a duplicated id
+    assert rows["q11"]["category"] == "c2" and rows["q11"]["input_text"] == "source 11"
+
+    llm = LLM(model=tiny_model, max_model_len=64, chat_template=TEMPLATE)
+    good = [i for i in range(n) if i not in (4, 5, 6, 7, 8, 9, 10)]
+    expect = llm.generate([prompt(i) for i in good], [SamplingParams(max_tokens=max_tokens[i], temperature=0.0)
+                                                      for i in good])
+    for i, out in zip(good, expect):
+        r = rows[f"q{i}"]
+        assert r["error"] is None and r["text"] == out.text and r["completion_tokens"] == len(out.token_ids)
+        assert r["completion_tokens"] == max_tokens[i] or r["finish_reason"] == "stop"
+        assert r["prompt_tokens"] == len(out.prompt_token_ids) and r["accepted_tokens_per_step"] == 1.0
+    chats = llm.chat([messages[9], messages[10]], [SamplingParams(max_tokens=max_tokens[9], temperature=0.0),
+                                                   SamplingParams(max_tokens=max_tokens[10], temperature=0.0)])
+    assert rows["q9"]["text"] == chats[0].text and rows["q10"]["text"] == chats[1].text
+
+    again = run_job(cfg)                                  # a finished job: nothing to do, no model load
+    assert again["runs"][-1]["rows"] == 0 and again["runs"][-1]["skipped_already_done"] == n
+    assert len(read_rows(tmp_path / "in.out")) == n
+
+
+def test_openai_batch_jsonl_job(tmp_path, tiny_model, local_ray):
+    reqs = [
+        {"custom_id": "chat-1", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": "tiny", "messages": [{"role": "user", "content": "the fox"}], "max_tokens": 3}},
+        {"custom_id": "cmpl-1", "method": "POST", "url": "/v1/completions",
+         "body": {"model": "tiny", "prompt": "the lazy dog", "max_tokens": 2, "temperature": 0}},
+        {"custom_id": "bad-temp", "method": "POST", "url": "/v1/completions",
+         "body": {"model": "tiny", "prompt": "x", "temperature": -3}},
+        {"custom_id": "bad-n", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": 3}},
+    ]
+    inp = tmp_path / "batch.jsonl"
+    inp.write_text("".join(json.dumps(r) + "\n" for r in reqs))
+    m = run_job(JobConfig(input=str(inp), model=tiny_model, draft="none", chat_template=TEMPLATE, max_tokens=4))
+    assert m["format"] == "openai-batch" and m["rows"] == 4 and m["error_rows"] == 2
+    lines = [json.loads(x) for p in sorted((tmp_path / "batch.out").glob("part-*.jsonl"))
+             for x in p.read_text().splitlines()]
+    by = {x["custom_id"]: x for x in lines}
+    assert sorted(by) == sorted(r["custom_id"] for r in reqs) and len(lines) == 4
+    chat = by["chat-1"]["response"]
+    assert chat["status_code"] == 200 and chat["body"]["object"] == "chat.completion"
+    assert chat["body"]["model"] == "tiny" and chat["body"]["usage"]["completion_tokens"] <= 3
+    assert isinstance(chat["body"]["choices"][0]["message"]["content"], str)
+    assert by["cmpl-1"]["response"]["body"]["object"] == "text_completion"
+    assert by["bad-temp"]["response"]["status_code"] == 400
+    assert "temperature" in by["bad-temp"]["response"]["body"]["error"]["message"]
+    assert "n must be 1" in by["bad-n"]["response"]["body"]["error"]["message"]
+
+
+def _run_in_thread(runner: JobRunner):
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("manifest", runner.run()), daemon=True)
+    t.start()
+    return t, box
+
+
+def _wait(cond, timeout=120.0):
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout, "timed out"
+        time.sleep(0.05)
+
+
+def test_replica_death_then_cancel_then_resume(tmp_path, tiny_model, local_ray):
+    n = 240
+    inp = write_parquet(tmp_path / "in.parquet", prompt=[prompt(i) for i in range(n)])
+    cfg = JobConfig(input=str(inp), model=tiny_model, draft="none", max_tokens=12, max_num_seqs=8,
+                    rows_per_file=20, replicas=1, cpus_per_replica=1)
+    runner = JobRunner(cfg)
+    thread, box = _run_in_thread(runner)
+    _wait(lambda: runner.stats.rows >= 20)
+    victim = runner.pool.replicas[0]
+    lost = victim.in_flight
+    local_ray.kill(victim.actor, no_restart=True)                  # the replica dies mid-job
+    _wait(lambda: runner.stats.rows >= 120)
+    assert runner.pool.restarts_left == cfg.replica_restarts - 1 and lost > 0
+    runner.stopping = "test"                                        # what SIGTERM / `job cancel` does
+    thread.join(60)
+    m = box["manifest"]
+    assert m["status"] == "cancelled" and 120 <= m["rows"] < n and m["error_rows"] == 0
+    committed = m["rows"]
+
+    m2 = run_job(cfg)                                              # the same job again: resumes
+    rows = read_rows(tmp_path / "in.out")
+    ids = [r["id"] for r in rows]
+    assert len(ids) == n and set(ids) == {f"in.parquet:{i}" for i in range(n)}
+    assert m2["status"] == "completed" and m2["complete"] and m2["error_rows"] == 0
+    assert m2["runs"][-1]["skipped_already_done"] == committed and m2["runs"][-1]["rows"] == n - committed
+    assert [r["status"] for r in m2["runs"]] == ["cancelled", "completed"]
+
+
+def test_replicas_that_cannot_start_fail_the_job_clearly(tmp_path, local_ray):
+    inp = write_parquet(tmp_path / "in.parquet", prompt=["a", "b"])
+    cfg = JobConfig(input=str(inp), model=str(tmp_path / "no-such-model"), draft="none", max_replica_restarts=0)
+    with pytest.raises(JobFailed, match="no-such-model"):
+        run_job(cfg)
+    m = read_manifest(tmp_path / "in.out")
+    assert m["status"] == "failed" and "no-such-model" in m["error"] and m["rows"] == 0

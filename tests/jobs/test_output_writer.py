@@ -1,0 +1,117 @@
+"""Atomic part files, resume state from committed ids, folder safety, OpenAI output lines, IdSet. No Ray."""
+from __future__ import annotations
+
+import json
+import os
+
+import pyarrow.parquet as pq
+import pytest
+
+import jobs.id_set as id_set_mod
+from jobs.id_set import IdSet
+from jobs.output_writer import BASE_SCHEMA, OutputDir, OutputError, PartWriter, openai_line
+
+FP = {"model": "m", "max_tokens": 4}
+
+
+def rec(i, error=None):
+    return {"id": f"r{i}", "text": None if error else f"t{i}", "finish_reason": None if error else "length",
+            "prompt_tokens": None if error else 3, "completion_tokens": None if error else 4,
+            "accepted_tokens_per_step": 1.0, "latency_s": 0.1, "error": error, "chat": False, "model": "m"}
+
+
+def visible(path):
+    return sorted(n for n in os.listdir(path) if not n.startswith((".", "_")))
+
+
+def test_rows_become_visible_only_at_commit(tmp_path):
+    out = OutputDir(tmp_path / "o", "parquet")
+    ids, counts = out.open(FP)
+    assert len(ids) == 0 and counts.rows == 0
+    out.write_manifest({"fingerprint": FP})
+    w = PartWriter(out, BASE_SCHEMA, "run1", rows_per_file=5, row_group_rows=2)
+    for i in range(4):
+        w.add(rec(i))
+    assert visible(out.path) == []                           # written to a hidden temp file only
+    assert any(n.startswith(".part-") for n in os.listdir(out.path))
+    w.add(rec(4, error="bad"))                                # 5th row: the file is committed
+    assert visible(out.path) == ["part-run1-00000.parquet"]
+    f = pq.ParquetFile(out.path / "part-run1-00000.parquet")
+    assert f.metadata.num_row_groups == 3 and f.metadata.num_rows == 5
+    w.add(rec(5))
+    assert w.committed.rows == 5 and w.committed.error_rows == 1
+    assert pq.read_table(out.path).num_rows == 5             # a dataset reader sees committed rows only
+    w.commit()
+    assert pq.read_table(out.path).num_rows == 6
+    out.close()
+
+
+def test_reopen_skips_committed_and_drops_temp_files(tmp_path):
+    out = OutputDir(tmp_path / "o", "parquet")
+    out.open(FP)
+    out.write_manifest({"fingerprint": FP})
+    w = PartWriter(out, BASE_SCHEMA, "run1", rows_per_file=3)
+    for i in range(5):          # 3 committed, 2 in a temp file when the "driver dies"
+        w.add(rec(i))
+    out.close()                 # no commit: simulates SIGKILL (the lock goes with the process)
+    again = OutputDir(tmp_path / "o", "parquet")
+    ids, counts = again.open(FP)
+    assert {f"r{i}" in ids for i in range(3)} == {True} and "r3" not in ids and counts.rows == 3
+    assert not any(n.endswith(".tmp") for n in os.listdir(again.path))
+    again.close()
+
+
+def test_folder_safety(tmp_path):
+    out = OutputDir(tmp_path / "o", "parquet")
+    out.open(FP)
+    out.write_manifest({"fingerprint": FP})
+    w = PartWriter(out, BASE_SCHEMA, "run1")
+    w.add(rec(0))
+    w.commit()
+    with pytest.raises(OutputError, match="another job is writing"):
+        OutputDir(tmp_path / "o", "parquet").open(FP)
+    out.close()
+    with pytest.raises(OutputError, match=r"different settings: max_tokens=4 \(now 8\).*--overwrite"):
+        OutputDir(tmp_path / "o", "parquet").open({**FP, "max_tokens": 8})
+    with pytest.raises(OutputError, match="another format"):
+        OutputDir(tmp_path / "o", "openai-batch").open(FP)
+    o2 = OutputDir(tmp_path / "o", "parquet")
+    ids, _ = o2.open({**FP, "max_tokens": 8}, overwrite=True)
+    assert len(ids) == 0 and visible(o2.path) == []
+    o2.close()
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "notes.txt").write_text("mine")
+    with pytest.raises(OutputError, match="did not write"):
+        OutputDir(tmp_path / "x", "parquet").open(FP)
+
+
+def test_openai_lines_and_jsonl_parts(tmp_path):
+    ok = openai_line({**rec(1), "chat": True})
+    assert ok["custom_id"] == "r1" and ok["error"] is None and ok["response"]["status_code"] == 200
+    body = ok["response"]["body"]
+    assert body["object"] == "chat.completion" and body["choices"][0]["message"] == {"role": "assistant", "content": "t1"}
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    bad = openai_line(rec(2, error="SamplingParams.temperature must be >= 0"))
+    assert bad["response"]["status_code"] == 400 and "temperature" in bad["response"]["body"]["error"]["message"]
+
+    out = OutputDir(tmp_path / "o", "openai-batch")
+    out.open(FP)
+    out.write_manifest({"fingerprint": FP})
+    w = PartWriter(out, BASE_SCHEMA, "r")
+    w.add(rec(1))
+    w.add(rec(2, error="bad"))
+    w.commit()
+    out.close()
+    lines = [json.loads(x) for x in (out.path / "part-r-00000.jsonl").read_text().splitlines()]
+    assert [x["custom_id"] for x in lines] == ["r1", "r2"] and lines[0]["response"]["body"]["object"] == "text_completion"
+    ids, counts = OutputDir(tmp_path / "o", "openai-batch").open(FP)
+    assert "r1" in ids and "r2" in ids and counts.error_rows == 1 and counts.completion_tokens == 4
+
+
+def test_id_set_merges_and_dedups(monkeypatch):
+    monkeypatch.setattr(id_set_mod, "_MERGE_AT", 100)
+    s = IdSet()
+    ids = [f"row-{i}" for i in range(1000)] + ["", "é", "x" * 1000]
+    assert s.update(ids) == 0 and s.update(ids[:10]) == 10 and len(s) == len(ids)
+    assert all(i in s for i in ids) and not any(f"other-{i}" in s for i in range(1000))
+    assert s.nbytes < 40 * len(ids)
