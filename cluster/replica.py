@@ -11,8 +11,10 @@ plain Ray actor method it is a streaming generator. Items are the engine's `Requ
 the consumer lags, consecutive outputs are merged (deltas concatenated) so a slow reader costs
 one item, not one per step. A request the engine refuses yields a single `Rejected` (HTTP 400)
 instead of raising, so the caller gets the engine's message without a Ray traceback around it.
-The final output of a request carries `metrics["replica_id"]` and `metrics["replica_stats"]`,
-which the HTTP layer turns into per-replica gauges.
+If the engine loop crashes, in-flight requests fail with EngineDiedError and the process exits
+shortly after, so Serve replaces the replica at once. The final output of a request carries
+`metrics["replica_id"]` and `metrics["replica_stats"]`, which the HTTP layer turns into per-replica
+gauges.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import concurrent.futures
 import dataclasses
 import importlib
 import logging
+import os
 import queue
 import re
 import threading
@@ -32,6 +35,7 @@ from typing import Any, AsyncIterator
 from cluster.config import ServeConfig
 
 logger = logging.getLogger(__name__)
+EXIT_GRACE_S = 1.0  # after an engine crash: time to send the errors out before the process exits
 
 # Fields an engine ValueError may name; used to fill the OpenAI error's `param`.
 _PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "stop",
@@ -207,9 +211,14 @@ class EngineReplica:
         except BaseException as e:  # the engine is unusable: fail everyone, let Serve replace us
             logger.exception("replica %s: engine loop crashed", self.replica_id)
             self._dead = e
+            self._stats = {**self._stats, "engine_alive": False}
             err = EngineDiedError(f"replica {self.replica_id}: engine failed: {e!r}")
             for rid in list(self._streams):
                 self._deliver(rid, err)
+            if _inside_ray_actor():
+                # Nothing can run here any more; dying now (rather than at the next failed health
+                # check) makes Serve stop routing to us and start a replacement at once.
+                threading.Timer(EXIT_GRACE_S, os._exit, args=(1,)).start()
 
     def _drain_commands(self, block: bool) -> None:
         try:
@@ -244,9 +253,18 @@ class EngineReplica:
 
     def _snapshot_stats(self, step_s: float) -> dict[str, Any]:
         st = dict(self.engine.stats())
-        st.update(replica_id=self.replica_id, max_model_len=getattr(self, "max_model_len", None),
+        st.update(replica_id=self.replica_id, engine_alive=True, max_model_len=getattr(self, "max_model_len", None),
                   num_streams=len(getattr(self, "_streams", ())), step_s=step_s, updated_at=time.time())
         return st
+
+
+def _inside_ray_actor() -> bool:
+    try:
+        import ray
+
+        return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
+    except Exception:
+        return False
 
 
 def _replica_id() -> str:

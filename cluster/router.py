@@ -24,6 +24,7 @@ instead of a silently restarted (and so duplicated) text.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 from collections import defaultdict
@@ -79,7 +80,8 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         self, candidate_replicas: List[RunningReplica], pending_request: Optional[PendingRequest] = None
     ) -> List[List[RunningReplica]]:
         """Replicas in preference order, one per rank; Serve skips the ones that are full."""
-        replicas = list(candidate_replicas)
+        alive = [r for r in candidate_replicas if (r.routing_stats or {}).get("engine_alive", True)]
+        replicas = alive or list(candidate_replicas)  # a crashed engine waits for Serve to replace it
         random.shuffle(replicas)  # break ties randomly so equal replicas share the load
         ranked = sorted(replicas, key=self.load)
         if request_priority(pending_request) > 0:
@@ -127,7 +129,8 @@ async def stream_outputs(
     priority: int = 0,
     messages: list[dict] | None = None,
     *,
-    max_attempts: int = 3,
+    max_attempts: int = 4,
+    retry_backoff_s: float = 0.5,
     restartable: bool = False,
 ) -> AsyncIterator[Any]:
     """Outputs of one request from whichever replica Serve picks, surviving replica deaths.
@@ -139,15 +142,18 @@ async def stream_outputs(
     tokens_seen = 0
     for attempt in range(max_attempts):
         rid = request_id if attempt == 0 else f"{request_id}-retry{attempt}"
-        gen = handle.options(stream=True).submit.remote(rid, prompt, params, priority=priority, messages=messages)
-        done = False
-        try:
+        gen = None
+        try:  # a full router queue raises BackPressureError already from `.remote()`
+            gen = handle.options(stream=True).submit.remote(rid, prompt, params, priority=priority, messages=messages)
             async for out in gen:
                 if not isinstance(out, Rejected):
                     tokens_seen += len(out.new_token_ids)
                 yield out
-            done = True
             return
+        except (GeneratorExit, asyncio.CancelledError):  # consumer left (client disconnect): stop the work
+            if gen is not None:
+                gen.cancel()
+            raise
         except BackPressureError as e:
             raise OverloadedError(
                 "the server is overloaded: every replica is at capacity and the queue is full; retry later"
@@ -158,10 +164,9 @@ async def stream_outputs(
                     f"the replica serving this request died after {tokens_seen} tokens were streamed; "
                     "the partial response cannot be resumed, please retry the request"
                 ) from e
-            logger.warning("request %s: replica failed (%s); retrying (attempt %d/%d)",
-                           request_id, type(e).__name__, attempt + 2, max_attempts)
+            if attempt + 1 < max_attempts:
+                logger.warning("request %s: replica failed (%s); retrying (attempt %d/%d)",
+                               request_id, type(e).__name__, attempt + 2, max_attempts)
+                await asyncio.sleep(retry_backoff_s * 2**attempt)  # let stats/health checks catch up
             tokens_seen = 0
-        finally:
-            if not done:  # consumer left early (client disconnect) or the call failed: stop the work
-                gen.cancel()
     raise ReplicaLostError(f"request {request_id} failed on {max_attempts} replicas in a row; giving up")

@@ -36,6 +36,13 @@ async def _api_error(request: Request, exc: oa.APIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status)
 
 
+@api.exception_handler(Exception)
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    logger.exception("unhandled error on %s", request.url.path)
+    err = oa.APIError(500, f"internal server error: {type(exc).__name__}: {exc}", type="server_error")
+    return JSONResponse(err.body(), status_code=500)
+
+
 def _validation_error(e: ValidationError) -> oa.APIError:
     err = e.errors()[0]
     loc = [str(p) for p in err["loc"] if not str(p).startswith(("function-after", "function-before"))]
@@ -170,8 +177,11 @@ class OpenAIIngress:
             self.metrics.first_token(ttft)
             if not req.stream:
                 last = first
-                async for out in it:
-                    last = out
+                try:
+                    async for out in it:
+                        last = out
+                except (OverloadedError, ReplicaLostError) as e:
+                    raise oa.APIError(503, str(e), type="server_error", code="replica_lost") from None
                 self._finish(last, t0, ttft)
                 status = 200
                 return JSONResponse(render.full(rid, last).model_dump(mode="json"))
@@ -271,7 +281,7 @@ def engine_deployment_options(config: ServeConfig) -> dict[str, Any]:
         max_ongoing_requests=config.max_ongoing_per_replica,
         max_queued_requests=config.limits.max_router_queue,
         request_router_config=router_config(),
-        health_check_period_s=5.0,
+        health_check_period_s=2.0,
         health_check_timeout_s=60.0,
         graceful_shutdown_timeout_s=30.0,
         ray_actor_options={"num_cpus": bundle["CPU"], "num_gpus": bundle.get("GPU", 0)},

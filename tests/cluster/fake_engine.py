@@ -155,17 +155,17 @@ class LLMEngine:
             raise RuntimeError("injected engine crash")
 
     def step(self) -> list[RequestOutput]:
-        delay = max([self.step_s] + [s.slow for s in self.running])
-        if delay:
-            time.sleep(delay)
-        for s in self.running:
-            self._maybe_fault(s)
         outs = [RequestOutput(s.rid, s.prompt, list(s.out), self.tokenizer.decode(s.out),
                               finished=True, finish_reason="abort") for s in self.aborted]
         self.aborted.clear()
         self.waiting.sort(key=lambda s: (s.priority, s.arrival))
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             self.running.append(self.waiting.pop(0))
+        delay = max([self.step_s] + [s.slow for s in self.running])
+        if delay:
+            time.sleep(delay)
+        for s in self.running:
+            self._maybe_fault(s)
         self.last_batch = len(self.running)
         for s in list(self.running):
             tok = self._next_token(s)

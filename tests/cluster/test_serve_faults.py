@@ -1,0 +1,143 @@
+"""What the real engine cannot be made to do on cue: overload, replica deaths, engine crashes, auth.
+
+Uses the fake engine (tests/cluster/fake_engine.py), whose prompt markers inject slowness and
+faults; everything else (Serve, the router, HTTP, the openai client) is real.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import time
+
+import openai
+import pytest
+import requests
+
+from cluster.config import ServeConfig
+from tests.cluster.conftest import FAKE, wait_for
+
+MODEL = "fake"
+
+
+def _cfg(name: str, **kw) -> ServeConfig:
+    base = dict(model=MODEL, engine=FAKE, app_name=name, resources_per_rank={"cpu": 0.25},
+                limits={"max_model_len": 256, "max_tokens": 64})
+    return ServeConfig(**(base | kw))
+
+
+@pytest.fixture(scope="module")
+def resilient(deploy):
+    """Two replicas, so a request whose replica dies has somewhere to go."""
+    return deploy(_cfg("resilient", num_replicas=2), "/resilient")
+
+
+@pytest.fixture(scope="module")
+def tiny(deploy):
+    """One replica that runs one request and queues none; the router queues one more."""
+    return deploy(_cfg("tiny", num_replicas=1, limits={"max_model_len": 256, "max_tokens": 64, "max_num_seqs": 1,
+                                                       "max_queued_requests": 0, "max_router_queue": 1}), "/tiny")
+
+
+@pytest.fixture(scope="module")
+def secured(deploy, tmp_path_factory, monkeypatch_module):
+    keyfile = tmp_path_factory.mktemp("keys") / "keys.txt"
+    keyfile.write_text("# team keys\nfile-key\n")
+    return deploy(_cfg("secured", num_replicas=1, api_keys=["inline-key"], api_keys_file=str(keyfile)), "/secured")
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    mp = pytest.MonkeyPatch()
+    yield mp
+    mp.undo()
+
+
+def test_auth(secured):
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    r = requests.post(f"{secured.url}/v1/completions", json=body)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    r = requests.post(f"{secured.url}/v1/completions", json=body, headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401
+    assert requests.get(f"{secured.url}/v1/models").status_code == 401
+    for key in ("inline-key", "file-key"):
+        r = requests.post(f"{secured.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+        assert r.status_code == 200, r.text
+    assert secured.client.completions.create(**body).usage.completion_tokens == 2  # client sends inline-key
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{secured.url}/v1", api_key="nope", max_retries=0).models.list()
+    assert requests.get(f"{secured.url}/health").status_code == 200  # probes need no key
+
+
+def test_overload_returns_503_then_recovers(tiny):
+    def one(i):
+        return requests.post(f"{tiny.url}/v1/completions", timeout=60,
+                             json={"model": MODEL, "prompt": f"[slow:0.05] {i}", "max_tokens": 20})
+
+    with cf.ThreadPoolExecutor(6) as pool:
+        responses = list(pool.map(one, range(6)))
+    codes = sorted(r.status_code for r in responses)
+    assert 200 in codes and 503 in codes, codes
+    for r in responses:
+        if r.status_code == 503:
+            assert r.json()["error"]["code"] == "overloaded", r.text
+    r = tiny.client.completions.create(model=MODEL, prompt="after the storm", max_tokens=3)
+    assert r.usage.completion_tokens == 3
+
+
+def test_priority_is_accepted(tiny):
+    r = tiny.client.completions.create(model=MODEL, prompt="batch job", max_tokens=2, extra_body={"priority": 1})
+    assert r.usage.completion_tokens == 2
+    with pytest.raises(openai.BadRequestError):
+        tiny.client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={"priority": 7})
+
+
+@pytest.mark.parametrize("fault", ["die", "crash"])
+def test_non_streaming_request_survives_replica_failure(resilient, tmp_path, fault):
+    """Nothing was sent to the client yet, so the request is re-run on a live replica."""
+    marker = tmp_path / "fired"
+    prompt = f"[slow:0.02][{fault}-once:{marker}:3] hello"
+    r = resilient.client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+    assert marker.exists()  # the fault really happened
+    assert r.usage.completion_tokens == 8 and r.choices[0].finish_reason == "length"
+    _wait_healthy(resilient)
+
+
+def test_streaming_retries_before_first_token(resilient, tmp_path):
+    marker = tmp_path / "fired"
+    chunks = list(resilient.client.completions.create(
+        model=MODEL, prompt=f"[die-once:{marker}:0] hi", max_tokens=5, temperature=0, stream=True))
+    assert marker.exists()
+    assert len("".join(c.choices[0].text for c in chunks)) == 5
+    _wait_healthy(resilient)
+
+
+def test_streaming_error_after_tokens_were_sent(resilient, tmp_path):
+    marker = tmp_path / "fired"
+    stream = resilient.client.completions.create(
+        model=MODEL, prompt=f"[slow:0.05][die-once:{marker}:3] hi", max_tokens=20, temperature=0, stream=True)
+    got = []
+    with pytest.raises(openai.APIError) as ei:
+        for c in stream:
+            got.append(c.choices[0].text)
+    assert got and "died" in str(ei.value)
+    _wait_healthy(resilient)
+
+
+def test_client_disconnect_frees_the_slot(tiny):
+    """A stream abandoned mid-way is aborted in the engine, so the single slot serves the next request."""
+    with requests.post(f"{tiny.url}/v1/completions", stream=True, timeout=60,
+                       json={"model": MODEL, "prompt": "[slow:0.05] long", "max_tokens": 60, "stream": True}) as r:
+        next(r.iter_lines())
+    t0 = time.monotonic()
+    r = tiny.client.completions.create(model=MODEL, prompt="next", max_tokens=2)
+    assert r.usage.completion_tokens == 2 and time.monotonic() - t0 < 2.5  # not behind ~3 s of the old one
+
+
+def _wait_healthy(app):
+    """Serve replaces the failed replica; wait until both run again so the next test starts clean."""
+    from ray import serve
+
+    def healthy():
+        st = serve.status().applications[app.config.app_name]
+        d = st.deployments["LLMServer"]
+        return st.status == "RUNNING" and d.replica_states.get("RUNNING", 0) == 2
+    assert wait_for(healthy, timeout=90), serve.status().applications[app.config.app_name]
