@@ -1,0 +1,102 @@
+"""ServeConfig: YAML loading, validation messages, derived Serve options, API-key sources."""
+from __future__ import annotations
+
+import pytest
+
+from cluster.config import ConfigError, ServeConfig
+from cluster.serve_app import app_builder, engine_deployment_options
+
+
+def test_defaults_are_servable():
+    cfg = ServeConfig()
+    assert cfg.model_name == "gemma-3-270m" and cfg.replica_count_options() == {"num_replicas": 1}
+    assert cfg.engine_kwargs() == dict(model="gemma-3-270m", dtype="float32", device="cpu", draft=None,
+                                       tp_size=1, max_num_seqs=64)
+    assert not cfg.auth_enabled and cfg.resolve_api_keys() == frozenset()
+
+
+def test_yaml_roundtrip(tmp_path):
+    p = tmp_path / "serve.yaml"
+    p.write_text("""
+model: gemma-3-270m
+served_model_name: gemma
+tp_size: 2
+placement_strategy: STRICT_PACK
+resources_per_rank: {cpu: 2}
+autoscaling: {min_replicas: 1, max_replicas: 4, target_ongoing_requests: 8}
+limits: {max_model_len: 2048, max_tokens: 512, max_queued_requests: 8}
+chat_template: "{{ messages }}"
+""")
+    cfg = ServeConfig.from_yaml(p)
+    assert cfg.model_name == "gemma" and cfg.tp_size == 2
+    assert cfg.replica_count_options()["autoscaling_config"]["max_replicas"] == 4
+    assert cfg.engine_kwargs()["max_model_len"] == 2048 and cfg.engine_kwargs()["chat_template"] == "{{ messages }}"
+    assert ServeConfig.from_yaml(_write(tmp_path, cfg.to_yaml())) == cfg
+
+
+def _write(tmp_path, text):
+    p = tmp_path / "again.yaml"
+    p.write_text(text)
+    return p
+
+
+@pytest.mark.parametrize("yaml_text,needle", [
+    ("tp_size: 0", "tp_size: Input should be greater than or equal to 1"),
+    ("limits: {max_tokens: -3}", "limits.max_tokens:"),
+    ("limits: {max_tokens: 4096, max_model_len: 1024}", "must be < max_model_len"),
+    ("num_replicas: 2\nautoscaling: {max_replicas: 3}", "either num_replicas or autoscaling"),
+    ("autoscaling: {min_replicas: 5, max_replicas: 2}", "min_replicas (5) > max_replicas (2)"),
+    ("placement_strategy: SPREAD", "placement_strategy:"),
+    ("device: cuda", "needs resources_per_rank.gpu: 1"),
+    ("modle: typo", "modle: unknown field"),
+    ("- just\n- a list", "expected a mapping"),
+    ("model: [unclosed", "invalid YAML"),
+])
+def test_validation_errors_name_the_field(tmp_path, yaml_text, needle):
+    p = tmp_path / "bad.yaml"
+    p.write_text(yaml_text)
+    with pytest.raises(ConfigError) as ei:
+        ServeConfig.from_yaml(p)
+    assert needle in str(ei.value) and str(p) in str(ei.value)
+
+
+def test_missing_file():
+    with pytest.raises(ConfigError, match="cannot read"):
+        ServeConfig.from_yaml("/nonexistent/serve.yaml")
+
+
+def test_api_key_sources(tmp_path, monkeypatch):
+    keyfile = tmp_path / "keys"
+    keyfile.write_text("# comment\nk-file  \n\nk-file2 # trailing comment\n")
+    monkeypatch.setenv("EAGLE_KEYS", "k-env1, k-env2")
+    cfg = ServeConfig(api_keys=["k-inline"], api_keys_env="EAGLE_KEYS", api_keys_file=str(keyfile))
+    assert cfg.resolve_api_keys() == {"k-inline", "k-env1", "k-env2", "k-file", "k-file2"}
+    with pytest.raises(ConfigError, match="not set"):
+        ServeConfig(api_keys_env="EAGLE_NO_SUCH_VAR").resolve_api_keys()
+    with pytest.raises(ConfigError, match="does not exist"):
+        ServeConfig(api_keys_file=str(tmp_path / "missing")).resolve_api_keys()
+    (tmp_path / "empty").write_text("# nothing\n")
+    with pytest.raises(ConfigError, match="refusing to serve open"):
+        ServeConfig(api_keys_file=str(tmp_path / "empty")).resolve_api_keys()
+
+
+def test_deployment_options():
+    cfg = ServeConfig(tp_size=2, placement_strategy="STRICT_PACK", resources_per_rank={"cpu": 3},
+                      limits={"max_num_seqs": 8, "max_queued_requests": 4, "max_router_queue": 10},
+                      autoscaling={"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 6})
+    opts = engine_deployment_options(cfg)
+    assert opts["placement_group_bundles"] == [{"CPU": 3.0}, {"CPU": 3.0}]
+    assert opts["placement_group_strategy"] == "STRICT_PACK"
+    assert opts["ray_actor_options"] == {"num_cpus": 3.0, "num_gpus": 0}
+    assert opts["max_ongoing_requests"] == 12 and opts["max_queued_requests"] == 10
+    assert opts["autoscaling_config"]["target_ongoing_requests"] == 6 and "num_replicas" not in opts
+    assert opts["request_router_config"]["request_router_class"] == "cluster.router.LoadAwareRouter"
+    single = engine_deployment_options(ServeConfig())
+    assert "placement_group_bundles" not in single and single["num_replicas"] == 1
+
+
+def test_app_builder_validates_args():
+    app = app_builder({"model": "gemma-3-270m", "num_replicas": 2})
+    assert app is not None
+    with pytest.raises(ConfigError, match="serve app args"):
+        app_builder({"num_replicas": 0})

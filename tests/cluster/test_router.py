@@ -1,0 +1,184 @@
+"""Router logic without a cluster: load ranking, priority steering, and retry-on-death semantics."""
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+import ray.exceptions
+from ray.serve.exceptions import BackPressureError
+
+from cluster.replica import EngineDiedError, Rejected, guess_param
+from cluster.router import LoadAwareRouter, OverloadedError, ReplicaLostError, stream_outputs
+
+
+class _Cache:
+    def __init__(self, d=None):
+        self.d = d or {}
+
+    def get(self, k):
+        return self.d.get(k)
+
+
+def _router(queue_lens=None) -> LoadAwareRouter:
+    r = LoadAwareRouter.__new__(LoadAwareRouter)  # the ranking needs none of Serve's plumbing
+    r.initialize_state()
+    r._replica_queue_len_cache = _Cache(queue_lens)
+    return r
+
+
+def _replica(rid, running=0, waiting=0, kv=0.0, alive=True, cap=16):
+    return SimpleNamespace(replica_id=rid, max_ongoing_requests=cap, routing_stats=dict(
+        num_running=running, num_waiting=waiting, kv_usage=kv, engine_alive=alive))
+
+
+def _rank(router, replicas, priority=0):
+    pending = SimpleNamespace(kwargs={"priority": priority})
+    return [rank[0].replica_id for rank in asyncio.run(router.choose_replicas(replicas, pending))]
+
+
+def test_least_loaded_first():
+    reps = [_replica("busy", running=12, kv=0.6), _replica("idle"), _replica("mid", running=4, kv=0.2)]
+    assert _rank(_router(), reps) == ["idle", "mid", "busy"]
+
+
+def test_kv_pressure_counts():
+    reps = [_replica("full-kv", running=2, kv=0.95), _replica("roomy", running=3, kv=0.1)]
+    assert _rank(_router(), reps)[0] == "roomy"
+
+
+def test_local_inflight_reacts_before_stats_refresh():
+    r = _router()
+    reps = [_replica("a"), _replica("b")]
+    for _ in range(5):
+        r.on_request_routed(None, "a", None)
+    assert _rank(r, reps)[0] == "b"
+    for _ in range(5):
+        r.on_request_completed("a", "x")
+    assert r._inflight == {}
+
+
+def test_queue_len_cache_counts():
+    assert _rank(_router({"a": 10}), [_replica("a"), _replica("b")])[0] == "b"
+
+
+def test_offline_work_prefers_headroom():
+    reps = [_replica("backlogged", running=1, waiting=3), _replica("hot-kv", running=1, kv=0.9),
+            _replica("spare", running=6, kv=0.3)]
+    assert _rank(_router(), reps, priority=1)[0] == "spare"
+    assert _rank(_router(), reps, priority=0)[0] != "spare"  # online work just takes the least loaded
+
+
+def test_dead_engines_are_skipped():
+    reps = [_replica("crashed", alive=False), _replica("ok", running=10)]
+    assert _rank(_router(), reps) == ["ok"]
+    assert _rank(_router(), [_replica("crashed", alive=False)]) == ["crashed"]  # nothing better: let Serve wait
+
+
+# ---- stream_outputs ---------------------------------------------------------------------------
+def _out(n_new=1, finished=False):
+    return SimpleNamespace(new_token_ids=[7] * n_new, finished=finished)
+
+
+class _Gen:
+    def __init__(self, items, exc):
+        self.items, self.exc, self.cancelled = items, exc, False
+
+    def __aiter__(self):
+        return self._run()
+
+    async def _run(self):
+        for it in self.items:
+            yield it
+        if self.exc is not None:
+            raise self.exc
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class _Handle:
+    """Plays a script of (items, exception) per call; `raise_on_call` mimics BackPressureError at .remote()."""
+
+    def __init__(self, *script, raise_on_call=None):
+        self.script, self.raise_on_call, self.calls, self.gens = list(script), raise_on_call, [], []
+
+    def options(self, **kw):
+        return self
+
+    @property
+    def submit(self):
+        return self
+
+    def remote(self, rid, prompt, params, priority=0, messages=None):
+        self.calls.append((rid, priority))
+        if self.raise_on_call:
+            raise self.raise_on_call
+        gen = _Gen(*self.script.pop(0))
+        self.gens.append(gen)
+        return gen
+
+
+async def _collect(handle, **kw):
+    return [o async for o in stream_outputs(handle, "req", "p", {}, retry_backoff_s=0, **kw)]
+
+
+@pytest.mark.parametrize("death", [EngineDiedError("boom"), ray.exceptions.ActorDiedError(),
+                                   ray.exceptions.ActorUnavailableError("gone", None)])
+def test_retry_when_no_token_was_sent(death):
+    h = _Handle(([], death), ([_out(), _out(finished=True)], None))
+    outs = asyncio.run(_collect(h, priority=1))
+    assert len(outs) == 2 and [c[0] for c in h.calls] == ["req", "req-retry1"] and h.calls[1][1] == 1
+
+
+def test_error_after_tokens_were_streamed():
+    h = _Handle(([_out(), _out()], EngineDiedError("boom")), ([_out(finished=True)], None))
+    with pytest.raises(ReplicaLostError, match="after 2 tokens"):
+        asyncio.run(_collect(h))
+    assert len(h.calls) == 1
+
+
+def test_restartable_retries_even_after_tokens():
+    h = _Handle(([_out(), _out()], EngineDiedError("boom")), ([_out(3, finished=True)], None))
+    outs = asyncio.run(_collect(h, restartable=True))
+    assert outs[-1].finished and len(h.calls) == 2
+
+
+def test_gives_up_after_max_attempts():
+    h = _Handle(*[([], EngineDiedError("boom"))] * 3)
+    with pytest.raises(ReplicaLostError, match="3 replicas"):
+        asyncio.run(_collect(h, max_attempts=3))
+
+
+def test_backpressure_becomes_overloaded():
+    h = _Handle(raise_on_call=BackPressureError(num_queued_requests=4, max_queued_requests=4))
+    with pytest.raises(OverloadedError, match="overloaded"):
+        asyncio.run(_collect(h))
+
+
+def test_rejections_pass_through_without_retry():
+    h = _Handle(([Rejected("SamplingParams.top_p must be in (0, 1]", "top_p")], None))
+    assert isinstance(asyncio.run(_collect(h))[0], Rejected) and len(h.calls) == 1
+
+
+def test_consumer_leaving_cancels_the_replica_call():
+    h = _Handle(([_out(), _out(), _out(finished=True)], None))
+
+    async def take_one():
+        it = stream_outputs(h, "req", "p", {})
+        await it.__anext__()
+        await it.aclose()
+
+    asyncio.run(take_one())
+    assert h.gens[0].cancelled
+
+
+@pytest.mark.parametrize("message,param", [
+    ("SamplingParams.max_tokens must be a positive integer, got 0", "max_tokens"),
+    ("prompt has 900 tokens; the maximum context is 512 tokens", "prompt"),
+    ("prompt is too long: 300 prompt tokens + max_tokens 16 exceeds max_model_len 256", "prompt"),
+    ("model 'x' has no chat template; set `chat_template`", None),
+    ("messages[0] must be an object with 'role' and 'content'", "messages"),
+])
+def test_guess_param(message, param):
+    assert guess_param(message) == param
