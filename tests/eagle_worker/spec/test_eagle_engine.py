@@ -1,0 +1,185 @@
+"""EAGLE inside the engine: greedy output identical to plain decoding for every family and head
+format, in continuous batches with prefill chunks and plain decodes beside the trees; a head that
+really accepts (tau > 2) with the KV cache holding exactly what plain decoding holds; and lossless
+sampling, with a deliberately wrong acceptance rule as the negative control."""
+from __future__ import annotations
+
+import functools
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from eagle_worker import LLM, SamplingParams
+from eagle_worker.engine import LLMEngine
+from eagle_worker.spec import acceptance
+from eagle_worker.spec.config import SpecConfig
+from eagle_worker.spec.head_init import new_head
+from eagle_worker.spec.head_loader import save_draft_head
+from eagle_worker.spec.policy import SpecPolicy
+from tests.conftest import make_tokenizer, tiny_config
+
+PROMPTS = ["The quick brown fox", "Question: what is two plus two?\nAnswer:", "def add(a, b):\n", "x",
+           "Speculative decoding drafts tokens and verifies them in one pass.", "Bonjour"]
+
+
+def random_head(llm: LLM, kind: str, path: Path) -> Path:
+    runner = llm.engine.runner
+    vocab = torch.arange(0, runner.model.vocab_size, 2) if kind == "eagle3" else None
+    save_draft_head(new_head(kind, runner.model, runner.hf_config, vocab, std=0.2), path)
+    return path
+
+
+def assert_no_leaks(engine: LLMEngine) -> None:
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert not engine.requests and not engine.worker.states
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma3"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_greedy_with_random_head_equals_plain(family, kind, tiny_model_dir, tmp_path):
+    path = tiny_model_dir(family)
+    plain = LLM(model=str(path), block_size=4, num_kv_blocks=256)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    expected = [o.token_ids for o in plain.generate(PROMPTS, params)]
+    head = random_head(plain, kind, tmp_path / "head")
+    spec = LLM(model=str(path), block_size=4, num_kv_blocks=256,
+               spec=SpecConfig(draft=str(head), depth=3, top_k=3, num_draft_tokens=5, adaptive=False))
+    assert spec.generate(PROMPTS[0], params)[0].token_ids == expected[0]
+    assert [o.token_ids for o in spec.generate(PROMPTS, params)] == expected
+    assert spec.engine.stats()["spec_steps"] > 0
+    assert_no_leaks(spec.engine)
+
+
+@pytest.fixture(scope="module")
+def copying_target(tmp_path_factory):
+    """A tiny Qwen2 whose next token depends mostly on the current one (attention is weak, MLPs are
+    off) and an EAGLE-1 head that forwards the token embedding: it drafts the target's own bigram
+    argmax, so it accepts a lot, while attention still makes the KV cache matter."""
+    torch.manual_seed(0)
+    cfg = tiny_config("qwen2")
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.2)
+            if "o_proj" in name:
+                p.mul_(0.01)
+            if "down_proj" in name:
+                p.zero_()
+            if "norm" in name:
+                p.fill_(1.0)
+    target = tmp_path_factory.mktemp("copying-target")
+    model.save_pretrained(target)
+    make_tokenizer(cfg.vocab_size).save_pretrained(target)
+    llm = LLM(model=str(target), block_size=4, num_kv_blocks=64)
+    head = new_head("eagle", llm.engine.runner.model, llm.engine.runner.hf_config, std=0.0)
+    with torch.no_grad():
+        H = head.config.hidden_size
+        head.fc.weight[:, :H] = torch.eye(H)
+    head_dir = tmp_path_factory.mktemp("copying-head")
+    save_draft_head(head, head_dir)
+    return target, head_dir
+
+
+@pytest.mark.parametrize("tree", ["dynamic", "static", "chain"])
+def test_accepting_head_is_lossless_and_fast_in_mixed_batches(tree, copying_target):
+    target, head = copying_target
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    expected = [o.token_ids for o in LLM(model=str(target), block_size=4, num_kv_blocks=512).generate(PROMPTS, params)]
+    # a 7-token step budget chunks prompts, so prefill chunks, plain decodes and trees share steps
+    spec = LLM(model=str(target), block_size=4, num_kv_blocks=512, max_num_batched_tokens=7,
+               spec=SpecConfig(draft=str(head), tree=tree, adaptive=False))
+    outs = spec.generate(PROMPTS, params)
+    assert [o.token_ids for o in outs] == expected
+    taus = [o.metrics["mean_accepted_tokens"] for o in outs]
+    assert min(taus) > 2.0, taus
+    assert sum(outs[0].metrics["accepted_per_depth"]) > 0
+    assert spec.engine.stats()["acceptance_rate_per_depth"][0] > 0.5
+    assert_no_leaks(spec.engine)
+
+
+def test_tight_kv_falls_back_to_plain_decoding_and_stays_exact(copying_target):
+    target, head = copying_target
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    expected = [o.token_ids for o in LLM(model=str(target), block_size=4, num_kv_blocks=512).generate(PROMPTS, params)]
+    spec = LLM(model=str(target), block_size=4, num_kv_blocks=40,
+               spec=SpecConfig(draft=str(head), adaptive=False))
+    assert [o.token_ids for o in spec.generate(PROMPTS, params)] == expected
+    assert spec.engine.stats()["plain_steps"] > 0 or spec.engine.stats()["spec_steps"] > 0
+    assert_no_leaks(spec.engine)
+
+
+def test_kv_cache_holds_exactly_the_committed_tokens(copying_target):
+    target, head = copying_target
+    params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    plain = LLMEngine(_config(target))
+    spec = LLMEngine(_config(target, SpecConfig(draft=str(head), adaptive=False)))
+    for e in (plain, spec):
+        for i, p in enumerate(PROMPTS[:3]):
+            e.add_request(str(i), p, params)
+    for _ in range(12):
+        spec.step()
+    drafted, accepted = spec.worker.totals["drafted_at_depth"], spec.worker.totals["accepted_at_depth"]
+    assert 0 < sum(accepted) < sum(drafted)       # acceptances and rejections both happened
+    for rid in ("0", "1", "2"):
+        s = spec.requests[rid]
+        while plain.requests[rid].num_computed_tokens < s.num_computed_tokens:
+            plain.step()
+        p = plain.requests[rid]
+        c = s.num_computed_tokens
+        assert p.token_ids[:c] == s.token_ids[:c]
+        s_slots = spec.block_manager.slots(s, 0, c)
+        p_slots = plain.block_manager.slots(p, 0, c)
+        torch.testing.assert_close(spec.runner.kv_cache[:, :, s_slots], plain.runner.kv_cache[:, :, p_slots],
+                                   rtol=1e-4, atol=1e-5)
+        assert len(s.block_table) == spec.block_manager.blocks_for(c)  # rejected draft blocks were returned
+
+
+def _config(target, spec=None):
+    from eagle_worker.config import EngineConfig
+    return EngineConfig(model=str(target), block_size=4, num_kv_blocks=512, spec=spec)
+
+
+def _joint_counts(llm: LLM, n: int) -> Counter:
+    params = [SamplingParams(max_tokens=3, temperature=1.0, top_k=3, seed=i, ignore_eos=True) for i in range(n)]
+    outs = llm.generate(["The quick brown fox"] * n, params)
+    return Counter(tuple(o.token_ids) for o in outs)
+
+
+def _chi2_pvalue(a: Counter, b: Counter) -> float:
+    """Chi-square test of homogeneity of two samples over the same cells."""
+    keys = sorted(set(a) | set(b))
+    table = torch.tensor([[a.get(k, 0) for k in keys], [b.get(k, 0) for k in keys]], dtype=torch.float64)
+    expected = table.sum(1, keepdim=True) * table.sum(0, keepdim=True) / table.sum()
+    stat = ((table - expected) ** 2 / expected).sum()
+    dof = len(keys) - 1
+    return torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat / 2).item()
+
+
+def test_speculative_sampling_keeps_the_target_distribution(copying_target, monkeypatch):
+    target, head = copying_target
+    n = 1500
+    plain = _joint_counts(LLM(model=str(target), block_size=4, num_kv_blocks=2048, max_num_seqs=128), n)
+    spec_cfg = SpecConfig(draft=str(head), tree="dynamic", top_k=3, num_draft_tokens=6, depth=3, adaptive=False)
+    spec_llm = LLM(model=str(target), block_size=4, num_kv_blocks=2048, max_num_seqs=128, spec=spec_cfg)
+    spec = _joint_counts(spec_llm, n)
+    assert spec_llm.engine.stats()["acceptance_rate_per_depth"][0] > 0.3   # the drafts really are used
+    assert _chi2_pvalue(plain, spec) > 1e-3
+    # negative control: not removing a rejected sibling before the residual skews the distribution
+    monkeypatch.setattr(acceptance, "_walk_sampling", functools.partial(acceptance._walk_sampling, zero_rejected=False))
+    wrong = _joint_counts(LLM(model=str(target), block_size=4, num_kv_blocks=2048, max_num_seqs=128, spec=spec_cfg), n)
+    assert _chi2_pvalue(plain, wrong) < 1e-3
+
+
+def test_policy_drops_speculation_where_it_loses():
+    policy = SpecPolicy(num_draft_tokens=16)
+    for _ in range(60):
+        for bs, rate in ((1, {0: 10, 4: 14, 8: 18, 16: 25}), (32, {0: 300, 4: 200, 8: 150, 16: 90})):
+            n = policy.choose(bs)
+            policy.observe(bs, n, int(rate[n] * 0.1), 0.1)
+    assert policy.choose(1) == 16
+    assert policy.choose(32) == 0
+    assert SpecPolicy(num_draft_tokens=16, adaptive=False).choose(64) == 16
