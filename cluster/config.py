@@ -25,7 +25,7 @@ Example YAML (every key optional)::
     api_keys_env: EAGLE_API_KEYS      # env var with comma-separated keys, and/or
     api_keys_file: /etc/eagle/keys    # one key per line, '#' comments
     chat_template: null               # Jinja template overriding the model's
-    host: 0.0.0.0
+    host: 127.0.0.1                   # 0.0.0.0 to accept outside connections
     port: 8000
 """
 from __future__ import annotations
@@ -150,7 +150,7 @@ class ServeConfig(_Strict):
     api_keys_file: str | None = None
     chat_template: str | None = None
     app_name: str = "eagle"
-    host: str = "0.0.0.0"
+    host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
 
     @model_validator(mode="after")
