@@ -94,6 +94,26 @@ def bench_decode(model, dtypes, batch_sizes, max_tokens, json_out):
         max_tokens=max_tokens, json_out=json_out)
 
 
+@bench.command("spec")
+@click.option("--model", default="gemma-3-270m", show_default=True)
+@click.option("--prompts", "prompts_file", default=None, help="Spec-Bench-format JSONL [default: the bundled Spec-Bench].")
+@click.option("--per-category", default=2, show_default=True, type=int)
+@click.option("--max-tokens", default=128, show_default=True, type=int)
+@click.option("--dtype", default="bfloat16", show_default=True, type=click.Choice(["float32", "bfloat16"]))
+@click.option("--draft", default="default", show_default=True, help="Head folder, 'default', or 'random' (cost only).")
+@click.option("--methods", default="vanilla,hf,hf_lookup,chain,static,dynamic", show_default=True)
+@click.option("--sweep", default="1,2,4,8,16,32", show_default=True, help="Batch sizes for the head/no-head sweep ('' to skip).")
+@click.option("--json", "json_out", default="bench/results/spec.json", show_default=True)
+def bench_spec(model, prompts_file, per_category, max_tokens, dtype, draft, methods, sweep, json_out):
+    """Vanilla, transformers (plain, prompt lookup), EAGLE chain/static/dynamic: tok/s, speedup, tau."""
+    from bench.prompts import SPEC_BENCH
+    from bench.spec import run
+
+    run(model=model, prompts_file=prompts_file or SPEC_BENCH, per_category=per_category, max_tokens=max_tokens,
+        dtype=dtype, draft=draft, methods=tuple(methods.split(",")),
+        sweep=tuple(int(b) for b in sweep.split(",") if b), json_out=json_out)
+
+
 @bench.command("job")
 @click.option("--model", default="gemma-3-270m", show_default=True)
 @click.option("--rows", default=200, show_default=True, type=int)

@@ -1,0 +1,180 @@
+"""Speculative decoding benchmark on Spec-Bench-format prompts, every method in one run.
+
+Methods: our vanilla decoding, `transformers` generate, `transformers` prompt-lookup decoding,
+our EAGLE chain, static tree and dynamic tree. Per category: tokens/s, speedup over our vanilla
+and tau (output tokens per target forward). Then a batch-size sweep with and without the head.
+Usage: `eaglectl bench spec [--prompts FILE] [--draft DIR|default|random] [--json OUT]`.
+"""
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from bench.prompts import PROMPT_FORMAT, SPEC_BENCH, load_questions, render
+
+OURS = ("vanilla", "chain", "static", "dynamic")
+
+
+def _spec_config(method: str, draft: str):
+    from eagle_worker.spec.config import SpecConfig
+
+    if method == "vanilla":
+        return None
+    return SpecConfig(draft=draft, tree=method, adaptive=False,
+                      **({"depth": 5, "num_draft_tokens": 5} if method == "chain" else {}))
+
+
+def _random_head(llm, out: Path, draft_vocab: int = 8192) -> str:
+    """A random EAGLE-3 head (accepts ~nothing): measures the cost side while no trained head exists."""
+    from eagle_worker.spec.head_init import new_head
+    from eagle_worker.spec.head_loader import save_draft_head
+
+    runner = llm.engine.runner
+    save_draft_head(new_head("eagle3", runner.model, runner.hf_config, torch.arange(draft_vocab)), out)
+    return str(out)
+
+
+def _run_ours(llm, prompts: list[str], max_tokens: int) -> tuple[float, int, int]:
+    from eagle_worker import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    t0 = time.perf_counter()
+    tokens = forwards = 0
+    for p in prompts:                       # batch 1: one request at a time
+        out = llm.generate(p, params)[0]
+        tokens += len(out.token_ids)
+        forwards += out.metrics["num_target_forwards"] + 1   # + the prefill that produced token 1
+    return time.perf_counter() - t0, tokens, forwards
+
+
+def _run_hf(model, tok, prompts: list[str], max_tokens: int, lookup: int | None) -> tuple[float, int, int]:
+    t0 = time.perf_counter()
+    tokens = 0
+    kw = {"prompt_lookup_num_tokens": lookup} if lookup else {}
+    with torch.inference_mode():
+        for p in prompts:
+            ids = tok(p, return_tensors="pt").input_ids
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                                 do_sample=False, **kw)
+            tokens += out.shape[1] - ids.shape[1]
+    return time.perf_counter() - t0, tokens, 0
+
+
+def run(model: str = "gemma-3-270m", prompts_file: str | Path = SPEC_BENCH, per_category: int = 2,
+        max_tokens: int = 128, dtype: str = "bfloat16", draft: str = "default",
+        methods: tuple[str, ...] = ("vanilla", "hf", "hf_lookup", "chain", "static", "dynamic"),
+        sweep: tuple[int, ...] = (1, 2, 4, 8, 16, 32), json_out: str | None = "bench/results/spec.json") -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from eagle_worker import LLM
+    from eagle_worker.model_runner import resolve_model
+
+    records = load_questions(prompts_file, per_category=per_category)
+    by_cat = defaultdict(list)
+    for r in records:
+        by_cat[r.get("category", "default")].append(render(r))
+    vanilla = LLM(model=model, dtype=dtype)
+    tmp = tempfile.mkdtemp(prefix="bench-head-")
+    if draft == "random":
+        draft = _random_head(vanilla, Path(tmp))
+    results: dict[str, dict[str, dict]] = defaultdict(dict)
+    path = resolve_model(model)
+    hf = tok = None
+    for method in methods:
+        if method.startswith("hf"):
+            if hf is None:
+                tok = AutoTokenizer.from_pretrained(path)
+                hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+            runner = lambda ps: _run_hf(hf, tok, ps, max_tokens, 10 if method == "hf_lookup" else None)  # noqa: E731
+        else:
+            llm = vanilla if method == "vanilla" else LLM(model=model, dtype=dtype, spec=_spec_config(method, draft))
+            llm.generate(by_cat[next(iter(by_cat))][0], None)          # warm-up
+            runner = lambda ps, llm=llm: _run_ours(llm, ps, max_tokens)  # noqa: E731
+        for cat, ps in by_cat.items():
+            secs, tokens, forwards = runner(ps)
+            results[method][cat] = {"tok_s": tokens / secs, "tau": tokens / forwards if forwards else None,
+                                    "tokens": tokens, "seconds": secs}
+            print(f"{method:10s} {cat:16s} {tokens / secs:7.2f} tok/s", flush=True)
+        if method in OURS and method != "vanilla":
+            results[method]["_acceptance_per_depth"] = llm.engine.stats().get("acceptance_rate_per_depth")
+    summary = _summarise(results)
+    sweep_rows = _sweep(model, dtype, draft, [p for ps in by_cat.values() for p in ps], sweep, max_tokens=32) if sweep else []
+    _print(summary, sweep_rows)
+    report = {"meta": {"model": model, "dtype": dtype, "max_tokens": max_tokens, "prompt_format": PROMPT_FORMAT,
+                       "prompts": str(prompts_file), "per_category": per_category, "draft": draft,
+                       "threads": torch.get_num_threads()},
+              "results": results, "summary": summary, "sweep": sweep_rows}
+    if json_out:
+        Path(json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_out).write_text(json.dumps(report, indent=2))
+    return report
+
+
+def _summarise(results: dict) -> dict:
+    out = {}
+    cats = [c for c in results.get("vanilla", {}) if not c.startswith("_")]
+    for method, per_cat in results.items():
+        rows = {}
+        for cat in cats + ["overall"]:
+            if cat == "overall":
+                toks = sum(per_cat[c]["tokens"] for c in cats)
+                secs = sum(per_cat[c]["seconds"] for c in cats)
+                base = sum(results["vanilla"][c]["tokens"] for c in cats) / sum(results["vanilla"][c]["seconds"] for c in cats)
+                taus = [per_cat[c]["tau"] for c in cats if per_cat[c]["tau"]]
+                rows[cat] = {"tok_s": toks / secs, "speedup": toks / secs / base,
+                             "tau": sum(taus) / len(taus) if taus else None}
+            else:
+                rows[cat] = {"tok_s": per_cat[cat]["tok_s"], "speedup": per_cat[cat]["tok_s"] / results["vanilla"][cat]["tok_s"],
+                             "tau": per_cat[cat]["tau"]}
+        out[method] = rows
+    return out
+
+
+def _sweep(model: str, dtype: str, draft: str, prompts: list[str], sizes, max_tokens: int) -> list[dict]:
+    """Throughput at each batch size, plain vs with the head (adaptive budget, as served)."""
+    from eagle_worker import LLM, SamplingParams
+    from eagle_worker.spec.config import SpecConfig
+
+    rows = []
+    engines = {"no head": LLM(model=model, dtype=dtype),
+               "head (adaptive)": LLM(model=model, dtype=dtype, spec=SpecConfig(draft=draft, adaptive=True))}
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for bs in sizes:
+        batch = (prompts * (bs // max(len(prompts), 1) + 1))[:bs]
+        row = {"batch": bs}
+        for name, llm in engines.items():
+            llm.generate(batch, params)                  # warm-up (and lets the policy measure)
+            t0 = time.perf_counter()
+            n = sum(len(o.token_ids) for o in llm.generate(batch, params))
+            row[name] = n / (time.perf_counter() - t0)
+        row["ratio"] = row["head (adaptive)"] / row["no head"]
+        rows.append(row)
+        print(f"sweep batch {bs:2d}: {row}", flush=True)
+    return rows
+
+
+def _print(summary: dict, sweep_rows: list[dict]) -> None:
+    methods = list(summary)
+    cats = list(next(iter(summary.values())))
+    print("\n| category | " + " | ".join(methods) + " |")
+    print("|---|" + "---:|" * len(methods))
+    for cat in cats:
+        cells = []
+        for m in methods:
+            r = summary[m][cat]
+            tau = f", τ {r['tau']:.2f}" if r["tau"] else ""
+            cells.append(f"{r['tok_s']:.1f} ({r['speedup']:.2f}x{tau})")
+        print(f"| {cat} | " + " | ".join(cells) + " |")
+    if sweep_rows:
+        print("\n| batch | no head tok/s | head (adaptive) tok/s | ratio |\n|---:|---:|---:|---:|")
+        for r in sweep_rows:
+            print(f"| {r['batch']} | {r['no head']:.1f} | {r['head (adaptive)']:.1f} | {r['ratio']:.2f} |")
+
+
+if __name__ == "__main__":
+    run()
