@@ -310,23 +310,29 @@ def app_builder(args: dict[str, Any]):
 def run_serve(config: ServeConfig, address: str | None = None, blocking: bool = True) -> str:
     """Start (or join, with `address`) a Ray cluster, deploy the app, and return its base URL.
 
-    `blocking=True` serves until interrupted (Ctrl-C), then deletes the app.
+    `blocking=True` serves until interrupted (Ctrl-C / SIGINT, also during startup), then deletes
+    the app and returns.
     """
     import ray
 
-    if not ray.is_initialized():
-        ray.init(address=address, namespace="eagle-serve", ignore_reinit_error=True)
-    serve.start(http_options={"host": config.host, "port": config.port})
-    serve.run(build_app(config), name=config.app_name, route_prefix="/")
     host = "127.0.0.1" if config.host in ("0.0.0.0", "::") else config.host
     url = f"http://{host}:{config.port}"
-    logger.info("serving %s at %s/v1", config.model_name, url)
-    if blocking:
-        try:
-            while True:
-                time.sleep(1)
-        except KeyboardInterrupt:
-            logger.info("shutting down %s", config.app_name)
-        finally:
-            serve.delete(config.app_name)
+    try:
+        if not ray.is_initialized():
+            ray.init(address=address, namespace="eagle-serve", ignore_reinit_error=True)
+        serve.start(http_options={"host": config.host, "port": config.port})
+        serve.run(build_app(config), name=config.app_name, route_prefix="/")
+        print(f"eagle-serve: {config.model_name} at {url}/v1", flush=True)
+        while blocking:
+            time.sleep(1)
+    except KeyboardInterrupt:
+        if not blocking:
+            raise
+        logger.info("interrupted: shutting down %s", config.app_name)
+    finally:
+        if blocking and ray.is_initialized():
+            try:
+                serve.delete(config.app_name)
+            except Exception:  # nothing deployed yet, or Serve already gone
+                logger.debug("serve.delete failed", exc_info=True)
     return url
