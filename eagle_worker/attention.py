@@ -43,6 +43,7 @@ class AttentionGroup:
     q_pos: torch.Tensor         # [B, Q]
     k_pos: torch.Tensor         # [B, K]
     out_index: torch.Tensor     # [N] flat token index of each valid query, row-major
+    valid_index: torch.Tensor   # [N] position of each valid query in the flattened [B*Q] grid
     _window_masks: dict = field(default_factory=dict)
 
     def mask(self, sliding_window: int | None) -> torch.Tensor:
@@ -86,8 +87,10 @@ def _build_group(seqs: list[SeqAttention], device: torch.device) -> AttentionGro
         mask[b, 0, :q, ctx:k] = new
         mask[b, 0, q:, 0] = True  # padded queries attend somewhere so softmax stays finite
     out_index = token_index[query_valid]
+    valid_index = query_valid.flatten().nonzero().flatten()   # host-side, so no device sync per layer
     to = lambda t: t.to(device, non_blocking=True)  # noqa: E731
-    return AttentionGroup(to(token_index), to(query_valid), to(kv_slots), to(mask), to(q_pos), to(k_pos), to(out_index))
+    return AttentionGroup(to(token_index), to(query_valid), to(kv_slots), to(mask), to(q_pos), to(k_pos),
+                          to(out_index), to(valid_index))
 
 
 def build_context(seqs: list[SeqAttention], slot_mapping: torch.Tensor | list[int], device: torch.device,
@@ -172,5 +175,6 @@ class Attention(nn.Module):
             vg = v_src[g.kv_slots].transpose(1, 2)
             o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask(self.sliding_window),
                                                scale=self.scale, enable_gqa=self.num_kv_heads != self.num_heads)
-            out[g.out_index] = o.transpose(1, 2)[g.query_valid]
+            o = o.transpose(1, 2).reshape(-1, self.num_heads, self.head_dim)
+            out.index_copy_(0, g.out_index, o.index_select(0, g.valid_index))
         return out.view(T, self.num_heads * self.head_dim)
