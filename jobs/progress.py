@@ -110,7 +110,7 @@ def summary(manifest: dict) -> str:
         f"this run: {run.get('rows', 0)} rows in {fmt_duration(run.get('wall_s'))} | "
         f"{run.get('rows_per_s', 0):.2f} rows/s | {run.get('output_tokens_per_s', 0):.1f} output tok/s | "
         f"tau {run.get('tau', 1.0):.2f} | {run.get('replicas', 0)} replica(s) | "
-        f"driver peak RSS {run.get('driver_peak_rss_mb', 0):.0f} MB",
+        f"driver peak RSS {run.get('driver_peak_rss_mb') or 0:.0f} MB",
     ]
     if manifest.get("error"):
         lines.append(f"error: {manifest['error']}")

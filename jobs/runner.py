@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import resource
 import signal
 import socket
 import time
@@ -56,6 +55,16 @@ def _rss_mb() -> float:
     return psutil.Process().memory_info().rss / 2**20
 
 
+def _trim_malloc() -> None:
+    """Hand freed heap pages back to the OS (glibc keeps them; a days-long driver's RSS would creep)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 class JobRunner:
     def __init__(self, cfg: JobConfig, ray_address: str = "local", progress_stream=None):
         self.cfg = cfg.absolute()
@@ -69,7 +78,8 @@ class JobRunner:
         self.pool = None
         self.stopping: str | None = None
         self.duplicates = self.skipped_done = 0
-        self.rss_peak = self.rss_at_10pct = 0.0
+        self.rss_peak = 0.0
+        self.rss_by_decile: list[float] = []   # driver RSS when 10%, 20%, ... of this run's rows were done
         self._owns_ray = False
 
     # ---- the whole job -----------------------------------------------------------------------
@@ -81,7 +91,7 @@ class JobRunner:
             self.done_ids, self.prior = self.out.open(self.cfg.generation_fingerprint(), self.cfg.overwrite)
             self.writer = PartWriter(self.out, output_schema(self.plan.kept), self.run_id, self.cfg.rows_per_file,
                                      self.cfg.row_group_rows, self.cfg.commit_interval_s,
-                                     on_commit=lambda: self._write_manifest("running"))
+                                     on_commit=self._on_commit)
             self.started_at = time.time()
             self._write_manifest("running")
             if len(self.done_ids):
@@ -144,7 +154,7 @@ class JobRunner:
                         queue.appendleft(row)
             if self.writer.due():
                 self.writer.commit()
-            self._sample_rss(total)
+            self._sample_rss(total - min(len(self.done_ids), total))
             starting = self.pool is not None and not self.pool.num_ready
             self.progress.update(self.stats, " | waiting for replicas to load the model" if starting else "")
 
@@ -216,11 +226,15 @@ class JobRunner:
     # ---- bookkeeping -------------------------------------------------------------------------
     progress: Progress | None = None
 
-    def _sample_rss(self, total: int) -> None:
+    def _on_commit(self) -> None:
+        self._write_manifest("running")
+        _trim_malloc()
+
+    def _sample_rss(self, todo: int) -> None:
         rss = _rss_mb()
         self.rss_peak = max(self.rss_peak, rss)
-        if not self.rss_at_10pct and self.stats.rows >= max(1, total // 10):
-            self.rss_at_10pct = rss
+        while len(self.rss_by_decile) < 10 and self.stats.rows >= (len(self.rss_by_decile) + 1) * todo / 10:
+            self.rss_by_decile.append(round(rss, 1))
 
     def _write_manifest(self, status: str, error: str | None = None) -> dict:
         c = self.writer.committed
@@ -235,9 +249,8 @@ class JobRunner:
             "rows_per_s": s.rows_per_s, "output_tokens_per_s": s.tokens_per_s, "tau": s.tau,
             "skipped_already_done": self.skipped_done, "replicas": self.cfg.replicas,
             "cpus_per_replica": getattr(self.pool, "cpus", None),
-            "driver_peak_rss_mb": max(self.rss_peak, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
-            if status != "running" else self.rss_peak,
-            "driver_sampled_peak_rss_mb": self.rss_peak, "driver_rss_mb_at_10pct": self.rss_at_10pct,
+            # sampled (ru_maxrss is no use: Linux keeps it across exec, so it includes a forking parent)
+            "driver_peak_rss_mb": round(self.rss_peak, 1), "driver_rss_mb_by_decile": self.rss_by_decile,
         }
         runs = prev_runs + [run]
         forwards = sum(r.get("target_forwards", 0) for r in runs)
