@@ -126,6 +126,7 @@ class IngressConfig(_Strict):
 
     num_replicas: int = Field(1, ge=1)
     num_cpus: float = Field(0.1, ge=0)
+    max_ongoing_requests: int = Field(1024, ge=1, description="open HTTP requests per ingress replica")
 
 
 class ServeConfig(_Strict):

@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
+from ray.serve.exceptions import BackPressureError
 
 from cluster import openai_api as oa
 from cluster.config import ServeConfig
@@ -248,25 +249,43 @@ class OpenAIIngress:
         render = _ChatRender(self.config.model_name)
         return await self._run("chat", req, None, messages, max_tokens, req.logprobs, render)
 
+    async def _probe_stats(self, timeout: float) -> dict:
+        """Stats of one replica (whichever the router picks); feeds gauges and max_model_len."""
+        st = await asyncio.wait_for(self.engine.stats.remote(), timeout=timeout)
+        self._saw_stats(st)
+        return st
+
+    def _saw_stats(self, st: dict) -> None:
+        self.metrics.replica_stats(st)
+        if self.max_model_len is None and st.get("max_model_len"):
+            self.max_model_len = int(st["max_model_len"])
+
     @api.get("/v1/models")
     async def models(self, request: Request):
         self._check_auth(request)
+        if self.max_model_len is None:
+            try:
+                await self._probe_stats(timeout=2)
+            except Exception:
+                pass
         card = oa.ModelCard(id=self.config.model_name, root=self.config.model, max_model_len=self.max_model_len)
         return JSONResponse(oa.ModelList(data=[card]).model_dump(mode="json"))
 
     @api.get("/health")
     async def health(self):
+        """200 while some replica answers; busy replicas (backpressure) still count as healthy."""
         try:
-            st = await asyncio.wait_for(self.engine.stats.remote(), timeout=10)
+            await self._probe_stats(timeout=10)
+        except BackPressureError:
+            return {"status": "ok", "model": self.config.model_name, "load": "saturated"}
         except Exception as e:
             return JSONResponse({"status": "unhealthy", "error": repr(e)}, status_code=503)
-        self.metrics.replica_stats(st)
         return {"status": "ok", "model": self.config.model_name}
 
     @api.get("/metrics")
     async def prometheus(self):
         try:  # refresh at least one replica's gauges even when idle
-            self.metrics.replica_stats(await asyncio.wait_for(self.engine.stats.remote(), timeout=2))
+            await self._probe_stats(timeout=2)
         except Exception:
             pass
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -298,6 +317,7 @@ def build_app(config: ServeConfig):
     cfg = config.model_dump(mode="json")
     llm = serve.deployment(EngineReplica).options(**engine_deployment_options(config))
     ingress = OpenAIIngress.options(num_replicas=config.ingress.num_replicas,
+                                    max_ongoing_requests=config.ingress.max_ongoing_requests,
                                     ray_actor_options={"num_cpus": config.ingress.num_cpus})
     return ingress.bind(cfg, llm.bind(cfg))
 

@@ -141,3 +141,41 @@ def _wait_healthy(app):
         d = st.deployments["LLMServer"]
         return st.status == "RUNNING" and d.replica_states.get("RUNNING", 0) == 2
     assert wait_for(healthy, timeout=90), serve.status().applications[app.config.app_name]
+
+
+@pytest.fixture(scope="module")
+def single_slot(deploy):
+    """One replica running one sequence at a time, with room to queue: shows the engine's priority order."""
+    return deploy(_cfg("single-slot", num_replicas=1, limits={"max_model_len": 256, "max_tokens": 64,
+                                                              "max_num_seqs": 1, "max_queued_requests": 8}), "/slot")
+
+
+def test_online_requests_overtake_queued_offline_work(single_slot):
+    done: list[str] = []
+
+    def send(tag, priority, delay):
+        time.sleep(delay)
+        single_slot.client.completions.create(model=MODEL, prompt=f"[slow:0.03] {tag}", max_tokens=40,
+                                              extra_body={"priority": priority})
+        done.append(tag)
+
+    jobs = [("offline-0", 1, 0.0), ("offline-1", 1, 0.1), ("offline-2", 1, 0.1), ("online", 0, 0.5)]
+    with cf.ThreadPoolExecutor(len(jobs)) as pool:
+        list(pool.map(lambda j: send(*j), jobs))
+    assert done.index("online") <= 1, done  # only the request already running may finish first
+
+
+def test_autoscaling_config_scales_out(deploy):
+    app = deploy(_cfg("autoscaled", autoscaling={"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1,
+                                                 "upscale_delay_s": 0, "downscale_delay_s": 600}), "/autoscaled")
+    from ray import serve
+
+    def replicas():
+        return serve.status().applications["autoscaled"].deployments["LLMServer"].replica_states.get("RUNNING", 0)
+
+    assert replicas() == 1
+    with cf.ThreadPoolExecutor(4) as pool:
+        futs = [pool.submit(app.client.completions.create, model=MODEL, prompt=f"[slow:0.1] {i}", max_tokens=60)
+                for i in range(4)]
+        assert wait_for(lambda: replicas() == 2, timeout=60), "no scale-out under load"
+        assert all(f.result().usage.completion_tokens == 60 for f in futs)
