@@ -125,12 +125,16 @@ class EngineReplica:
             yield Rejected(f"duplicate request id {request_id!r}")
             return
         try:
-            if messages is not None:
-                prompt = self.render_chat(messages)
             sp = self._sampling_params_cls(**params)
         except (ValueError, TypeError) as e:
-            yield Rejected(str(e), guess_param(str(e)) or ("messages" if messages is not None else None))
+            yield Rejected(str(e), guess_param(str(e)))
             return
+        if messages is not None:
+            try:
+                prompt = self.render_chat(messages)
+            except Exception as e:  # no template, malformed messages, a template's raise_exception()
+                yield Rejected(f"cannot apply the chat template: {e}", "messages")
+                return
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
         added: concurrent.futures.Future = concurrent.futures.Future()

@@ -144,3 +144,39 @@ def test_metrics(app):
                  "eagle_mean_accepted_tokens_count", "eagle_generation_tokens_per_second",
                  "eagle_replica_kv_usage", "eagle_replica_queue_depth", 'eagle_requests_total{endpoint="completions"'):
         assert name in text.replace(f'model="{MODEL}",', ""), name
+
+
+TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant]"
+
+
+@pytest.fixture(scope="module")
+def llama_apps(deploy, tiny_model_dir):
+    """Tiny Llama has no chat template and no family fallback: one app without, one with an override."""
+    def cfg(name, **kw):
+        return ServeConfig(model=str(tiny_model_dir("llama")), served_model_name=name, app_name=name,
+                           num_replicas=1, resources_per_rank={"cpu": 0.5}, kv_cache_gb=0.01,
+                           limits={"max_model_len": 128, "max_tokens": 16}, **kw)
+    return deploy(cfg("plain-llama"), "/plain"), deploy(cfg("templated-llama", chat_template=TEMPLATE), "/templated")
+
+
+def test_chat_without_template_is_a_400(llama_apps):
+    plain, _ = llama_apps
+    with pytest.raises(openai.BadRequestError) as ei:
+        plain.client.chat.completions.create(model="plain-llama", messages=[{"role": "user", "content": "hi"}],
+                                             max_tokens=2)
+    assert "chat template" in _err(ei)["message"] and _err(ei)["param"] == "messages"
+    assert plain.client.completions.create(model="plain-llama", prompt="hi", max_tokens=2,
+                                           extra_body=NO_EOS).usage.completion_tokens == 2
+
+
+def test_chat_template_override(llama_apps):
+    _, templated = llama_apps
+    msgs = [{"role": "user", "content": "hi"}]
+    chat = templated.client.chat.completions.create(model="templated-llama", messages=msgs, max_tokens=3,
+                                                    temperature=0, extra_body=NO_EOS)
+    # the same text through /v1/completions costs the same prompt tokens: the override was applied
+    rendered = "[user] hi\n[assistant]"
+    comp = templated.client.completions.create(model="templated-llama", prompt=rendered, max_tokens=3,
+                                               temperature=0, extra_body=NO_EOS)
+    assert chat.usage.prompt_tokens == comp.usage.prompt_tokens
+    assert chat.choices[0].message.content == comp.choices[0].text
