@@ -88,6 +88,10 @@ class EngineReplica:
     def __init__(self, config: dict | ServeConfig):
         self.config = config if isinstance(config, ServeConfig) else ServeConfig.from_dict(config)
         self.replica_id = _replica_id()
+        if self.config.device == "cpu":  # use the cores this rank reserved, no more (replicas share nodes)
+            import torch
+
+            torch.set_num_threads(max(1, int(self.config.resources_per_rank.cpu)))
         mod = importlib.import_module(self.config.engine)
         self._sampling_params_cls = mod.SamplingParams
         self.tp = None
