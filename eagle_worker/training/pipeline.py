@@ -1,0 +1,195 @@
+"""`train-head` end to end: samples -> (self-distilled) examples -> draft vocabulary -> feature
+shards -> training -> a published head + config.json + training record.
+
+Everything lands in the work folder and is reused on a rerun of the same command (distilled
+responses, vocabulary, feature shards, checkpoints), so a killed run resumes where it stopped.
+"""
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from eagle_worker.training.data import load_samples
+from eagle_worker.training.distill import self_distill
+from eagle_worker.training.features import FeatureSpec, FeatureStore, extract
+from eagle_worker.training.render import Example, prompt_ids, render
+from eagle_worker.training.trainer import Trainer, TrainConfig
+from eagle_worker.training.vocab import coverage, d2t_t2d, draft_vocab, token_counts
+
+
+@dataclass
+class PipelineConfig:
+    target: str
+    out: str
+    data: list[str]
+    format: str = "eagle3"                 # "eagle3" | "eagle1"
+    work_dir: str | None = None            # features, checkpoints; default <out>/work
+    dtype: str = "bfloat16"                # target dtype for distillation and features
+    prompt_format: str = "chat"            # "chat" | a frame with {prompt} | "{prompt}"
+    max_tokens: int = 512                  # per example (prompt + response)
+    draft_vocab_size: int = 16384
+    self_distill: int = 0                  # prompts whose response the target regenerates
+    distill_tokens: int = 128
+    drop_responses: bool = False           # ignore given responses (prompt-only prefill or distill)
+    heldout: int = 16                      # held-out samples (acceptance is reported on them)
+    topk: int = 8
+    full_vocab_labels: bool = False        # score the whole vocabulary at extraction (slower on CPU)
+    extract_batch_tokens: int = 2048
+    eval_prompts: int = 8                  # engine tau on this many held-out prompts at the end
+    eval_new_tokens: int = 64
+    seed: int = 0
+    train: TrainConfig = field(default_factory=TrainConfig)
+    command: str = ""
+
+    @property
+    def kind(self) -> str:
+        return {"eagle3": "eagle3", "eagle1": "eagle", "eagle": "eagle"}[self.format]
+
+
+def _log(msg: str) -> None:
+    print(f"[train-head {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def _examples_file(path: Path, make) -> list[Example]:
+    if path.exists():
+        return [Example(**json.loads(line)) for line in path.read_text().split("\n") if line.strip()]
+    exs = make()
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(asdict(e)) + "\n" for e in exs))
+    tmp.replace(path)
+    return exs
+
+
+def build_examples(cfg: PipelineConfig, llm, work: Path) -> tuple[list[Example], list[Example], list[list[int]]]:
+    """(train, held-out, held-out prompt ids); cached in the work folder."""
+    tok = llm.tokenizer
+    template = llm.engine.chat_template if cfg.prompt_format == "chat" else None
+    samples = [s for path in cfg.data for s in load_samples(path, drop_responses=cfg.drop_responses)]
+    random.Random(cfg.seed).shuffle(samples)
+    n_held = min(cfg.heldout, max(1, len(samples) // 10))
+    held_s, train_s = samples[:n_held], samples[n_held:]
+    _log(f"{len(samples)} samples from {len(cfg.data)} source(s); {len(held_s)} held out")
+    n_distill = min(cfg.self_distill, len(train_s))
+    max_prompt = cfg.max_tokens - cfg.distill_tokens
+
+    def distilled(ss, tag):
+        ps = [prompt_ids(tok, s, cfg.prompt_format, template) for s in ss]
+        keep = [(p if len(p) <= max_prompt else p[:1] + p[len(p) - max_prompt + 1:], s.source) for p, s in zip(ps, ss)]
+        _log(f"self-distilling {len(keep)} {tag} prompts x {cfg.distill_tokens} tokens")
+        return self_distill(llm, [k[0] for k in keep], [k[1] for k in keep], cfg.distill_tokens)
+
+    def fixed(ss):
+        return [e for s in ss if (e := render(tok, s, cfg.prompt_format, template, cfg.max_tokens)) is not None]
+
+    def train_make():
+        return distilled(train_s[:n_distill], "train") + fixed(train_s[n_distill:]) if n_distill else fixed(train_s)
+
+    def held_make():   # the held-out set is what serving sees: the target's own continuations
+        return distilled(held_s, "held-out") if cfg.self_distill else fixed(held_s)
+
+    train = _examples_file(work / "train_examples.jsonl", train_make)
+    held = _examples_file(work / "heldout_examples.jsonl", held_make)
+    held_prompts = [e.ids[:e.loss_start] for e in held]
+    return train, held, held_prompts
+
+
+def _export(head, cfg: PipelineConfig, llm, vocab_ids, out: Path, record: dict) -> None:
+    """Published format in the target's serving dtype (bf16 halves the file), plus the record."""
+    from eagle_worker.spec.head_init import new_head
+    from eagle_worker.spec.head_loader import save_draft_head
+
+    runner = llm.engine.runner
+    pub = new_head(cfg.kind, runner.model, runner.hf_config, vocab_ids if cfg.kind == "eagle3" else None)
+    pub.load_state_dict(head.state_dict())
+    save_draft_head(pub, out)
+    (out / "training_record.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
+
+
+def engine_tau(target: str, dtype: str, head_dir: str | Path, prompts: list[list[int]], new_tokens: int,
+               depth: int = 5, tree: str = "chain") -> dict:
+    """Mean accepted tokens per target forward with the head, measured by our engine (greedy)."""
+    from eagle_worker.llm import LLM
+    from eagle_worker.sampling_params import SamplingParams
+    from eagle_worker.spec.config import SpecConfig
+
+    llm = LLM(model=target, dtype=dtype, spec=SpecConfig(draft=str(head_dir), tree=tree, depth=depth, adaptive=False))
+    outs = llm.generate(prompts, SamplingParams(max_tokens=new_tokens, temperature=0.0))
+    taus = [o.metrics.get("mean_accepted_tokens", 1.0) for o in outs]
+    return {"engine_tau": sum(taus) / len(taus), "engine_tau_per_prompt": taus, "tree": tree, "depth": depth,
+            "acceptance_rate_per_depth": llm.engine.stats().get("acceptance_rate_per_depth")}
+
+
+def run(cfg: PipelineConfig, progress: bool = True) -> dict:
+    from eagle_worker.llm import LLM
+    from eagle_worker.spec.head_init import new_head
+
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    out = Path(cfg.out)
+    work = Path(cfg.work_dir) if cfg.work_dir else out / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "pipeline_config.json").write_text(json.dumps(asdict(cfg), indent=1) + "\n")
+    t_start = time.time()
+    llm = LLM(model=cfg.target, dtype=cfg.dtype)
+    runner = llm.engine.runner
+    model, hf_config = runner.model, runner.hf_config
+    train_ex, held_ex, held_prompts = build_examples(cfg, llm, work)
+    n_train = sum(len(e.ids) for e in train_ex)
+    _log(f"{len(train_ex)} train examples, {n_train} tokens; {len(held_ex)} held-out")
+
+    V = int(model.vocab_size)
+    counts = token_counts(train_ex, V)
+    if cfg.kind == "eagle3":
+        vocab_ids = draft_vocab(counts, cfg.draft_vocab_size)
+        cov = coverage(counts, vocab_ids)
+        _log(f"draft vocabulary {len(vocab_ids)} tokens covers {cov:.3f} of response tokens")
+        aux = (2, model.num_layers // 2, model.num_layers - 3)
+    else:
+        vocab_ids, cov, aux = torch.arange(V), 1.0, ()
+    label_ids = None if cfg.full_vocab_labels or cfg.kind != "eagle3" else vocab_ids
+    spec = FeatureSpec(cfg.kind, aux, cfg.topk, label_ids)
+    t0 = time.time()
+    extract(model, train_ex, work / "features" / "train", spec, cfg.target, cfg.extract_batch_tokens, progress=progress)
+    extract(model, held_ex, work / "features" / "heldout", spec, cfg.target, cfg.extract_batch_tokens, progress=progress)
+    t_extract = time.time() - t0
+    train_store = FeatureStore(work / "features" / "train")
+    held_store = FeatureStore(work / "features" / "heldout")
+
+    head = new_head(cfg.kind, model, hf_config, vocab_ids if cfg.kind == "eagle3" else None, seed=cfg.seed).float()
+    t2d_index = torch.full((V,), -1, dtype=torch.long)
+    t2d_index[vocab_ids] = torch.arange(len(vocab_ids))
+    record = {"target": cfg.target, "format": cfg.format, "command": cfg.command, "data": cfg.data,
+              "prompt_format": cfg.prompt_format, "train_examples": len(train_ex), "train_tokens": n_train,
+              "heldout_examples": len(held_ex), "self_distilled": cfg.self_distill,
+              "draft_vocab_size": len(vocab_ids), "draft_vocab_coverage": cov, "train_config": asdict(cfg.train)}
+
+    def on_checkpoint(step, metrics):
+        record.update({"steps": step, "epochs_seen": step / trainer.spe, "metrics": metrics})
+        _export(head, cfg, llm, vocab_ids, out, record)
+
+    trainer = Trainer(head, train_store, held_store, cfg.train, work, t2d_index, on_checkpoint)
+    if trainer.resume():
+        _log(f"resumed at step {trainer.step} (epoch {trainer.epoch})")
+    _log(f"training {trainer.total} steps (~{trainer.spe}/epoch), bf16 autocast: {trainer.autocast}")
+    t0 = time.time()
+    if trainer.step < trainer.total:
+        metrics = trainer.fit(progress=progress)
+    else:
+        metrics = trainer.evaluate()
+    record.update({"steps": trainer.step, "metrics": metrics, "extract_s": t_extract, "train_s": time.time() - t0})
+    _export(head, cfg, llm, vocab_ids, out, record)
+    del llm
+    if cfg.eval_prompts:
+        prompts = held_prompts[:cfg.eval_prompts]
+        record["engine"] = engine_tau(cfg.target, cfg.dtype, out, prompts, cfg.eval_new_tokens,
+                                      depth=max(2, cfg.train.ttt_steps + 1))
+        _log(f"engine tau on {len(prompts)} held-out prompts: {record['engine']['engine_tau']:.3f}")
+    record["wall_s"] = time.time() - t_start
+    (out / "training_record.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
+    return record

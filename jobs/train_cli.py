@@ -1,0 +1,74 @@
+"""`eaglectl train-head`: train an EAGLE draft head for a target (registered in `jobs/cli.py`).
+
+Example (the shipped gemma-3-270m head; see eagle_worker/heads/gemma-3-270m/TRAINING.md):
+    eaglectl train-head --target gemma-3-270m --format eagle3 --data data/train/gsm8k/train.jsonl:2000 \\
+        --out heads/g270 --prompt-format 'Question: {prompt}\\nAnswer:' --self-distill 200
+Rerunning the same command resumes (distilled data, feature shards and checkpoints are reused).
+"""
+from __future__ import annotations
+
+import shlex
+import sys
+
+import click
+
+
+@click.command("train-head")
+@click.option("--target", required=True, help="Target model: built-in name, local folder or hub id.")
+@click.option("--format", "fmt", default="eagle3", show_default=True, type=click.Choice(["eagle3", "eagle1"]))
+@click.option("--data", multiple=True, required=True,
+              help="Prompt/response file or folder (.json/.jsonl/.parquet); PATH:N takes the first N. Repeatable.")
+@click.option("--out", required=True, help="Output folder: config.json + model.safetensors + training_record.json.")
+@click.option("--work-dir", default=None, help="Features and checkpoints (default OUT/work); reused to resume.")
+@click.option("--prompt-format", default="chat", show_default=True,
+              help="'chat' (the target's template), or a frame with {prompt}, e.g. 'Question: {prompt}\\nAnswer:'.")
+@click.option("--draft-vocab-size", default=16384, show_default=True, type=int, help="EAGLE-3 draft vocabulary.")
+@click.option("--steps", default=None, type=int, help="Optimizer steps (default: --epochs over the data).")
+@click.option("--epochs", default=1.0, show_default=True, type=float)
+@click.option("--lr", default=3e-4, show_default=True, type=float)
+@click.option("--warmup-steps", default=50, show_default=True, type=int)
+@click.option("--batch-tokens", default=4096, show_default=True, type=int, help="Tokens per optimizer step.")
+@click.option("--max-tokens", default=512, show_default=True, type=int, help="Max tokens per example (prompt + response).")
+@click.option("--ttt-steps", default=3, show_default=True, type=int, help="Unrolled draft steps (training-time test).")
+@click.option("--self-distill", default=0, show_default=True, type=int, help="Prompts whose responses the target regenerates.")
+@click.option("--distill-tokens", default=128, show_default=True, type=int, help="New tokens per self-distilled response.")
+@click.option("--drop-responses", is_flag=True, help="Ignore responses in the data (prompt-only text or self-distill).")
+@click.option("--heldout", default=16, show_default=True, type=int, help="Held-out samples for acceptance reporting.")
+@click.option("--checkpoint-every", default=200, show_default=True, type=int)
+@click.option("--eval-every", default=200, show_default=True, type=int)
+@click.option("--eval-prompts", default=8, show_default=True, type=int, help="Held-out prompts for the final engine tau (0: skip).")
+@click.option("--full-vocab-labels", is_flag=True, help="Score the full vocabulary when extracting (exact argmax mask; slower).")
+@click.option("--dtype", default="bfloat16", show_default=True, type=click.Choice(["bfloat16", "float32"]),
+              help="Target dtype for distillation and features.")
+@click.option("--no-bf16", is_flag=True, help="Train without bf16 autocast.")
+@click.option("--threads", default=None, type=int, help="torch threads.")
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--no-progress", is_flag=True)
+def train_head(target, fmt, data, out, work_dir, prompt_format, draft_vocab_size, steps, epochs, lr, warmup_steps,
+               batch_tokens, max_tokens, ttt_steps, self_distill, distill_tokens, drop_responses, heldout,
+               checkpoint_every, eval_every, eval_prompts, full_vocab_labels, dtype, no_bf16, threads, seed, no_progress):
+    """Train an EAGLE-3 (or EAGLE-1) draft head for TARGET on prompts/responses from --data."""
+    import json
+
+    from eagle_worker.training.pipeline import PipelineConfig, run
+    from eagle_worker.training.trainer import TrainConfig
+
+    if "{prompt}" not in prompt_format and prompt_format != "chat":
+        click.echo("error: --prompt-format must be 'chat' or contain {prompt}", err=True)
+        sys.exit(2)
+    row_len = max(64, max_tokens)
+    tc = TrainConfig(steps=steps, epochs=epochs, lr=lr, warmup_steps=warmup_steps, batch_tokens=max(batch_tokens, row_len),
+                     row_len=row_len, ttt_steps=ttt_steps, bf16=not no_bf16, checkpoint_every=checkpoint_every,
+                     eval_every=eval_every, seed=seed, threads=threads)
+    cfg = PipelineConfig(target=target, out=out, data=list(data), format=fmt, work_dir=work_dir, dtype=dtype,
+                         prompt_format=prompt_format.replace("\\n", "\n"), max_tokens=max_tokens,
+                         draft_vocab_size=draft_vocab_size, self_distill=self_distill, distill_tokens=distill_tokens,
+                         drop_responses=drop_responses, heldout=heldout, full_vocab_labels=full_vocab_labels,
+                         eval_prompts=eval_prompts, seed=seed, train=tc,
+                         command="eaglectl train-head " + " ".join(shlex.quote(a) for a in sys.argv[2:]))
+    try:
+        record = run(cfg, progress=not no_progress)
+    except ValueError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    click.echo(json.dumps({k: record.get(k) for k in ("steps", "train_tokens", "metrics", "engine")}, default=str))

@@ -1,0 +1,97 @@
+"""End to end: `train-head` on a tiny random target learns a head that accepts far more than a
+random one, writes the published format, and resumes from its checkpoint."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from jobs.train_cli import train_head
+
+PROMPTS = ["The quick brown fox", "Question: what is two plus two?", "def add(a, b):", "Bonjour, comment",
+           "Speculative decoding drafts", "The lazy dog", "Answer: four.", "return a + b", "Très bien, merci",
+           "verifies them in one pass", "jumps over the", "what is two", "comment ça va", "drafts tokens and",
+           "The quick", "over the lazy", "plus two?", "a + b", "merci beaucoup", "in one pass"]
+
+
+@pytest.fixture(scope="module")
+def sharp_model(tiny_model_dir, tmp_path_factory):
+    """The tiny random target with its layers muted: its next token is a function of the
+    current one, a target a few dozen steps can learn, so 'trained beats random' is a sharp test."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = tiny_model_dir("llama")
+    dst = tmp_path_factory.mktemp("sharp")
+    for f in src.iterdir():
+        shutil.copy(f, dst / f.name)
+    sd = load_file(str(src / "model.safetensors"))
+    for k in sd:
+        if k.endswith(("o_proj.weight", "down_proj.weight")):
+            sd[k] = sd[k] * 0.0
+    save_file(sd, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    p = tmp_path_factory.mktemp("data") / "prompts.jsonl"
+    p.write_text("".join(json.dumps({"prompt": x}) + "\n" for x in PROMPTS * 3))
+    return p
+
+
+def _tau(model_dir, head_dir, prompts):
+    from eagle_worker.llm import LLM
+    from eagle_worker.sampling_params import SamplingParams
+    from eagle_worker.spec.config import SpecConfig
+
+    llm = LLM(model=str(model_dir), spec=SpecConfig(draft=str(head_dir), tree="chain", depth=4, adaptive=False))
+    outs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0))
+    return sum(o.metrics["mean_accepted_tokens"] for o in outs) / len(outs)
+
+
+def test_train_head_end_to_end_and_resume(sharp_model, data_file, tmp_path):
+    from eagle_worker.llm import LLM
+    from eagle_worker.spec.head_init import new_head
+    from eagle_worker.spec.head_loader import save_draft_head
+
+    model = sharp_model
+    out = tmp_path / "head"
+    args = ["--target", str(model), "--format", "eagle3", "--data", str(data_file), "--out", str(out),
+            "--prompt-format", "{prompt}", "--draft-vocab-size", "256", "--self-distill", "1000",
+            "--distill-tokens", "40", "--max-tokens", "64", "--batch-tokens", "512", "--steps", "30",
+            "--lr", "1e-2", "--warmup-steps", "5", "--checkpoint-every", "15", "--eval-every", "15",
+            "--heldout", "4", "--eval-prompts", "0", "--dtype", "float32", "--no-progress", "--seed", "0"]
+    r = CliRunner().invoke(train_head, args, catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    assert (out / "config.json").exists() and (out / "model.safetensors").exists()
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"] == 256
+    rec = json.loads((out / "training_record.json").read_text())
+    assert rec["steps"] == 30 and rec["metrics"]["heldout_acc"][0] > 0.3
+    ckpts = sorted((out / "work" / "checkpoints").glob("step-*.pt"))
+    assert [c.name for c in ckpts] == ["step-0000015.pt", "step-0000030.pt"]
+
+    # acceptance on its own training prompts, by the engine: trained head vs a random head
+    llm = LLM(model=str(model))
+    rand_dir = tmp_path / "random"
+    save_draft_head(new_head("eagle3", llm.engine.runner.model, llm.engine.runner.hf_config,
+                             torch.arange(256), seed=1), rand_dir)
+    del llm
+    prompts = PROMPTS[:8]
+    tau_trained, tau_random = _tau(model, out, prompts), _tau(model, rand_dir, prompts)
+    assert tau_trained > tau_random + 0.8, (tau_trained, tau_random)
+    assert tau_trained > 2.0
+
+    # resume: the same command with more steps continues from step 30 without redoing features
+    (ckpts[-1]).rename(ckpts[-1])   # the latest checkpoint stays in place
+    r = CliRunner().invoke(train_head, [*args[:args.index("--steps")], "--steps", "36",
+                                        *args[args.index("--steps") + 2:]], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    rec2 = json.loads((out / "training_record.json").read_text())
+    assert rec2["steps"] == 36
+    log = [json.loads(line) for line in (out / "work" / "train_log.jsonl").read_text().split("\n") if line]
+    assert [x["step"] for x in log] == list(range(1, 37))
