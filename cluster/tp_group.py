@@ -70,6 +70,10 @@ class TPRankWorker:
     def __init__(self, rank: int, world: int, engine_module: str, engine_kwargs: dict[str, Any]):
         self.rank, self.world = rank, world
         self.engine_module, self.engine_kwargs = engine_module, engine_kwargs
+        if engine_kwargs.get("device", "cpu") == "cpu":  # the cores this rank reserved, no more
+            import torch
+
+            torch.set_num_threads(max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1))))
 
     def node_ip(self) -> str:
         return ray.util.get_node_ip_address()

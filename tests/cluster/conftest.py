@@ -29,15 +29,34 @@ def ray_cluster():
 
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    started = not ray.is_initialized()
-    if started:  # logical CPUs: replicas in tests reserve fractions, the 2 real cores are shared
+    if not ray.is_initialized():  # logical CPUs: test replicas reserve fractions of the 2 real cores
         ray.init(num_cpus=8, include_dashboard=False, namespace="eagle-tests", log_to_driver=False)
+        _STARTED.append(True)
     yield ray
-    if started:
+    _shutdown()
+
+
+_STARTED: list[bool] = []
+
+
+def _shutdown() -> None:
+    """Stop the cluster we started (other test folders start their own Ray with other settings)."""
+    if _STARTED:
+        import ray
         from ray import serve
 
+        _STARTED.clear()
         serve.shutdown()
         ray.shutdown()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    result = yield
+    here = Path(__file__).parent
+    if nextitem is None or here not in Path(str(nextitem.path)).parents:
+        _shutdown()  # the last cluster test: module fixtures are gone, now the cluster goes too
+    return result
 
 
 @pytest.fixture(scope="session")
