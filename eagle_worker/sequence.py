@@ -26,6 +26,8 @@ class SequenceMetrics:
     num_decode_tokens: int = 0       # tokens those steps produced (accepted drafts + bonus)
     num_preemptions: int = 0
     accepted_per_depth: list[int] = field(default_factory=list)  # speculative: accepted drafts at depth d
+    accepted_from_head: int = 0      # accepted draft tokens the EAGLE head proposed
+    accepted_from_lookup: int = 0    # accepted draft tokens prompt lookup proposed (both: counted in both)
 
     def as_dict(self, num_output_tokens: int, prompt_tokens: int) -> dict:
         forwards = self.num_target_forwards
@@ -44,6 +46,9 @@ class SequenceMetrics:
                 out["tpot_s"] = (self.finished_time - self.first_token_time) / (num_output_tokens - 1)
         if self.accepted_per_depth:
             out["accepted_per_depth"] = list(self.accepted_per_depth)
+            drafted = sum(self.accepted_per_depth)
+            out["accepted_share_head"] = self.accepted_from_head / drafted if drafted else 0.0
+            out["accepted_share_lookup"] = self.accepted_from_lookup / drafted if drafted else 0.0
         return out
 
 

@@ -9,7 +9,7 @@ TREES = ("dynamic", "static", "chain")
 
 @dataclass
 class SpecConfig:
-    draft: str                          # head folder, or "default" (the built-in head of a built-in model)
+    draft: str | None = None            # head folder, "default" (the built-in head of a built-in model), None
     method: str | None = None           # "eagle" (EAGLE-1/2) | "eagle3"; None: whatever the checkpoint is
     tree: str = "dynamic"               # EAGLE-2 dynamic tree, EAGLE-1 static tree, or a chain
     depth: int = 5                      # draft levels (chain length for "chain")
@@ -17,13 +17,22 @@ class SpecConfig:
     num_draft_tokens: int = 16          # tree nodes verified per step, root excluded
     static_choices: list[list[int]] | None = None   # static tree paths; default EAGLE-1's 25-node tree
     adaptive: bool = True               # choose the budget per step from batch size and measured speed
+    lookup: bool = False                # also propose prompt-lookup continuations, merged into the tree
+    lookup_ngram: tuple[int, int] = (2, 5)   # n-gram lengths matched, longest first
+    lookup_max_tokens: int = 8          # tokens per lookup branch
+    lookup_max_branches: int = 3        # matches (branches) per step
 
     def __post_init__(self) -> None:
+        if self.draft is None and not self.lookup:
+            raise ValueError("SpecConfig needs a draft head (draft=...) or lookup=True")
+        self.lookup_ngram = tuple(self.lookup_ngram)
+        if len(self.lookup_ngram) != 2 or not 1 <= self.lookup_ngram[0] <= self.lookup_ngram[1]:
+            raise ValueError(f"SpecConfig.lookup_ngram must be (min, max) with 1 <= min <= max, got {self.lookup_ngram!r}")
         if self.method not in (None, "eagle", "eagle3"):
             raise ValueError(f"SpecConfig.method must be 'eagle' or 'eagle3', got {self.method!r}")
         if self.tree not in TREES:
             raise ValueError(f"SpecConfig.tree must be one of {TREES}, got {self.tree!r}")
-        for name in ("depth", "top_k", "num_draft_tokens"):
+        for name in ("depth", "top_k", "num_draft_tokens", "lookup_max_tokens", "lookup_max_branches"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"SpecConfig.{name} must be >= 1, got {getattr(self, name)!r}")
 
@@ -31,8 +40,10 @@ class SpecConfig:
 HEADS_DIR = Path(__file__).resolve().parent.parent / "heads"
 
 
-def resolve_draft(draft: str, model: str) -> str:
+def resolve_draft(draft: str | None, model: str) -> str | None:
     """A head folder for `draft`: a path as is, or "default": the head shipped for a built-in model."""
+    if draft is None:
+        return None
     if draft != "default":
         if not Path(draft).is_dir():
             raise ValueError(f"draft head {draft!r} is not a folder (expected config.json + weights)")

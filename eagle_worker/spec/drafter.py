@@ -30,6 +30,9 @@ class DraftState:
     start: int = 0
     features: list[torch.Tensor] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
+    index: object = None          # NgramIndex when prompt lookup is on (kept across resets)
+    ema_head: float = 1.0         # recent accepted tokens per step from each source
+    ema_lookup: float = 1.0
 
     def add(self, features: torch.Tensor, next_tokens: list[int]) -> None:
         self.features.append(features)

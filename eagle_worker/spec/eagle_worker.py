@@ -7,6 +7,10 @@ a tree reserve uncommitted KV slots and the head drafts all trees together; (3) 
 over prefill chunks, plain decodes and tree tokens (tree-shaped attention masks); (4) greedy or
 sampling acceptance per tree, the accepted path's KV is compacted in place and the rest dropped;
 (5) the target's features of every newly committed token become the head's pending input.
+
+With `lookup=True`, prompt-lookup branches (continuations of earlier occurrences of the context's
+suffix) are merged into each tree under the same node budget, split per request by each source's
+recent acceptance; without a head the tree is the lookup trie alone (pure prompt lookup).
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ from eagle_worker.spec.config import SpecConfig
 from eagle_worker.spec.drafter import Drafter, DraftSeq, DraftState
 from eagle_worker.spec.head_loader import load_draft_head
 from eagle_worker.spec.heads import DraftHead
+from eagle_worker.spec.lookup import NgramIndex, merge_branches, prune_to_best
 from eagle_worker.spec.policy import SpecPolicy
 from eagle_worker.spec.tree import MC_SIM_7B_63, ancestor_mask, chain, static_tree
 from eagle_worker.worker import forward_item
@@ -35,24 +40,26 @@ class EagleWorker:
         self.runner = runner
         self.block_manager = block_manager
         self.spec = spec
-        self.head = head or load_draft_head(spec.draft, runner.model, runner.hf_config)
-        if spec.method and spec.method != self.head.kind:
+        self.head = head or (load_draft_head(spec.draft, runner.model, runner.hf_config) if spec.draft else None)
+        if self.head is not None and spec.method and spec.method != self.head.kind:
             raise ValueError(f"SpecConfig.method={spec.method!r} but the head at {spec.draft} is {self.head.kind!r}")
-        for layer in self.head.attention_layers():   # one layer of KV, same slot numbering as the target
+        for layer in self.head.attention_layers() if self.head else []:   # one layer of KV, target's slot numbering
             shape = (runner.kv_cache.shape[2], layer.num_kv_heads, layer.head_dim)
             layer.k_cache = torch.zeros(shape, dtype=runner.dtype, device=runner.device)
             layer.v_cache = torch.zeros(shape, dtype=runner.dtype, device=runner.device)
-        self.drafter = Drafter(self.head, runner.device)
+        self.drafter = Drafter(self.head, runner.device) if self.head else None
         if spec.tree == "chain":
             self.shape = chain(spec.depth)
         elif spec.tree == "static":
             self.shape = static_tree(spec.static_choices or MC_SIM_7B_63)
         else:
             self.shape = None
-        full = spec.num_draft_tokens if self.shape is None else min(spec.num_draft_tokens, self.shape.num_nodes - 1)
+        full = spec.num_draft_tokens
+        if self.shape is not None and self.head is not None and not spec.lookup:
+            full = min(full, self.shape.num_nodes - 1)
         self.policy = SpecPolicy(full, spec.adaptive)
         self.states: dict[str, DraftState] = {}
-        depth = spec.depth if self.shape is None else self.shape.max_depth
+        depth = max(spec.depth if self.shape is None else self.shape.max_depth, spec.lookup_max_tokens if spec.lookup else 0)
         self.totals = {"draft_s": 0.0, "verify_s": 0.0, "spec_steps": 0, "plain_steps": 0,
                        "drafted_at_depth": [0] * depth, "accepted_at_depth": [0] * depth}
 
@@ -68,8 +75,8 @@ class EagleWorker:
         t1 = time.perf_counter()
         items = [self._tree_item(it.seq, trees[it.seq.request_id]) if it.seq.request_id in trees
                  else forward_item(self.block_manager, it) for it in batch]
-        result = self.runner.forward(items, aux_layers=self.head.aux_layers)
-        features = self.head.target_features((result.hidden, result.aux_hidden))
+        result = self.runner.forward(items, aux_layers=self.head.aux_layers if self.head else ())
+        features = self.head.target_features((result.hidden, result.aux_hidden)) if self.head else None
         new_tokens = self._accept(batch, items, trees, result, features)
         t2 = time.perf_counter()
         self._account(batch, decodes, budget if trees else 0, new_tokens, t0, t1, t2)
@@ -77,14 +84,20 @@ class EagleWorker:
 
     def _ready(self, seq: Sequence) -> bool:
         st = self.states.get(seq.request_id)
-        return st is not None and len(st.tokens) > 0 and st.start + len(st.tokens) == seq.num_computed_tokens
+        if st is None or self.head is None:
+            return st is not None
+        return len(st.tokens) > 0 and st.start + len(st.tokens) == seq.num_computed_tokens
 
-    def _draft(self, decodes: list[ScheduledSeq], budget: int) -> dict[str, tuple[list[int], list[int], list[int]]]:
-        """Reserve slots and draft a tree of `budget` nodes for each decoding sequence that fits."""
+    def _draft(self, decodes: list[ScheduledSeq], budget: int) -> dict[str, tuple]:
+        """Reserve slots and draft a tree of at most `budget` nodes for each decoding sequence that fits.
+
+        Returns per request (parents, tokens, depth, from_head, from_lookup)."""
         spec = self.spec
         top_k = min(spec.top_k, budget)
         levels = spec.depth
-        reserve = max(budget + 1, 1 + (levels - 1) * top_k) if self.shape is None else budget + 1
+        reserve = budget + 1
+        if self.head is not None and self.shape is None:
+            reserve = max(reserve, 1 + (levels - 1) * top_k)
         batch: list[DraftSeq] = []
         included: list[Sequence] = []
         for it in decodes:
@@ -98,6 +111,26 @@ class EagleWorker:
             included.append(seq)
         if not batch:
             return {}
+        heads = self._head_trees(batch, budget, top_k, levels) if self.head is not None else None
+        out = {}
+        for b, seq in enumerate(included):
+            parents, tokens, depth, logprobs = heads[b] if heads else ([-1], [seq.token_ids[-1]], [0], [0.0])
+            branches = []
+            if spec.lookup:
+                st = self.states[seq.request_id]
+                st.index.extend(seq.token_ids)
+                branches = st.index.propose(spec.lookup_max_tokens, spec.lookup_max_branches)
+            if branches and heads:
+                share = (st.ema_lookup + 0.1) / (st.ema_head + st.ema_lookup + 0.2)
+                head_nodes = budget - max(1, round(budget * share))
+                if logprobs is None:
+                    parents, tokens, depth = parents[:head_nodes + 1], tokens[:head_nodes + 1], depth[:head_nodes + 1]
+                else:
+                    parents, tokens, depth = prune_to_best(parents, tokens, depth, logprobs, head_nodes)
+            out[seq.request_id] = merge_branches(parents, tokens, depth, branches, budget - (len(tokens) - 1))
+        return out
+
+    def _head_trees(self, batch: list[DraftSeq], budget: int, top_k: int, levels: int) -> list[tuple]:
         root_hidden, root_lp = self.drafter.catch_up(batch)
         if self.shape is None:
             tree = self.drafter.grow_dynamic(batch, root_hidden, root_lp, budget, top_k, levels)
@@ -106,14 +139,15 @@ class EagleWorker:
             if budget < sub.num_nodes - 1:   # a prefix of a parents-first tree is a tree
                 sub = type(sub)(sub.parents[:budget + 1], sub.depth[:budget + 1], sub.rank[:budget + 1])
             tree = self.drafter.grow_static(batch, root_lp, root_hidden, sub)
-        out = {}
-        for b, seq in enumerate(included):
+        trees = []
+        for b in range(len(batch)):
             n = int(tree.num_nodes[b])
-            out[seq.request_id] = (tree.parents[b, :n].tolist(), tree.tokens[b, :n].tolist(), tree.depth[b, :n].tolist())
-        return out
+            lp = tree.logprobs[b, :n].tolist() if self.shape is None else None
+            trees.append((tree.parents[b, :n].tolist(), tree.tokens[b, :n].tolist(), tree.depth[b, :n].tolist(), lp))
+        return trees
 
-    def _tree_item(self, seq: Sequence, tree: tuple[list[int], list[int], list[int]]) -> ForwardItem:
-        parents, tokens, depth = tree
+    def _tree_item(self, seq: Sequence, tree: tuple) -> ForwardItem:
+        parents, tokens, depth = tree[:3]
         c, n = seq.num_computed_tokens, len(tokens)
         slots = self.block_manager.slots(seq, 0, c + n)
         mask = ancestor_mask(torch.tensor([parents]))[0]
@@ -136,9 +170,9 @@ class EagleWorker:
         for it, item, off in plain:
             seq, n, completes = it.seq, it.num_tokens, it.completes
             start = seq.num_computed_tokens
+            st = self._state(seq.request_id, start)
             if start == 0:
-                self.states[seq.request_id] = DraftState()
-            st = self.states.setdefault(seq.request_id, DraftState(start=start))
+                st.reset()
             self.block_manager.commit(seq, n)
             nxt = seq.token_ids[start + 1:start + n]
             if completes:
@@ -150,12 +184,13 @@ class EagleWorker:
                     seq.metrics.num_decode_tokens += 1
             else:
                 nxt = nxt + [seq.token_ids[start + n]]
-            st.add(features[off:off + n], nxt)
+            if features is not None:
+                st.add(features[off:off + n], nxt)
         for it, item, off in zip(batch, items, result.row_offsets):
             seq = it.seq
             if seq.request_id not in trees:
                 continue
-            parents, tokens, depth = trees[seq.request_id]
+            parents, tokens, depth, from_head, from_lookup = trees[seq.request_id]
             r = row_of[id(item)]
             logits = result.logits[r:r + len(tokens)]
             p = seq.params
@@ -166,13 +201,34 @@ class EagleWorker:
                                       seq.generator, target_logits=logits)
             src, dst = self.block_manager.keep_subset(seq, acc.path)
             self.runner.copy_kv(src, dst)
-            self.states[seq.request_id].add(features[off + torch.tensor(acc.path)], acc.tokens)
+            st = self.states[seq.request_id]
+            if features is not None:
+                st.add(features[off + torch.tensor(acc.path)], acc.tokens)
+            self._count_sources(seq, st, acc.path[1:], from_head, from_lookup)
             lps = torch.log_softmax(logits[torch.tensor(acc.path)].float(), -1) if p.logprobs else None
             new_tokens[seq.request_id] = [(t, lps[i, t].item() if lps is not None else None) for i, t in enumerate(acc.tokens)]
             seq.metrics.num_target_forwards += 1
             seq.metrics.num_decode_tokens += len(acc.tokens)
             self._count_depths(seq, depth, acc.num_accepted)
         return new_tokens
+
+    def _state(self, request_id: str, start: int) -> DraftState:
+        st = self.states.get(request_id)
+        if st is None:
+            st = self.states[request_id] = DraftState(start=start)
+            if self.spec.lookup:
+                st.index = NgramIndex(*self.spec.lookup_ngram)
+        return st
+
+    def _count_sources(self, seq: Sequence, st: DraftState, accepted: list[int], from_head, from_lookup) -> None:
+        """Per-source acceptance: the request's metrics and the moving averages that split the budget."""
+        h = sum(1 for i in accepted if from_head[i])
+        lk = sum(1 for i in accepted if from_lookup[i])
+        m = seq.metrics
+        m.accepted_from_head += h
+        m.accepted_from_lookup += lk
+        st.ema_head = 0.7 * st.ema_head + 0.3 * h
+        st.ema_lookup = 0.7 * st.ema_lookup + 0.3 * lk
 
     def _count_depths(self, seq: Sequence, depth: list[int], accepted: int) -> None:
         max_d = max(depth)

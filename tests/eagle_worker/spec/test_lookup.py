@@ -1,0 +1,82 @@
+"""Prompt lookup and hybrid trees: the incremental n-gram index, trie merging under a budget, and in
+the engine: greedy identical to plain decoding, lookup really accepted, per-source shares, lossless
+sampling with a negative control."""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from eagle_worker import LLM, SamplingParams
+from eagle_worker.spec import acceptance
+from eagle_worker.spec.config import SpecConfig
+from eagle_worker.spec.head_init import new_head
+from eagle_worker.spec.head_loader import save_draft_head
+from eagle_worker.spec.lookup import NgramIndex, merge_branches, prune_to_best
+from tests.eagle_worker.spec.test_eagle_engine import _chi2_pvalue, _joint_counts, copying_target  # noqa: F401
+
+
+def test_index_is_incremental_and_matches_longest_suffix_first():
+    toks = [1, 2, 3, 4, 9, 1, 2, 3, 5, 7, 2, 3]
+    whole = NgramIndex(2, 4)
+    whole.extend(toks)
+    step = NgramIndex(2, 4)
+    for i in range(1, len(toks) + 1):
+        step.extend(toks[:i])
+    assert dict(step.table) == dict(whole.table)
+    # suffix (2, 3): occurrences continue with 5 7 2 3 (most recent) and 4 9 1 2
+    assert whole.propose(max_tokens=4, max_branches=3) == [[5, 7, 2, 3], [4, 9, 1, 2]]
+    longer = NgramIndex(2, 4)
+    longer.extend([1, 2, 3, 4, 8, 2, 3, 6, 1, 2, 3])       # (1,2,3) beats the shorter (2,3) match
+    assert longer.propose(max_tokens=2, max_branches=3) == [[4, 8]]    # (2,3) alone would add [6, 1]
+    assert NgramIndex(2, 4).propose(4, 3) == []
+
+
+def test_merge_shares_prefixes_and_respects_the_budget():
+    parents, tokens, depth = [-1, 0, 0, 1], [7, 10, 11, 12], [0, 1, 1, 2]
+    p, t, d, head, look = merge_branches(parents, tokens, depth, [[10, 12, 13], [11, 20], [30, 31]], budget=2)
+    assert t[:4] == tokens and p[:4] == parents           # existing nodes untouched
+    assert t[4:] == [13, 20] and p[4:] == [3, 2] and d[4:] == [3, 2]   # only new nodes cost budget
+    assert look == [False, True, True, True, True, True] and head == [False, True, True, True, False, False]
+    assert all(pp < i for i, pp in enumerate(p) if i)
+
+
+def test_prune_keeps_best_cumulative_nodes_closed_under_ancestors():
+    parents, tokens, depth, lp = [-1, 0, 0, 1, 3], [5, 1, 2, 3, 4], [0, 1, 1, 2, 3], [0.0, -0.1, -2.0, -0.1, -0.1]
+    p, t, d = prune_to_best(parents, tokens, depth, lp, keep=3)
+    assert t == [5, 1, 3, 4] and p == [-1, 0, 1, 2] and d == [0, 1, 2, 3]
+
+
+def test_lookup_and_hybrid_are_exact_and_lookup_is_used(copying_target, tmp_path):
+    target, head = copying_target
+    base = LLM(model=str(target), block_size=4, num_kv_blocks=512)
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    first = base.generate("def add(a, b):\n", params)[0]
+    # a prompt that contains its own continuation: lookup can copy it
+    prompts = ["def add(a, b):\n" + first.text + "\ndef add(a, b):\n", "The quick brown fox", "x"]
+    expected = [o.token_ids for o in base.generate(prompts, params)]
+    rand_head = tmp_path / "random-head"
+    save_draft_head(new_head("eagle3", base.engine.runner.model, base.engine.runner.hf_config,
+                             torch.arange(0, base.engine.runner.model.vocab_size, 2), std=0.2), rand_head)
+    configs = {"lookup": SpecConfig(lookup=True, adaptive=False),
+               "hybrid": SpecConfig(draft=str(head), lookup=True, adaptive=False),
+               "hybrid-random-head": SpecConfig(draft=str(rand_head), lookup=True, adaptive=False)}
+    for name, spec in configs.items():
+        llm = LLM(model=str(target), block_size=4, num_kv_blocks=512, max_num_batched_tokens=9, spec=spec)
+        outs = llm.generate(prompts, params)
+        assert [o.token_ids for o in outs] == expected, name
+        assert outs[0].metrics["mean_accepted_tokens"] > 1.5, (name, outs[0].metrics)
+        assert outs[0].metrics["accepted_share_lookup"] > 0.5, name
+        assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    assert outs[0].metrics["accepted_share_lookup"] > outs[0].metrics["accepted_share_head"]
+
+
+def test_hybrid_sampling_keeps_the_target_distribution(copying_target, monkeypatch):
+    target, head = copying_target
+    n = 1200
+    kw = dict(block_size=4, num_kv_blocks=2048, max_num_seqs=128)
+    plain = _joint_counts(LLM(model=str(target), **kw), n)
+    spec = SpecConfig(draft=str(head), lookup=True, lookup_ngram=(1, 3), top_k=3, depth=3, num_draft_tokens=8, adaptive=False)
+    assert _chi2_pvalue(plain, _joint_counts(LLM(model=str(target), spec=spec, **kw), n)) > 1e-3
+    monkeypatch.setattr(acceptance, "_walk_sampling", functools.partial(acceptance._walk_sampling, zero_rejected=False))
+    assert _chi2_pvalue(plain, _joint_counts(LLM(model=str(target), spec=spec, **kw), n)) < 1e-3
