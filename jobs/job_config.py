@@ -9,7 +9,7 @@ resume never mixes two different jobs' rows in one dataset.
 from __future__ import annotations
 
 import glob as _glob
-import importlib.util
+import importlib
 import os
 from pathlib import Path
 from typing import Literal
@@ -35,7 +35,8 @@ class JobConfig(BaseModel):
 
     # the model
     model: str = "gemma-3-270m"
-    draft: str = Field("auto", description="'auto' (the model's EAGLE head when the engine has one), 'none', or a path")
+    draft: str = Field("auto", description="'auto' (the model's built-in EAGLE head if it has one, else none), "
+                                           "'default' (that head, required), 'none', or a head folder")
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
     device: Literal["cpu", "cuda"] = "cpu"
     engine: str = Field("eagle_worker", description="module exposing LLMEngine/EngineConfig/SamplingParams")
@@ -105,7 +106,7 @@ class JobConfig(BaseModel):
         if self.draft == "none":
             return None
         if self.draft == "auto":
-            return "default" if engine_has_eagle(self.engine) else None
+            return "default" if builtin_head_error(self.engine, self.model) is None else None
         return self.draft
 
     def generation_fingerprint(self) -> dict:
@@ -119,7 +120,10 @@ class JobConfig(BaseModel):
         """Paths made absolute and the default output filled in (before shipping to a cluster)."""
         inp = os.path.abspath(os.path.expanduser(self.input))
         out = os.path.abspath(os.path.expanduser(self.output or default_output(inp)))
-        return self.model_copy(update={"input": inp, "output": out})
+        update = {"input": inp, "output": out}
+        if self.draft not in ("auto", "none", "default"):
+            update["draft"] = os.path.abspath(os.path.expanduser(self.draft))
+        return self.model_copy(update=update)
 
     @classmethod
     def from_options(cls, **kwargs) -> "JobConfig":
@@ -157,9 +161,14 @@ def default_output(input_path: str) -> str:
     return str(p.parent / f"{p.stem}.out")
 
 
-def engine_has_eagle(engine_module: str) -> bool:
-    """Whether the engine ships an EAGLE worker (eagle_worker/spec/eagle_worker.py, not there yet)."""
+def builtin_head_error(engine_module: str, model: str, draft: str = "default") -> str | None:
+    """None when the engine can use `draft` ("default": the head shipped for a built-in model) with
+    `model`, else why not. Asks the engine's own resolver (light: no torch import)."""
     try:
-        return importlib.util.find_spec(f"{engine_module}.spec.eagle_worker") is not None
-    except (ImportError, ValueError):
-        return False
+        spec_config = importlib.import_module(f"{engine_module}.spec.config")
+        spec_config.resolve_draft(draft, model)
+    except ImportError:
+        return f"the engine `{engine_module}` has no speculative decoding"
+    except (ValueError, AttributeError) as e:
+        return str(e)
+    return None

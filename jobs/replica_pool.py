@@ -56,7 +56,7 @@ class JobReplica(EngineReplica):
 
     def info(self) -> dict[str, Any]:
         return {"replica_id": self.replica_id, "node_ip": ray.util.get_node_ip_address(),
-                "max_model_len": self.max_model_len}
+                "node_id": ray.get_runtime_context().get_node_id(), "max_model_len": self.max_model_len}
 
 
 def serve_config(cfg: JobConfig, cpus: float) -> ServeConfig:
@@ -113,6 +113,7 @@ class ReplicaPool:
         self.restarts_left = cfg.replica_restarts
         self.started_at = time.monotonic()
         self.last_error: str | None = None
+        self.rows_by_node: dict[str, int] = {}   # node id -> rows finished there (manifest)
         self._cls = ray.remote(JobReplica)
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -193,6 +194,8 @@ class ReplicaPool:
             call.replica.in_flight -= 1
             try:
                 done.append((call.row, ray.get(ref)))
+                node = call.replica.info.get("node_id", "?")
+                self.rows_by_node[node] = self.rows_by_node.get(node, 0) + 1
             except (RayActorError, ActorUnavailableError, EngineDiedError) as e:
                 self._on_death(call.replica, e)
                 retry.append(call.row)
@@ -205,7 +208,9 @@ class ReplicaPool:
         try:
             r.info = ray.get(ref)
             r.ready_ref = None
-            logger.info("replica %d ready on %s (%s CPUs)", r.index, r.info.get("node_ip"), self.cpus)
+            self.rows_by_node.setdefault(r.info["node_id"], 0)
+            logger.info("replica %d ready on node %s (%s, %s CPUs)", r.index, r.info["node_id"][:8],
+                        r.info.get("node_ip"), self.cpus)
         except Exception as e:
             self.last_error = f"replica {r.index} failed to start: {_first_line(e)}"
             logger.error("%s", self.last_error)

@@ -26,7 +26,7 @@ import psutil
 
 from jobs.id_set import IdSet
 from jobs.input_reader import Row, iter_rows, open_input
-from jobs.job_config import JobConfig, JobConfigError
+from jobs.job_config import JobConfig, JobConfigError, builtin_head_error
 from jobs.output_writer import OutputDir, PartWriter, new_run_id, output_schema
 from jobs.progress import Progress, RunStats
 
@@ -86,6 +86,10 @@ class JobRunner:
     def run(self) -> dict:
         """Run to completion (or cancellation/failure); returns the final manifest."""
         self.plan = open_input(self.cfg.input, self.cfg.keep_columns, exclude=self.cfg.output)  # before any model
+        if self.cfg.draft not in ("auto", "none"):
+            why = builtin_head_error(self.cfg.engine, self.cfg.model, self.cfg.draft)
+            if why is not None:
+                raise JobConfigError(f"--draft {self.cfg.draft}: {why}")
         self.out = OutputDir(self.cfg.output, self.fmt)
         try:
             self.done_ids, self.prior = self.out.open(self.cfg.generation_fingerprint(), self.cfg.overwrite)
@@ -249,6 +253,7 @@ class JobRunner:
             "rows_per_s": s.rows_per_s, "output_tokens_per_s": s.tokens_per_s, "tau": s.tau,
             "skipped_already_done": self.skipped_done, "replicas": self.cfg.replicas,
             "cpus_per_replica": getattr(self.pool, "cpus", None),
+            "rows_by_node": dict(getattr(self.pool, "rows_by_node", {})),
             # sampled (ru_maxrss is no use: Linux keeps it across exec, so it includes a forking parent)
             "driver_peak_rss_mb": round(self.rss_peak, 1), "driver_rss_mb_by_decile": self.rss_by_decile,
         }

@@ -1,0 +1,82 @@
+"""A job submitted with --address to a local two-node Ray cluster (token auth, one CPU per node),
+followed with `job status --follow` to completion, then `job list` and `job logs`.
+
+The cluster is started with `ray start` in its own temp dir and torn down by process id (never
+`ray stop`, which would also stop other Ray instances on the machine)."""
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import tempfile
+
+import pyarrow.parquet as pq
+import pytest
+
+from jobs.ray_jobs import jobs_address
+
+from .conftest import cli, cli_env, kill_tree, read_manifest, write_parquet
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+@pytest.fixture
+def two_node_cluster():
+    temp = tempfile.mkdtemp(prefix="eagle-jobs-ray-", dir="/tmp")   # short: Ray's socket paths must fit 107 chars
+    gcs, dash, client, agent1, agent2 = _free_ports(5)
+    env = cli_env(RAY_AUTH_MODE="token")
+    common = ["--num-cpus", "1", "--disable-usage-stats"]
+    try:
+        subprocess.run(["ray", "start", "--head", "--port", str(gcs), "--dashboard-port", str(dash),
+                        "--include-dashboard", "true", "--dashboard-host", "127.0.0.1",
+                        "--ray-client-server-port", str(client), "--dashboard-agent-listen-port", str(agent1),
+                        "--temp-dir", temp, *common], env=env, check=True, capture_output=True, timeout=120)
+        subprocess.run(["ray", "start", "--address", f"127.0.0.1:{gcs}", "--dashboard-agent-listen-port", str(agent2),
+                        *common], env=env, check=True, capture_output=True, timeout=120)
+        yield {"address": f"http://127.0.0.1:{dash}", "env": env}
+    finally:
+        kill_tree(temp)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def test_jobs_address_mapping():
+    assert jobs_address("http://head:8265/") == "http://head:8265"
+    assert jobs_address("ray://head:10001") == "http://head:8265"
+    assert jobs_address("10.0.0.1:6379") == "http://10.0.0.1:8265"
+    assert jobs_address("head") == "http://head:8265"
+    assert jobs_address("head:9999") == "http://head:9999"
+
+
+def test_job_on_a_two_node_cluster_followed_to_completion(tmp_path, tiny_model, two_node_cluster):
+    address, env = two_node_cluster["address"], two_node_cluster["env"]
+    n = 400   # enough work (~10 s) that the replica that loads second joins in too
+    inp = write_parquet(tmp_path / "in.parquet", prompt=[f"the quick brown fox {i}" for i in range(n)])
+    res = cli("submit-job", inp, "--model", tiny_model, "--draft", "none", "--max-tokens", "16", "--replicas", "2",
+              "--cpus-per-replica", "1", "--max-num-seqs", "8", "--address", address, "--job-id", "two-node-job",
+              "--no-wait", env=env, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "submitted job two-node-job" in res.stdout
+
+    res = cli("job", "status", "two-node-job", "--address", address, "--follow", env=env, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "two-node-job: SUCCEEDED" in res.stdout and "job completed: 400/400 rows" in res.stdout
+
+    ids = pq.read_table(tmp_path / "in.out", columns=["id"]).column("id").to_pylist()
+    assert len(ids) == n and set(ids) == {f"in.parquet:{i}" for i in range(n)}
+    run = read_manifest(tmp_path / "in.out")["runs"][-1]
+    assert len(run["rows_by_node"]) == 2 and sum(run["rows_by_node"].values()) == n, run   # a replica per node
+
+    listed = cli("job", "list", "--address", address, env=env, timeout=60)
+    assert listed.returncode == 0 and "two-node-job\tSUCCEEDED" in listed.stdout
+    logs = cli("job", "logs", "two-node-job", "--address", address, env=env, timeout=60)
+    assert logs.returncode == 0 and "job completed: 400/400 rows" in logs.stdout
+    missing = cli("job", "status", "no-such-job", "--address", address, env=env, timeout=60)
+    assert missing.returncode == 1 and "no-such-job" in missing.stderr
