@@ -1,7 +1,8 @@
 """Speculative decoding benchmark on Spec-Bench-format prompts, every method in one run.
 
 Methods: our vanilla decoding, `transformers` generate, `transformers` prompt-lookup decoding,
-our EAGLE chain, static tree and dynamic tree. Per category: tokens/s, speedup over our vanilla
+our prompt lookup, our EAGLE chain, static tree and dynamic tree, and the hybrid (lookup branches
+merged into the dynamic tree). Per category: tokens/s, speedup over our vanilla
 and tau (output tokens per target forward). Then a batch-size sweep with and without the head.
 Usage: `eaglectl bench spec [--prompts FILE] [--draft DIR|default|random] [--json OUT]`.
 """
@@ -17,7 +18,7 @@ import torch
 
 from bench.prompts import PROMPT_FORMAT, SPEC_BENCH, load_questions, render
 
-OURS = ("vanilla", "chain", "static", "dynamic")
+OURS = ("vanilla", "lookup", "chain", "static", "dynamic", "hybrid")
 
 
 def _spec_config(method: str, draft: str):
@@ -25,6 +26,10 @@ def _spec_config(method: str, draft: str):
 
     if method == "vanilla":
         return None
+    if method == "lookup":
+        return SpecConfig(lookup=True, adaptive=False)
+    if method == "hybrid":
+        return SpecConfig(draft=draft, tree="dynamic", lookup=True, adaptive=False)
     return SpecConfig(draft=draft, tree=method, adaptive=False,
                       **({"depth": 5, "num_draft_tokens": 5} if method == "chain" else {}))
 
@@ -39,7 +44,7 @@ def _random_head(llm, out: Path, draft_vocab: int = 8192) -> str:
     return str(out)
 
 
-def _run_ours(llm, prompts: list[str], max_tokens: int) -> tuple[float, int, int]:
+def _run_ours(llm, prompts: list[str], max_tokens: int, shares: dict | None = None) -> tuple[float, int, int]:
     from eagle_worker import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
@@ -49,6 +54,11 @@ def _run_ours(llm, prompts: list[str], max_tokens: int) -> tuple[float, int, int
         out = llm.generate(p, params)[0]
         tokens += len(out.token_ids)
         forwards += out.metrics["num_target_forwards"] + 1   # + the prefill that produced token 1
+        if shares is not None:
+            drafted = sum(out.metrics.get("accepted_per_depth", []))
+            shares["head"] = shares.get("head", 0) + out.metrics.get("accepted_share_head", 0) * drafted
+            shares["lookup"] = shares.get("lookup", 0) + out.metrics.get("accepted_share_lookup", 0) * drafted
+            shares["accepted"] = shares.get("accepted", 0) + drafted
     return time.perf_counter() - t0, tokens, forwards
 
 
@@ -67,7 +77,7 @@ def _run_hf(model, tok, prompts: list[str], max_tokens: int, lookup: int | None)
 
 def run(model: str = "gemma-3-270m", prompts_file: str | Path = SPEC_BENCH, per_category: int = 2,
         max_tokens: int = 128, dtype: str = "bfloat16", draft: str = "default",
-        methods: tuple[str, ...] = ("vanilla", "hf", "hf_lookup", "chain", "static", "dynamic"),
+        methods: tuple[str, ...] = ("vanilla", "hf", "hf_lookup", "lookup", "chain", "static", "dynamic", "hybrid"),
         sweep: tuple[int, ...] = (1, 2, 4, 8, 16, 32), json_out: str | None = "bench/results/spec.json") -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -94,14 +104,19 @@ def run(model: str = "gemma-3-270m", prompts_file: str | Path = SPEC_BENCH, per_
         else:
             llm = vanilla if method == "vanilla" else LLM(model=model, dtype=dtype, spec=_spec_config(method, draft))
             llm.generate(by_cat[next(iter(by_cat))][0], None)          # warm-up
-            runner = lambda ps, llm=llm: _run_ours(llm, ps, max_tokens)  # noqa: E731
+            runner = lambda ps, shares=None, llm=llm: _run_ours(llm, ps, max_tokens, shares)  # noqa: E731
         for cat, ps in by_cat.items():
-            secs, tokens, forwards = runner(ps)
+            shares = {} if method == "hybrid" else None
+            secs, tokens, forwards = runner(ps, shares) if method in OURS else runner(ps)
             results[method][cat] = {"tok_s": tokens / secs, "tau": tokens / forwards if forwards else None,
                                     "tokens": tokens, "seconds": secs}
+            if shares and shares.get("accepted"):
+                results[method][cat]["share_head"] = shares["head"] / shares["accepted"]
+                results[method][cat]["share_lookup"] = shares["lookup"] / shares["accepted"]
             print(f"{method:10s} {cat:16s} {tokens / secs:7.2f} tok/s", flush=True)
         if method in OURS and method != "vanilla":
             results[method]["_acceptance_per_depth"] = llm.engine.stats().get("acceptance_rate_per_depth")
+            del llm
     summary = _summarise(results)
     sweep_rows = _sweep(model, dtype, draft, [p for ps in by_cat.values() for p in ps], sweep, max_tokens=32) if sweep else []
     _print(summary, sweep_rows)
@@ -119,6 +134,7 @@ def _summarise(results: dict) -> dict:
     out = {}
     cats = [c for c in results.get("vanilla", {}) if not c.startswith("_")]
     for method, per_cat in results.items():
+        per_cat = {k: v for k, v in per_cat.items() if not k.startswith("_")}
         rows = {}
         for cat in cats + ["overall"]:
             if cat == "overall":
@@ -131,6 +147,9 @@ def _summarise(results: dict) -> dict:
             else:
                 rows[cat] = {"tok_s": per_cat[cat]["tok_s"], "speedup": per_cat[cat]["tok_s"] / results["vanilla"][cat]["tok_s"],
                              "tau": per_cat[cat]["tau"]}
+                if "share_lookup" in per_cat[cat]:
+                    rows[cat]["share_lookup"] = per_cat[cat]["share_lookup"]
+                    rows[cat]["share_head"] = per_cat[cat]["share_head"]
         out[method] = rows
     return out
 
@@ -168,7 +187,8 @@ def _print(summary: dict, sweep_rows: list[dict]) -> None:
         for m in methods:
             r = summary[m][cat]
             tau = f", τ {r['tau']:.2f}" if r["tau"] else ""
-            cells.append(f"{r['tok_s']:.1f} ({r['speedup']:.2f}x{tau})")
+            src = f", lookup {r['share_lookup']:.0%}" if "share_lookup" in r else ""
+            cells.append(f"{r['tok_s']:.1f} ({r['speedup']:.2f}x{tau}{src})")
         print(f"| {cat} | " + " | ".join(cells) + " |")
     if sweep_rows:
         print("\n| batch | no head tok/s | head (adaptive) tok/s | ratio |\n|---:|---:|---:|---:|")

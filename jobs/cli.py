@@ -101,11 +101,11 @@ def bench_decode(model, dtypes, batch_sizes, max_tokens, json_out):
 @click.option("--max-tokens", default=128, show_default=True, type=int)
 @click.option("--dtype", default="bfloat16", show_default=True, type=click.Choice(["float32", "bfloat16"]))
 @click.option("--draft", default="default", show_default=True, help="Head folder, 'default', or 'random' (cost only).")
-@click.option("--methods", default="vanilla,hf,hf_lookup,chain,static,dynamic", show_default=True)
+@click.option("--methods", default="vanilla,hf,hf_lookup,lookup,chain,static,dynamic,hybrid", show_default=True)
 @click.option("--sweep", default="1,2,4,8,16,32", show_default=True, help="Batch sizes for the head/no-head sweep ('' to skip).")
 @click.option("--json", "json_out", default="bench/results/spec.json", show_default=True)
 def bench_spec(model, prompts_file, per_category, max_tokens, dtype, draft, methods, sweep, json_out):
-    """Vanilla, transformers (plain, prompt lookup), EAGLE chain/static/dynamic: tok/s, speedup, tau."""
+    """Vanilla, transformers (plain, prompt lookup), our lookup, EAGLE chain/static/dynamic, hybrid."""
     from bench.prompts import SPEC_BENCH
     from bench.spec import run
 
