@@ -164,6 +164,9 @@ def default_output(input_path: str) -> str:
 def builtin_head_error(engine_module: str, model: str, draft: str = "default") -> str | None:
     """None when the engine can use `draft` ("default": the head shipped for a built-in model) with
     `model`, else why not. Asks the engine's own resolver (light: no torch import)."""
+    if draft == "default" and (os.sep in model or Path(model).expanduser().exists()):
+        # built-in heads belong to built-in model names (the engine's resolver would join the path)
+        return f"model {model!r} is a path; built-in draft heads exist only for built-in model names"
     try:
         spec_config = importlib.import_module(f"{engine_module}.spec.config")
         spec_config.resolve_draft(draft, model)

@@ -75,6 +75,7 @@ class JobRunner:
             raise JobConfigError("--keep-columns has no place in the OpenAI Batch output format; use --format parquet")
         self.run_id = new_run_id()
         self.stats = RunStats()
+        self.first_ready: float | None = None   # when the first replica could take rows
         self.pool = None
         self.stopping: str | None = None
         self.duplicates = self.skipped_done = 0
@@ -160,6 +161,8 @@ class JobRunner:
                 self.writer.commit()
             self._sample_rss(total - min(len(self.done_ids), total))
             starting = self.pool is not None and not self.pool.num_ready
+            if self.pool is not None and not starting and self.first_ready is None:
+                self.first_ready = time.monotonic()
             self.progress.update(self.stats, " | waiting for replicas to load the model" if starting else "")
 
     def _admit(self, row: Row) -> bool:
@@ -248,6 +251,8 @@ class JobRunner:
         run = {
             "run_id": self.run_id, "host": socket.gethostname(), "status": status,
             "started_at": self.started_at, "updated_at": time.time(), "wall_s": s.elapsed,
+            "startup_s": (self.first_ready - s.started) if self.first_ready else None,
+            "generation_s": (time.monotonic() - self.first_ready) if self.first_ready else None,
             "rows": s.rows, "rows_committed": c.rows, "error_rows": s.error_rows,
             "completion_tokens": s.completion_tokens, "decode_tokens": s.decode_tokens, "target_forwards": s.forwards,
             "rows_per_s": s.rows_per_s, "output_tokens_per_s": s.tokens_per_s, "tau": s.tau,

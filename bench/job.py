@@ -1,0 +1,119 @@
+"""`eaglectl bench job`: one offline job over Spec-Bench prompts, without and with the EAGLE head.
+
+The same Parquet input (the first `rows` Spec-Bench questions, spread evenly over its 13
+categories, rendered as `Question: ...\nAnswer:` for the base model) goes through the real job
+path (`jobs.runner`: Ray replicas, continuous batching, atomic Parquet output) at temperature 0,
+once with `--draft none` and once with the head (`draft`: "auto" = the model's built-in head when
+it has one, or a head folder). Throughput counts generation only (from the first replica ready
+to the last row written), not model loading. At temperature 0 speculative decoding is lossless,
+so the two runs' texts are compared row by row as a check.
+Usage: `eaglectl bench job [--rows 200 --max-tokens 64]` or `python -m bench.job`.
+"""
+from __future__ import annotations
+
+import json
+import math
+import platform
+import tempfile
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from bench.prompts import load_questions, render
+
+N_CATEGORIES = 13
+
+
+def write_input(path: Path, rows: int) -> list[str]:
+    """The benchmark input: `rows` prompts, categories interleaved evenly."""
+    qs = load_questions(per_category=math.ceil(rows / N_CATEGORIES))
+    by_cat: dict[str, list[dict]] = {}
+    for q in qs:
+        by_cat.setdefault(q.get("category", "default"), []).append(q)
+    mixed = [q for group in zip(*by_cat.values()) for q in group]
+    mixed += [q for q in qs if q not in mixed]
+    picked = mixed[:rows]
+    ids = [f"q{q['question_id']}" for q in picked]
+    pq.write_table(pa.table({"id": ids, "prompt": [render(q) for q in picked],
+                             "category": [q.get("category", "default") for q in picked]}), path)
+    return ids
+
+
+def _variant(name: str, draft: str, inp: Path, out: Path, model: str, max_tokens: int, replicas: int,
+             max_num_seqs: int) -> dict:
+    from jobs.job_config import JobConfig
+    from jobs.runner import run_job
+
+    cfg = JobConfig(input=str(inp), output=str(out), model=model, draft=draft, max_tokens=max_tokens,
+                    temperature=0.0, replicas=replicas, max_num_seqs=max_num_seqs, overwrite=True)
+    m = run_job(cfg)
+    run = m["runs"][-1]
+    gen_s = run.get("generation_s") or run["wall_s"]
+    row = {"variant": name, "draft": cfg.resolved_draft(), "rows": m["rows"], "error_rows": m["error_rows"],
+           "completion_tokens": run["completion_tokens"], "generation_s": gen_s, "startup_s": run.get("startup_s"),
+           "rows_per_s": m["rows"] / gen_s, "output_tokens_per_s": run["completion_tokens"] / gen_s,
+           "tau": run["tau"]}
+    print(f"{name:10s}: {row['rows']} rows, {row['completion_tokens']} tokens in {gen_s:.1f}s "
+          f"({row['rows_per_s']:.2f} rows/s, {row['output_tokens_per_s']:.1f} tok/s, tau {row['tau']:.2f})", flush=True)
+    return row
+
+
+def run(model: str = "gemma-3-270m", rows: int = 200, max_tokens: int = 64, json_out: str | None = "bench/results/job.json",
+        draft: str = "auto", replicas: int = 1, max_num_seqs: int = 64) -> list[dict]:
+    from jobs.job_config import JobConfig, builtin_head_error
+
+    head = JobConfig(input="x", model=model, draft=draft).resolved_draft() if draft != "none" else None
+    note = None
+    if head is None:
+        note = ("no EAGLE head for this model yet (" + (builtin_head_error("eagle_worker", model) or "--draft none")
+                + "): only the baseline ran")
+    with tempfile.TemporaryDirectory(prefix="bench-job-") as tmp:
+        tmp = Path(tmp)
+        inp = tmp / "spec_bench.parquet"
+        write_input(inp, rows)
+        results = [_variant("no head", "none", inp, tmp / "base.out", model, max_tokens, replicas, max_num_seqs)]
+        if head is not None:
+            results.append(_variant("EAGLE head", draft, inp, tmp / "eagle.out", model, max_tokens, replicas,
+                                    max_num_seqs))
+            base = {r["id"]: r["text"] for r in pq.read_table(tmp / "base.out", columns=["id", "text"]).to_pylist()}
+            spec = {r["id"]: r["text"] for r in pq.read_table(tmp / "eagle.out", columns=["id", "text"]).to_pylist()}
+            results[1]["same_text_as_baseline"] = sum(base[k] == spec.get(k) for k in base) / max(1, len(base))
+    for r in results:
+        r["speedup"] = r["output_tokens_per_s"] / results[0]["output_tokens_per_s"]
+    _print_table(results, note)
+    if json_out:
+        import torch
+
+        Path(json_out).parent.mkdir(parents=True, exist_ok=True)
+        meta = {"model": model, "rows": rows, "max_tokens": max_tokens, "replicas": replicas,
+                "max_num_seqs": max_num_seqs, "temperature": 0.0, "note": note, "threads": torch.get_num_threads(),
+                "machine": platform.processor() or platform.machine(), "torch": torch.__version__}
+        Path(json_out).write_text(json.dumps({"meta": meta, "rows": results}, indent=2))
+    return results
+
+
+def _print_table(rows: list[dict], note: str | None) -> None:
+    print("\n| variant | rows | rows/s | output tok/s | tau | speedup |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['variant']} | {r['rows']} | {r['rows_per_s']:.2f} | {r['output_tokens_per_s']:.1f} | "
+              f"{r['tau']:.2f} | {r['speedup']:.2f}x |")
+    if note:
+        print(f"\n{note}")
+
+
+if __name__ == "__main__":
+    import click
+
+    @click.command()
+    @click.option("--model", default="gemma-3-270m", show_default=True)
+    @click.option("--rows", default=200, show_default=True, type=int)
+    @click.option("--max-tokens", default=64, show_default=True, type=int)
+    @click.option("--draft", default="auto", show_default=True, help="auto, none, default, or a head folder")
+    @click.option("--replicas", default=1, show_default=True, type=int)
+    @click.option("--json", "json_out", default="bench/results/job.json", show_default=True)
+    def main(model, rows, max_tokens, draft, replicas, json_out):
+        run(model=model, rows=rows, max_tokens=max_tokens, json_out=json_out, draft=draft, replicas=replicas)
+
+    main()
