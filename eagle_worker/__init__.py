@@ -11,6 +11,7 @@ _EXPORTS = {
     "EngineConfig": "eagle_worker.config",
     "SamplingParams": "eagle_worker.sampling_params",
     "RequestOutput": "eagle_worker.outputs",
+    "run_tp_worker": "eagle_worker.tp_worker",
 }
 __all__ = list(_EXPORTS)
 

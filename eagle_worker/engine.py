@@ -41,6 +41,9 @@ class LLMEngine:
     def _make_worker(self, config: EngineConfig):
         if config.spec is None:
             return DecodeWorker(self.runner, self.block_manager)
+        if config.tp_size > 1:
+            raise ValueError("speculative decoding with tp_size > 1 is not supported yet: the draft head "
+                             "needs the full vocabulary; serve with draft=None or tp_size=1")
         from eagle_worker.spec.config import resolve_draft
         from eagle_worker.spec.eagle_worker import EagleWorker
 
@@ -170,6 +173,10 @@ class LLMEngine:
             text=seq.text, new_token_ids=new_ids, delta_text=delta, finished=seq.is_finished,
             finish_reason=seq.finish_reason, logprobs=list(seq.logprobs) if seq.params.logprobs else None,
             metrics=seq.metrics.as_dict(seq.num_output_tokens, seq.num_prompt_tokens))
+
+    def shutdown(self) -> None:
+        """Release the other tensor-parallel ranks (a no-op with tp_size=1)."""
+        self.runner.shutdown()
 
     # ---- introspection ----------------------------------------------------------------------
     def stats(self) -> dict:

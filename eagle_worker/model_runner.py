@@ -12,6 +12,7 @@ from eagle_worker.attention import SeqAttention, attention_context, build_contex
 from eagle_worker.config import EngineConfig
 from eagle_worker.loader import load_weights, resolve_model_path
 from eagle_worker.models.registry import model_class_for
+from eagle_worker.parallel import broadcast_from_rank0, tp_rank, tp_size
 
 
 @dataclass
@@ -45,6 +46,9 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
+        if config.tp_size != tp_size():
+            raise ValueError(f"tp_size={config.tp_size} but this process is in a tensor-parallel group of {tp_size()}; "
+                             "tp_size > 1 runs through the cluster package (a Ray TP group)")
         self.model_path = resolve_model(config.model)
         self.hf_config = AutoConfig.from_pretrained(self.model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
@@ -96,8 +100,17 @@ class ModelRunner:
             raise ValueError(f"max_model_len={limit} exceeds the model's context of {native} tokens")
         return min(limit, self.num_kv_blocks * self.config.block_size)
 
-    @torch.inference_mode()
+    def _drive(self, *command) -> None:
+        """Rank 0 of a tensor-parallel group tells the other ranks what to run (see tp_worker.py)."""
+        if tp_size() > 1 and tp_rank() == 0:
+            broadcast_from_rank0(command)
+
     def forward(self, items: list[ForwardItem], aux_layers: tuple[int, ...] = ()) -> ForwardResult:
+        self._drive("forward", items, aux_layers)
+        return self._forward(items, aux_layers)
+
+    @torch.inference_mode()
+    def _forward(self, items: list[ForwardItem], aux_layers: tuple[int, ...] = ()) -> ForwardResult:
         seqs, slot_mapping, token_ids, positions, logit_index, offsets = [], [], [], [], [], []
         start = 0
         for it in items:
@@ -125,7 +138,15 @@ class ModelRunner:
         return ForwardResult(logits=logits, hidden=hidden, aux_hidden=aux, row_offsets=offsets)
 
     def copy_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Move K/V of kept draft tokens into place, in every layer at once."""
+        """Move K/V of kept draft tokens into place, in every layer at once (on every rank)."""
+        if len(src):
+            self._drive("copy_kv", src, dst)
+            self._copy_kv(src, dst)
+
+    def _copy_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         if len(src):
             src, dst = src.to(self.device), dst.to(self.device)
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
+    def shutdown(self) -> None:
+        self._drive("stop")
