@@ -13,6 +13,13 @@ import sys
 import click
 
 
+def _command_line() -> str:
+    argv = sys.argv[1:]
+    if "train-head" in argv:
+        argv = argv[argv.index("train-head") + 1:]
+    return "eaglectl train-head " + " ".join(shlex.quote(a) for a in argv)
+
+
 @click.command("train-head")
 @click.option("--target", required=True, help="Target model: built-in name, local folder or hub id.")
 @click.option("--format", "fmt", default="eagle3", show_default=True, type=click.Choice(["eagle3", "eagle1"]))
@@ -38,15 +45,16 @@ import click
 @click.option("--eval-every", default=200, show_default=True, type=int)
 @click.option("--eval-prompts", default=8, show_default=True, type=int, help="Held-out prompts for the final engine tau (0: skip).")
 @click.option("--full-vocab-labels", is_flag=True, help="Score the full vocabulary when extracting (exact argmax mask; slower).")
-@click.option("--dtype", default="bfloat16", show_default=True, type=click.Choice(["bfloat16", "float32"]),
+@click.option("--dtype", default="float32", show_default=True, type=click.Choice(["bfloat16", "float32"]),
               help="Target dtype for distillation and features.")
-@click.option("--no-bf16", is_flag=True, help="Train without bf16 autocast.")
+@click.option("--bf16", default="auto", show_default=True, type=click.Choice(["auto", "on", "off"]),
+              help="bf16 autocast for training; auto = on CUDA only (slower than fp32 on our CPUs, measured).")
 @click.option("--threads", default=None, type=int, help="torch threads.")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--no-progress", is_flag=True)
 def train_head(target, fmt, data, out, work_dir, prompt_format, draft_vocab_size, steps, epochs, lr, warmup_steps,
                batch_tokens, max_tokens, ttt_steps, self_distill, distill_tokens, drop_responses, heldout,
-               checkpoint_every, eval_every, eval_prompts, full_vocab_labels, dtype, no_bf16, threads, seed, no_progress):
+               checkpoint_every, eval_every, eval_prompts, full_vocab_labels, dtype, bf16, threads, seed, no_progress):
     """Train an EAGLE-3 (or EAGLE-1) draft head for TARGET on prompts/responses from --data."""
     import json
 
@@ -58,17 +66,21 @@ def train_head(target, fmt, data, out, work_dir, prompt_format, draft_vocab_size
         sys.exit(2)
     row_len = max(64, max_tokens)
     tc = TrainConfig(steps=steps, epochs=epochs, lr=lr, warmup_steps=warmup_steps, batch_tokens=max(batch_tokens, row_len),
-                     row_len=row_len, ttt_steps=ttt_steps, bf16=not no_bf16, checkpoint_every=checkpoint_every,
+                     row_len=row_len, ttt_steps=ttt_steps, bf16=bf16, checkpoint_every=checkpoint_every,
                      eval_every=eval_every, seed=seed, threads=threads)
     cfg = PipelineConfig(target=target, out=out, data=list(data), format=fmt, work_dir=work_dir, dtype=dtype,
                          prompt_format=prompt_format.replace("\\n", "\n"), max_tokens=max_tokens,
                          draft_vocab_size=draft_vocab_size, self_distill=self_distill, distill_tokens=distill_tokens,
                          drop_responses=drop_responses, heldout=heldout, full_vocab_labels=full_vocab_labels,
                          eval_prompts=eval_prompts, seed=seed, train=tc,
-                         command="eaglectl train-head " + " ".join(shlex.quote(a) for a in sys.argv[2:]))
+                         command=_command_line())
     try:
         record = run(cfg, progress=not no_progress)
     except ValueError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
     click.echo(json.dumps({k: record.get(k) for k in ("steps", "train_tokens", "metrics", "engine")}, default=str))
+
+
+if __name__ == "__main__":     # `python -m jobs.train_cli ...` until `eaglectl` registers it
+    train_head()

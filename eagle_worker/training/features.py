@@ -95,60 +95,83 @@ def _write_json(path: Path, obj) -> None:
     os.replace(tmp, path)
 
 
-def extract(model, examples: list[Example], out_dir: str | Path, spec: FeatureSpec, target_name: str,
-            batch_tokens: int = 2048, shard_tokens: int = 65536, progress: bool = True) -> dict:
-    """Write shards for `examples` into `out_dir`, resuming a previous run over the same examples."""
-    from safetensors.torch import save_file
-    from tqdm import tqdm
+class Extractor:
+    """Writes shards for `examples` into `out_dir` one at a time (`next_shard()`), resuming a
+    previous run over the same examples; training can consume shards as they appear."""
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    fp = fingerprint(target_name, spec, examples)
-    mpath = out / MANIFEST
-    manifest = json.loads(mpath.read_text()) if mpath.exists() else None
-    if manifest and manifest["fingerprint"] != fp:
-        raise ValueError(f"{out}: holds features of other data or settings (fingerprint {manifest['fingerprint']} "
-                         f"!= {fp}); use a fresh folder")
-    if not manifest:
-        manifest = {"version": 1, "target": target_name, "kind": spec.kind, "aux_layers": list(spec.aux_layers),
-                    "topk": spec.topk, "fingerprint": fp,
-                    "label_ids": spec.label_ids.tolist() if spec.label_ids is not None else None, "num_examples": len(examples),
-                    "num_tokens": sum(len(e.ids) for e in examples), "shards": [], "complete": False}
-    done = manifest["shards"][-1]["examples"][1] if manifest["shards"] else 0
-    bar = tqdm(total=manifest["num_tokens"], initial=sum(s["tokens"] for s in manifest["shards"]),
-               desc="features", unit="tok", disable=not progress, mininterval=10)
-    pending: list[dict] = []
-    first = done
+    def __init__(self, model, examples: list[Example], out_dir: str | Path, spec: FeatureSpec, target_name: str,
+                 batch_tokens: int = 2048, shard_tokens: int = 16384, progress: bool = True):
+        self.model, self.examples, self.spec = model, examples, spec
+        self.batch_tokens, self.shard_tokens = batch_tokens, shard_tokens
+        self.out = Path(out_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        fp = fingerprint(target_name, spec, examples)
+        self.mpath = self.out / MANIFEST
+        m = json.loads(self.mpath.read_text()) if self.mpath.exists() else None
+        if m and m["fingerprint"] != fp:
+            raise ValueError(f"{self.out}: holds features of other data or settings (fingerprint {m['fingerprint']} "
+                             f"!= {fp}); use a fresh folder")
+        self.manifest = m or {
+            "version": 1, "target": target_name, "kind": spec.kind, "aux_layers": list(spec.aux_layers),
+            "topk": spec.topk, "fingerprint": fp,
+            "label_ids": spec.label_ids.tolist() if spec.label_ids is not None else None,
+            "num_examples": len(examples), "num_tokens": sum(len(e.ids) for e in examples),
+            "shards": [], "complete": False}
+        if not m:
+            _write_json(self.mpath, self.manifest)
+        self.progress = progress
+        self._bar = None
 
-    def flush(end: int) -> None:
-        nonlocal pending, first
-        if not pending:
-            return
-        exs = examples[first:end]
+    @property
+    def complete(self) -> bool:
+        return self.manifest["complete"]
+
+    def next_shard(self) -> bool:
+        """Extract and publish the next shard; False once every example is done."""
+        from safetensors.torch import save_file
+        from tqdm import tqdm
+
+        m = self.manifest
+        first = m["shards"][-1]["examples"][1] if m["shards"] else 0
+        if first >= len(self.examples):
+            if not m["complete"]:
+                m["complete"] = True
+                _write_json(self.mpath, m)
+            return False
+        if self._bar is None:
+            self._bar = tqdm(total=m["num_tokens"], initial=sum(s["tokens"] for s in m["shards"]), desc="features",
+                             unit="tok", disable=not self.progress, mininterval=10)
+        pending, n, end = [], 0, first
+        for i, j in _batches(self.examples, first, self.batch_tokens):
+            pending.append(target_batch(self.model, [e.ids for e in self.examples[i:j]], self.spec))
+            k = sum(len(e.ids) for e in self.examples[i:j])
+            n += k
+            end = j
+            self._bar.update(k)
+            if n >= self.shard_tokens:
+                break
+        exs = self.examples[first:end]
         shard = {k: torch.cat([p[k] for p in pending]) for k in pending[0]}
         shard["label_mask"] = label_mask(exs).to(torch.uint8)
         shard["offsets"] = torch.tensor([0] + [len(e.ids) for e in exs]).cumsum(0)
-        name = f"shard-{len(manifest['shards']):05d}.safetensors"
-        save_file({k: v.contiguous() for k, v in shard.items()}, str(out / (name + ".tmp")))
-        os.replace(out / (name + ".tmp"), out / name)
-        manifest["shards"].append({"file": name, "examples": [first, end], "tokens": int(shard["tokens"].numel())})
-        _write_json(mpath, manifest)
-        pending, first = [], end
+        name = f"shard-{len(m['shards']):05d}.safetensors"
+        save_file({k: v.contiguous() for k, v in shard.items()}, str(self.out / (name + ".tmp")))
+        os.replace(self.out / (name + ".tmp"), self.out / name)
+        m["shards"].append({"file": name, "examples": [first, end], "tokens": int(shard["tokens"].numel())})
+        m["complete"] = end >= len(self.examples)
+        _write_json(self.mpath, m)
+        if m["complete"]:
+            self._bar.close()
+        return True
 
-    n_pending = 0
-    for i, j in _batches(examples, done, batch_tokens):
-        pending.append(target_batch(model, [e.ids for e in examples[i:j]], spec))
-        n = sum(len(e.ids) for e in examples[i:j])
-        n_pending += n
-        bar.update(n)
-        if n_pending >= shard_tokens:
-            flush(j)
-            n_pending = 0
-    flush(len(examples))
-    bar.close()
-    manifest["complete"] = True
-    _write_json(mpath, manifest)
-    return manifest
+
+def extract(model, examples: list[Example], out_dir: str | Path, spec: FeatureSpec, target_name: str,
+            batch_tokens: int = 2048, shard_tokens: int = 16384, progress: bool = True) -> dict:
+    """Extract every shard (resuming); returns the manifest."""
+    ex = Extractor(model, examples, out_dir, spec, target_name, batch_tokens, shard_tokens, progress)
+    while ex.next_shard():
+        pass
+    return ex.manifest
 
 
 @dataclass
@@ -175,13 +198,21 @@ def load_shard(path: Path) -> list[Seq]:
 
 
 class FeatureStore:
-    """A finished extraction folder: shard paths and totals."""
+    """An extraction folder: shard paths and totals. With `require_complete=False` it may still be
+    growing (training streams its first epoch from it; `refresh()` rereads the manifest)."""
 
-    def __init__(self, folder: str | Path):
+    def __init__(self, folder: str | Path, require_complete: bool = True):
         self.folder = Path(folder)
-        self.manifest = json.loads((self.folder / MANIFEST).read_text())
-        if not self.manifest.get("complete"):
+        self.refresh()
+        if require_complete and not self.complete:
             raise ValueError(f"{self.folder}: feature extraction did not finish; rerun to resume it")
+
+    def refresh(self) -> None:
+        self.manifest = json.loads((self.folder / MANIFEST).read_text())
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.manifest.get("complete"))
 
     @property
     def shards(self) -> list[Path]:
@@ -189,7 +220,8 @@ class FeatureStore:
 
     @property
     def num_tokens(self) -> int:
-        return sum(s["tokens"] for s in self.manifest["shards"])
+        """Planned tokens (all examples), extracted or not."""
+        return int(self.manifest["num_tokens"])
 
     def token_counts(self, vocab_size: int) -> torch.Tensor:
         """How often the target predicts each token on trained positions (draft vocabulary input)."""

@@ -17,7 +17,7 @@ import torch
 
 from eagle_worker.training.data import load_samples
 from eagle_worker.training.distill import self_distill
-from eagle_worker.training.features import FeatureSpec, FeatureStore, extract
+from eagle_worker.training.features import Extractor, FeatureSpec, FeatureStore, extract
 from eagle_worker.training.render import Example, prompt_ids, render
 from eagle_worker.training.trainer import Trainer, TrainConfig
 from eagle_worker.training.vocab import coverage, d2t_t2d, draft_vocab, token_counts
@@ -30,7 +30,7 @@ class PipelineConfig:
     data: list[str]
     format: str = "eagle3"                 # "eagle3" | "eagle1"
     work_dir: str | None = None            # features, checkpoints; default <out>/work
-    dtype: str = "bfloat16"                # target dtype for distillation and features
+    dtype: str = "float32"                 # target dtype for distillation and features (fp32 was faster on our CPU)
     prompt_format: str = "chat"            # "chat" | a frame with {prompt} | "{prompt}"
     max_tokens: int = 512                  # per example (prompt + response)
     draft_vocab_size: int = 16384
@@ -41,6 +41,7 @@ class PipelineConfig:
     topk: int = 8
     full_vocab_labels: bool = False        # score the whole vocabulary at extraction (slower on CPU)
     extract_batch_tokens: int = 2048
+    shard_tokens: int = 16384
     eval_prompts: int = 8                  # engine tau on this many held-out prompts at the end
     eval_new_tokens: int = 64
     seed: int = 0
@@ -154,12 +155,12 @@ def run(cfg: PipelineConfig, progress: bool = True) -> dict:
         vocab_ids, cov, aux = torch.arange(V), 1.0, ()
     label_ids = None if cfg.full_vocab_labels or cfg.kind != "eagle3" else vocab_ids
     spec = FeatureSpec(cfg.kind, aux, cfg.topk, label_ids)
-    t0 = time.time()
-    extract(model, train_ex, work / "features" / "train", spec, cfg.target, cfg.extract_batch_tokens, progress=progress)
-    extract(model, held_ex, work / "features" / "heldout", spec, cfg.target, cfg.extract_batch_tokens, progress=progress)
-    t_extract = time.time() - t0
-    train_store = FeatureStore(work / "features" / "train")
+    extract(model, held_ex, work / "features" / "heldout", spec, cfg.target, cfg.extract_batch_tokens, progress=False)
     held_store = FeatureStore(work / "features" / "heldout")
+    # training streams its first epoch from the train shards as they are extracted
+    extractor = Extractor(model, train_ex, work / "features" / "train", spec, cfg.target, cfg.extract_batch_tokens,
+                          cfg.shard_tokens, progress=progress)
+    train_store = FeatureStore(work / "features" / "train", require_complete=False)
 
     head = new_head(cfg.kind, model, hf_config, vocab_ids if cfg.kind == "eagle3" else None, seed=cfg.seed).float()
     t2d_index = torch.full((V,), -1, dtype=torch.long)
@@ -173,7 +174,7 @@ def run(cfg: PipelineConfig, progress: bool = True) -> dict:
         record.update({"steps": step, "epochs_seen": step / trainer.spe, "metrics": metrics})
         _export(head, cfg, llm, vocab_ids, out, record)
 
-    trainer = Trainer(head, train_store, held_store, cfg.train, work, t2d_index, on_checkpoint)
+    trainer = Trainer(head, train_store, held_store, cfg.train, work, t2d_index, on_checkpoint, extractor.next_shard)
     if trainer.resume():
         _log(f"resumed at step {trainer.step} (epoch {trainer.epoch})")
     _log(f"training {trainer.total} steps (~{trainer.spe}/epoch), bf16 autocast: {trainer.autocast}")
@@ -182,7 +183,7 @@ def run(cfg: PipelineConfig, progress: bool = True) -> dict:
         metrics = trainer.fit(progress=progress)
     else:
         metrics = trainer.evaluate()
-    record.update({"steps": trainer.step, "metrics": metrics, "extract_s": t_extract, "train_s": time.time() - t0})
+    record.update({"steps": trainer.step, "metrics": metrics, "train_s": time.time() - t0})
     _export(head, cfg, llm, vocab_ids, out, record)
     del llm
     if cfg.eval_prompts:
