@@ -9,7 +9,8 @@ Example YAML (every key optional)::
 
     model: gemma-3-270m
     served_model_name: gemma-3-270m   # name clients pass as "model"; defaults to `model`
-    draft: null                       # EAGLE draft head; null = plain decoding
+    draft: null                       # EAGLE draft head folder or "default"; null = plain decoding
+    # speculation: {tree: dynamic, depth: 5, top_k: 8, num_draft_tokens: 16, adaptive: true, lookup: false}
     dtype: float32
     device: cpu                       # cpu | cuda
     tp_size: 1                        # ranks per replica (tensor parallel)
@@ -106,6 +107,7 @@ class Limits(_Strict):
     max_model_len: int | None = Field(None, ge=16, description="prompt + output tokens; None = engine default")
     max_tokens: int = Field(1024, ge=1, description="largest max_tokens a request may ask for")
     max_num_seqs: int = Field(64, ge=1, description="sequences the engine batches at once")
+    max_num_batched_tokens: int | None = Field(None, ge=1, description="token budget per step; None = engine default")
     max_queued_requests: int = Field(64, ge=0, description="requests waiting inside one replica")
     max_router_queue: int = Field(
         128, ge=1, description="requests waiting in the router for a free replica before 503"
@@ -119,6 +121,17 @@ class Limits(_Strict):
                 "to leave room for a prompt"
             )
         return self
+
+
+class SpeculationConfig(_Strict):
+    """EAGLE settings beyond `draft` (the engine's SpecConfig); omit for the engine's defaults."""
+
+    tree: Literal["dynamic", "static", "chain"] = "dynamic"
+    depth: int = Field(5, ge=1, description="draft levels")
+    top_k: int = Field(8, ge=1, description="dynamic tree: nodes expanded per level")
+    num_draft_tokens: int = Field(16, ge=1, description="tree nodes verified per step")
+    adaptive: bool = Field(True, description="size the tree per step from batch size and measured speed")
+    lookup: bool = Field(False, description="also propose prompt-lookup continuations")
 
 
 class IngressConfig(_Strict):
@@ -140,6 +153,7 @@ class ServeConfig(_Strict):
     engine: str = Field("eagle_worker", description="module exposing LLMEngine/EngineConfig/SamplingParams")
     tp_size: int = Field(1, ge=1, le=64)
     kv_cache_gb: float | None = Field(None, gt=0, description="KV-cache budget per replica; None = engine default")
+    speculation: SpeculationConfig | None = None
     num_replicas: int | None = Field(None, ge=1)
     autoscaling: AutoscalingConfig | None = None
     placement_strategy: PlacementStrategy = PlacementStrategy.PACK
@@ -162,6 +176,8 @@ class ServeConfig(_Strict):
             raise ValueError("device: cuda needs resources_per_rank.gpu: 1 (one GPU per rank)")
         if self.device == "cpu" and self.resources_per_rank.gpu:
             raise ValueError("device: cpu must not reserve GPUs (resources_per_rank.gpu: 0)")
+        if self.speculation is not None and self.draft is None and not self.speculation.lookup:
+            raise ValueError("speculation needs a draft head (draft: PATH or default) or speculation.lookup: true")
         if any(not k.strip() for k in self.api_keys):
             raise ValueError("api_keys must not contain empty keys")
         return self
@@ -199,6 +215,10 @@ class ServeConfig(_Strict):
             kw["kv_cache_gb"] = self.kv_cache_gb
         if self.chat_template is not None:
             kw["chat_template"] = self.chat_template
+        if self.limits.max_num_batched_tokens is not None:
+            kw["max_num_batched_tokens"] = self.limits.max_num_batched_tokens
+        if self.speculation is not None:  # a plain dict: the replica turns it into the engine's SpecConfig
+            kw["spec"] = {"draft": self.draft, **self.speculation.model_dump()}
         return kw
 
     def resolve_api_keys(self) -> frozenset[str]:

@@ -99,7 +99,7 @@ class EngineReplica:
             from cluster.tp_group import TPGroup
 
             self.tp = TPGroup.create(self.config)  # rank 0 joins the process group here
-        self.engine = mod.LLMEngine(mod.EngineConfig(**self.config.engine_kwargs()))
+        self.engine = mod.LLMEngine(engine_config(self.config))
         if self.tp is not None:
             self.tp.start_workers()
         self.max_model_len = getattr(self.engine, "max_model_len", None) or getattr(
@@ -264,6 +264,16 @@ class EngineReplica:
         st.update(replica_id=self.replica_id, engine_alive=True, max_model_len=getattr(self, "max_model_len", None),
                   num_streams=len(getattr(self, "_streams", ())), step_s=step_s, updated_at=time.time())
         return st
+
+
+def engine_config(config: ServeConfig) -> Any:
+    """The engine's EngineConfig for `config` (speculation settings become its SpecConfig)."""
+    mod = importlib.import_module(config.engine)
+    kw = config.engine_kwargs()
+    if isinstance(kw.get("spec"), dict):
+        spec_cls = getattr(mod, "SpecConfig", None) or importlib.import_module(f"{config.engine}.spec.config").SpecConfig
+        kw["spec"] = spec_cls(**kw["spec"])
+    return mod.EngineConfig(**kw)
 
 
 def _inside_ray_actor() -> bool:

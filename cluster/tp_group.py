@@ -67,10 +67,10 @@ def _all_reduce_rank(rank: int) -> float:
 class TPRankWorker:
     """One non-zero rank: joins the group, then runs the engine's worker loop."""
 
-    def __init__(self, rank: int, world: int, engine_module: str, engine_kwargs: dict[str, Any]):
+    def __init__(self, rank: int, world: int, config: dict[str, Any]):
         self.rank, self.world = rank, world
-        self.engine_module, self.engine_kwargs = engine_module, engine_kwargs
-        if engine_kwargs.get("device", "cpu") == "cpu":  # the cores this rank reserved, no more
+        self.config = ServeConfig.from_dict(config)
+        if self.config.device == "cpu":  # the cores this rank reserved, no more
             import torch
 
             torch.set_num_threads(max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1))))
@@ -86,8 +86,9 @@ class TPRankWorker:
         return _all_reduce_rank(self.rank)
 
     def run(self) -> None:
-        mod = importlib.import_module(self.engine_module)
-        getattr(mod, HOOK)(mod.EngineConfig(**self.engine_kwargs))
+        from cluster.replica import engine_config
+
+        getattr(importlib.import_module(self.config.engine), HOOK)(engine_config(self.config))
 
     def ping(self) -> int:
         return self.rank
@@ -102,10 +103,9 @@ class TPRankWorker:
 class TPGroup:
     """Created by rank 0 (inside its actor); owns the worker actors of ranks 1..n-1."""
 
-    def __init__(self, workers: list, backend: str, engine_module: str, engine_kwargs: dict[str, Any]):
+    def __init__(self, workers: list, backend: str):
         self.workers = workers
         self.backend = backend
-        self.engine_module, self.engine_kwargs = engine_module, engine_kwargs
         self._loops: list = []
 
     @classmethod
@@ -126,8 +126,8 @@ class TPGroup:
                 opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=rank,
                     placement_group_capture_child_tasks=True)
-            workers.append(TPRankWorker.options(**opts).remote(rank, world, config.engine, config.engine_kwargs()))
-        group = cls(workers, "nccl" if config.device == "cuda" else "gloo", config.engine, config.engine_kwargs())
+            workers.append(TPRankWorker.options(**opts).remote(rank, world, config.model_dump(mode="json")))
+        group = cls(workers, "nccl" if config.device == "cuda" else "gloo")
         group._rendezvous(world)
         return group
 

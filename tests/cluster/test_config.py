@@ -100,3 +100,25 @@ def test_app_builder_validates_args():
     assert app is not None
     with pytest.raises(ConfigError, match="serve app args"):
         app_builder({"num_replicas": 0})
+
+
+def test_speculation_settings():
+    cfg = ServeConfig(draft="default", speculation={"tree": "chain", "depth": 3, "adaptive": False},
+                      limits={"max_num_batched_tokens": 256})
+    kw = cfg.engine_kwargs()
+    assert kw["spec"] == {"draft": "default", "tree": "chain", "depth": 3, "top_k": 8, "num_draft_tokens": 16,
+                          "adaptive": False, "lookup": False}
+    assert kw["max_num_batched_tokens"] == 256
+    with pytest.raises(ConfigError, match="speculation needs a draft head"):
+        ServeConfig.from_dict({"speculation": {"depth": 2}})
+    assert ServeConfig.from_dict({"speculation": {"lookup": True}}).engine_kwargs()["spec"]["draft"] is None
+    with pytest.raises(ConfigError, match="speculation.tree"):
+        ServeConfig.from_dict({"draft": "default", "speculation": {"tree": "bushy"}})
+
+
+def test_engine_config_from_serve_config():
+    from cluster.replica import engine_config
+
+    ec = engine_config(ServeConfig(draft="default", speculation={"tree": "static", "adaptive": False}))
+    assert ec.spec.tree == "static" and ec.spec.draft == "default" and not ec.spec.adaptive
+    assert engine_config(ServeConfig(limits={"max_model_len": 512})).max_model_len == 512
