@@ -105,13 +105,25 @@ class Limits(_Strict):
     """Admission limits: what one request may ask for and how much work a replica queues."""
 
     max_model_len: int | None = Field(None, ge=16, description="prompt + output tokens; None = engine default")
-    max_tokens: int = Field(1024, ge=1, description="largest max_tokens a request may ask for")
+    max_tokens: int = Field(1024, ge=1, description="largest max_tokens a request may ask for "
+                            "(default 1024, or max_model_len // 2 when only that is set)")
     max_num_seqs: int = Field(64, ge=1, description="sequences the engine batches at once")
     max_num_batched_tokens: int | None = Field(None, ge=1, description="token budget per step; None = engine default")
     max_queued_requests: int = Field(64, ge=0, description="requests waiting inside one replica")
     max_router_queue: int = Field(
         128, ge=1, description="requests waiting in the router for a free replica before 503"
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_max_tokens(cls, data: Any) -> Any:
+        """Only max_model_len given: max_tokens defaults to what fits next to a prompt."""
+        if isinstance(data, dict) and data.get("max_model_len") and data.get("max_tokens") is None:
+            try:
+                data = {**data, "max_tokens": max(1, min(1024, int(data["max_model_len"]) // 2))}
+            except (TypeError, ValueError):
+                pass  # the field validator reports the bad max_model_len
+        return data
 
     @model_validator(mode="after")
     def _tokens_fit(self) -> "Limits":

@@ -217,8 +217,10 @@ def iter_rows(plan: InputPlan, batch_rows: int = 256) -> Iterator[Row]:
 
 def _parquet_rows(f: InputFile, plan: InputPlan, batch_rows: int) -> Iterator[Row]:
     pf = pq.ParquetFile(f.path)
+    wanted = ("id", "prompt", "messages") + OVERRIDES
+    columns = [c for c in pf.schema_arrow.names if c in wanted or plan.kept is not None]
     index = 0
-    for batch in pf.iter_batches(batch_size=batch_rows):
+    for batch in pf.iter_batches(batch_size=batch_rows, columns=columns):
         cols = batch.to_pydict()
         for i in range(batch.num_rows):
             rec = {k: v[i] for k, v in cols.items()}

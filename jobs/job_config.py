@@ -57,8 +57,8 @@ class JobConfig(BaseModel):
     cpus_per_replica: float | None = Field(None, gt=0, description="default: the CPUs of the cluster split evenly")
     max_num_seqs: int = Field(64, ge=1)
     max_in_flight: int | None = Field(None, ge=1, description="rows sent to one replica at once; default 2*max_num_seqs")
-    max_row_retries: int = Field(2, ge=0, description="re-runs of a row whose replica died")
-    max_replica_restarts: int | None = Field(None, ge=0, description="default: 2 per replica")
+    max_row_retries: int = Field(1, ge=0, description="re-runs of a row whose replica died, then an error row")
+    max_replica_restarts: int | None = Field(None, ge=0, description="default: 2 per replica + 2")
     startup_timeout_s: float = Field(900.0, gt=0)
 
     # committing output
@@ -91,7 +91,9 @@ class JobConfig(BaseModel):
 
     @property
     def replica_restarts(self) -> int:
-        return 2 * self.replicas if self.max_replica_restarts is None else self.max_replica_restarts
+        # enough that a row which crashes engines (killing max_row_retries + 1 replicas) ends as an
+        # error row instead of ending the job
+        return 2 * self.replicas + 2 if self.max_replica_restarts is None else self.max_replica_restarts
 
     def input_is_jsonl(self) -> bool:
         return self.input.lower().endswith(JSONL_SUFFIXES)

@@ -74,13 +74,16 @@ class Progress:
 
     def update(self, stats: RunStats, extra: str = "", force: bool = False) -> None:
         done = self.initial + stats.rows
+        now = time.monotonic()
         if self._bar is not None:
+            if not force and now - self._last_log < 0.2:   # a terminal needs 5 redraws a second at most
+                return
+            self._last_log = now
             self._bar.n = done
             self._bar.set_postfix_str(f"{stats.tokens_per_s:.0f} tok/s, tau {stats.tau:.2f}, "
                                       f"{stats.error_rows} errors{extra}", refresh=False)
             self._bar.refresh()
             return
-        now = time.monotonic()
         if force or now - self._last_log >= self.interval_s:
             self._last_log = now
             print(self.line(stats) + extra, file=self.stream, flush=True)

@@ -194,7 +194,7 @@ class JobRunner:
         if not ray.is_initialized():
             self._owns_ray = True
             if self.ray_address == "local":
-                ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False,
+                ray.init(address="local", num_cpus=len(os.sched_getaffinity(0)), include_dashboard=False,
                          namespace="eagle-jobs", logging_level=logging.WARNING)
             else:
                 ray.init(address=self.ray_address, namespace="eagle-jobs", logging_level=logging.WARNING)

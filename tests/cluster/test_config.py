@@ -122,3 +122,9 @@ def test_engine_config_from_serve_config():
     ec = engine_config(ServeConfig(draft="default", speculation={"tree": "static", "adaptive": False}))
     assert ec.spec.tree == "static" and ec.spec.draft == "default" and not ec.spec.adaptive
     assert engine_config(ServeConfig(limits={"max_model_len": 512})).max_model_len == 512
+
+
+def test_max_tokens_follows_a_small_context():
+    assert ServeConfig(limits={"max_model_len": 512}).limits.max_tokens == 256
+    assert ServeConfig(limits={"max_model_len": 4096}).limits.max_tokens == 1024
+    assert ServeConfig(limits={"max_model_len": 512, "max_tokens": 500}).limits.max_tokens == 500
