@@ -1,8 +1,8 @@
 """`eaglectl bench job`: one offline job over Spec-Bench prompts, without and with the EAGLE head.
 
 The same Parquet input (`rows` Spec-Bench questions taken round-robin over its 13 categories,
-rendered as `Question: ...\nAnswer:` for the base model) goes through the real job path (`jobs.runner`: Ray replicas, continuous batching, atomic Parquet output) at temperature 0,
-once with `--draft none` and once with the head (`draft`: "auto" = the model's built-in head when
+rendered as `Question: ...\nAnswer:` for the base model) goes through the real job path
+(`jobs.runner`: Ray replicas, continuous batching, atomic Parquet output) at temperature 0, once with `--draft none` and once with the head (`draft`: "auto" = the model's built-in head when
 it has one, or a head folder). Throughput counts generation only (from the first replica ready
 to the last row written), not model loading. At temperature 0 speculative decoding is lossless,
 so the two runs' texts are compared row by row as a check.
