@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from eagle_worker.spec.head_loader import head_config
-from eagle_worker.spec.heads import DraftHead, build_head
+from eagle_worker.spec.head_loader import build_head_like_target, head_config
+from eagle_worker.spec.heads import DraftHead
 
 
 def head_raw_config(kind: str, target: nn.Module, target_hf_config, draft_vocab_size: int | None = None) -> dict:
@@ -36,15 +36,7 @@ def new_head(kind: str, target: nn.Module, target_hf_config, draft_vocab_ids: to
     dv = len(draft_vocab_ids) if draft_vocab_ids is not None else None
     raw = head_raw_config(kind, target, target_hf_config, dv)
     sd = {"lm_head.weight": torch.empty(0)} if kind == "eagle3" else {}   # own lm_head over the draft vocab
-    cfg = head_config(raw, sd, target, target_hf_config)
-    ref = next(target.parameters())
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(ref.dtype)
-    try:
-        with torch.device(ref.device):
-            head = build_head(cfg, target)
-    finally:
-        torch.set_default_dtype(prev)
+    head = build_head_like_target(head_config(raw, sd, target, target_hf_config), target)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in head.named_parameters():

@@ -247,16 +247,21 @@ def load_draft_head(path: str | Path, target_model: nn.Module, target_hf_config)
     desc = (f"{type(target_model).__name__}, hidden_size={cfg.hidden_size}, vocab_size={cfg.vocab_size}, "
             f"num_layers={target_model.num_layers}")
     _check(cfg, sd, path, desc)
-    ref = next(target_model.parameters())
+    head = build_head_like_target(cfg, target_model)
+    _load_into(head, sd)
+    return head.eval()
+
+
+def build_head_like_target(cfg: HeadConfig, target: nn.Module) -> DraftHead:
+    """An (uninitialised) head on the target's device, in the target's dtype."""
+    ref = next(target.parameters())
     prev = torch.get_default_dtype()
     torch.set_default_dtype(ref.dtype)
     try:
         with torch.device(ref.device):
-            head = build_head(cfg, target_model)
+            return build_head(cfg, target)
     finally:
         torch.set_default_dtype(prev)
-    _load_into(head, sd)
-    return head.eval()
 
 
 # ------------------------------------------------------------------------------------- saving
