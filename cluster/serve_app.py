@@ -44,6 +44,13 @@ async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse(err.body(), status_code=500)
 
 
+def _unavailable(e: Exception) -> oa.APIError:
+    """503s: a full system (retry later) or a replica lost under the request."""
+    if isinstance(e, OverloadedError):
+        return oa.APIError(503, str(e), type="overloaded_error", code="overloaded")
+    return oa.APIError(503, str(e), type="server_error", code="replica_lost")
+
+
 def _validation_error(e: ValidationError) -> oa.APIError:
     err = e.errors()[0]
     loc = [str(p) for p in err["loc"] if not str(p).startswith(("function-after", "function-before"))]
@@ -156,10 +163,8 @@ class OpenAIIngress:
             out = await it.__anext__()
         except StopAsyncIteration:
             raise oa.APIError(500, "the engine returned no output", type="server_error") from None
-        except OverloadedError as e:
-            raise oa.APIError(503, str(e), type="overloaded_error", code="overloaded") from None
-        except ReplicaLostError as e:
-            raise oa.APIError(503, str(e), type="server_error", code="replica_lost") from None
+        except (OverloadedError, ReplicaLostError) as e:
+            raise _unavailable(e) from None
         if isinstance(out, Rejected):
             raise oa.APIError(400, out.message, param=out.param)
         return out
@@ -182,7 +187,7 @@ class OpenAIIngress:
                     async for out in it:
                         last = out
                 except (OverloadedError, ReplicaLostError) as e:
-                    raise oa.APIError(503, str(e), type="server_error", code="replica_lost") from None
+                    raise _unavailable(e) from None
                 self._finish(last, t0, ttft)
                 status = 200
                 return JSONResponse(render.full(rid, last).model_dump(mode="json"))
@@ -216,7 +221,7 @@ class OpenAIIngress:
         except StopAsyncIteration:
             pass
         except (ReplicaLostError, OverloadedError) as e:
-            yield oa.sse(oa.APIError(503, str(e), type="server_error", code="replica_lost").body())
+            yield oa.sse(_unavailable(e).body())
         except Exception as e:  # never end a stream silently
             logger.exception("stream %s failed", rid)
             yield oa.sse(oa.APIError(500, f"internal error: {e!r}", type="server_error").body())
