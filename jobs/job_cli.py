@@ -147,13 +147,15 @@ def _need_address(address: str | None) -> str:
     return a
 
 
-def _manifest_line(output: str | None) -> str | None:
-    from jobs.output_writer import read_manifest
+def _manifest_line(output: str | None, check_lock: bool = False) -> str | None:
+    from jobs.output_writer import is_locked, read_manifest
     from jobs.progress import summary
 
     if output and Path(output).is_dir():
         m = read_manifest(output)
         if m:
+            if check_lock and m.get("status") == "running" and not is_locked(output):
+                m["status"] = "interrupted (no driver is running; run the same command again to resume)"
             return summary(m)
     return None
 
@@ -176,7 +178,7 @@ def job_status(job_id, address, follow, as_json):
     from jobs import ray_jobs
 
     if Path(job_id).is_dir() and _address(address) is None:   # a local job's output folder
-        line = _manifest_line(job_id)
+        line = _manifest_line(job_id, check_lock=True)   # flock is only trusted on this machine
         if line is None:
             _fail(f"{job_id}: no job manifest there")
         click.echo(line)

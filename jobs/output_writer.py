@@ -86,6 +86,22 @@ def read_manifest(out_dir: str | Path) -> dict | None:
         return None
 
 
+def is_locked(out_dir: str | Path) -> bool:
+    """Whether a driver is writing to `out_dir` right now (its flock is held)."""
+    try:
+        fd = os.open(Path(out_dir) / LOCK, os.O_RDWR)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
 def _is_ours(name: str) -> bool:
     return name in (MANIFEST, LOCK) or name.startswith(("part-", ".part-", f".{MANIFEST}"))
 

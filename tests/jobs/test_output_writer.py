@@ -115,3 +115,20 @@ def test_id_set_merges_and_dedups(monkeypatch):
     assert s.update(ids) == 0 and s.update(ids[:10]) == 10 and len(s) == len(ids)
     assert all(i in s for i in ids) and not any(f"other-{i}" in s for i in range(1000))
     assert s.nbytes < 40 * len(ids)
+
+
+def test_job_status_of_a_local_output_folder(tmp_path):
+    from click.testing import CliRunner
+
+    from jobs.job_cli import job
+
+    out = OutputDir(tmp_path / "o", "parquet")
+    out.open(FP)
+    out.write_manifest({"status": "running", "rows": 3, "input_rows": 10, "output": str(out.path), "runs": []})
+    res = CliRunner().invoke(job, ["status", str(out.path)], env={"RAY_ADDRESS": ""})
+    assert res.exit_code == 0 and "job running: 3/10 rows" in res.output      # the lock is held: running
+    out.close()                                                                # the driver is gone
+    res = CliRunner().invoke(job, ["status", str(out.path)], env={"RAY_ADDRESS": ""})
+    assert "job interrupted (no driver is running; run the same command again to resume)" in res.output
+    res = CliRunner().invoke(job, ["status", "some-job-id"], env={"RAY_ADDRESS": ""})
+    assert res.exit_code == 2 and "needs --address or RAY_ADDRESS" in res.output
