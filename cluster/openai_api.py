@@ -281,7 +281,7 @@ def sse(obj: BaseModel | dict | str) -> str:
     return f"data: {obj}\n\n"
 
 
-def logprobs_block(token_ids: list[int], logprobs: list[float] | None, tokenizer=None) -> dict[str, Any] | None:
+def logprobs_block(token_ids: list[int], logprobs: list[float] | None) -> dict[str, Any] | None:
     """A minimal completion-style logprobs object (chosen tokens only)."""
     if logprobs is None:
         return None

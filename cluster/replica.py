@@ -146,7 +146,7 @@ class EngineReplica:
         finished = False
         try:
             try:
-                await asyncio.wrap_future(added)
+                await self._admitted(added)
             except ValueError as e:
                 finished = True
                 yield Rejected(str(e), guess_param(str(e)))
@@ -171,6 +171,17 @@ class EngineReplica:
             self._streams.pop(request_id, None)
             if not finished:  # consumer went away (client disconnect, cancellation): free the slot
                 self._cmds.put(("abort", request_id))
+
+    async def _admitted(self, added: concurrent.futures.Future) -> None:
+        """Wait for the engine thread to take the request; raises its ValueError, or if it died."""
+        waiter = asyncio.wrap_future(added)
+        while True:
+            done, _ = await asyncio.wait([waiter], timeout=1.0)
+            if done:
+                return waiter.result()
+            if self._dead is not None:  # crashed before it got to our command
+                waiter.cancel()
+                raise EngineDiedError(f"replica {self.replica_id}: engine is dead: {self._dead!r}")
 
     def render_chat(self, messages: list[dict]) -> str:
         """Chat messages -> prompt text (the config's `chat_template` reaches the engine config)."""

@@ -38,17 +38,10 @@ def tiny(deploy):
 
 
 @pytest.fixture(scope="module")
-def secured(deploy, tmp_path_factory, monkeypatch_module):
+def secured(deploy, tmp_path_factory):
     keyfile = tmp_path_factory.mktemp("keys") / "keys.txt"
     keyfile.write_text("# team keys\nfile-key\n")
     return deploy(_cfg("secured", num_replicas=1, api_keys=["inline-key"], api_keys_file=str(keyfile)), "/secured")
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_module():
-    mp = pytest.MonkeyPatch()
-    yield mp
-    mp.undo()
 
 
 def test_auth(secured):

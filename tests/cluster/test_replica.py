@@ -1,0 +1,86 @@
+"""EngineReplica on its own (no Ray): streaming, merging, refusals, aborts and engine crashes."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from cluster.config import ServeConfig
+from cluster.replica import EngineDiedError, EngineReplica, Rejected
+
+FAKE = "tests.cluster.fake_engine"
+
+
+@pytest.fixture
+def replica():
+    r = EngineReplica(ServeConfig(engine=FAKE, limits={"max_model_len": 256, "max_tokens": 64, "max_num_seqs": 2}))
+    yield r
+    r.shutdown()
+
+
+def _collect(replica, *args, **kw):
+    async def run():
+        return [o async for o in replica.submit(*args, **kw)]
+    return asyncio.run(run())
+
+
+def test_stream_is_consistent(replica):
+    outs = _collect(replica, "a", "hello", {"max_tokens": 8, "temperature": 0})
+    final = outs[-1]
+    assert final.finished and final.finish_reason == "length" and len(final.token_ids) == 8
+    assert "".join(o.delta_text for o in outs) == final.text
+    assert [t for o in outs for t in o.new_token_ids] == final.token_ids
+    assert final.metrics["replica_id"] == replica.replica_id and "kv_usage" in final.metrics["replica_stats"]
+
+
+def test_refusals_are_items_not_exceptions(replica):
+    (bad,) = _collect(replica, "b", "hello", {"max_tokens": 0})
+    assert isinstance(bad, Rejected) and bad.param == "max_tokens"
+    (long,) = _collect(replica, "c", "x" * 300, {"max_tokens": 8})
+    assert isinstance(long, Rejected) and long.param == "prompt"
+    (chat,) = _collect(replica, "d", None, {"max_tokens": 2}, messages=[{"role": "user"}])
+    assert isinstance(chat, Rejected) and chat.param == "messages"
+
+
+def test_chat_messages_are_rendered(replica):
+    outs = _collect(replica, "e", None, {"max_tokens": 3}, messages=[{"role": "user", "content": "hi"}])
+    assert len(outs[-1].prompt_token_ids) == len("user: hi\nassistant:")
+
+
+def test_leaving_early_aborts_in_the_engine(replica):
+    async def run():
+        gen = replica.submit("f", "[slow:0.02] long", {"max_tokens": 60})
+        await gen.__anext__()
+        await gen.aclose()
+        for _ in range(100):
+            st = await replica.stats()
+            if st["num_running"] == 0 and st["num_waiting"] == 0:
+                return True
+            await asyncio.sleep(0.05)
+        return False
+    assert asyncio.run(run())
+
+
+def test_priority_reaches_the_engine(replica):
+    async def run():
+        order = []
+
+        async def one(tag, prio, delay):
+            await asyncio.sleep(delay)
+            async for o in replica.submit(tag, f"[slow:0.01] {tag}", {"max_tokens": 20}, priority=prio):
+                if o.finished:
+                    order.append(tag)
+        await asyncio.gather(one("off1", 1, 0), one("off2", 1, 0), one("off3", 1, 0.02), one("on", 0, 0.05))
+        return order
+    order = asyncio.run(run())
+    assert order.index("on") < order.index("off3"), order
+
+
+def test_engine_crash_fails_requests_and_health(replica, tmp_path):
+    with pytest.raises(EngineDiedError):
+        _collect(replica, "g", f"[crash-once:{tmp_path / 'x'}:2] hi", {"max_tokens": 8})
+    with pytest.raises(EngineDiedError):
+        replica.check_health()
+    with pytest.raises(EngineDiedError):
+        _collect(replica, "h", "hi", {"max_tokens": 2})
+    assert replica.record_routing_stats()["engine_alive"] is False
