@@ -44,6 +44,7 @@ def _command_line() -> str:
 @click.option("--checkpoint-every", default=200, show_default=True, type=int)
 @click.option("--eval-every", default=200, show_default=True, type=int)
 @click.option("--eval-prompts", default=8, show_default=True, type=int, help="Held-out prompts for the final engine tau (0: skip).")
+@click.option("--online", is_flag=True, help="Compute training features on the fly, store none (targets too large to store).")
 @click.option("--full-vocab-labels", is_flag=True, help="Score the full vocabulary when extracting (exact argmax mask; slower).")
 @click.option("--dtype", default="float32", show_default=True, type=click.Choice(["bfloat16", "float32"]),
               help="Target dtype for distillation and features.")
@@ -54,7 +55,7 @@ def _command_line() -> str:
 @click.option("--no-progress", is_flag=True)
 def train_head(target, fmt, data, out, work_dir, prompt_format, draft_vocab_size, steps, epochs, lr, warmup_steps,
                batch_tokens, max_tokens, ttt_steps, self_distill, distill_tokens, drop_responses, heldout,
-               checkpoint_every, eval_every, eval_prompts, full_vocab_labels, dtype, bf16, threads, seed, no_progress):
+               checkpoint_every, eval_every, eval_prompts, online, full_vocab_labels, dtype, bf16, threads, seed, no_progress):
     """Train an EAGLE-3 (or EAGLE-1) draft head for TARGET on prompts/responses from --data."""
     import json
 
@@ -71,7 +72,7 @@ def train_head(target, fmt, data, out, work_dir, prompt_format, draft_vocab_size
     cfg = PipelineConfig(target=target, out=out, data=list(data), format=fmt, work_dir=work_dir, dtype=dtype,
                          prompt_format=prompt_format.replace("\\n", "\n"), max_tokens=max_tokens,
                          draft_vocab_size=draft_vocab_size, self_distill=self_distill, distill_tokens=distill_tokens,
-                         drop_responses=drop_responses, heldout=heldout, full_vocab_labels=full_vocab_labels,
+                         drop_responses=drop_responses, heldout=heldout, full_vocab_labels=full_vocab_labels, online=online,
                          eval_prompts=eval_prompts, seed=seed, train=tc,
                          command=_command_line())
     try:

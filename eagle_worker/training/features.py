@@ -230,3 +230,46 @@ class FeatureStore:
             for s in load_shard(p):
                 counts += torch.bincount(s.topk_ids[s.label_mask, 0].long(), minlength=vocab_size)
         return counts
+
+
+class OnlineFeatures:
+    """Features computed when training needs them and never stored: for targets whose features
+    would not fit on disk (4 KB per token here, ~100 KB for an 8B target). Every epoch pays the
+    target forward again; chunks of ~`chunk_tokens` are computed and packed one at a time."""
+
+    complete = True
+
+    def __init__(self, model, examples: list[Example], spec: FeatureSpec, batch_tokens: int = 2048,
+                 chunk_tokens: int = 16384):
+        self.model, self.examples, self.spec, self.batch_tokens = model, examples, spec, batch_tokens
+        self.chunks = list(_batches(examples, 0, chunk_tokens))
+        self.folder = None
+
+    def refresh(self) -> None:
+        pass
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(e.ids) for e in self.examples)
+
+    def lengths(self, c: int) -> list[int]:
+        i, j = self.chunks[c]
+        return [len(e.ids) for e in self.examples[i:j]]
+
+    def seqs(self, c: int) -> list[Seq]:
+        i, j = self.chunks[c]
+        out = []
+        for a, b in _batches(self.examples, i, self.batch_tokens):
+            if a >= j:
+                break
+            b = min(b, j)
+            exs = self.examples[a:b]
+            d = target_batch(self.model, [e.ids for e in exs], self.spec)
+            lm = label_mask(exs)
+            o = 0
+            for e in exs:
+                n = len(e.ids)
+                out.append(Seq(d["features"][o:o + n], d["tokens"][o:o + n], d["topk_ids"][o:o + n],
+                               d["topk_logp"][o:o + n], lm[o:o + n]))
+                o += n
+        return out

@@ -17,7 +17,7 @@ import torch
 
 from eagle_worker.training.data import load_samples
 from eagle_worker.training.distill import self_distill
-from eagle_worker.training.features import Extractor, FeatureSpec, FeatureStore, extract
+from eagle_worker.training.features import Extractor, FeatureSpec, FeatureStore, OnlineFeatures, extract
 from eagle_worker.training.render import Example, prompt_ids, render
 from eagle_worker.training.trainer import Trainer, TrainConfig
 from eagle_worker.training.vocab import coverage, d2t_t2d, draft_vocab, token_counts
@@ -42,6 +42,7 @@ class PipelineConfig:
     full_vocab_labels: bool = False        # score the whole vocabulary at extraction (slower on CPU)
     extract_batch_tokens: int = 2048
     shard_tokens: int = 16384
+    online: bool = False                   # compute train features per chunk, store nothing (large targets)
     eval_prompts: int = 8                  # engine tau on this many held-out prompts at the end
     eval_new_tokens: int = 64
     seed: int = 0
@@ -158,23 +159,26 @@ def run(cfg: PipelineConfig, progress: bool = True) -> dict:
     extract(model, held_ex, work / "features" / "heldout", spec, cfg.target, cfg.extract_batch_tokens, progress=False)
     held_store = FeatureStore(work / "features" / "heldout")
     # training streams its first epoch from the train shards as they are extracted
-    extractor = Extractor(model, train_ex, work / "features" / "train", spec, cfg.target, cfg.extract_batch_tokens,
-                          cfg.shard_tokens, progress=progress)
-    train_store = FeatureStore(work / "features" / "train", require_complete=False)
+    if cfg.online:
+        train_store, produce = OnlineFeatures(model, train_ex, spec, cfg.extract_batch_tokens, cfg.shard_tokens), None
+    else:
+        extractor = Extractor(model, train_ex, work / "features" / "train", spec, cfg.target, cfg.extract_batch_tokens,
+                              cfg.shard_tokens, progress=progress)
+        train_store, produce = FeatureStore(work / "features" / "train", require_complete=False), extractor.next_shard
 
     head = new_head(cfg.kind, model, hf_config, vocab_ids if cfg.kind == "eagle3" else None, seed=cfg.seed).float()
     t2d_index = torch.full((V,), -1, dtype=torch.long)
     t2d_index[vocab_ids] = torch.arange(len(vocab_ids))
     record = {"target": cfg.target, "format": cfg.format, "command": cfg.command, "data": cfg.data,
               "prompt_format": cfg.prompt_format, "train_examples": len(train_ex), "train_tokens": n_train,
-              "heldout_examples": len(held_ex), "self_distilled": cfg.self_distill,
+              "heldout_examples": len(held_ex), "self_distilled": cfg.self_distill, "online": cfg.online,
               "draft_vocab_size": len(vocab_ids), "draft_vocab_coverage": cov, "train_config": asdict(cfg.train)}
 
     def on_checkpoint(step, metrics):
         record.update({"steps": step, "epochs_seen": step / trainer.spe, "metrics": metrics})
         _export(head, cfg, llm, vocab_ids, out, record)
 
-    trainer = Trainer(head, train_store, held_store, cfg.train, work, t2d_index, on_checkpoint, extractor.next_shard)
+    trainer = Trainer(head, train_store, held_store, cfg.train, work, t2d_index, on_checkpoint, produce)
     if trainer.resume():
         _log(f"resumed at step {trainer.step} (epoch {trainer.epoch})")
     _log(f"training {trainer.total} steps (~{trainer.spe}/epoch), bf16 autocast: {trainer.autocast}")

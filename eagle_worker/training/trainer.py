@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from eagle_worker.spec.heads import DraftHead
-from eagle_worker.training.features import FeatureStore, Seq, load_shard
+from eagle_worker.training.features import FeatureStore, OnlineFeatures, Seq, load_shard
 from eagle_worker.training.ttt import Rows, chain_accepted, unrolled_forward
 
 
@@ -56,22 +56,33 @@ def bf16_supported() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def pack_rows(seqs: list[Seq], row_len: int, rows_per_batch: int):
-    """Yield `Rows` batches: sequences laid back to back in rows of `row_len` (first fit)."""
-    rows: list[list[Seq]] = []
+def plan_rows(lengths: list[int], row_len: int) -> list[list[int]]:
+    """Indices of the sequences in each row: laid back to back, first fit among the last few rows.
+    Depends on lengths only, so a resumed run can count batches without computing features."""
+    rows: list[list[int]] = []
     fill: list[int] = []
-    for s in seqs:
-        s = s if len(s) <= row_len else Seq(*(getattr(s, f)[:row_len] for f in ("features", "tokens", "topk_ids", "topk_logp", "label_mask")))
-        for i in range(max(0, len(rows) - 8), len(rows)):       # first fit among the last few rows
-            if fill[i] + len(s) <= row_len:
-                rows[i].append(s)
-                fill[i] += len(s)
+    for k, n in enumerate(lengths):
+        n = min(n, row_len)
+        for i in range(max(0, len(rows) - 8), len(rows)):
+            if fill[i] + n <= row_len:
+                rows[i].append(k)
+                fill[i] += n
                 break
         else:
-            rows.append([s])
-            fill.append(len(s))
+            rows.append([k])
+            fill.append(n)
+    return rows
+
+
+def _truncate(s: Seq, n: int) -> Seq:
+    return s if len(s) <= n else Seq(*(getattr(s, f)[:n] for f in ("features", "tokens", "topk_ids", "topk_logp", "label_mask")))
+
+
+def pack_rows(seqs: list[Seq], row_len: int, rows_per_batch: int):
+    """Yield `Rows` batches of `rows_per_batch` packed rows of `row_len`."""
+    rows = plan_rows([len(s) for s in seqs], row_len)
     for b in range(0, len(rows), rows_per_batch):
-        yield _to_rows(rows[b:b + rows_per_batch], row_len)
+        yield _to_rows([[_truncate(seqs[k], row_len) for k in r] for r in rows[b:b + rows_per_batch]], row_len)
 
 
 def _to_rows(groups: list[list[Seq]], L: int) -> Rows:
@@ -100,20 +111,51 @@ def _to_rows(groups: list[list[Seq]], L: int) -> Rows:
     return Rows(feats, tokens, seq_id, pos, tids, tlp, lm)
 
 
-def epoch_batches(store: FeatureStore, cfg: TrainConfig, epoch: int, produce=None):
-    """Shuffled batches of one epoch (deterministic in `epoch`). Epoch 0 streams the shards in
-    extraction order (shuffled within each), calling `produce()` for the next one while the store
-    is still growing, so training starts with the first shard; later epochs shuffle across shards."""
+def epoch_batches(store, cfg: TrainConfig, epoch: int, produce=None, skip: int = 0):
+    """(index, Rows) of one epoch, deterministic in `epoch`, from index `skip` on.
+
+    Disk store: epoch 0 streams the shards in extraction order (shuffled within each), calling
+    `produce()` for the next one while the store is still growing, so training starts with the
+    first shard; later epochs shuffle across shards. Online store: chunks in order (epoch 0) or
+    shuffled, features computed per chunk; chunks before `skip` are counted, not computed."""
     rng = random.Random(cfg.seed * 1000003 + epoch)
     per = max(1, cfg.batch_tokens // cfg.row_len)
+    b = 0
+
+    def emit(seqs):
+        nonlocal b
+        rng.shuffle(seqs)
+        for rows in pack_rows(seqs, cfg.row_len, per):
+            if b >= skip:
+                yield b, rows
+            b += 1
+
+    if isinstance(store, OnlineFeatures):
+        order = list(range(len(store.chunks)))
+        if epoch:
+            rng.shuffle(order)
+        for c in order:
+            lengths = store.lengths(c)
+            idx = list(range(len(lengths)))
+            r = random.Random(rng.random())
+            r.shuffle(idx)
+            n = -(-len(plan_rows([lengths[i] for i in idx], cfg.row_len)) // per)
+            if b + n <= skip:
+                b += n
+                continue
+            seqs = store.seqs(c)
+            seqs = [seqs[i] for i in idx]
+            for rows in pack_rows(seqs, cfg.row_len, per):
+                if b >= skip:
+                    yield b, rows
+                b += 1
+        return
     if epoch == 0:
         i = 0
         while True:
             store.refresh()
             if i < len(store.shards):
-                seqs = load_shard(store.shards[i])
-                rng.shuffle(seqs)
-                yield from pack_rows(seqs, cfg.row_len, per)
+                yield from emit(load_shard(store.shards[i]))
                 i += 1
             elif store.complete:
                 return
@@ -122,9 +164,7 @@ def epoch_batches(store: FeatureStore, cfg: TrainConfig, epoch: int, produce=Non
     shards = list(store.shards)
     rng.shuffle(shards)
     for i in range(0, len(shards), cfg.shards_in_memory):
-        seqs = [s for p in shards[i:i + cfg.shards_in_memory] for s in load_shard(p)]
-        rng.shuffle(seqs)
-        yield from pack_rows(seqs, cfg.row_len, per)
+        yield from emit([s for p in shards[i:i + cfg.shards_in_memory] for s in load_shard(p)])
 
 
 def estimate_steps_per_epoch(store: FeatureStore, cfg: TrainConfig) -> int:
@@ -249,9 +289,7 @@ class Trainer:
         t0, tokens, start_step = time.time(), 0, self.step
         metrics: dict = {}
         while self.step < self.total:
-            for b, rows in enumerate(epoch_batches(self.train_store, cfg, self.epoch, self.produce)):
-                if b < self.batch_in_epoch:
-                    continue
+            for b, rows in epoch_batches(self.train_store, cfg, self.epoch, self.produce, skip=self.batch_in_epoch):
                 m = self.train_step(rows)
                 self.batch_in_epoch = b + 1
                 tokens += m["tokens"]

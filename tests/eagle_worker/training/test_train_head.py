@@ -95,3 +95,30 @@ def test_train_head_end_to_end_and_resume(sharp_model, data_file, tmp_path):
     assert rec2["steps"] == 36
     log = [json.loads(line) for line in (out / "work" / "train_log.jsonl").read_text().split("\n") if line]
     assert [x["step"] for x in log] == list(range(1, 37))
+
+
+def test_train_head_eagle1_online(sharp_model, data_file, tmp_path):
+    """EAGLE-1 format with features computed on the fly (nothing stored): a loadable head that
+    the engine speculates with, losslessly, and that learned something."""
+    from eagle_worker.llm import LLM
+    from eagle_worker.sampling_params import SamplingParams
+    from eagle_worker.spec.config import SpecConfig
+
+    out = tmp_path / "h1"
+    args = ["--target", str(sharp_model), "--format", "eagle1", "--data", str(data_file), "--out", str(out),
+            "--prompt-format", "{prompt}", "--self-distill", "1000", "--distill-tokens", "40", "--max-tokens", "64",
+            "--batch-tokens", "512", "--steps", "16", "--lr", "1e-2", "--warmup-steps", "4", "--ttt-steps", "2",
+            "--checkpoint-every", "8", "--eval-every", "16", "--heldout", "4", "--eval-prompts", "0",
+            "--online", "--no-progress"]
+    r = CliRunner().invoke(train_head, args, catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    assert not (out / "work" / "features" / "train").exists()
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    rec = json.loads((out / "training_record.json").read_text())
+    assert rec["online"] and rec["metrics"]["heldout_acc"][0] > 0.3
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    plain = LLM(model=str(sharp_model)).generate(PROMPTS[:4], params)
+    spec = LLM(model=str(sharp_model), spec=SpecConfig(draft=str(out), tree="chain", depth=3, adaptive=False))
+    outs = spec.generate(PROMPTS[:4], params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert sum(o.metrics["mean_accepted_tokens"] for o in outs) / 4 > 1.3

