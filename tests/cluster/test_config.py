@@ -96,8 +96,10 @@ def test_deployment_options():
 
 
 def test_app_builder_validates_args():
-    app = app_builder({"model": "gemma-3-270m", "num_replicas": 2})
-    assert app is not None
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary  # what config files use
+
+    app = call_user_app_builder_with_args_if_necessary(app_builder, {"model": "gemma-3-270m", "num_replicas": 2})
+    assert type(app).__name__ == "Application"
     with pytest.raises(ConfigError, match="serve app args"):
         app_builder({"num_replicas": 0})
 
