@@ -66,7 +66,7 @@ def local_ray():
     ray.shutdown()
 
 
-def kill_tree(marker: str, timeout: float = 10.0) -> None:
+def kill_tree(marker: str, timeout: float = 5.0) -> None:
     """Terminate the processes whose command line contains `marker` (our cluster's temp dir) and
     their children, by pid: never `ray stop`, which would take down other people's clusters."""
     roots = []

@@ -137,3 +137,12 @@ def test_cli_bad_settings(tmp_path):
     p = write_parquet(tmp_path / "in.parquet", prompt=["a"])
     res = CliRunner().invoke(submit_job, [str(p), "--top-p", "2", "--replicas", "0"], env={"RAY_ADDRESS": ""})
     assert res.exit_code == 2 and "top_p" in res.output and "replicas" in res.output
+
+
+def test_cli_with_address_checks_input_before_submitting(tmp_path):
+    bad = write_parquet(tmp_path / "bad.parquet", question=["what?"])
+    res = CliRunner().invoke(submit_job, [str(bad), "--address", "http://127.0.0.1:9"])
+    assert res.exit_code == 2 and "needs a `prompt` column" in res.output     # refused before any network call
+    good = write_parquet(tmp_path / "good.parquet", prompt=["hi"])
+    res = CliRunner().invoke(submit_job, [str(good)], env={"RAY_ADDRESS": "http://127.0.0.1:9"})
+    assert res.exit_code == 1 and "cannot reach the Ray Jobs API at http://127.0.0.1:9" in res.output
