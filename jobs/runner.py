@@ -106,6 +106,9 @@ class JobRunner:
             try:
                 self._loop()
                 status = "cancelled" if self.stopping else "completed"
+            except KeyboardInterrupt:    # a second Ctrl-C / SIGTERM: stop without waiting
+                status = "cancelled"
+                raise
             except BaseException as e:
                 status, error = "failed", f"{type(e).__name__}: {e}"
                 raise
