@@ -43,7 +43,8 @@ def _variant(name: str, draft: str, inp: Path, out: Path, model: str, max_tokens
     from jobs.runner import run_job
 
     cfg = JobConfig(input=str(inp), output=str(out), model=model, draft=draft, max_tokens=max_tokens,
-                    temperature=0.0, replicas=replicas, max_num_seqs=max_num_seqs, overwrite=True)
+                    temperature=0.0, replicas=replicas, max_num_seqs=max_num_seqs, overwrite=True,
+                    min_ready_replicas=replicas)
     m = run_job(cfg)
     run = m["runs"][-1]
     gen_s = run.get("generation_s") or run["wall_s"]

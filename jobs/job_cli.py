@@ -77,6 +77,7 @@ def _run_local(cfg, ray_address: str) -> None:
 @click.option("--cpus-per-replica", type=float, help="[default: the cluster's CPUs split over the replicas]")
 @click.option("--max-num-seqs", type=int, help="Batch size of each engine [default: 64].")
 @click.option("--max-in-flight", type=int, help="Rows queued per replica [default: 2 x max-num-seqs].")
+@click.option("--min-ready-replicas", type=int, help="Replicas loaded before rows are sent [default: 1].")
 @click.option("--keep-columns", is_flag=True, help="Carry the input's other columns into the output.")
 @click.option("--overwrite", is_flag=True, help="Delete existing output instead of resuming it.")
 @click.option("--rows-per-file", type=int, help="Rows per committed output file [default: 10000].")

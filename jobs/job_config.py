@@ -57,6 +57,7 @@ class JobConfig(BaseModel):
     cpus_per_replica: float | None = Field(None, gt=0, description="default: the CPUs of the cluster split evenly")
     max_num_seqs: int = Field(64, ge=1)
     max_in_flight: int | None = Field(None, ge=1, description="rows sent to one replica at once; default 2*max_num_seqs")
+    min_ready_replicas: int = Field(1, ge=1, description="replicas loaded before rows are sent (benchmarks: all)")
     max_row_retries: int = Field(1, ge=0, description="re-runs of a row whose replica died, then an error row")
     max_replica_restarts: int | None = Field(None, ge=0, description="default: 2 per replica + 2")
     startup_timeout_s: float = Field(900.0, gt=0)

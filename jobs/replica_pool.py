@@ -158,6 +158,13 @@ class ReplicaPool:
     def num_ready(self) -> int:
         return sum(r.ready for r in self.replicas)
 
+    @property
+    def accepting(self) -> bool:
+        """Ready replicas may take rows: `min_ready_replicas` of them are up, or none is still starting."""
+        ready = self.num_ready
+        starting = sum(r.ready_ref is not None and not r.dead for r in self.replicas)
+        return ready > 0 and (ready >= min(self.cfg.min_ready_replicas, self.cfg.replicas) or not starting)
+
     def free_slots(self) -> int:
         limit = self.cfg.in_flight_per_replica
         return sum(limit - r.in_flight for r in self.replicas if r.ready)

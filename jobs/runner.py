@@ -134,7 +134,8 @@ class JobRunner:
         total = self.plan.total_rows
         self.progress = Progress(total, min(len(self.done_ids), total), cfg.log_interval_s, self.progress_stream)
         while True:
-            want = max(1, self.pool.free_slots()) if self.pool is not None and self.pool.num_ready else 1
+            accepting = self.pool is not None and self.pool.accepting
+            want = max(1, self.pool.free_slots()) if accepting else 1
             while not exhausted and not self.stopping and len(queue) < want:
                 row = next(rows, None)
                 if row is None:
@@ -143,7 +144,7 @@ class JobRunner:
                     queue.append(row)
             if queue and self.pool is None and not self.stopping:
                 self._start_pool()
-            while queue and self.pool is not None and self.pool.num_ready and self.pool.free_slots() > 0 \
+            while queue and self.pool is not None and self.pool.accepting and self.pool.free_slots() > 0 \
                     and not self.stopping:
                 row = queue.popleft()
                 self.pool.submit(row, row_params(cfg, row))
@@ -163,7 +164,7 @@ class JobRunner:
             if self.writer.due():
                 self.writer.commit()
             self._sample_rss(total - min(len(self.done_ids), total))
-            starting = self.pool is not None and not self.pool.num_ready
+            starting = self.pool is not None and not self.pool.accepting
             if self.pool is not None and not starting and self.first_ready is None:
                 self.first_ready = time.monotonic()
             self.progress.update(self.stats, " | waiting for replicas to load the model" if starting else "")

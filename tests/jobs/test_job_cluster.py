@@ -57,17 +57,17 @@ def test_jobs_address_mapping():
 
 def test_job_on_a_two_node_cluster_followed_to_completion(tmp_path, tiny_model, two_node_cluster):
     address, env = two_node_cluster["address"], two_node_cluster["env"]
-    n = 400   # enough work (~10 s) that the replica that loads second joins in too
+    n = 300
     inp = write_parquet(tmp_path / "in.parquet", prompt=[f"the quick brown fox {i}" for i in range(n)])
     res = cli("submit-job", inp, "--model", tiny_model, "--draft", "none", "--max-tokens", "16", "--replicas", "2",
-              "--cpus-per-replica", "1", "--max-num-seqs", "8", "--address", address, "--job-id", "two-node-job",
+              "--cpus-per-replica", "1", "--max-num-seqs", "8", "--min-ready-replicas", "2", "--address", address, "--job-id", "two-node-job",
               "--no-wait", env=env, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "submitted job two-node-job" in res.stdout
 
     res = cli("job", "status", "two-node-job", "--address", address, "--follow", env=env, timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "two-node-job: SUCCEEDED" in res.stdout and "job completed: 400/400 rows" in res.stdout
+    assert "two-node-job: SUCCEEDED" in res.stdout and "job completed: 300/300 rows" in res.stdout
 
     ids = pq.read_table(tmp_path / "in.out", columns=["id"]).column("id").to_pylist()
     assert len(ids) == n and set(ids) == {f"in.parquet:{i}" for i in range(n)}
@@ -77,6 +77,6 @@ def test_job_on_a_two_node_cluster_followed_to_completion(tmp_path, tiny_model, 
     listed = cli("job", "list", "--address", address, env=env, timeout=60)
     assert listed.returncode == 0 and "two-node-job\tSUCCEEDED" in listed.stdout
     logs = cli("job", "logs", "two-node-job", "--address", address, env=env, timeout=60)
-    assert logs.returncode == 0 and "job completed: 400/400 rows" in logs.stdout
+    assert logs.returncode == 0 and "job completed: 300/300 rows" in logs.stdout
     missing = cli("job", "status", "no-such-job", "--address", address, env=env, timeout=60)
     assert missing.returncode == 1 and "no-such-job" in missing.stderr
