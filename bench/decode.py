@@ -44,7 +44,7 @@ def run(model: str = "gemma-3-270m", dtypes: list[str] = ("float32", "bfloat16")
         tdtype = getattr(torch, dtype)
         tok = AutoTokenizer.from_pretrained(path, padding_side="left")
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=tdtype).eval()
-        llm = LLM(model=model, dtype=dtype)
+        llm = LLM(model=model, dtype=dtype, draft=None)
         with torch.inference_mode():
             _hf_generate(hf, tok, prompts[:1], 4)                      # warm-up
         llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0))

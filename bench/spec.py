@@ -88,7 +88,7 @@ def run(model: str = "gemma-3-270m", prompts_file: str | Path = SPEC_BENCH, per_
     by_cat = defaultdict(list)
     for r in records:
         by_cat[r.get("category", "default")].append(render(r))
-    vanilla = LLM(model=model, dtype=dtype)
+    vanilla = LLM(model=model, dtype=dtype, draft=None)
     tmp = tempfile.mkdtemp(prefix="bench-head-")
     if draft == "random":
         draft = _random_head(vanilla, Path(tmp))
@@ -160,7 +160,7 @@ def _sweep(model: str, dtype: str, draft: str, prompts: list[str], sizes, max_to
     from eagle_worker.spec.config import SpecConfig
 
     rows = []
-    engines = {"no head": LLM(model=model, dtype=dtype),
+    engines = {"no head": LLM(model=model, dtype=dtype, draft=None),
                "head (adaptive)": LLM(model=model, dtype=dtype, spec=SpecConfig(draft=draft, adaptive=True))}
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for bs in sizes:

@@ -15,7 +15,8 @@ class EngineConfig:
     model: str = "gemma-3-270m"
     dtype: str = "float32"
     device: str = "cpu"
-    draft: str | None = None           # EAGLE head folder, "default" (built-in head) or None/"none"
+    draft: str | None = "auto"         # EAGLE head folder, "default" (built-in head), "auto" (the built-in
+                                       # head when the model has one), or None/"none"
     spec: SpecConfig | None = None     # full speculation settings; built from `draft` when not given
     tp_size: int = 1
     block_size: int = 16
@@ -32,6 +33,9 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"EngineConfig.device={self.device!r} but CUDA is not available")
+        if self.draft == "auto":
+            from eagle_worker.spec.config import has_builtin_head
+            self.draft = "default" if has_builtin_head(self.model) else None
         if self.draft in ("none", ""):
             self.draft = None
         if self.spec is None and self.draft is not None:

@@ -40,6 +40,10 @@ class SpecConfig:
 HEADS_DIR = Path(__file__).resolve().parent.parent / "heads"
 
 
+def has_builtin_head(model: str) -> bool:
+    return (HEADS_DIR / model / "config.json").exists()
+
+
 def resolve_draft(draft: str | None, model: str) -> str | None:
     """A head folder for `draft`: a path as is, or "default": the head shipped for a built-in model."""
     if draft is None:
@@ -49,6 +53,6 @@ def resolve_draft(draft: str | None, model: str) -> str | None:
             raise ValueError(f"draft head {draft!r} is not a folder (expected config.json + weights)")
         return draft
     shipped = HEADS_DIR / model
-    if not (shipped / "config.json").exists():
+    if not has_builtin_head(model):
         raise ValueError(f"model {model!r} has no built-in draft head; pass draft=PATH or draft=None")
     return str(shipped)

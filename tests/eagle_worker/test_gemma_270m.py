@@ -19,7 +19,7 @@ FILLERS = ["Translate to German: good morning", "Write a haiku about autumn leav
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(model="gemma-3-270m", dtype="float32")
+    return LLM(model="gemma-3-270m", dtype="float32", draft=None)
 
 
 @pytest.fixture(scope="module")
