@@ -5,19 +5,34 @@ Why: the head must predict what *this* target says next; training on its own con
 """
 from __future__ import annotations
 
+import json
+from dataclasses import asdict
+from pathlib import Path
+
 from eagle_worker.training.render import Example
 
 
 def self_distill(llm, prompts: list[list[int]], sources: list[str], max_new_tokens: int,
-                 batch: int = 64, progress: bool = True) -> list[Example]:
-    """Greedy continuations of `prompts` (token ids) by the engine; examples = prompt + output."""
+                 batch: int = 64, progress: bool = True, partial: str | Path | None = None) -> list[Example]:
+    """Greedy continuations of `prompts` (token ids) by the engine; examples = prompt + output.
+    With `partial`, each finished batch is appended there and a rerun skips those prompts."""
     from eagle_worker.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0)
-    out: list[Example] = []
-    for i in range(0, len(prompts), batch):
+    done: list[dict] = []
+    if partial and Path(partial).exists():
+        done = [json.loads(x) for x in Path(partial).read_text().split("\n") if x.strip()]
+    out = [Example(**d["example"]) for d in done if d["example"]]
+    start = len(done)
+    for i in range(start, len(prompts), batch):
         chunk = prompts[i:i + batch]
+        recs = []
         for p, src, r in zip(chunk, sources[i:i + batch], llm.generate(chunk, params, use_tqdm=progress)):
-            if len(r.token_ids) >= 2:
-                out.append(Example(list(p) + list(r.token_ids), len(p), src + "+distill"))
+            ex = Example(list(p) + list(r.token_ids), len(p), src + "+distill") if len(r.token_ids) >= 2 else None
+            if ex:
+                out.append(ex)
+            recs.append({"example": asdict(ex) if ex else None})
+        if partial:
+            with open(partial, "a") as f:
+                f.write("".join(json.dumps(x) + "\n" for x in recs))
     return out

@@ -84,7 +84,8 @@ def build_examples(cfg: PipelineConfig, llm, work: Path) -> tuple[list[Example],
         ps = [prompt_ids(tok, s, cfg.prompt_format, template) for s in ss]
         keep = [(p if len(p) <= max_prompt else p[:1] + p[len(p) - max_prompt + 1:], s.source) for p, s in zip(ps, ss)]
         _log(f"self-distilling {len(keep)} {tag} prompts x {cfg.distill_tokens} tokens")
-        return self_distill(llm, [k[0] for k in keep], [k[1] for k in keep], cfg.distill_tokens)
+        return self_distill(llm, [k[0] for k in keep], [k[1] for k in keep], cfg.distill_tokens,
+                            partial=work / f"distill_{tag}.partial.jsonl")
 
     def fixed(ss):
         return [e for s in ss if (e := render(tok, s, cfg.prompt_format, template, cfg.max_tokens)) is not None]
@@ -109,7 +110,7 @@ def _export(head, cfg: PipelineConfig, llm, vocab_ids, out: Path, record: dict) 
     runner = llm.engine.runner
     pub = new_head(cfg.kind, runner.model, runner.hf_config, vocab_ids if cfg.kind == "eagle3" else None)
     pub.load_state_dict(head.state_dict())
-    save_draft_head(pub, out)
+    save_draft_head(pub.to(torch.bfloat16), out)
     (out / "training_record.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
 
 

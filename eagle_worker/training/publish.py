@@ -30,17 +30,23 @@ def notice_files(model: str) -> list[Path]:
 
 
 def publish(head_dir: str | Path, model: str, training_md: str, dest: Path | None = None) -> Path:
+    """Copy `head_dir` to `dest` (default: the built-in heads folder), weights in bf16."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
     head_dir = Path(head_dir)
     dest = dest or HEADS_DIR / model
-    st = head_dir / "model.safetensors"
-    if st.stat().st_size > MAX_BYTES:
-        raise ValueError(f"{st} is {st.stat().st_size} bytes; a shipped head must be at most {MAX_BYTES}")
     dest.mkdir(parents=True, exist_ok=True)
-    for name in ("config.json", "model.safetensors", "training_record.json"):
-        if (head_dir / name).exists():
-            shutil.copy(head_dir / name, dest / name)
+    sd = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in load_file(str(head_dir / "model.safetensors")).items()}
+    save_file(sd, str(dest / "model.safetensors"))
+    if (dest / "model.safetensors").stat().st_size > MAX_BYTES:
+        raise ValueError(f"{dest / 'model.safetensors'} is over {MAX_BYTES} bytes; a shipped head must be smaller")
+    cfg = json.loads((head_dir / "config.json").read_text())
+    cfg["torch_dtype"] = "bfloat16"
+    (dest / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    if (head_dir / "training_record.json").exists():
+        shutil.copy(head_dir / "training_record.json", dest / "training_record.json")
     for f in notice_files(model):
         shutil.copy(f, dest / f.name)
     (dest / "TRAINING.md").write_text(training_md)
-    json.loads((dest / "config.json").read_text())   # sanity: valid JSON
     return dest
