@@ -89,7 +89,10 @@ class AutoscalingConfig(_Strict):
 
 
 class RankResources(_Strict):
-    """Resources one tensor-parallel rank (one process) reserves; CPU may be fractional."""
+    """Resources one tensor-parallel rank (one process) reserves; CPU may be fractional.
+
+    On CPU devices `cpu` is also the rank's torch thread count (at least 1): give a CPU replica the
+    cores it should compute with."""
 
     cpu: float = Field(1.0, ge=0)
     gpu: int = Field(0, ge=0, le=1)

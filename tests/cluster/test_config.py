@@ -130,3 +130,10 @@ def test_max_tokens_follows_a_small_context():
     assert ServeConfig(limits={"max_model_len": 512}).limits.max_tokens == 256
     assert ServeConfig(limits={"max_model_len": 4096}).limits.max_tokens == 1024
     assert ServeConfig(limits={"max_model_len": 512, "max_tokens": 500}).limits.max_tokens == 500
+
+
+def test_example_config_loads():
+    from tests.cluster.conftest import REPO
+
+    cfg = ServeConfig.from_yaml(REPO / "cluster" / "serve.example.yaml")
+    assert cfg.limits.max_tokens == 512 and cfg.resources_per_rank.cpu == 2

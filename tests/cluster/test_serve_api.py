@@ -180,3 +180,17 @@ def test_chat_template_override(llama_apps):
                                                temperature=0, extra_body=NO_EOS)
     assert chat.usage.prompt_tokens == comp.usage.prompt_tokens
     assert chat.choices[0].message.content == comp.choices[0].text
+
+
+def test_logprobs_and_chat_usage_chunk(app):
+    r = app.client.completions.create(model=MODEL, prompt="The quick", max_tokens=4, temperature=0, logprobs=0,
+                                      extra_body=NO_EOS)
+    lp = r.choices[0].logprobs.token_logprobs
+    assert len(lp) == 4 and all(v <= 0 for v in lp)
+    chat = app.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                              logprobs=True, extra_body=NO_EOS)
+    assert len(chat.choices[0].logprobs.content) == 3
+    chunks = list(app.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                     max_tokens=3, stream=True, stream_options={"include_usage": True},
+                                                     extra_body=NO_EOS))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
