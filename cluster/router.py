@@ -15,7 +15,8 @@ last stats) / its capacity, plus its KV-cache usage. The local count reacts inst
 burst does not pile onto the replica that looked idle a second ago); the stats add what other
 callers sent and how full the KV cache is. Offline work (priority >= 1) prefers replicas with
 KV headroom and no backlog, so batch traffic fills idle capacity instead of queueing in front of
-online users; inside a replica the engine schedules by priority too (0 = online first).
+online users; when every replica is full, a freed slot goes to the oldest waiting online request
+before any offline one; inside a replica the engine schedules by priority too (0 = online first).
 
 Replica death (`stream_outputs`): if a replica dies (actor gone, engine loop crashed) before any
 token of a request reached the client, the request is transparently re-submitted and Serve
@@ -87,6 +88,31 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         if request_priority(pending_request) > 0:
             ranked = [r for r in ranked if self.has_headroom(r)] + [r for r in ranked if not self.has_headroom(r)]
         return [[r] for r in ranked]
+
+    def _fulfill_next_pending_request(self, replica: RunningReplica, request_metadata: Any = None) -> None:
+        """A free replica slot goes to the oldest waiting *online* request, else the oldest offline one.
+
+        Serve's FIFOMixin serves its caller-side queue strictly in arrival order; when the system is
+        saturated that would let queued batch work delay interactive users. Same bookkeeping as
+        FIFOMixin (whose private queue this reorders), only the pick differs.
+        """
+        queue = self._pending_requests_to_fulfill
+        pick = None
+        for pr in queue:
+            if pr.future.done():
+                continue
+            if request_priority(pr) == 0:
+                pick = pr
+                break
+            pick = pick or pr
+        if pick is None:
+            queue.clear()  # only finished/cancelled entries were left
+            return
+        queue.remove(pick)
+        self._cancel_routing_task_for_pending_request(pick)
+        self._record_queue_wait_time(pick)
+        pick.future.set_result(replica)
+        self._remove_pending_request_from_indices(pick)
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         self._inflight[replica_id] += 1

@@ -182,3 +182,31 @@ def test_consumer_leaving_cancels_the_replica_call():
 ])
 def test_guess_param(message, param):
     assert guess_param(message) == param
+
+
+def test_freed_slot_goes_to_the_oldest_online_request():
+    from collections import deque
+
+    r = _router()
+    loop = asyncio.new_event_loop()
+    try:
+        def pending(tag, prio, cancelled=False):
+            pr = SimpleNamespace(tag=tag, kwargs={"priority": prio}, future=loop.create_future())
+            if cancelled:
+                pr.future.cancel()
+            return pr
+
+        reqs = [pending("off-old", 1), pending("gone", 0, cancelled=True), pending("on-1", 0), pending("on-2", 0),
+                pending("off-new", 1)]
+        r._pending_requests_to_fulfill = deque(reqs)
+        r._cancel_routing_task_for_pending_request = r._record_queue_wait_time = lambda pr: None
+        r._remove_pending_request_from_indices = lambda pr: None
+        served = []
+        for _ in range(4):
+            r._fulfill_next_pending_request("replica")
+            served += [pr.tag for pr in reqs if pr.future.done() and not pr.future.cancelled() and pr.tag not in served]
+        assert served == ["on-1", "on-2", "off-old", "off-new"]
+        r._fulfill_next_pending_request("replica")  # only the cancelled one left: dropped, nothing served
+        assert not r._pending_requests_to_fulfill
+    finally:
+        loop.close()

@@ -143,18 +143,33 @@ def single_slot(deploy):
                                                               "max_num_seqs": 1, "max_queued_requests": 8}), "/slot")
 
 
-def test_online_requests_overtake_queued_offline_work(single_slot):
+@pytest.fixture(scope="module")
+def router_queued(deploy):
+    """One replica that takes one request at a time: the rest wait in the router's queue."""
+    return deploy(_cfg("router-queued", num_replicas=1, limits={"max_model_len": 256, "max_tokens": 64,
+                                                                "max_num_seqs": 1, "max_queued_requests": 0,
+                                                                "max_router_queue": 8}), "/rq")
+
+
+def _completion_order(app, jobs) -> list[str]:
     done: list[str] = []
 
     def send(tag, priority, delay):
         time.sleep(delay)
-        single_slot.client.completions.create(model=MODEL, prompt=f"[slow:0.03] {tag}", max_tokens=40,
-                                              extra_body={"priority": priority})
+        app.client.completions.create(model=MODEL, prompt=f"[slow:0.03] {tag}", max_tokens=40,
+                                      extra_body={"priority": priority})
         done.append(tag)
 
-    jobs = [("offline-0", 1, 0.0), ("offline-1", 1, 0.1), ("offline-2", 1, 0.1), ("online", 0, 0.5)]
     with cf.ThreadPoolExecutor(len(jobs)) as pool:
         list(pool.map(lambda j: send(*j), jobs))
+    return done
+
+
+@pytest.mark.parametrize("where", ["engine queue", "router queue"])
+def test_online_requests_overtake_queued_offline_work(single_slot, router_queued, where):
+    app = single_slot if where == "engine queue" else router_queued
+    done = _completion_order(app, [("offline-0", 1, 0.0), ("offline-1", 1, 0.1), ("offline-2", 1, 0.1),
+                                   ("online", 0, 0.5)])
     assert done.index("online") <= 1, done  # only the request already running may finish first
 
 
