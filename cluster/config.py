@@ -9,7 +9,8 @@ Example YAML (every key optional)::
 
     model: gemma-3-270m
     served_model_name: gemma-3-270m   # name clients pass as "model"; defaults to `model`
-    draft: null                       # EAGLE draft head folder or "default"; null = plain decoding
+    draft: auto                       # auto (the model's built-in EAGLE head, if any), default, a head
+                                      # folder, or null = plain decoding
     # speculation: {tree: dynamic, depth: 5, top_k: 8, num_draft_tokens: 16, adaptive: true, lookup: false}
     dtype: float32
     device: cpu                       # cpu | cuda
@@ -162,7 +163,7 @@ class ServeConfig(_Strict):
 
     model: str = "gemma-3-270m"
     served_model_name: str | None = None
-    draft: str | None = None
+    draft: str | None = Field("auto", description='head folder, "default", "auto" (built-in head if any) or None')
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
     device: Literal["cpu", "cuda"] = "cpu"
     engine: str = Field("eagle_worker", description="module exposing LLMEngine/EngineConfig/SamplingParams")
@@ -192,7 +193,7 @@ class ServeConfig(_Strict):
         if self.device == "cpu" and self.resources_per_rank.gpu:
             raise ValueError("device: cpu must not reserve GPUs (resources_per_rank.gpu: 0)")
         if self.speculation is not None and self.draft is None and not self.speculation.lookup:
-            raise ValueError("speculation needs a draft head (draft: PATH or default) or speculation.lookup: true")
+            raise ValueError("speculation needs a draft head (draft: auto, default or a folder) or speculation.lookup: true")
         if any(not k.strip() for k in self.api_keys):
             raise ValueError("api_keys must not contain empty keys")
         return self
@@ -212,6 +213,14 @@ class ServeConfig(_Strict):
         """Serve's per-replica cap: what the engine runs plus what it may queue."""
         return self.limits.max_num_seqs + self.limits.max_queued_requests
 
+    @property
+    def resolved_draft(self) -> str | None:
+        """`auto` only ever means a built-in model's shipped head; built-in models are bare names, so
+        a folder or hub id ("a/b") with `auto` decodes plainly (the engine resolves the rest)."""
+        if self.draft == "auto" and ("/" in self.model or "\\" in self.model):
+            return None
+        return self.draft
+
     def replica_count_options(self) -> dict[str, Any]:
         """`num_replicas` or `autoscaling_config` for the engine deployment."""
         if self.autoscaling is not None:
@@ -221,7 +230,7 @@ class ServeConfig(_Strict):
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for the engine's `EngineConfig`."""
         kw: dict[str, Any] = dict(
-            model=self.model, dtype=self.dtype, device=self.device, draft=self.draft,
+            model=self.model, dtype=self.dtype, device=self.device, draft=self.resolved_draft,
             tp_size=self.tp_size, max_num_seqs=self.limits.max_num_seqs,
         )
         if self.limits.max_model_len is not None:
@@ -233,7 +242,7 @@ class ServeConfig(_Strict):
         if self.limits.max_num_batched_tokens is not None:
             kw["max_num_batched_tokens"] = self.limits.max_num_batched_tokens
         if self.speculation is not None:  # a plain dict: the replica turns it into the engine's SpecConfig
-            kw["spec"] = {"draft": self.draft, **self.speculation.model_dump()}
+            kw["spec"] = {"draft": self.resolved_draft, **self.speculation.model_dump()}
         return kw
 
     def resolve_api_keys(self) -> frozenset[str]:

@@ -207,13 +207,20 @@ class EngineReplica:
             self.tp.check_health()
 
     def shutdown(self) -> None:
+        """Stop the loop; the engine thread itself releases the TP ranks (collectives stay on it)."""
         self._stopping = True
         self._cmds.put(("wake",))
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=30)
         if self.tp is not None:
             self.tp.shutdown()
+            self.tp = None
 
-    def __del__(self):
-        self._stopping = True
+    def __del__(self):  # Serve calls this when it stops the replica
+        try:
+            self.shutdown()
+        except Exception:
+            pass
 
     # ---- engine thread ---------------------------------------------------------------------
     def _run_loop(self) -> None:
@@ -227,6 +234,8 @@ class EngineReplica:
                 self._stats = self._snapshot_stats(time.perf_counter() - t0)
                 for out in outs:
                     self._deliver(out.request_id, out)
+            if hasattr(self.engine, "shutdown"):
+                self.engine.shutdown()  # e.g. tells the other TP ranks to stop
         except BaseException as e:  # the engine is unusable: fail everyone, let Serve replace us
             logger.exception("replica %s: engine loop crashed", self.replica_id)
             self._dead = e
@@ -278,13 +287,20 @@ class EngineReplica:
 
 
 def engine_config(config: ServeConfig) -> Any:
-    """The engine's EngineConfig for `config` (speculation settings become its SpecConfig)."""
+    """The engine's EngineConfig for `config`; `speculation` becomes its SpecConfig, with the draft
+    the engine resolved (`auto` -> the model's built-in head, or none)."""
     mod = importlib.import_module(config.engine)
     kw = config.engine_kwargs()
-    if isinstance(kw.get("spec"), dict):
+    spec = kw.pop("spec", None)
+    ec = mod.EngineConfig(**kw)
+    if isinstance(spec, dict):
+        spec["draft"] = getattr(ec, "draft", spec["draft"])
+        if spec["draft"] is None and not spec.get("lookup"):
+            logger.warning("speculation settings ignored: model %s has no draft head", config.model)
+            return ec
         spec_cls = getattr(mod, "SpecConfig", None) or importlib.import_module(f"{config.engine}.spec.config").SpecConfig
-        kw["spec"] = spec_cls(**kw["spec"])
-    return mod.EngineConfig(**kw)
+        ec.spec = spec_cls(**spec)
+    return ec
 
 
 def _inside_ray_actor() -> bool:

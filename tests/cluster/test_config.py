@@ -10,7 +10,7 @@ from cluster.serve_app import app_builder, engine_deployment_options
 def test_defaults_are_servable():
     cfg = ServeConfig()
     assert cfg.model_name == "gemma-3-270m" and cfg.replica_count_options() == {"num_replicas": 1}
-    assert cfg.engine_kwargs() == dict(model="gemma-3-270m", dtype="float32", device="cpu", draft=None,
+    assert cfg.engine_kwargs() == dict(model="gemma-3-270m", dtype="float32", device="cpu", draft="auto",
                                        tp_size=1, max_num_seqs=64)
     assert not cfg.auth_enabled and cfg.resolve_api_keys() == frozenset()
 
@@ -112,8 +112,8 @@ def test_speculation_settings():
                           "adaptive": False, "lookup": False}
     assert kw["max_num_batched_tokens"] == 256
     with pytest.raises(ConfigError, match="speculation needs a draft head"):
-        ServeConfig.from_dict({"speculation": {"depth": 2}})
-    assert ServeConfig.from_dict({"speculation": {"lookup": True}}).engine_kwargs()["spec"]["draft"] is None
+        ServeConfig.from_dict({"draft": None, "speculation": {"depth": 2}})
+    assert ServeConfig.from_dict({"draft": None, "speculation": {"lookup": True}}).engine_kwargs()["spec"]["draft"] is None
     with pytest.raises(ConfigError, match="speculation.tree"):
         ServeConfig.from_dict({"draft": "default", "speculation": {"tree": "bushy"}})
 
@@ -137,3 +137,10 @@ def test_example_config_loads():
 
     cfg = ServeConfig.from_yaml(REPO / "cluster" / "serve.example.yaml")
     assert cfg.limits.max_tokens == 512 and cfg.resources_per_rank.cpu == 2
+
+
+def test_speculation_with_auto_draft_on_a_model_without_head(tiny_model_dir):
+    from cluster.replica import engine_config
+
+    ec = engine_config(ServeConfig(model=str(tiny_model_dir("llama")), speculation={"depth": 2}))
+    assert ec.draft is None and ec.spec is None  # nothing to speculate with: plain decoding

@@ -49,3 +49,18 @@ def test_group_forms_in_a_placement_group(ray_cluster, world, strategy):
         ray.kill(rank0)
     finally:
         remove_placement_group(pg)
+
+
+def test_tensor_parallel_replica_serves_the_same_text(deploy, tiny_model_dir):
+    """A tp_size=2 replica (rank 0 = the Serve replica, rank 1 = a TPRankWorker in the replica's
+    placement group, gloo) gives the greedy text of a tp_size=1 replica."""
+    def cfg(name, tp):
+        return ServeConfig(model=str(tiny_model_dir("gemma3")), served_model_name="tiny", app_name=name, tp_size=tp,
+                           placement_strategy="STRICT_PACK", num_replicas=1, resources_per_rank={"cpu": 0.5},
+                           kv_cache_gb=0.01, limits={"max_model_len": 128, "max_tokens": 16})
+    single, sharded = deploy(cfg("tp1", 1), "/tp1"), deploy(cfg("tp2", 2), "/tp2")
+    for prompt in ["The quick brown fox", "def add(a, b):"]:
+        kw = dict(model="tiny", prompt=prompt, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+        want = single.client.completions.create(**kw).choices[0].text
+        assert sharded.client.completions.create(**kw).choices[0].text == want
+        assert "".join(c.choices[0].text for c in sharded.client.completions.create(stream=True, **kw)) == want
