@@ -41,6 +41,9 @@ HEADS_DIR = Path(__file__).resolve().parent.parent / "heads"
 
 
 def has_builtin_head(model: str) -> bool:
+    """Only built-in model names (not paths or hub ids) have heads shipped with the package."""
+    if not model or "/" in model or "\\" in model or Path(model).exists():
+        return False
     return (HEADS_DIR / model / "config.json").exists()
 
 

@@ -63,3 +63,13 @@ def test_cli_generate_bad_input_names_the_field(tiny_model_dir, args, needle):
 def test_cli_generate_unknown_model():
     res = CliRunner().invoke(main, ["generate", "--model", "no-such-model", "--prompt", "hi"])
     assert res.exit_code == 2 and "no-such-model" in res.output
+
+
+def test_auto_draft_only_picks_heads_shipped_for_builtin_names(tiny_model_dir):
+    from eagle_worker.config import EngineConfig
+    from eagle_worker.spec.config import HEADS_DIR, has_builtin_head
+
+    path = str(tiny_model_dir("llama"))            # a model folder is never its own "built-in head"
+    assert not has_builtin_head(path) and EngineConfig(model=path).draft is None
+    assert EngineConfig(model=path, draft="none").spec is None
+    assert has_builtin_head("gemma-3-270m") == (HEADS_DIR / "gemma-3-270m" / "config.json").exists()
