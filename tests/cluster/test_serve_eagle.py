@@ -40,7 +40,7 @@ def copying_target(tmp_path_factory):
     target = tmp_path_factory.mktemp("copying-target")
     model.save_pretrained(target)
     make_tokenizer(cfg.vocab_size).save_pretrained(target)
-    llm = LLM(model=str(target), block_size=4, num_kv_blocks=64)
+    llm = LLM(model=str(target), block_size=4, num_kv_blocks=64, draft=None)
     head = new_head("eagle", llm.engine.runner.model, llm.engine.runner.hf_config, std=0.0)
     with torch.no_grad():
         hidden = head.config.hidden_size
