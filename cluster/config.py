@@ -216,8 +216,9 @@ class ServeConfig(_Strict):
     @property
     def resolved_draft(self) -> str | None:
         """`auto` only ever means a built-in model's shipped head; built-in models are bare names, so
-        a folder or hub id ("a/b") with `auto` decodes plainly (the engine resolves the rest)."""
-        if self.draft == "auto" and ("/" in self.model or "\\" in self.model):
+        a folder or hub id ("a/b") with `auto` decodes plainly (the engine resolves the rest). The
+        engine cannot speculate with tp_size > 1 yet, so there `auto` decodes plainly too."""
+        if self.draft == "auto" and ("/" in self.model or "\\" in self.model or self.tp_size > 1):
             return None
         return self.draft
 

@@ -7,15 +7,15 @@ torch.distributed group (gloo on CPU, NCCL on CUDA) whose TCP rendezvous is host
 call `eagle_worker.parallel.init_tensor_parallel(rank, world)` so the sharded layers know their
 slice.
 
-Engine-side contract (TODO(engine), wired by the engine owner):
+Engine-side contract (eagle_worker.tp_worker provides it):
   * ranks 1..n-1 call `<engine module>.run_tp_worker(config: EngineConfig) -> None`: build the
-    model shard, then loop: receive the step's forward inputs from rank 0 (e.g. a
-    `torch.distributed.broadcast_object_list` of the ForwardItems), run the sharded forward (the
-    layers all-reduce / all-gather internally), repeat; return when rank 0 broadcasts "stop".
-  * rank 0's `LLMEngine`, seeing `tp_size() > 1`, broadcasts each step's forward inputs before
-    its own forward and broadcasts "stop" on shutdown. Sampling happens on rank 0 only.
-Until the engine exposes `run_tp_worker`, a tp_size > 1 replica refuses to start with a message
-that says so; the group itself (placement, rendezvous, collectives) is tested by `selftest`.
+    model shard, then loop on the commands rank 0 broadcasts (forward, KV copy) and run the same
+    sharded computation, meeting in the layers' all-reduce / all-gather; return on "stop".
+  * rank 0's `LLMEngine` broadcasts each command before running it itself, and "stop" from
+    `engine.shutdown()`, which the replica's engine thread calls when the replica stops (so every
+    collective of rank 0 stays on that one thread). Sampling and drafting happen on rank 0 only.
+An engine without `run_tp_worker` makes a tp_size > 1 replica refuse to start with a message that
+says so; the group itself (placement, rendezvous, collectives) is also tested by `selftest`.
 """
 from __future__ import annotations
 

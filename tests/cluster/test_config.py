@@ -144,3 +144,11 @@ def test_speculation_with_auto_draft_on_a_model_without_head(tiny_model_dir):
 
     ec = engine_config(ServeConfig(model=str(tiny_model_dir("llama")), speculation={"depth": 2}))
     assert ec.draft is None and ec.spec is None  # nothing to speculate with: plain decoding
+
+
+def test_auto_draft_resolution():
+    assert ServeConfig().resolved_draft == "auto"  # the engine picks the built-in head when it ships one
+    assert ServeConfig(model="/models/x").resolved_draft is None
+    assert ServeConfig(model="org/name").resolved_draft is None
+    assert ServeConfig(tp_size=2).resolved_draft is None
+    assert ServeConfig(tp_size=2, draft="default").resolved_draft == "default"  # explicit: the engine decides
