@@ -308,6 +308,7 @@ def engine_deployment_options(config: ServeConfig) -> dict[str, Any]:
         health_check_period_s=2.0,
         health_check_timeout_s=60.0,
         graceful_shutdown_timeout_s=30.0,
+        max_constructor_retry_count=3,  # a model that fails to load fails the deploy, not 20 reloads
         ray_actor_options={"num_cpus": bundle["CPU"], "num_gpus": bundle.get("GPU", 0)},
         **config.replica_count_options(),
     )
@@ -321,7 +322,7 @@ def build_app(config: ServeConfig):
     """The bound Serve application for `config`."""
     cfg = config.model_dump(mode="json")
     llm = serve.deployment(EngineReplica).options(**engine_deployment_options(config))
-    ingress = OpenAIIngress.options(num_replicas=config.ingress.num_replicas,
+    ingress = OpenAIIngress.options(num_replicas=config.ingress.num_replicas, max_constructor_retry_count=3,
                                     max_ongoing_requests=config.ingress.max_ongoing_requests,
                                     ray_actor_options={"num_cpus": config.ingress.num_cpus})
     return ingress.bind(cfg, llm.bind(cfg))
@@ -330,6 +331,22 @@ def build_app(config: ServeConfig):
 def app_builder(args: dict[str, Any]):
     """`import_path: cluster.serve_app:app_builder` for Serve config files and KubeRay; args = ServeConfig."""
     return build_app(ServeConfig.from_dict(dict(args or {}), source="serve app args"))
+
+
+def deploy_app(config: ServeConfig, route_prefix: str = "/") -> None:
+    """Deploy (or update) the app on the running Serve instance; a failed deploy raises with the
+    replicas' own errors (a model that does not load, a missing API-key variable), not just "failed"."""
+    try:
+        serve.run(build_app(config), name=config.app_name, route_prefix=route_prefix)
+    except RuntimeError as e:
+        details = []
+        try:
+            for name, dep in serve.status().applications[config.app_name].deployments.items():
+                if dep.message:
+                    details.append(f"{name}: {dep.message}")
+        except Exception:  # status unavailable: keep Serve's own message
+            pass
+        raise RuntimeError("\n".join([str(e), *details])) from e
 
 
 def run_serve(config: ServeConfig, address: str | None = None, blocking: bool = True) -> str:
@@ -346,7 +363,7 @@ def run_serve(config: ServeConfig, address: str | None = None, blocking: bool = 
         if not ray.is_initialized():
             ray.init(address=address, namespace="eagle-serve", ignore_reinit_error=True)
         serve.start(http_options={"host": config.host, "port": config.port})
-        serve.run(build_app(config), name=config.app_name, route_prefix="/")
+        deploy_app(config)
         print(f"eagle-serve: {config.model_name} at {url}/v1", flush=True)
         while blocking:
             time.sleep(1)

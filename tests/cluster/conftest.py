@@ -85,12 +85,12 @@ def deploy(serve_port):
     """deploy(config, prefix="/") -> Deployed; every app is deleted when the module ends."""
     from ray import serve
 
-    from cluster.serve_app import build_app
+    from cluster.serve_app import deploy_app
 
     names: list[str] = []
 
     def _deploy(config, prefix: str = "/") -> Deployed:
-        serve.run(build_app(config), name=config.app_name, route_prefix=prefix)
+        deploy_app(config, prefix)
         names.append(config.app_name)
         return Deployed(config, serve_port, prefix)
 

@@ -187,3 +187,23 @@ def test_autoscaling_config_scales_out(deploy):
                 for i in range(4)]
         assert wait_for(lambda: replicas() == 2, timeout=60), "no scale-out under load"
         assert all(f.result().usage.completion_tokens == 60 for f in futs)
+
+
+@pytest.mark.parametrize("bad,needle", [
+    (dict(model="/no/such/model", engine="eagle_worker"), "/no/such/model"),
+    (dict(api_keys_env="EAGLE_TEST_KEYS_UNSET"), "EAGLE_TEST_KEYS_UNSET"),
+])
+def test_a_broken_deployment_fails_fast_and_clearly(serve_port, bad, needle):
+    from ray import serve
+
+    from cluster.serve_app import deploy_app
+
+    cfg = _cfg("broken", num_replicas=1, **bad)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError) as ei:
+            deploy_app(cfg, "/broken")
+        assert needle in str(ei.value)
+        assert time.monotonic() - t0 < 120
+    finally:
+        serve.delete("broken")
