@@ -126,10 +126,28 @@ def bench_job(model, rows, max_tokens, json_out):
     run(model=model, rows=rows, max_tokens=max_tokens, json_out=json_out)
 
 
+@bench.command("serve")
+@click.option("--url", default=None, help="An already running endpoint [default: start one on this machine].")
+@click.option("--model", default="gemma-3-270m", show_default=True)
+@click.option("--concurrencies", default="1,4,16", show_default=True)
+@click.option("--num-prompts", default=32, show_default=True, type=int)
+@click.option("--max-tokens", default=64, show_default=True, type=int)
+@click.option("--draft", default="default", show_default=True, help="Head for the with-head run: folder or 'default'.")
+@click.option("--json", "json_out", default="bench/results/serve.json", show_default=True)
+def bench_serve(url, model, concurrencies, num_prompts, max_tokens, draft, json_out):
+    """HTTP load: request throughput, output tok/s, TTFT, TPOT, ITL at several concurrencies."""
+    from bench.serve import run
+
+    run(url=url, model=model, concurrencies=tuple(int(c) for c in concurrencies.split(",")),
+        num_prompts=num_prompts, max_tokens=max_tokens, draft=draft, json_out=json_out)
+
+
 def _register() -> None:
     from jobs.job_cli import job, submit_job
     from jobs.kuberay import deploy
+    from jobs.train_cli import train_head
 
+    main.add_command(train_head)
     main.add_command(submit_job)
     main.add_command(job)
     main.add_command(deploy)
