@@ -39,6 +39,8 @@ class ServeMetrics:
         self.waiting = Gauge("eagle_replica_queue_depth", "requests waiting in a replica", rl, registry=r)
         self.kv_usage = Gauge("eagle_replica_kv_usage", "fraction of KV-cache blocks in use", rl, registry=r)
         self.free_blocks = Gauge("eagle_replica_free_kv_blocks", "free KV-cache blocks", rl, registry=r)
+        self.replica_requests = Counter("eagle_replica_requests", "finished requests by the replica that served them",
+                                        rl, registry=r)
         self._recent: deque[tuple[float, int]] = deque()
         self._replica_seen: dict[str, float] = {}
 
@@ -64,6 +66,8 @@ class ServeMetrics:
             self.target_forwards.labels(self.model).inc(m["num_target_forwards"])
         if m.get("mean_accepted_tokens"):
             self.tau.labels(self.model).observe(float(m["mean_accepted_tokens"]))
+        if m.get("replica_id"):
+            self.replica_requests.labels(self.model, str(m["replica_id"])).inc()
         if isinstance(m.get("replica_stats"), dict):
             self.replica_stats(m["replica_stats"])
 

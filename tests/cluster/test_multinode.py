@@ -1,0 +1,129 @@
+"""Two replicas on a real two-node Ray cluster (`ray start --head` + `ray start --address`, token auth),
+the real engine on a tiny Gemma 3, the official `openai` client over HTTP.
+
+Node CPUs are sized so each node fits exactly one replica (head: 2 CPUs = ingress 0.1 + one replica;
+worker: 1 CPU = one replica). A bounded load (40 requests, 4 at a time, a quarter of them streamed)
+must spread over both replicas (per-replica counts from /metrics) and survive SIGKILL of one
+replica's actor process in the middle: every request completes or ends in a clear error (503
+`replica_lost` / a stream error event naming the dead replica), none hangs. Non-streamed requests
+and streams that had sent nothing yet are retried on the survivor, so they must all complete.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import re
+import signal
+import threading
+import time
+
+import openai
+import pytest
+import requests
+
+from cluster.config import ServeConfig
+from tests.cluster.multinode import LocalCluster, free_ports
+
+MODEL = "tiny-gemma"
+N_REQUESTS, CONCURRENCY, MAX_TOKENS = 40, 4, 24
+KILL_AFTER = 10          # completed requests before the kill: both replicas are warm and busy by then
+REQUEST_TIMEOUT = 90     # per request; a hang fails the test instead of blocking it
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    with LocalCluster(node_cpus=(2, 1)) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def app(two_nodes, tiny_model_dir):
+    port = free_ports(1)[0]
+    cfg = ServeConfig(model=str(tiny_model_dir("gemma3")), served_model_name=MODEL, num_replicas=2,
+                      resources_per_rank={"cpu": 1}, kv_cache_gb=0.02, app_name="multinode",
+                      limits={"max_model_len": 128, "max_tokens": 32, "max_num_seqs": 4, "max_queued_requests": 8})
+    actors = two_nodes.driver("deploy", json.dumps(cfg.model_dump(mode="json")), str(port))["replicas"]
+    url = f"http://127.0.0.1:{port}"
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=REQUEST_TIMEOUT)
+    return url, client, actors
+
+
+def _replica_counts(url: str) -> dict[str, float]:
+    text = requests.get(f"{url}/metrics", timeout=30).text
+    return {rid: float(v) for rid, v in re.findall(r'^eagle_replica_requests_total{[^}]*replica="([^"]+)"[^}]*} (\S+)$',
+                                                   text, re.M)}
+
+
+def _one(client, i: int) -> tuple[str, str]:
+    """('ok', text) or ('error', message); raising means an unclear failure."""
+    kw = dict(model=MODEL, prompt=f"The quick brown fox {i}", max_tokens=MAX_TOKENS, temperature=0,
+              extra_body={"ignore_eos": True})
+    if i % 4 != 3:
+        try:
+            r = client.completions.create(**kw)
+        except openai.APIStatusError as e:  # only a 503 with a reason is a clear error
+            if e.status_code == 503 and e.body and e.body.get("code") in ("replica_lost", "overloaded"):
+                return "error", f"{e.status_code} {e.body.get('code')}: {e.body.get('message')}"
+            raise
+        assert r.usage.completion_tokens == MAX_TOKENS and r.choices[0].finish_reason == "length", r
+        return "ok", r.choices[0].text
+    text, reason = [], None
+    try:
+        for c in client.completions.create(**kw, stream=True):
+            text.append(c.choices[0].text)
+            reason = c.choices[0].finish_reason or reason
+    except openai.APIError as e:  # an error event after tokens went out: must say what happened
+        msg = str(e)
+        assert "replica" in msg and ("died" in msg or "lost" in msg), msg
+        return "error", f"stream: {msg}"
+    assert reason == "length" and text, (reason, text)
+    return "ok", "".join(text)
+
+
+def test_load_spreads_over_both_nodes_and_survives_a_replica_kill(two_nodes, app):
+    url, client, actors = app
+    replicas = [a for a in actors if a["deployment"] == "LLMServer"]
+    ingress_node = next(a["node_id"] for a in actors if a["deployment"] == "OpenAIIngress")
+    assert len(replicas) == 2 and len({r["node_id"] for r in replicas}) == 2, replicas  # one replica per node
+    assert len(two_nodes.driver("replicas", "multinode")["nodes"]) == 2
+
+    done = threading.Semaphore(0)
+    killed: dict = {}
+
+    def tracked(i):
+        try:
+            return _one(client, i)
+        finally:
+            done.release()
+
+    t0 = time.monotonic()
+    with cf.ThreadPoolExecutor(CONCURRENCY) as pool:
+        futs = [pool.submit(tracked, i) for i in range(N_REQUESTS)]
+        for _ in range(KILL_AFTER):
+            assert done.acquire(timeout=REQUEST_TIMEOUT), "requests stopped finishing before the kill"
+        before = _replica_counts(url)
+        # kill the replica on the other node than the ingress (the HTTP path stays up)
+        victim = next(r for r in replicas if r["node_id"] != ingress_node)
+        os.kill(victim["pid"], signal.SIGKILL)
+        killed.update(victim, at=time.monotonic() - t0, in_flight=sum(f.running() for f in futs))
+        finished, pending = cf.wait(futs, timeout=3 * REQUEST_TIMEOUT)
+        assert not pending, f"{len(pending)} requests hung after the kill"
+    results = [f.result() for f in futs]  # re-raises an unclear failure
+
+    assert set(before) == {r["replica_id"] for r in replicas}, (before, replicas)  # both served traffic...
+    assert min(before.values()) >= 2, before                                         # ...and not just one each
+    assert killed["in_flight"] > 0, killed
+    errors = [msg for status, msg in results if status == "error"]
+    after = _replica_counts(url)
+    print(f"killed {killed}; per-replica before {before}, after {after}; errors {errors}")
+    for i, (status, msg) in enumerate(results):
+        if i % 4 != 3:  # non-streamed: retried on the survivor, never lost
+            assert status == "ok", (i, msg)
+    assert len(errors) <= 2, errors  # at most the streams that were mid-way on the killed replica
+    assert sum(after.values()) == len([s for s, _ in results if s == "ok"]), (after, results)
+    survivor = next(r["replica_id"] for r in replicas if r["replica_id"] != killed["replica_id"])
+    assert after[survivor] > before[survivor]  # the survivor took over the rest of the load
+    r = client.completions.create(model=MODEL, prompt="still there?", max_tokens=4, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 4
+
