@@ -18,7 +18,8 @@ Example YAML (every key optional)::
     kv_cache_gb: null                 # KV-cache budget per replica; null = engine default
     num_replicas: 1                   # fixed count, or instead:
     # autoscaling: {min_replicas: 1, max_replicas: 4, target_ongoing_requests: 16,
-    #               upscale_delay_s: 30, downscale_delay_s: 600}
+    #               upscale_delay_s: 30, downscale_delay_s: 600,
+    #               look_back_period_s: 30, metrics_interval_s: 10}   # Serve's defaults when omitted
     placement_strategy: PACK          # PACK | STRICT_PACK (all ranks of a replica on one node)
     resources_per_rank: {cpu: 1, gpu: 0}
     limits: {max_model_len: 2048, max_tokens: 1024, max_num_seqs: 64,
@@ -64,6 +65,11 @@ class AutoscalingConfig(_Strict):
     target_ongoing_requests: float = Field(16.0, gt=0)
     upscale_delay_s: float = Field(30.0, ge=0)
     downscale_delay_s: float = Field(600.0, ge=0)
+    look_back_period_s: float | None = Field(None, gt=0, description="window ongoing requests are averaged "
+                                             "over; None = Serve's default (30 s)")
+    metrics_interval_s: float | None = Field(None, gt=0, description="how often callers report their load to "
+                                             "Serve's controller; None = Serve's default (10 s; "
+                                             "Serve deprecates the field for RAY_SERVE_*_AUTOSCALING_METRIC_PUSH_INTERVAL_S)")
 
     @model_validator(mode="after")
     def _bounds(self) -> "AutoscalingConfig":
@@ -84,8 +90,9 @@ class AutoscalingConfig(_Strict):
             "upscale_delay_s": self.upscale_delay_s,
             "downscale_delay_s": self.downscale_delay_s,
         }
-        if self.initial_replicas is not None:
-            out["initial_replicas"] = self.initial_replicas
+        for key in ("initial_replicas", "look_back_period_s", "metrics_interval_s"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
         return out
 
 

@@ -173,22 +173,6 @@ def test_online_requests_overtake_queued_offline_work(single_slot, router_queued
     assert done.index("online") <= 1, done  # only the request already running may finish first
 
 
-def test_autoscaling_config_scales_out(deploy):
-    app = deploy(_cfg("autoscaled", autoscaling={"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1,
-                                                 "upscale_delay_s": 0, "downscale_delay_s": 600}), "/autoscaled")
-    from ray import serve
-
-    def replicas():
-        return serve.status().applications["autoscaled"].deployments["LLMServer"].replica_states.get("RUNNING", 0)
-
-    assert replicas() == 1
-    with cf.ThreadPoolExecutor(4) as pool:
-        futs = [pool.submit(app.client.completions.create, model=MODEL, prompt=f"[slow:0.1] {i}", max_tokens=60)
-                for i in range(4)]
-        assert wait_for(lambda: replicas() == 2, timeout=60), "no scale-out under load"
-        assert all(f.result().usage.completion_tokens == 60 for f in futs)
-
-
 @pytest.mark.parametrize("bad,needle", [
     (dict(model="/no/such/model", engine="eagle_worker"), "/no/such/model"),
     (dict(api_keys_env="EAGLE_TEST_KEYS_UNSET"), "EAGLE_TEST_KEYS_UNSET"),
