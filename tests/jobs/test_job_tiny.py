@@ -53,7 +53,8 @@ def test_job_matches_llm_generate_with_overrides_and_bad_rows(tmp_path, tiny_mod
     rows = {r["id"]: r for r in read_rows(tmp_path / "in.out")}
     assert len(read_rows(tmp_path / "in.out")) == n and set(rows) == set(ids)       # every id exactly once
     assert m["status"] == "completed" and m["complete"] and m["duplicate_ids_skipped"] == 1
-    assert m["rows"] == n and m["error_rows"] == 5 and len(list((tmp_path / "in.out").glob("part-*.parquet"))) >= 4
+    assert m["rows"] == n and m["error_rows"] == 5, [r for r in rows.values() if r["error"]]
+    assert len(list((tmp_path / "in.out").glob("part-*.parquet"))) >= 4
     assert rows["q4"]["error"] == "prompt is null" and rows["q5"]["error"] == "prompt is empty"
     assert "maximum context is 64" in rows["q6"]["error"] and "temperature" in rows["q7"]["error"]
     assert "top_p" in rows["q8"]["error"]
@@ -68,12 +69,13 @@ def test_job_matches_llm_generate_with_overrides_and_bad_rows(tmp_path, tiny_mod
                                                       for i in good])
     for i, out in zip(good, expect):
         r = rows[f"q{i}"]
-        assert r["error"] is None and r["text"] == out.text and r["completion_tokens"] == len(out.token_ids)
+        assert r["error"] is None and r["text"] == out.text and r["completion_tokens"] == len(out.token_ids), \
+            (i, r, out.text, out.token_ids)
         assert r["completion_tokens"] == max_tokens[i] or r["finish_reason"] == "stop"
         assert r["prompt_tokens"] == len(out.prompt_token_ids) and r["accepted_tokens_per_step"] == 1.0
     chats = llm.chat([messages[9], messages[10]], [SamplingParams(max_tokens=max_tokens[9], temperature=0.0),
                                                    SamplingParams(max_tokens=max_tokens[10], temperature=0.0)])
-    assert rows["q9"]["text"] == chats[0].text and rows["q10"]["text"] == chats[1].text
+    assert rows["q9"]["text"] == chats[0].text and rows["q10"]["text"] == chats[1].text, (rows["q9"], rows["q10"], chats)
 
     again = run_job(cfg)                                  # a finished job: nothing to do, no model load
     assert again["runs"][-1]["rows"] == 0 and again["runs"][-1]["skipped_already_done"] == n
