@@ -1,0 +1,287 @@
+"""Online serving benchmark over HTTP, reported the way `vllm bench serve` reports.
+
+For each setup (plain decoding, then with the EAGLE draft head) and each concurrency level, send
+`max(num_prompts, concurrency)` Spec-Bench prompts through `/v1/completions` with `stream: true`,
+at most `concurrency` in flight (closed loop, like `vllm bench serve --max-concurrency`), greedy,
+`ignore_eos` so every request generates exactly `max_tokens` tokens. Per level:
+
+  * request throughput (req/s) and output token throughput (tok/s) = completed / wall time;
+  * TTFT: request sent -> first streamed token;
+  * TPOT: (latency - TTFT) / (output tokens - 1), per request;
+  * ITL: gaps between consecutive streamed chunks. As in vLLM, a chunk may carry several tokens (an
+    EAGLE step accepts a few at once), so ITL is per chunk while TPOT is per token;
+  * tau: the server's mean accepted tokens per target forward over the level (from /metrics).
+
+Mean, median and p99 in milliseconds. Without `url`, the app is started here (Ray + Serve on this
+machine, `cluster.serve_app.run_serve(..., blocking=False)`), once without and once with the head;
+with `url`, the endpoint is measured as it is (one setup). Usage: `eaglectl bench serve` or
+`python -m bench.serve --num-prompts 4 --max-tokens 16`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import statistics
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import requests
+
+from bench.prompts import load_questions, render
+
+STAT_KEYS = ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")
+
+
+# ---- one request -----------------------------------------------------------------------------
+def _stream_one(session: requests.Session, url: str, model: str, prompt: str, max_tokens: int,
+                timeout: float) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    chunks: list[float] = []
+    out_tokens, error = None, None
+    try:
+        with session.post(f"{url}/v1/completions", json=body, stream=True, timeout=timeout) as r:
+            if r.status_code != 200:
+                return {"ok": False, "error": f"HTTP {r.status_code}: {r.text[:200]}"}
+            for line in r.iter_lines():
+                if not line.startswith(b"data: "):
+                    continue
+                data = line[6:]
+                if data == b"[DONE]":
+                    break
+                msg = json.loads(data)
+                if "error" in msg:
+                    error = msg["error"].get("message", str(msg["error"]))
+                    break
+                if msg.get("usage"):
+                    out_tokens = msg["usage"]["completion_tokens"]
+                if msg.get("choices") and msg["choices"][0].get("text"):
+                    chunks.append(time.perf_counter())
+    except requests.RequestException as e:
+        error = f"{type(e).__name__}: {e}"
+    end = time.perf_counter()
+    if error or not chunks:
+        return {"ok": False, "error": error or "no tokens streamed"}
+    n = out_tokens if out_tokens is not None else len(chunks)
+    ttft = chunks[0] - t0
+    return {"ok": True, "output_tokens": n, "ttft_ms": 1e3 * ttft, "e2el_ms": 1e3 * (end - t0),
+            "tpot_ms": 1e3 * (end - t0 - ttft) / (n - 1) if n > 1 else None,
+            "itl_ms": [1e3 * (b - a) for a, b in zip(chunks, chunks[1:])]}
+
+
+def _summary(values: list[float]) -> dict:
+    if not values:
+        return {"mean": None, "median": None, "p99": None}
+    ordered = sorted(values)
+    p99 = ordered[min(len(ordered) - 1, max(0, round(0.99 * (len(ordered) - 1))))] if len(ordered) > 1 else ordered[0]
+    return {"mean": statistics.fmean(values), "median": statistics.median(values), "p99": p99}
+
+
+def _tau_counters(url: str) -> tuple[float, float]:
+    """(sum, count) of the server's per-request tau histogram; (0, 0) when unavailable."""
+    try:
+        text = requests.get(f"{url}/metrics", timeout=10).text
+    except requests.RequestException:
+        return 0.0, 0.0
+
+    def total(name):
+        return sum(float(v) for v in re.findall(rf"^{name}{{[^}}]*}} (\S+)$", text, re.M))
+    return total("eagle_generation_tokens_total"), total("eagle_target_forwards_total")
+
+
+def bench_level(url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int,
+                timeout: float = 600) -> dict:
+    """One concurrency level: all prompts, at most `concurrency` in flight."""
+    local = threading.local()
+
+    def one(prompt):
+        if not hasattr(local, "session"):
+            local.session = requests.Session()
+        return _stream_one(local.session, url, model, prompt, max_tokens, timeout)
+
+    tokens0, forwards0 = _tau_counters(url)
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        results = list(pool.map(one, prompts))
+    duration = time.perf_counter() - t0
+    tokens1, forwards1 = _tau_counters(url)
+    ok = [r for r in results if r["ok"]]
+    out_tokens = sum(r["output_tokens"] for r in ok)
+    row = {"concurrency": concurrency, "num_prompts": len(prompts), "completed": len(ok),
+           "failed": len(results) - len(ok), "duration_s": duration,
+           "request_throughput": len(ok) / duration, "output_throughput": out_tokens / duration,
+           "total_output_tokens": out_tokens,
+           "tau": (tokens1 - tokens0) / (forwards1 - forwards0) if forwards1 > forwards0 else None,
+           "errors": sorted({r["error"] for r in results if not r["ok"]})[:5]}
+    for key in STAT_KEYS:
+        vals = [v for r in ok for v in (r[key] if isinstance(r[key], list) else [r[key]]) if v is not None]
+        row[key] = _summary(vals)
+    return row
+
+
+# ---- setups ----------------------------------------------------------------------------------
+def resolve_head(model: str, draft: str | None) -> tuple[str | None, str | None]:
+    """(head to use or None, a note saying why there is none)."""
+    if draft in (None, "", "none"):
+        return None, "draft head disabled: plain decoding only"
+    if draft == "default":
+        from eagle_worker.spec.config import HEADS_DIR
+
+        if (HEADS_DIR / model / "config.json").exists():
+            return "default", None
+        return None, (f"no draft head shipped for {model} ({HEADS_DIR / model}/config.json missing) and none "
+                      "passed in: ran without the draft head only")
+    if not Path(draft, "config.json").exists():
+        raise ValueError(f"draft head {draft!r} is not a head folder (no config.json)")
+    return str(Path(draft).resolve()), None
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_local(model: str, draft: str | None, name: str, port: int, max_num_seqs: int, max_tokens: int,
+                 dtype: str) -> str:
+    """Deploy the app on this machine's Ray (started here if needed); its base URL."""
+    import ray
+
+    from cluster.config import ServeConfig
+    from cluster.serve_app import run_serve
+
+    cpus = os.cpu_count() or 1
+    if not ray.is_initialized():
+        address = os.environ.get("RAY_ADDRESS")
+        # one logical CPU more than there are cores: the replica computes on every core and the
+        # HTTP ingress still fits next to it
+        ray.init(address=address, num_cpus=None if address else cpus + 1, include_dashboard=False,
+                 namespace="eagle-bench", log_to_driver=False, logging_level="WARNING")
+    cfg = ServeConfig(model=model, draft=draft, dtype=dtype, app_name=name, port=port, num_replicas=1,
+                      resources_per_rank={"cpu": cpus},
+                      limits={"max_num_seqs": max_num_seqs, "max_queued_requests": max_num_seqs,
+                              "max_tokens": max(max_tokens, 16)})
+    return run_serve(cfg, blocking=False)
+
+
+def _stop_local(name: str) -> None:
+    from ray import serve
+
+    try:
+        serve.delete(name)
+    except Exception:  # noqa: BLE001 - already gone
+        pass
+
+
+def _served_model(url: str) -> str:
+    return requests.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+
+
+def _fmt(v, digits=1) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def markdown(results: list[dict]) -> str:
+    head = ("| setup | conc | done/sent | req/s | out tok/s | tau | TTFT mean / med / p99 (ms) "
+            "| TPOT mean / med / p99 (ms) | ITL mean / med / p99 (ms) |")
+    lines = [head, "|" + "---|" * 9]
+    for r in results:
+        stats = [" / ".join(_fmt(r[k][s], 0) for s in ("mean", "median", "p99")) for k in ("ttft_ms", "tpot_ms", "itl_ms")]
+        lines.append(f"| {r['setup']} | {r['concurrency']} | {r['completed']}/{r['num_prompts']} "
+                     f"| {_fmt(r['request_throughput'], 3)} | {_fmt(r['output_throughput'], 2)} | {_fmt(r['tau'], 2)} "
+                     f"| {' | '.join(stats)} |")
+    return "\n".join(lines)
+
+
+def run(url: str | None = None, model: str = "gemma-3-270m", concurrencies: tuple[int, ...] = (1, 4, 16),
+        num_prompts: int = 8, max_tokens: int = 32, draft: str | None = "default",
+        json_out: str | None = "bench/results/serve.json", dtype: str = "float32",
+        request_timeout_s: float = 900) -> dict:
+    """Benchmark the endpoint at `url`, or (url=None) an app started here without and with the head.
+
+    Each concurrency level sends max(num_prompts, concurrency) prompts. Returns the report (also
+    printed as a markdown table and written to `json_out` unless that is None)."""
+    concurrencies = tuple(int(c) for c in concurrencies)
+    records = load_questions()
+    pool = [render(r) for r in records]
+
+    def prompts_for(c):
+        n = max(num_prompts, c)
+        return [pool[i % len(pool)] for i in range(n)]
+
+    notes: list[str] = []
+    results: list[dict] = []
+    if url is not None:
+        url = url.rstrip("/").removesuffix("/v1")
+        setups = [("endpoint", None)]
+        head = None
+    else:
+        head, note = resolve_head(model, draft)
+        if note:
+            notes.append(note)
+            print(f"bench serve: {note}", flush=True)
+        setups = [("plain", None)] + ([("eagle", head)] if head else [])
+    port = _free_port()
+    for name, setup_draft in setups:
+        app = f"bench-{name}"
+        base = url
+        try:
+            if base is None:
+                t0 = time.perf_counter()
+                base = _start_local(model, setup_draft, app, port, max_num_seqs=max(concurrencies),
+                                    max_tokens=max_tokens, dtype=dtype)
+                print(f"bench serve: {name} up in {time.perf_counter() - t0:.0f}s at {base}", flush=True)
+            served = _served_model(base)
+            warm = _stream_one(requests.Session(), base, served, pool[0], 4, request_timeout_s)  # load/compile paths
+            if not warm["ok"]:
+                raise RuntimeError(f"warm-up request failed: {warm['error']}")
+            for c in concurrencies:
+                row = bench_level(base, served, prompts_for(c), c, max_tokens, timeout=request_timeout_s)
+                row.update(setup=name, draft=setup_draft)
+                if name == "plain":
+                    row["tau"] = None  # no speculation: tokens per forward says nothing there
+                results.append(row)
+                print(f"bench serve: {name} c={c}: {row['completed']}/{row['num_prompts']} done, "
+                      f"{row['output_throughput']:.2f} out tok/s, TTFT median {_fmt(row['ttft_ms']['median'], 0)} ms",
+                      flush=True)
+        finally:
+            if url is None:
+                _stop_local(app)
+    report = {"meta": {"model": model, "url": url, "draft": head, "concurrencies": list(concurrencies),
+                       "num_prompts": num_prompts, "max_tokens": max_tokens, "dtype": dtype,
+                       "cpus": os.cpu_count(), "machine": platform.machine(), "notes": notes,
+                       "method": "streamed /v1/completions, greedy, ignore_eos, closed loop at each concurrency"},
+              "results": results}
+    table = markdown(results)
+    print(table + ("\n\n" + "\n".join(f"note: {n}" for n in notes) if notes else ""), flush=True)
+    if json_out:
+        Path(json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_out).write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--url", default=None)
+    p.add_argument("--model", default="gemma-3-270m")
+    p.add_argument("--concurrencies", default="1,4,16")
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--draft", default="default")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--json", dest="json_out", default="bench/results/serve.json")
+    a = p.parse_args(argv)
+    run(url=a.url, model=a.model, concurrencies=tuple(int(c) for c in a.concurrencies.split(",")),
+        num_prompts=a.num_prompts, max_tokens=a.max_tokens, draft=a.draft, json_out=a.json_out, dtype=a.dtype)
+
+
+if __name__ == "__main__":
+    main()
