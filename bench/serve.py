@@ -204,14 +204,14 @@ def markdown(results: list[dict]) -> str:
 def run(url: str | None = None, model: str = "gemma-3-270m", concurrencies: tuple[int, ...] = (1, 4, 16),
         num_prompts: int = 8, max_tokens: int = 32, draft: str | None = "default",
         json_out: str | None = "bench/results/serve.json", dtype: str = "float32",
-        request_timeout_s: float = 900) -> dict:
+        request_timeout_s: float = 900, prompts: list[str] | None = None) -> dict:
     """Benchmark the endpoint at `url`, or (url=None) an app started here without and with the head.
 
-    Each concurrency level sends max(num_prompts, concurrency) prompts. Returns the report (also
-    printed as a markdown table and written to `json_out` unless that is None)."""
+    Each concurrency level sends max(num_prompts, concurrency) prompts (Spec-Bench questions, or
+    `prompts` cycled). Returns the report (also printed as a markdown table and written to
+    `json_out` unless that is None)."""
     concurrencies = tuple(int(c) for c in concurrencies)
-    records = load_questions()
-    pool = [render(r) for r in records]
+    pool = list(prompts) if prompts else [render(r) for r in load_questions()]
 
     def prompts_for(c):
         n = max(num_prompts, c)
