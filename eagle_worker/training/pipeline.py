@@ -42,6 +42,7 @@ class PipelineConfig:
     full_vocab_labels: bool = False        # score the whole vocabulary at extraction (slower on CPU)
     extract_batch_tokens: int = 2048
     shard_tokens: int = 16384
+    init_from_target: bool = True         # EAGLE-3: draft LM head + norm start from the target's
     online: bool = False                   # compute train features per chunk, store nothing (large targets)
     eval_prompts: int = 8                  # engine tau on this many held-out prompts at the end
     eval_new_tokens: int = 64
@@ -52,6 +53,16 @@ class PipelineConfig:
     @property
     def kind(self) -> str:
         return {"eagle3": "eagle3", "eagle1": "eagle", "eagle": "eagle"}[self.format]
+
+
+@torch.no_grad()
+def init_output_from_target(head, model, vocab_ids: torch.Tensor) -> None:
+    """Start the draft LM head from the target's rows for the draft vocabulary and its final norm
+    (SpecForge does the same): the head then only has to learn to point its hidden state the way
+    the target's final layer would, not the whole output geometry -- far fewer steps on a CPU."""
+    head.lm_head.weight.copy_(model.lm_head.weight[vocab_ids.to(model.lm_head.weight.device)].float())
+    norm = model.model.norm
+    head.norm.weight.copy_((norm.weight.float() + getattr(norm, "offset", 0.0)))
 
 
 def _log(msg: str) -> None:
@@ -168,6 +179,8 @@ def run(cfg: PipelineConfig, progress: bool = True) -> dict:
         train_store, produce = FeatureStore(work / "features" / "train", require_complete=False), extractor.next_shard
 
     head = new_head(cfg.kind, model, hf_config, vocab_ids if cfg.kind == "eagle3" else None, seed=cfg.seed).float()
+    if cfg.kind == "eagle3" and cfg.init_from_target:
+        init_output_from_target(head, model, vocab_ids)
     t2d_index = torch.full((V,), -1, dtype=torch.long)
     t2d_index[vocab_ids] = torch.arange(len(vocab_ids))
     record = {"target": cfg.target, "format": cfg.format, "command": cfg.command, "data": cfg.data,
