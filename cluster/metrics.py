@@ -39,6 +39,8 @@ class ServeMetrics:
         self.waiting = Gauge("eagle_replica_queue_depth", "requests waiting in a replica", rl, registry=r)
         self.kv_usage = Gauge("eagle_replica_kv_usage", "fraction of KV-cache blocks in use", rl, registry=r)
         self.free_blocks = Gauge("eagle_replica_free_kv_blocks", "free KV-cache blocks", rl, registry=r)
+        self.retries = Counter("eagle_request_retries", "requests re-run on another replica after theirs failed",
+                               lb + ["reason"], registry=r)
         self.replica_requests = Counter("eagle_replica_requests", "finished requests by the replica that served them",
                                         rl, registry=r)
         self._recent: deque[tuple[float, int]] = deque()
@@ -46,6 +48,9 @@ class ServeMetrics:
 
     def request_done(self, endpoint: str, status: int) -> None:
         self.requests.labels(self.model, endpoint, str(status)).inc()
+
+    def retried(self, error: BaseException) -> None:
+        self.retries.labels(self.model, type(error).__name__).inc()
 
     def first_token(self, ttft_s: float) -> None:
         self.ttft.labels(self.model).observe(ttft_s)

@@ -29,7 +29,7 @@ import asyncio
 import logging
 import random
 from collections import defaultdict
-from typing import Any, AsyncIterator, List, Optional
+from typing import Any, AsyncIterator, Callable, List, Optional
 
 import ray.exceptions
 from ray.serve.exceptions import BackPressureError
@@ -158,12 +158,14 @@ async def stream_outputs(
     max_attempts: int = 4,
     retry_backoff_s: float = 0.5,
     restartable: bool = False,
+    on_retry: Optional[Callable[[BaseException], None]] = None,
 ) -> AsyncIterator[Any]:
     """Outputs of one request from whichever replica Serve picks, surviving replica deaths.
 
     `restartable=True` (non-streaming callers, who have sent the client nothing yet) also retries
     after tokens were produced: outputs are cumulative, so the caller just keeps the last one.
     Raises OverloadedError when the system is full and ReplicaLostError when it cannot retry.
+    `on_retry(error)` is called before each retry (the ingress counts them in /metrics).
     """
     tokens_seen = 0
     for attempt in range(max_attempts):
@@ -191,6 +193,8 @@ async def stream_outputs(
                     "the partial response cannot be resumed, please retry the request"
                 ) from e
             if attempt + 1 < max_attempts:
+                if on_retry is not None:
+                    on_retry(e)
                 logger.warning("request %s: replica failed (%s); retrying (attempt %d/%d)",
                                request_id, type(e).__name__, attempt + 2, max_attempts)
                 await asyncio.sleep(retry_backoff_s * 2**attempt)  # let stats/health checks catch up

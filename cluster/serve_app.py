@@ -174,7 +174,8 @@ class OpenAIIngress:
         t0 = time.monotonic()
         rid = oa.new_id(render.prefix)
         params = req.sampling_params(max_tokens, logprobs)
-        it = stream_outputs(self.engine, rid, prompt, params, req.priority, messages, restartable=not req.stream)
+        it = stream_outputs(self.engine, rid, prompt, params, req.priority, messages, restartable=not req.stream,
+                            on_retry=self.metrics.retried)
         self.metrics.inflight.labels(self.config.model_name).inc()
         status = 500
         try:

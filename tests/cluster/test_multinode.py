@@ -55,6 +55,11 @@ def _replica_counts(url: str) -> dict[str, float]:
                                                    text, re.M)}
 
 
+def _retries(url: str) -> float:
+    text = requests.get(f"{url}/metrics", timeout=30).text
+    return sum(float(v) for v in re.findall(r"^eagle_request_retries_total{[^}]*} (\S+)$", text, re.M))
+
+
 def _one(client, i: int) -> tuple[str, str]:
     """('ok', text) or ('error', message); raising means an unclear failure."""
     kw = dict(model=MODEL, prompt=f"The quick brown fox {i}", max_tokens=MAX_TOKENS, temperature=0,
@@ -116,7 +121,9 @@ def test_load_spreads_over_both_nodes_and_survives_a_replica_kill(two_nodes, app
     assert killed["in_flight"] > 0, killed
     errors = [msg for status, msg in results if status == "error"]
     after = _replica_counts(url)
-    print(f"killed {killed}; per-replica before {before}, after {after}; errors {errors}")
+    retries = _retries(url)
+    print(f"killed {killed}; per-replica before {before}, after {after}; retries {retries}; errors {errors}")
+    assert retries + len(errors) >= 1, "the kill hit no request: nothing was retried or cut off"
     for i, (status, msg) in enumerate(results):
         if i % 4 != 3:  # non-streamed: retried on the survivor, never lost
             assert status == "ok", (i, msg)
