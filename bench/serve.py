@@ -150,6 +150,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+_STARTED_RAY: list[bool] = []
+
+
 def _start_local(model: str, draft: str | None, name: str, port: int, max_num_seqs: int, max_tokens: int,
                  dtype: str) -> str:
     """Deploy the app on this machine's Ray (started here if needed); its base URL."""
@@ -160,6 +163,7 @@ def _start_local(model: str, draft: str | None, name: str, port: int, max_num_se
 
     cpus = os.cpu_count() or 1
     if not ray.is_initialized():
+        _STARTED_RAY.append(True)
         address = os.environ.get("RAY_ADDRESS")
         # one logical CPU more than there are cores: the replica computes on every core and the
         # HTTP ingress still fits next to it
@@ -179,6 +183,17 @@ def _stop_local(name: str) -> None:
         serve.delete(name)
     except Exception:  # noqa: BLE001 - already gone
         pass
+
+
+def _shutdown_started_ray() -> None:
+    """A Ray we started for the benchmark goes with it."""
+    if _STARTED_RAY:
+        import ray
+        from ray import serve
+
+        _STARTED_RAY.clear()
+        serve.shutdown()
+        ray.shutdown()
 
 
 def _served_model(url: str) -> str:
@@ -230,31 +245,34 @@ def run(url: str | None = None, model: str = "gemma-3-270m", concurrencies: tupl
             print(f"bench serve: {note}", flush=True)
         setups = [("plain", None)] + ([("eagle", head)] if head else [])
     port = _free_port()
-    for name, setup_draft in setups:
-        app = f"bench-{name}"
-        base = url
-        try:
-            if base is None:
-                t0 = time.perf_counter()
-                base = _start_local(model, setup_draft, app, port, max_num_seqs=max(concurrencies),
-                                    max_tokens=max_tokens, dtype=dtype)
-                print(f"bench serve: {name} up in {time.perf_counter() - t0:.0f}s at {base}", flush=True)
-            served = _served_model(base)
-            warm = _stream_one(requests.Session(), base, served, pool[0], 4, request_timeout_s)  # load/compile paths
-            if not warm["ok"]:
-                raise RuntimeError(f"warm-up request failed: {warm['error']}")
-            for c in concurrencies:
-                row = bench_level(base, served, prompts_for(c), c, max_tokens, timeout=request_timeout_s)
-                row.update(setup=name, draft=setup_draft)
-                if name == "plain":
-                    row["tau"] = None  # no speculation: tokens per forward says nothing there
-                results.append(row)
-                print(f"bench serve: {name} c={c}: {row['completed']}/{row['num_prompts']} done, "
-                      f"{row['output_throughput']:.2f} out tok/s, TTFT median {_fmt(row['ttft_ms']['median'], 0)} ms",
-                      flush=True)
-        finally:
-            if url is None:
-                _stop_local(app)
+    try:
+        for name, setup_draft in setups:
+            app = f"bench-{name}"
+            base = url
+            try:
+                if base is None:
+                    t0 = time.perf_counter()
+                    base = _start_local(model, setup_draft, app, port, max_num_seqs=max(concurrencies),
+                                        max_tokens=max_tokens, dtype=dtype)
+                    print(f"bench serve: {name} up in {time.perf_counter() - t0:.0f}s at {base}", flush=True)
+                served = _served_model(base)
+                warm = _stream_one(requests.Session(), base, served, pool[0], 4, request_timeout_s)  # load/compile paths
+                if not warm["ok"]:
+                    raise RuntimeError(f"warm-up request failed: {warm['error']}")
+                for c in concurrencies:
+                    row = bench_level(base, served, prompts_for(c), c, max_tokens, timeout=request_timeout_s)
+                    row.update(setup=name, draft=setup_draft)
+                    if name == "plain":
+                        row["tau"] = None  # no speculation: tokens per forward says nothing there
+                    results.append(row)
+                    print(f"bench serve: {name} c={c}: {row['completed']}/{row['num_prompts']} done, "
+                          f"{row['output_throughput']:.2f} out tok/s, TTFT median {_fmt(row['ttft_ms']['median'], 0)} ms",
+                          flush=True)
+            finally:
+                if url is None:
+                    _stop_local(app)
+    finally:
+        _shutdown_started_ray()
     report = {"meta": {"model": model, "url": url, "draft": head, "concurrencies": list(concurrencies),
                        "num_prompts": num_prompts, "max_tokens": max_tokens, "dtype": dtype,
                        "cpus": os.cpu_count(), "machine": platform.machine(), "notes": notes,
