@@ -29,7 +29,11 @@ def _timed(fn) -> tuple[float, int]:
 
 
 def run(model: str = "gemma-3-270m", dtypes: list[str] = ("float32", "bfloat16"), batch_sizes: list[int] = (1, 8),
-        max_tokens: int = 64, json_out: str | None = "bench/results/decode.json") -> list[dict]:
+        max_tokens: int = 64, json_out: str | None = "bench/results/decode.json", threads: int | None = None) -> list[dict]:
+    """`threads` pins torch's intra-op threads for both engines (1 keeps a shared machine's
+    other processes from stalling every parallel op; the JSON records what was used)."""
+    if threads:
+        torch.set_num_threads(threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from eagle_worker import LLM, SamplingParams

@@ -78,7 +78,10 @@ def _run_hf(model, tok, prompts: list[str], max_tokens: int, lookup: int | None)
 def run(model: str = "gemma-3-270m", prompts_file: str | Path = SPEC_BENCH, per_category: int = 2,
         max_tokens: int = 128, dtype: str = "bfloat16", draft: str = "default",
         methods: tuple[str, ...] = ("vanilla", "hf", "hf_lookup", "lookup", "chain", "static", "dynamic", "hybrid"),
-        sweep: tuple[int, ...] = (1, 2, 4, 8, 16, 32), json_out: str | None = "bench/results/spec.json") -> dict:
+        sweep: tuple[int, ...] = (1, 2, 4, 8, 16, 32), json_out: str | None = "bench/results/spec.json",
+        threads: int | None = None) -> dict:
+    if threads:
+        torch.set_num_threads(threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from eagle_worker import LLM

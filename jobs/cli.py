@@ -86,12 +86,13 @@ def bench() -> None:
 @click.option("--batch-sizes", default="1,8", show_default=True)
 @click.option("--max-tokens", default=64, show_default=True, type=int)
 @click.option("--json", "json_out", default="bench/results/decode.json", show_default=True)
-def bench_decode(model, dtypes, batch_sizes, max_tokens, json_out):
+@click.option("--threads", default=None, type=int, help="torch intra-op threads for both engines [default: torch's].")
+def bench_decode(model, dtypes, batch_sizes, max_tokens, json_out, threads):
     """Tokens/s of this engine vs transformers generate, same model and dtype, one run."""
     from bench.decode import run
 
     run(model=model, dtypes=dtypes.split(","), batch_sizes=[int(b) for b in batch_sizes.split(",")],
-        max_tokens=max_tokens, json_out=json_out)
+        max_tokens=max_tokens, json_out=json_out, threads=threads)
 
 
 @bench.command("spec")
@@ -104,14 +105,15 @@ def bench_decode(model, dtypes, batch_sizes, max_tokens, json_out):
 @click.option("--methods", default="vanilla,hf,hf_lookup,lookup,chain,static,dynamic,hybrid", show_default=True)
 @click.option("--sweep", default="1,2,4,8,16,32", show_default=True, help="Batch sizes for the head/no-head sweep ('' to skip).")
 @click.option("--json", "json_out", default="bench/results/spec.json", show_default=True)
-def bench_spec(model, prompts_file, per_category, max_tokens, dtype, draft, methods, sweep, json_out):
+@click.option("--threads", default=None, type=int, help="torch intra-op threads [default: torch's].")
+def bench_spec(model, prompts_file, per_category, max_tokens, dtype, draft, methods, sweep, json_out, threads):
     """Vanilla, transformers (plain, prompt lookup), our lookup, EAGLE chain/static/dynamic, hybrid."""
     from bench.prompts import SPEC_BENCH
     from bench.spec import run
 
     run(model=model, prompts_file=prompts_file or SPEC_BENCH, per_category=per_category, max_tokens=max_tokens,
         dtype=dtype, draft=draft, methods=tuple(methods.split(",")),
-        sweep=tuple(int(b) for b in sweep.split(",") if b), json_out=json_out)
+        sweep=tuple(int(b) for b in sweep.split(",") if b), json_out=json_out, threads=threads)
 
 
 @bench.command("job")
