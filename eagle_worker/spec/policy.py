@@ -16,13 +16,16 @@ def _bucket(batch_size: int) -> int:
 
 
 class SpecPolicy:
-    def __init__(self, num_draft_tokens: int, adaptive: bool = True, explore_every: int = 40, ema: float = 0.2):
+    def __init__(self, num_draft_tokens: int, adaptive: bool = True, explore_every: int = 40, ema: float = 0.2,
+                 min_samples: int = 3):
         self.full = num_draft_tokens
         self.adaptive = adaptive
         self.options = sorted({0, max(1, num_draft_tokens // 4), max(1, num_draft_tokens // 2), num_draft_tokens})
         self.explore_every = explore_every
         self.ema = ema
+        self.min_samples = min_samples            # measurements per budget before trusting the average
         self.rate: dict[tuple[int, int], float] = {}
+        self.samples: dict[tuple[int, int], int] = defaultdict(int)
         self.decisions: dict[int, int] = defaultdict(int)
 
     def choose(self, batch_size: int) -> int:
@@ -31,7 +34,7 @@ class SpecPolicy:
         b = _bucket(batch_size)
         self.decisions[b] += 1
         for n in reversed(self.options):
-            if (b, n) not in self.rate:
+            if self.samples[(b, n)] < self.min_samples:
                 return n
         ranked = sorted(self.options, key=lambda n: self.rate[(b, n)], reverse=True)
         if self.decisions[b] % self.explore_every == 0:
@@ -44,7 +47,10 @@ class SpecPolicy:
             return
         key = (_bucket(batch_size), budget)
         r = tokens / seconds
-        self.rate[key] = r if key not in self.rate else (1 - self.ema) * self.rate[key] + self.ema * r
+        self.samples[key] += 1
+        n = self.samples[key]
+        ema = max(self.ema, 1.0 / n)              # plain mean over the first samples, then a moving average
+        self.rate[key] = r if key not in self.rate else (1 - ema) * self.rate[key] + ema * r
 
     def snapshot(self) -> dict:
         return {f"batch<={b}/draft={n}": round(r, 2) for (b, n), r in sorted(self.rate.items())}
