@@ -3,8 +3,10 @@
 Speculation pays at small batches and loses at large ones (verification multiplies the tokens
 the target processes). For each batch-size bucket the policy keeps a moving average of decode
 throughput (tokens produced per second of step time) for each budget it tried, always picks the
-best, tries an untried budget first and re-tries the others now and then, so the choice follows
-the real costs of this machine, model and head, down to no speculation at all.
+best, measures budgets from no speculation upwards and stops climbing as soon as a larger budget
+is slower (so a losing, expensive tree is tried only once or twice), and re-checks a neighbour of
+the best now and then: the choice follows the real costs of this machine, model and head, down to
+no speculation at all.
 """
 from __future__ import annotations
 
@@ -33,13 +35,19 @@ class SpecPolicy:
             return self.full
         b = _bucket(batch_size)
         self.decisions[b] += 1
-        for n in reversed(self.options):
-            if self.samples[(b, n)] < self.min_samples:
-                return n
-        ranked = sorted(self.options, key=lambda n: self.rate[(b, n)], reverse=True)
-        if self.decisions[b] % self.explore_every == 0:
-            return ranked[1 + (self.decisions[b] // self.explore_every) % (len(ranked) - 1)]
-        return ranked[0]
+        measured = [n for n in self.options if self.samples[(b, n)] >= self.min_samples]
+        pending = [n for n in self.options if self.samples[(b, n)] < self.min_samples]
+        # climb from no speculation upwards while each larger budget is still faster: a budget
+        # that loses at this batch size is never followed by a (more expensive) larger one
+        climbing = len(measured) < 2 or self.rate[(b, measured[-1])] >= self.rate[(b, measured[-2])]
+        if pending and (not measured or (climbing and pending[0] > measured[-1])):
+            return pending[0]
+        best = max(measured, key=lambda n: self.rate[(b, n)])
+        if self.decisions[b] % self.explore_every == 0:   # re-check a neighbour now and then
+            i = self.options.index(best)
+            return self.options[i + 1] if i + 1 < len(self.options) and (self.decisions[b] // self.explore_every) % 2 \
+                else self.options[max(i - 1, 0)]
+        return best
 
     def observe(self, batch_size: int, budget: int, tokens: int, seconds: float) -> None:
         """Record one pure-decode step: `tokens` produced by `batch_size` sequences in `seconds`."""

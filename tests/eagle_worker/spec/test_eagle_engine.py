@@ -176,10 +176,13 @@ def test_speculative_sampling_keeps_the_target_distribution(copying_target, monk
 
 def test_policy_drops_speculation_where_it_loses():
     policy = SpecPolicy(num_draft_tokens=16)
-    for _ in range(60):
+    tried = {1: set(), 32: set()}
+    for _ in range(30):
         for bs, rate in ((1, {0: 10, 4: 14, 8: 18, 16: 25}), (32, {0: 300, 4: 200, 8: 150, 16: 90})):
             n = policy.choose(bs)
+            tried[bs].add(n)
             policy.observe(bs, n, int(rate[n] * 0.1), 0.1)
     assert policy.choose(1) == 16
     assert policy.choose(32) == 0
+    assert tried[32] == {0, 4}          # a losing budget stops the climb: the big trees are never paid for
     assert SpecPolicy(num_draft_tokens=16, adaptive=False).choose(64) == 16
