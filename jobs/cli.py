@@ -132,8 +132,8 @@ def bench_job(model, rows, max_tokens, json_out):
 @click.option("--url", default=None, help="An already running endpoint [default: start one on this machine].")
 @click.option("--model", default="gemma-3-270m", show_default=True)
 @click.option("--concurrencies", default="1,4,16", show_default=True)
-@click.option("--num-prompts", default=32, show_default=True, type=int)
-@click.option("--max-tokens", default=64, show_default=True, type=int)
+@click.option("--num-prompts", default=8, show_default=True, type=int)
+@click.option("--max-tokens", default=32, show_default=True, type=int)
 @click.option("--draft", default="default", show_default=True, help="Head for the with-head run: folder or 'default'.")
 @click.option("--json", "json_out", default="bench/results/serve.json", show_default=True)
 def bench_serve(url, model, concurrencies, num_prompts, max_tokens, draft, json_out):
