@@ -75,3 +75,41 @@ def tiny_model_dir(tmp_path_factory):
             cache[family] = save_tiny_model(family, tmp_path_factory.mktemp(f"tiny-{family}"))
         return cache[family]
     return get
+
+
+@pytest.fixture(scope="session")
+def copying_target(tmp_path_factory):
+    """A tiny Qwen2 whose next token depends mostly on the current one (attention is weak, MLPs are
+    off) and an EAGLE-1 head that forwards the token embedding: it drafts the target's own bigram
+    argmax, so it accepts a lot, while attention still makes the KV cache matter.
+    Returns (target folder, head folder)."""
+    from transformers import AutoModelForCausalLM
+
+    from eagle_worker import LLM
+    from eagle_worker.spec.head_init import new_head
+    from eagle_worker.spec.head_loader import save_draft_head
+
+    torch.manual_seed(0)
+    cfg = tiny_config("qwen2")
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.2)
+            if "o_proj" in name:
+                p.mul_(0.01)
+            if "down_proj" in name:
+                p.zero_()
+            if "norm" in name:
+                p.fill_(1.0)
+    target = tmp_path_factory.mktemp("copying-target")
+    model.save_pretrained(target)
+    make_tokenizer(cfg.vocab_size).save_pretrained(target)
+    llm = LLM(model=str(target), block_size=4, num_kv_blocks=64, draft=None)
+    head = new_head("eagle", llm.engine.runner.model, llm.engine.runner.hf_config, std=0.0)
+    with torch.no_grad():
+        hidden = head.config.hidden_size
+        head.fc.weight[:, :hidden] = torch.eye(hidden)
+    head_dir = tmp_path_factory.mktemp("copying-head")
+    save_draft_head(head, head_dir)
+    return target, head_dir

@@ -6,48 +6,11 @@ import re
 
 import pytest
 import requests
-import torch
-from transformers import AutoModelForCausalLM
 
 from cluster.config import ServeConfig
-from tests.conftest import make_tokenizer, tiny_config
 
 PROMPTS = ["The quick brown fox", "def add(a, b):\n", "Bonjour"]
 NO_EOS = {"ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def copying_target(tmp_path_factory):
-    """A tiny Qwen2 whose next token mostly depends on the current one, and an EAGLE-1 head that
-    forwards the token embedding, so it drafts the target's own bigram argmax and accepts a lot."""
-    from eagle_worker import LLM
-    from eagle_worker.spec.head_init import new_head
-    from eagle_worker.spec.head_loader import save_draft_head
-
-    torch.manual_seed(0)
-    cfg = tiny_config("qwen2")
-    model = AutoModelForCausalLM.from_config(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.2)
-            if "o_proj" in name:
-                p.mul_(0.01)
-            if "down_proj" in name:
-                p.zero_()
-            if "norm" in name:
-                p.fill_(1.0)
-    target = tmp_path_factory.mktemp("copying-target")
-    model.save_pretrained(target)
-    make_tokenizer(cfg.vocab_size).save_pretrained(target)
-    llm = LLM(model=str(target), block_size=4, num_kv_blocks=64, draft=None)
-    head = new_head("eagle", llm.engine.runner.model, llm.engine.runner.hf_config, std=0.0)
-    with torch.no_grad():
-        hidden = head.config.hidden_size
-        head.fc.weight[:, :hidden] = torch.eye(hidden)
-    head_dir = tmp_path_factory.mktemp("copying-head")
-    save_draft_head(head, head_dir)
-    return target, head_dir
 
 
 @pytest.fixture(scope="module")

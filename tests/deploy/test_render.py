@@ -242,10 +242,11 @@ def test_job_data_must_be_on_the_volume(tmp_path, path):
         JobConfig.from_yaml(p)
 
 
-def test_job_entrypoint_quotes_paths_and_plain_decoding_is_explicit():
+def test_job_entrypoint_quotes_paths_and_the_draft_choice_is_explicit():
     job = JobConfig(input="/data/my prompts.parquet", output="/data/out", data_volume=VOL)
     ep = job_entrypoint(_cfg({}), job)
-    assert "'/data/my prompts.parquet'" in ep and "--draft none" in ep
+    assert "'/data/my prompts.parquet'" in ep and "--draft auto" in ep     # the serve default travels as is
+    assert "--draft none" in job_entrypoint(_cfg({"draft": None}), job)
 
 
 def test_bad_extra_args_are_refused_at_render_time():

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from eagle_worker import LLM, SamplingParams
 from eagle_worker.engine import LLMEngine
@@ -19,7 +18,6 @@ from eagle_worker.spec.config import SpecConfig
 from eagle_worker.spec.head_init import new_head
 from eagle_worker.spec.head_loader import save_draft_head
 from eagle_worker.spec.policy import SpecPolicy
-from tests.conftest import make_tokenizer, tiny_config
 
 PROMPTS = ["The quick brown fox", "Question: what is two plus two?\nAnswer:", "def add(a, b):\n", "x",
            "Speculative decoding drafts tokens and verifies them in one pass.", "Bonjour"]
@@ -51,37 +49,6 @@ def test_greedy_with_random_head_equals_plain(family, kind, tiny_model_dir, tmp_
     assert [o.token_ids for o in spec.generate(PROMPTS, params)] == expected
     assert spec.engine.stats()["spec_steps"] > 0
     assert_no_leaks(spec.engine)
-
-
-@pytest.fixture(scope="module")
-def copying_target(tmp_path_factory):
-    """A tiny Qwen2 whose next token depends mostly on the current one (attention is weak, MLPs are
-    off) and an EAGLE-1 head that forwards the token embedding: it drafts the target's own bigram
-    argmax, so it accepts a lot, while attention still makes the KV cache matter."""
-    torch.manual_seed(0)
-    cfg = tiny_config("qwen2")
-    model = AutoModelForCausalLM.from_config(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.2)
-            if "o_proj" in name:
-                p.mul_(0.01)
-            if "down_proj" in name:
-                p.zero_()
-            if "norm" in name:
-                p.fill_(1.0)
-    target = tmp_path_factory.mktemp("copying-target")
-    model.save_pretrained(target)
-    make_tokenizer(cfg.vocab_size).save_pretrained(target)
-    llm = LLM(model=str(target), block_size=4, num_kv_blocks=64)
-    head = new_head("eagle", llm.engine.runner.model, llm.engine.runner.hf_config, std=0.0)
-    with torch.no_grad():
-        H = head.config.hidden_size
-        head.fc.weight[:, :H] = torch.eye(H)
-    head_dir = tmp_path_factory.mktemp("copying-head")
-    save_draft_head(head, head_dir)
-    return target, head_dir
 
 
 @pytest.mark.parametrize("tree", ["dynamic", "static", "chain"])

@@ -13,7 +13,7 @@ from eagle_worker.spec.config import SpecConfig
 from eagle_worker.spec.head_init import new_head
 from eagle_worker.spec.head_loader import save_draft_head
 from eagle_worker.spec.lookup import NgramIndex, merge_branches, prune_to_best
-from tests.eagle_worker.spec.test_eagle_engine import _chi2_pvalue, _joint_counts, copying_target  # noqa: F401
+from tests.eagle_worker.spec.test_eagle_engine import _chi2_pvalue, _joint_counts
 
 
 def test_index_is_incremental_and_matches_longest_suffix_first():
