@@ -55,6 +55,7 @@ class RotaryEmbedding(nn.Module):
         # Half-width tables: the two halves of a head share the same angle.
         self.register_buffer("cos_cache", freqs.cos(), persistent=False)
         self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+        self._last: tuple = (None, None, None, None)   # (positions, dtype, cos, sin) of the last call
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
@@ -64,8 +65,12 @@ class RotaryEmbedding(nn.Module):
         return out.view(T, -1)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos_cache[positions].to(q.dtype).unsqueeze(1)  # [T, 1, hd/2]
-        sin = self.sin_cache[positions].to(q.dtype).unsqueeze(1)
+        # every layer of a forward passes the same positions tensor: gather cos/sin once
+        if positions is not self._last[0] or q.dtype != self._last[1]:
+            cos = self.cos_cache[positions].to(q.dtype).unsqueeze(1)  # [T, 1, hd/2]
+            sin = self.sin_cache[positions].to(q.dtype).unsqueeze(1)
+            self._last = (positions, q.dtype, cos, sin)
+        cos, sin = self._last[2], self._last[3]
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
 
