@@ -44,10 +44,11 @@ def _random_head(llm, out: Path, draft_vocab: int = 8192) -> str:
     return str(out)
 
 
-def _run_ours(llm, prompts: list[str], max_tokens: int, shares: dict | None = None) -> tuple[float, int, int]:
+def _run_ours(llm, prompts: list[str], max_tokens: int, shares: dict | None = None,
+              temperature: float = 0.0) -> tuple[float, int, int]:
     from eagle_worker import SamplingParams
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=0 if temperature else None)
     t0 = time.perf_counter()
     tokens = forwards = 0
     for p in prompts:                       # batch 1: one request at a time
@@ -62,15 +63,19 @@ def _run_ours(llm, prompts: list[str], max_tokens: int, shares: dict | None = No
     return time.perf_counter() - t0, tokens, forwards
 
 
-def _run_hf(model, tok, prompts: list[str], max_tokens: int, lookup: int | None) -> tuple[float, int, int]:
+def _run_hf(model, tok, prompts: list[str], max_tokens: int, lookup: int | None,
+            temperature: float = 0.0) -> tuple[float, int, int]:
     t0 = time.perf_counter()
     tokens = 0
     kw = {"prompt_lookup_num_tokens": lookup} if lookup else {}
+    if temperature:    # plain temperature sampling, as ours (no top-k/top-p from generation_config)
+        kw.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+    else:
+        kw.update(do_sample=False)
     with torch.inference_mode():
         for p in prompts:
             ids = tok(p, return_tensors="pt").input_ids
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                                 do_sample=False, **kw)
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, **kw)
             tokens += out.shape[1] - ids.shape[1]
     return time.perf_counter() - t0, tokens, 0
 
@@ -79,7 +84,9 @@ def run(model: str = "gemma-3-270m", prompts_file: str | Path = SPEC_BENCH, per_
         max_tokens: int = 128, dtype: str = "bfloat16", draft: str = "default",
         methods: tuple[str, ...] = ("vanilla", "hf", "hf_lookup", "lookup", "chain", "static", "dynamic", "hybrid"),
         sweep: tuple[int, ...] = (1, 2, 4, 8, 16, 32), json_out: str | None = "bench/results/spec.json",
-        threads: int | None = None) -> dict:
+        threads: int | None = None, temperature: float = 0.0) -> dict:
+    """Batch 1, one request after another; `temperature` > 0 samples (seed 0 per request on our
+    side) and reports tau and speed: acceptance then depends on the drawn tokens."""
     if threads:
         torch.set_num_threads(threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -103,11 +110,12 @@ def run(model: str = "gemma-3-270m", prompts_file: str | Path = SPEC_BENCH, per_
             if hf is None:
                 tok = AutoTokenizer.from_pretrained(path)
                 hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
-            runner = lambda ps: _run_hf(hf, tok, ps, max_tokens, 10 if method == "hf_lookup" else None)  # noqa: E731
+            runner = lambda ps: _run_hf(hf, tok, ps, max_tokens, 10 if method == "hf_lookup" else None,  # noqa: E731
+                                        temperature)
         else:
             llm = vanilla if method == "vanilla" else LLM(model=model, dtype=dtype, spec=_spec_config(method, draft))
             llm.generate(by_cat[next(iter(by_cat))][0], None)          # warm-up
-            runner = lambda ps, shares=None, llm=llm: _run_ours(llm, ps, max_tokens, shares)  # noqa: E731
+            runner = lambda ps, shares=None, llm=llm: _run_ours(llm, ps, max_tokens, shares, temperature)  # noqa: E731
         for cat, ps in by_cat.items():
             shares = {} if method == "hybrid" else None
             secs, tokens, forwards = runner(ps, shares) if method in OURS else runner(ps)
@@ -124,6 +132,7 @@ def run(model: str = "gemma-3-270m", prompts_file: str | Path = SPEC_BENCH, per_
     sweep_rows = _sweep(model, dtype, draft, [p for ps in by_cat.values() for p in ps], sweep, max_tokens=32) if sweep else []
     _print(summary, sweep_rows)
     report = {"meta": {"model": model, "dtype": dtype, "max_tokens": max_tokens, "prompt_format": PROMPT_FORMAT,
+                       "temperature": temperature,
                        "prompts": str(prompts_file), "per_category": per_category, "draft": draft,
                        "threads": torch.get_num_threads()},
               "results": results, "summary": summary, "sweep": sweep_rows}

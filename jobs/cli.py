@@ -106,14 +106,17 @@ def bench_decode(model, dtypes, batch_sizes, max_tokens, json_out, threads):
 @click.option("--sweep", default="1,2,4,8,16,32", show_default=True, help="Batch sizes for the head/no-head sweep ('' to skip).")
 @click.option("--json", "json_out", default="bench/results/spec.json", show_default=True)
 @click.option("--threads", default=None, type=int, help="torch intra-op threads [default: torch's].")
-def bench_spec(model, prompts_file, per_category, max_tokens, dtype, draft, methods, sweep, json_out, threads):
+@click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy; > 0 samples.")
+def bench_spec(model, prompts_file, per_category, max_tokens, dtype, draft, methods, sweep, json_out, threads,
+               temperature):
     """Vanilla, transformers (plain, prompt lookup), our lookup, EAGLE chain/static/dynamic, hybrid."""
     from bench.prompts import SPEC_BENCH
     from bench.spec import run
 
     run(model=model, prompts_file=prompts_file or SPEC_BENCH, per_category=per_category, max_tokens=max_tokens,
         dtype=dtype, draft=draft, methods=tuple(methods.split(",")),
-        sweep=tuple(int(b) for b in sweep.split(",") if b), json_out=json_out, threads=threads)
+        sweep=tuple(int(b) for b in sweep.split(",") if b), json_out=json_out, threads=threads,
+        temperature=temperature)
 
 
 @bench.command("job")

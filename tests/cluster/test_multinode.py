@@ -23,7 +23,7 @@ import pytest
 import requests
 
 from cluster.config import ServeConfig
-from tests.cluster.multinode import LocalCluster, free_ports
+from tests.ray_cluster import LocalCluster, free_ports
 
 MODEL = "tiny-gemma"
 N_REQUESTS, CONCURRENCY, MAX_TOKENS = 40, 4, 64  # long enough that a replica is rarely idle

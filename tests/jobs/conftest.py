@@ -1,5 +1,5 @@
 """Fixtures for job tests: Parquet helpers, a shared local Ray for in-process jobs, CLI subprocesses,
-and a throwaway multi-node Ray cluster torn down by process id."""
+(the multi-node cluster is `tests.ray_cluster.LocalCluster`)."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -64,32 +63,3 @@ def local_ray():
              logging_level="WARNING")
     yield ray
     ray.shutdown()
-
-
-def kill_tree(marker: str, timeout: float = 5.0) -> None:
-    """Terminate the processes whose command line contains `marker` (our cluster's temp dir) and
-    their children, by pid: never `ray stop`, which would take down other people's clusters."""
-    roots = []
-    for p in psutil.process_iter(["cmdline"]):
-        try:
-            if any(marker in a for a in (p.info["cmdline"] or [])):
-                roots.append(p)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
-    procs = set(roots)
-    for p in roots:
-        try:
-            procs.update(p.children(recursive=True))
-        except psutil.NoSuchProcess:
-            pass
-    for p in procs:
-        try:
-            p.terminate()
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(list(procs), timeout=timeout)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass

@@ -1,50 +1,23 @@
 """A job submitted with --address to a local two-node Ray cluster (token auth, one CPU per node),
 followed with `job status --follow` to completion, then `job list` and `job logs`.
 
-The cluster is started with `ray start` in its own temp dir and torn down by process id (never
-`ray stop`, which would also stop other Ray instances on the machine)."""
+The cluster is `tests.ray_cluster.LocalCluster` (started with `ray start` in its own temp dir, torn
+down by process id)."""
 from __future__ import annotations
-
-import shutil
-import socket
-import subprocess
-import tempfile
 
 import pyarrow.parquet as pq
 import pytest
 
 from jobs.ray_jobs import jobs_address
+from tests.ray_cluster import LocalCluster
 
-from .conftest import cli, cli_env, kill_tree, read_manifest, write_parquet
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+from .conftest import cli, read_manifest, write_parquet
 
 
 @pytest.fixture
 def two_node_cluster():
-    temp = tempfile.mkdtemp(prefix="eagle-jobs-ray-", dir="/tmp")   # short: Ray's socket paths must fit 107 chars
-    gcs, dash, client, agent1, agent2 = _free_ports(5)
-    env = cli_env(RAY_AUTH_MODE="token")
-    common = ["--num-cpus", "1", "--disable-usage-stats"]
-    try:
-        subprocess.run(["ray", "start", "--head", "--port", str(gcs), "--dashboard-port", str(dash),
-                        "--include-dashboard", "true", "--dashboard-host", "127.0.0.1",
-                        "--ray-client-server-port", str(client), "--dashboard-agent-listen-port", str(agent1),
-                        "--temp-dir", temp, *common], env=env, check=True, capture_output=True, timeout=120)
-        subprocess.run(["ray", "start", "--address", f"127.0.0.1:{gcs}", "--dashboard-agent-listen-port", str(agent2),
-                        *common], env=env, check=True, capture_output=True, timeout=120)
-        yield {"address": f"http://127.0.0.1:{dash}", "env": env}
-    finally:
-        kill_tree(temp)
-        shutil.rmtree(temp, ignore_errors=True)
+    with LocalCluster(node_cpus=(1, 1), dashboard=True) as c:
+        yield {"address": c.dashboard_address, "env": c.env}
 
 
 def test_jobs_address_mapping():
