@@ -5,6 +5,8 @@ and, per group of sequences, which cache slots each sequence attends to and with
 Prefill chunks, plain decodes and draft-tree verification are all the same thing here: a
 sequence has committed context in the cache plus `q_len` new tokens whose mutual visibility is
 given by a [q_len, q_len] mask (lower-triangular for normal tokens, ancestor mask for trees).
+A drafting level is one more case: its queries see the context plus every draft node so far
+through a [q_len, m] mask over those m trailing keys.
 Sequences are grouped so that a long prefill does not pad every decode to its length.
 """
 from __future__ import annotations
@@ -25,7 +27,7 @@ class SeqAttention:
     q_positions: torch.Tensor | list[int]   # rope positions of the new tokens
     kv_slots: torch.Tensor | list[int]      # cache slots of context then new tokens, in order
     kv_positions: torch.Tensor | list[int]  # positions of those keys
-    new_token_mask: torch.Tensor | None = None  # [q_len, q_len] bool; None means causal
+    new_token_mask: torch.Tensor | None = None  # [q_len, m] bool over the last m keys; None: causal over q_len
 
     @property
     def q_len(self) -> int:
@@ -76,7 +78,7 @@ def _build_group(seqs: list[SeqAttention], device: torch.device) -> AttentionGro
     k_pos = torch.zeros(B, K, dtype=torch.long)
     for b, s in enumerate(seqs):
         q, k = s.q_len, len(s.kv_slots)
-        ctx = k - q
+        ctx = k - (s.new_token_mask.shape[1] if s.new_token_mask is not None else q)
         token_index[b, :q] = torch.arange(s.q_start, s.q_start + q)
         query_valid[b, :q] = True
         kv_slots[b, :k] = torch.as_tensor(s.kv_slots)

@@ -88,24 +88,26 @@ class Drafter:
         return hidden[idx], logprobs[idx]
 
     def _level(self, batch: list[DraftSeq], parent_hidden: torch.Tensor, tokens: torch.Tensor,
-               node_offsets: torch.Tensor, visible: list[list[torch.Tensor]], node_depth: int
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward K nodes per sequence at depth `node_depth`. node_offsets [S, K] are their
-        uncommitted-slot offsets; visible[s][j] the offsets of the node's draft ancestors and itself
-        (itself last), each offset o standing at position c + depth(o) - 1."""
+               node_offsets: torch.Tensor, seen_offsets: torch.Tensor, seen_depths: torch.Tensor,
+               visible: torch.Tensor, node_depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward K nodes per sequence at depth `node_depth`, one attention description per
+        sequence: keys are its committed context plus the M draft nodes forwarded so far
+        (uncommitted-slot offsets `seen_offsets` [M], depths `seen_depths` [M], these K last) and
+        `visible` [S, K, M] says which of them each node sees (its ancestors and itself)."""
         S, K = tokens.shape
-        attn, slot_map, pos = [], [], []
+        attn, slot_map = [], []
+        node_pos = seen_depths - 1
+        visible = visible.cpu()
         for s, d in enumerate(batch):
             c = d.committed
-            for j in range(K):
-                offs, depths = visible[s][j]
-                attn.append(SeqAttention(q_start=s * K + j, q_positions=[c + node_depth - 1],
-                                         kv_slots=torch.cat([d.slots[:c], d.slots[c + offs]]),
-                                         kv_positions=torch.cat([torch.arange(c), c + depths - 1])))
-                pos.append(c + node_depth - 1)
-            slot_map.append(d.slots[c + node_offsets[s].cpu()])
+            attn.append(SeqAttention(q_start=s * K, q_positions=torch.full((K,), c + node_depth - 1),
+                                     kv_slots=torch.cat([d.slots[:c], d.slots[c + seen_offsets]]),
+                                     kv_positions=torch.cat([torch.arange(c), c + node_pos]),
+                                     new_token_mask=visible[s]))
+            slot_map.append(d.slots[c + node_offsets])
+        pos = torch.tensor([d.committed + node_depth - 1 for d in batch]).repeat_interleave(K)
         hidden, logprobs = self._run(attn, torch.cat(slot_map), parent_hidden.reshape(S * K, -1),
-                                     tokens.reshape(-1), torch.tensor(pos))
+                                     tokens.reshape(-1), pos)
         return hidden.view(S, K, -1), logprobs.view(S, K, -1)
 
     @torch.inference_mode()
@@ -122,13 +124,10 @@ class Drafter:
             level_offsets = 1 + (level - 1) * top_k + torch.arange(K)
             offsets.append(level_offsets)
             depths.append(torch.full((K,), level))
-            all_offsets, all_depths = torch.cat(offsets), torch.cat(depths)
-            mask = state.frontier_mask.cpu()
-            visible = [[(all_offsets[mask[s, j]], all_depths[mask[s, j]]) for j in range(K)] for s in range(S)]
             parent_hidden = torch.gather(prev_hidden, 1, state.frontier_parent_slot[..., None].expand(-1, -1, prev_hidden.shape[-1]))
             tokens = self.head.to_target_ids(state.frontier_tokens)
-            prev_hidden, logprobs = self._level(batch, parent_hidden, tokens,
-                                                level_offsets.expand(S, K), visible, level)
+            prev_hidden, logprobs = self._level(batch, parent_hidden, tokens, level_offsets, torch.cat(offsets),
+                                                torch.cat(depths), state.frontier_mask, level)
             state = dynamic_tree_step(state, logprobs)
         tree = dynamic_tree_finish(state, num_nodes)
         tree.tokens[:, 1:] = self.head.to_target_ids(tree.tokens[:, 1:])
@@ -147,6 +146,7 @@ class Drafter:
             ancestors[i] = ancestors[shape.parents[i]] + [i]
         depth_t = torch.tensor(shape.depth)
         lvl_lp = root_logprobs[:, None]
+        seen: list[int] = []               # nodes forwarded so far, level by level
         for d in range(1, shape.max_depth + 1):
             nodes = shape.level(d)
             ids, _ = static_tree_level_tokens(shape, d, lvl_lp)
@@ -155,8 +155,10 @@ class Drafter:
             if d == shape.max_depth or not parents_of_next:
                 break
             parent_hidden = torch.stack([node_hidden[shape.parents[n]] for n in nodes], 1)
-            visible = [[(torch.tensor(ancestors[n]), depth_t[ancestors[n]]) for n in nodes] for _ in range(S)]
-            hidden, lvl_lp = self._level(batch, parent_hidden, tokens[:, nodes], torch.tensor(nodes).expand(S, -1), visible, d)
+            seen += nodes
+            visible = torch.tensor([[m in ancestors[n] for m in seen] for n in nodes]).expand(S, -1, -1)
+            hidden, lvl_lp = self._level(batch, parent_hidden, tokens[:, nodes], torch.tensor(nodes),
+                                         torch.tensor(seen), depth_t[seen], visible, d)
             for j, n in enumerate(nodes):
                 node_hidden[n] = hidden[:, j]
         return TreeBatch.stack([shape.parents] * S, tokens.tolist(), device=root_logprobs.device)
