@@ -21,17 +21,21 @@ from bench.prompts import PROMPT_FORMAT, SPEC_BENCH, load_questions, render
 OURS = ("vanilla", "lookup", "chain", "static", "dynamic", "hybrid")
 
 
-def _spec_config(method: str, draft: str):
+def _spec_config(method: str, draft: str, tree: dict | None = None):
+    """`tree`: depth / top_k / num_draft_tokens for the dynamic tree and the hybrid (SpecConfig's
+    defaults where absent)."""
     from eagle_worker.spec.config import SpecConfig
 
+    tree = tree or {}
     if method == "vanilla":
         return None
     if method == "lookup":
         return SpecConfig(lookup=True, adaptive=False)
     if method == "hybrid":
-        return SpecConfig(draft=draft, tree="dynamic", lookup=True, adaptive=False)
-    return SpecConfig(draft=draft, tree=method, adaptive=False,
-                      **({"depth": 5, "num_draft_tokens": 5} if method == "chain" else {}))
+        return SpecConfig(draft=draft, tree="dynamic", lookup=True, adaptive=False, **tree)
+    if method == "chain":
+        return SpecConfig(draft=draft, tree="chain", adaptive=False, depth=5, num_draft_tokens=5)
+    return SpecConfig(draft=draft, tree=method, adaptive=False, **(tree if method == "dynamic" else {}))
 
 
 def _random_head(llm, out: Path, draft_vocab: int = 8192) -> str:
@@ -84,7 +88,7 @@ def run(model: str = "gemma-3-270m", prompts_file: str | Path = SPEC_BENCH, per_
         max_tokens: int = 128, dtype: str = "bfloat16", draft: str = "default",
         methods: tuple[str, ...] = ("vanilla", "hf", "hf_lookup", "lookup", "chain", "static", "dynamic", "hybrid"),
         sweep: tuple[int, ...] = (1, 2, 4, 8, 16, 32), json_out: str | None = "bench/results/spec.json",
-        threads: int | None = None, temperature: float = 0.0) -> dict:
+        threads: int | None = None, temperature: float = 0.0, tree: dict | None = None) -> dict:
     """Batch 1, one request after another; `temperature` > 0 samples (seed 0 per request on our
     side) and reports tau and speed: acceptance then depends on the drawn tokens."""
     if threads:
@@ -113,7 +117,7 @@ def run(model: str = "gemma-3-270m", prompts_file: str | Path = SPEC_BENCH, per_
             runner = lambda ps: _run_hf(hf, tok, ps, max_tokens, 10 if method == "hf_lookup" else None,  # noqa: E731
                                         temperature)
         else:
-            llm = vanilla if method == "vanilla" else LLM(model=model, dtype=dtype, spec=_spec_config(method, draft))
+            llm = vanilla if method == "vanilla" else LLM(model=model, dtype=dtype, spec=_spec_config(method, draft, tree))
             llm.generate(by_cat[next(iter(by_cat))][0], None)          # warm-up
             runner = lambda ps, shares=None, llm=llm: _run_ours(llm, ps, max_tokens, shares, temperature)  # noqa: E731
         for cat, ps in by_cat.items():
@@ -132,7 +136,7 @@ def run(model: str = "gemma-3-270m", prompts_file: str | Path = SPEC_BENCH, per_
     sweep_rows = _sweep(model, dtype, draft, [p for ps in by_cat.values() for p in ps], sweep, max_tokens=32) if sweep else []
     _print(summary, sweep_rows)
     report = {"meta": {"model": model, "dtype": dtype, "max_tokens": max_tokens, "prompt_format": PROMPT_FORMAT,
-                       "temperature": temperature,
+                       "temperature": temperature, "tree": tree or {},
                        "prompts": str(prompts_file), "per_category": per_category, "draft": draft,
                        "threads": torch.get_num_threads()},
               "results": results, "summary": summary, "sweep": sweep_rows}

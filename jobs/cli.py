@@ -107,8 +107,11 @@ def bench_decode(model, dtypes, batch_sizes, max_tokens, json_out, threads):
 @click.option("--json", "json_out", default="bench/results/spec.json", show_default=True)
 @click.option("--threads", default=None, type=int, help="torch intra-op threads [default: torch's].")
 @click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy; > 0 samples.")
+@click.option("--num-draft-tokens", default=None, type=int, help="Dynamic tree / hybrid node budget [default: SpecConfig's].")
+@click.option("--depth", default=None, type=int, help="Dynamic tree / hybrid draft levels [default: SpecConfig's].")
+@click.option("--top-k", default=None, type=int, help="Dynamic tree / hybrid expansion width [default: SpecConfig's].")
 def bench_spec(model, prompts_file, per_category, max_tokens, dtype, draft, methods, sweep, json_out, threads,
-               temperature):
+               temperature, num_draft_tokens, depth, top_k):
     """Vanilla, transformers (plain, prompt lookup), our lookup, EAGLE chain/static/dynamic, hybrid."""
     from bench.prompts import SPEC_BENCH
     from bench.spec import run
@@ -116,7 +119,8 @@ def bench_spec(model, prompts_file, per_category, max_tokens, dtype, draft, meth
     run(model=model, prompts_file=prompts_file or SPEC_BENCH, per_category=per_category, max_tokens=max_tokens,
         dtype=dtype, draft=draft, methods=tuple(methods.split(",")),
         sweep=tuple(int(b) for b in sweep.split(",") if b), json_out=json_out, threads=threads,
-        temperature=temperature)
+        temperature=temperature, tree={k: v for k, v in (("num_draft_tokens", num_draft_tokens), ("depth", depth),
+                                                         ("top_k", top_k)) if v is not None})
 
 
 @bench.command("job")
