@@ -33,6 +33,7 @@ class DraftState:
     index: object = None          # NgramIndex when prompt lookup is on (kept across resets)
     ema_head: float = 1.0         # recent accepted tokens per step from each source
     ema_lookup: float = 1.0
+    lookup_steps: int = 0         # steps on which lookup matched (hybrid probes the head every 4th)
 
     def add(self, features: torch.Tensor, next_tokens: list[int]) -> None:
         self.features.append(features)

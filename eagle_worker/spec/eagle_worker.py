@@ -111,16 +111,22 @@ class EagleWorker:
             included.append(seq)
         if not batch:
             return {}
-        heads = self._head_trees(batch, budget, top_k, levels) if self.head is not None else None
+        proposals = {}
+        if spec.lookup:
+            for d, seq in zip(batch, included):
+                d.state.index.extend(seq.token_ids)
+                proposals[seq.request_id] = d.state.index.propose(spec.lookup_max_tokens, spec.lookup_max_branches)
+        use_head = [self.head is not None and not self._lookup_only(d.state, proposals.get(seq.request_id))
+                    for d, seq in zip(batch, included)]
+        drafted = iter(self._head_trees([d for d, u in zip(batch, use_head) if u], budget, top_k, levels)
+                       if any(use_head) else [])
         out = {}
         for b, seq in enumerate(included):
-            parents, tokens, depth, logprobs = heads[b] if heads else ([-1], [seq.token_ids[-1]], [0], [0.0])
-            branches = []
-            if spec.lookup:
-                st = self.states[seq.request_id]
-                st.index.extend(seq.token_ids)
-                branches = st.index.propose(spec.lookup_max_tokens, spec.lookup_max_branches)
-            if branches and heads:
+            head = use_head[b]
+            parents, tokens, depth, logprobs = next(drafted) if head else ([-1], [seq.token_ids[-1]], [0], [0.0])
+            branches = proposals.get(seq.request_id) or []
+            if branches and head:
+                st = batch[b].state
                 share = (st.ema_lookup + 0.1) / (st.ema_head + st.ema_lookup + 0.2)
                 head_nodes = budget - max(1, round(budget * share))
                 if logprobs is None:
@@ -129,6 +135,17 @@ class EagleWorker:
                     parents, tokens, depth = prune_to_best(parents, tokens, depth, logprobs, head_nodes)
             out[seq.request_id] = merge_branches(parents, tokens, depth, branches, budget - (len(tokens) - 1))
         return out
+
+    @staticmethod
+    def _lookup_only(st: DraftState, branches) -> bool:
+        """Hybrid: skip the head this step while prompt lookup carries the request (it matched,
+        and its recent accepted tokens per step are at least the head's): the step then costs
+        only the lookup trie. The head's pending features wait for its next catch-up, and every
+        4th such step it drafts anyway so its estimate stays current."""
+        if not branches:
+            return False
+        st.lookup_steps += 1
+        return st.lookup_steps % 4 != 0 and st.ema_lookup >= st.ema_head
 
     def _head_trees(self, batch: list[DraftSeq], budget: int, top_k: int, levels: int) -> list[tuple]:
         root_hidden, root_lp = self.drafter.catch_up(batch)
@@ -227,7 +244,8 @@ class EagleWorker:
         m = seq.metrics
         m.accepted_from_head += h
         m.accepted_from_lookup += lk
-        st.ema_head = 0.7 * st.ema_head + 0.3 * h
+        if any(from_head[1:]):          # only steps the head drafted say how well it does
+            st.ema_head = 0.7 * st.ema_head + 0.3 * h
         st.ema_lookup = 0.7 * st.ema_lookup + 0.3 * lk
 
     def _count_depths(self, seq: Sequence, depth: list[int], accepted: int) -> None:

@@ -71,6 +71,25 @@ def test_lookup_and_hybrid_are_exact_and_lookup_is_used(copying_target, tmp_path
     assert outs[0].metrics["accepted_share_lookup"] > outs[0].metrics["accepted_share_head"]
 
 
+def test_hybrid_skips_the_head_while_lookup_carries_the_request():
+    """gemma-3-270m with its shipped head on a prompt it continues by repeating itself: once lookup
+    carries the request the head drafts only on probe steps (without the rule it drafts on every
+    step), and the output stays plain greedy decoding's."""
+    prompt = "Question: Repeat the list.\nAnswer: " + "red, green, blue, yellow, black, white, " * 6
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    expected = LLM(model="gemma-3-270m", draft=None).generate(prompt, params)[0].token_ids
+    llm = LLM(model="gemma-3-270m", spec=SpecConfig(draft="default", lookup=True, adaptive=False))
+    worker = llm.engine.worker
+    grown = []
+    grow = worker.drafter.grow_dynamic
+    worker.drafter.grow_dynamic = lambda batch, *a, **k: grown.append(len(batch)) or grow(batch, *a, **k)
+    out = llm.generate(prompt, params)[0]
+    assert out.token_ids == expected
+    steps = worker.stats()["spec_steps"]
+    assert out.metrics["accepted_share_lookup"] > 0.8, out.metrics
+    assert 0 < len(grown) <= steps // 2 + 1, (len(grown), steps)
+
+
 def test_hybrid_sampling_keeps_the_target_distribution(copying_target, monkeypatch):
     target, head = copying_target
     n = 1200
