@@ -23,8 +23,8 @@ class RMSNorm(nn.Module):
         shape = (x.shape[-1],)
         if self.offset:
             return F.rms_norm(x.float(), shape, self.weight.float() + self.offset, self.eps).to(x.dtype)
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, shape, self.weight.float(), self.eps).to(self.weight.dtype)
+        if x.dtype == self.weight.dtype == torch.float32:
+            return F.rms_norm(x, shape, self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), shape, None, self.eps).to(x.dtype)
 
     def extra_repr(self) -> str:
