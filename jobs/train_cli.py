@@ -29,6 +29,8 @@ def _command_line() -> str:
 @click.option("--work-dir", default=None, help="Features and checkpoints (default OUT/work); reused to resume.")
 @click.option("--prompt-format", default="chat", show_default=True,
               help="'chat' (the target's template), or a frame with {prompt}, e.g. 'Question: {prompt}\\nAnswer:'.")
+@click.option("--init-head", default=None,
+              help="Continue training this head folder (its weights and draft vocabulary) instead of a fresh one.")
 @click.option("--draft-vocab-size", default=16384, show_default=True, type=int, help="EAGLE-3 draft vocabulary.")
 @click.option("--steps", default=None, type=int, help="Optimizer steps (default: --epochs over the data).")
 @click.option("--epochs", default=1.0, show_default=True, type=float)
@@ -53,7 +55,7 @@ def _command_line() -> str:
 @click.option("--threads", default=None, type=int, help="torch threads.")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--no-progress", is_flag=True)
-def train_head(target, fmt, data, out, work_dir, prompt_format, draft_vocab_size, steps, epochs, lr, warmup_steps,
+def train_head(target, fmt, data, out, work_dir, prompt_format, init_head, draft_vocab_size, steps, epochs, lr, warmup_steps,
                batch_tokens, max_tokens, ttt_steps, self_distill, distill_tokens, drop_responses, heldout,
                checkpoint_every, eval_every, eval_prompts, online, full_vocab_labels, dtype, bf16, threads, seed, no_progress):
     """Train an EAGLE-3 (or EAGLE-1) draft head for TARGET on prompts/responses from --data."""
@@ -71,7 +73,7 @@ def train_head(target, fmt, data, out, work_dir, prompt_format, draft_vocab_size
                      eval_every=eval_every, seed=seed, threads=threads)
     cfg = PipelineConfig(target=target, out=out, data=list(data), format=fmt, work_dir=work_dir, dtype=dtype,
                          prompt_format=prompt_format.replace("\\n", "\n"), max_tokens=max_tokens,
-                         draft_vocab_size=draft_vocab_size, self_distill=self_distill, distill_tokens=distill_tokens,
+                         draft_vocab_size=draft_vocab_size, init_head=init_head, self_distill=self_distill, distill_tokens=distill_tokens,
                          drop_responses=drop_responses, heldout=heldout, full_vocab_labels=full_vocab_labels, online=online,
                          eval_prompts=eval_prompts, seed=seed, train=tc,
                          command=_command_line())

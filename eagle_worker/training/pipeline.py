@@ -43,6 +43,7 @@ class PipelineConfig:
     extract_batch_tokens: int = 2048
     shard_tokens: int = 16384
     init_from_target: bool = True         # EAGLE-3: the draft LM head starts from the target's rows
+    init_head: str | None = None           # continue training this head (its weights and draft vocabulary)
     online: bool = False                   # compute train features per chunk, store nothing (large targets)
     eval_prompts: int = 8                  # engine tau on this many held-out prompts at the end
     eval_new_tokens: int = 64
@@ -62,6 +63,24 @@ def init_output_from_target(head, model, vocab_ids: torch.Tensor) -> None:
     The norm stays at 1: Gemma's final-norm gains (mean 26, max 301) on a random initial state
     gave logits in the hundreds and a loss that took most of a CPU budget to come down (measured)."""
     head.lm_head.weight.copy_(model.lm_head.weight[vocab_ids.to(model.lm_head.weight.device)].float())
+
+
+def _initial_head(cfg: PipelineConfig, model, hf_config):
+    """The head to continue from; it must be of the format being trained."""
+    from eagle_worker.spec.head_loader import load_draft_head
+
+    head = load_draft_head(cfg.init_head, model, hf_config)
+    if head.kind != cfg.kind:
+        raise ValueError(f"--init-head {cfg.init_head} is an {head.kind} head, but --format is {cfg.format}")
+    return head
+
+
+def _head_vocab_ids(head, V: int) -> torch.Tensor:
+    """Target ids of the head's draft vocabulary (ascending); the whole vocabulary for EAGLE-1."""
+    if head.kind != "eagle3":
+        return torch.arange(V)
+    d2t = head.d2t.long().cpu()
+    return torch.arange(len(d2t)) + d2t
 
 
 def _log(msg: str) -> None:
@@ -158,7 +177,12 @@ def run(cfg: PipelineConfig, progress: bool = True) -> dict:
 
     V = int(model.vocab_size)
     counts = token_counts(train_ex, V)
-    if cfg.kind == "eagle3":
+    start = _initial_head(cfg, model, hf_config) if cfg.init_head else None
+    if start is not None:
+        vocab_ids = _head_vocab_ids(start, V)
+        cov, aux = coverage(counts, vocab_ids), start.aux_layers
+        _log(f"continuing {cfg.init_head}: draft vocabulary {len(vocab_ids)} tokens covers {cov:.3f} of response tokens")
+    elif cfg.kind == "eagle3":
         vocab_ids = draft_vocab(counts, cfg.draft_vocab_size)
         cov = coverage(counts, vocab_ids)
         _log(f"draft vocabulary {len(vocab_ids)} tokens covers {cov:.3f} of response tokens")
@@ -178,7 +202,9 @@ def run(cfg: PipelineConfig, progress: bool = True) -> dict:
         train_store, produce = FeatureStore(work / "features" / "train", require_complete=False), extractor.next_shard
 
     head = new_head(cfg.kind, model, hf_config, vocab_ids if cfg.kind == "eagle3" else None, seed=cfg.seed).float()
-    if cfg.kind == "eagle3" and cfg.init_from_target:
+    if start is not None:
+        head.load_state_dict(start.float().state_dict())
+    elif cfg.kind == "eagle3" and cfg.init_from_target:
         init_output_from_target(head, model, vocab_ids)
     t2d_index = torch.full((V,), -1, dtype=torch.long)
     t2d_index[vocab_ids] = torch.arange(len(vocab_ids))

@@ -96,6 +96,25 @@ def test_train_head_end_to_end_and_resume(sharp_model, data_file, tmp_path):
     log = [json.loads(line) for line in (out / "work" / "train_log.jsonl").read_text().split("\n") if line]
     assert [x["step"] for x in log] == list(range(1, 37))
 
+    # --init-head continues that head: its weights and draft vocabulary (not a new one of --draft-vocab-size)
+    out2 = tmp_path / "continued"
+    cont = [*args[:args.index("--out")], "--out", str(out2), "--init-head", str(out),
+            *args[args.index("--out") + 2:]]
+    cont[cont.index("--draft-vocab-size") + 1] = "128"
+    cont[cont.index("--steps") + 1] = "2"
+    cont[cont.index("--lr") + 1] = "1e-6"
+    r = CliRunner().invoke(train_head, cont, catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    assert json.loads((out2 / "config.json").read_text())["draft_vocab_size"] == 256
+    from safetensors.torch import load_file
+    assert torch.equal(load_file(str(out2 / "model.safetensors"))["d2t"], load_file(str(out / "model.safetensors"))["d2t"])
+    rec3 = json.loads((out2 / "training_record.json").read_text())
+    assert rec3["metrics"]["heldout_acc"][0] > rec["metrics"]["heldout_acc"][0] - 0.05
+    wrong = [*cont[:cont.index("--format") + 1], "eagle1", *cont[cont.index("--format") + 2:]]
+    wrong[wrong.index("--out") + 1] = str(tmp_path / "wrong")
+    r = CliRunner().invoke(train_head, wrong)
+    assert r.exit_code != 0 and "--init-head" in r.output and "eagle3" in r.output
+
 
 def test_train_head_eagle1_online(sharp_model, data_file, tmp_path):
     """EAGLE-1 format with features computed on the fly (nothing stored): a loadable head that
