@@ -29,10 +29,11 @@ class ForwardItem:
 
 @dataclass
 class ForwardResult:
-    logits: torch.Tensor             # [sum(len(logit_rows)), V] in item order
+    logits: torch.Tensor | None      # [sum(len(logit_rows)), V] in item order; None when only argmax was asked
     hidden: torch.Tensor             # [T, H] final-norm output of every new token
     aux_hidden: list[torch.Tensor]   # inputs of the requested layers, [T, H] each
     row_offsets: list[int]           # start of each item's tokens in the flat batch
+    argmax: torch.Tensor | None = None   # [sum(len(logit_rows))] greedy tokens, when forward(argmax_only=True)
 
 
 def resolve_model(name: str) -> Path:
@@ -105,12 +106,16 @@ class ModelRunner:
         if tp_size() > 1 and tp_rank() == 0:
             broadcast_from_rank0(command)
 
-    def forward(self, items: list[ForwardItem], aux_layers: tuple[int, ...] = ()) -> ForwardResult:
-        self._drive("forward", items, aux_layers)
-        return self._forward(items, aux_layers)
+    def forward(self, items: list[ForwardItem], aux_layers: tuple[int, ...] = (),
+                argmax_only: bool = False) -> ForwardResult:
+        """`argmax_only`: every logit row is consumed greedily (no logprobs), so return the argmax
+        and skip full-vocabulary logits where the LM head can (see layers/argmax_screen.py)."""
+        self._drive("forward", items, aux_layers, argmax_only)
+        return self._forward(items, aux_layers, argmax_only)
 
     @torch.inference_mode()
-    def _forward(self, items: list[ForwardItem], aux_layers: tuple[int, ...] = ()) -> ForwardResult:
+    def _forward(self, items: list[ForwardItem], aux_layers: tuple[int, ...] = (),
+                 argmax_only: bool = False) -> ForwardResult:
         seqs, slot_mapping, token_ids, positions, logit_index, offsets = [], [], [], [], [], []
         start = 0
         for it in items:
@@ -134,6 +139,9 @@ class ModelRunner:
             out = self.model(input_ids, pos, aux_layers=aux_layers)
         hidden, aux = (out if aux_layers else (out, []))
         idx = torch.tensor(logit_index, dtype=torch.long, device=self.device)
+        if argmax_only and logit_index:
+            return ForwardResult(logits=None, hidden=hidden, aux_hidden=aux, row_offsets=offsets,
+                                 argmax=self.model.greedy_tokens(hidden[idx]))
         logits = self.model.compute_logits(hidden[idx]) if logit_index else hidden.new_empty(0, 0)
         return ForwardResult(logits=logits, hidden=hidden, aux_hidden=aux, row_offsets=offsets)
 

@@ -32,6 +32,11 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs / probs.sum(-1, keepdim=True)
 
 
+def argmax_suffices(params: list[SamplingParams]) -> bool:
+    """Every row is greedy without logprobs: the target's argmax is all the step needs."""
+    return bool(params) and all(p.greedy and not p.logprobs for p in params)
+
+
 def sample_from(probs: torch.Tensor, generator: torch.Generator) -> int:
     return int(torch.multinomial(probs, 1, generator=generator).item())
 

@@ -9,7 +9,7 @@ import torch
 
 from eagle_worker.block_manager import BlockManager
 from eagle_worker.model_runner import ForwardItem, ModelRunner
-from eagle_worker.sampler import sample
+from eagle_worker.sampler import argmax_suffices, sample
 from eagle_worker.scheduler import ScheduledSeq
 
 
@@ -36,8 +36,9 @@ class DecodeWorker:
 
     def execute(self, batch: list[ScheduledSeq]) -> dict[str, list[tuple[int, float | None]]]:
         """Run one forward; return the new (token, logprob) list of each sequence that sampled."""
-        result = self.runner.forward([forward_item(self.block_manager, it) for it in batch])
         sampling = [it for it in batch if it.completes]
+        result = self.runner.forward([forward_item(self.block_manager, it) for it in batch],
+                                     argmax_only=argmax_suffices([it.seq.params for it in sampling]))
         for it in batch:
             if it.completes and it.num_tokens == 1:
                 it.seq.metrics.num_target_forwards += 1
@@ -45,6 +46,8 @@ class DecodeWorker:
             self.block_manager.commit(it.seq, it.num_tokens)
         if not sampling:
             return {}
+        if result.logits is None:
+            return {it.seq.request_id: [(t, None)] for it, t in zip(sampling, result.argmax.tolist())}
         tokens, logprobs = sample(result.logits, [it.seq.params for it in sampling],
                                   [it.seq.generator for it in sampling])
         return {it.seq.request_id: [(tokens[i], logprobs[i] if logprobs else None)]

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eagle_worker.layers.argmax_screen import Int8ArgmaxScreen
 from eagle_worker.layers.linear import check_shape
 from eagle_worker.parallel import all_gather_last_dim, all_reduce, tp_rank, tp_size
 
@@ -61,6 +62,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def __init__(self, num_embeddings: int, embedding_dim: int):
         super().__init__(num_embeddings, embedding_dim)
+        self._screen: Int8ArgmaxScreen | None = None
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
@@ -70,3 +72,13 @@ class ParallelLMHead(VocabParallelEmbedding):
         if self.tp_size == 1:
             return logits
         return all_gather_last_dim(logits)[..., : self.num_embeddings]
+
+    def greedy(self, hidden: torch.Tensor, post=None) -> torch.Tensor:
+        """argmax of `post(self(hidden))` per row, exactly; on CPU through the int8 screen (no
+        full-vocabulary logits)."""
+        if self.tp_size == 1 and Int8ArgmaxScreen.usable(self.weight, hidden):
+            if self._screen is None or self._screen.source is not self.weight:
+                self._screen = Int8ArgmaxScreen(self.weight)
+            return self._screen.argmax(hidden, self.weight, post)
+        logits = self(hidden)
+        return (post(logits) if post is not None else logits).argmax(-1)

@@ -148,11 +148,15 @@ class CausalLM(nn.Module):
         return h, [captured[i] for i in aux_layers]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden)
+        return self._softcap(self.lm_head(hidden))
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """compute_logits(hidden).argmax(-1), without full logits where the LM head can avoid them."""
+        return self.lm_head.greedy(hidden, self._softcap if self.final_logit_softcapping else None)
+
+    def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
         cap = self.final_logit_softcapping
-        if cap:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+        return torch.tanh(logits / cap) * cap if cap else logits
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]

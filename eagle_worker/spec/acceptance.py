@@ -42,7 +42,8 @@ class Acceptance:
 
 
 def accept_greedy(parents: list[int], tokens: list[int], target_logits: torch.Tensor) -> Acceptance:
-    """One tree, greedy. `target_logits` [N+1, V] (or anything whose argmax is the target's)."""
+    """One tree, greedy. `target_logits` [N+1, V] (or anything whose argmax is the target's), or
+    the target's argmax itself as integer ids [N+1]."""
     batch = TreeBatch.stack([parents], [tokens], device=target_logits.device)
     return accept_batch(batch, target_logits[None], greedy=True)[0]
 
@@ -67,7 +68,8 @@ def accept_batch(batch: TreeBatch, target_logits: torch.Tensor | None, greedy: t
 
     target_logits: [B, M, V] per tree, or flat [R, V] with `row_offsets` [B] (row of tree b's
         node i = row_offsets[b] + i, the packed layout of the verify forward). Only needed for
-        greedy trees and for a callable `probs`.
+        greedy trees and for a callable `probs`; all-greedy batches may pass integer argmax ids
+        ([B, M] or flat [R]) instead.
     greedy: [B] bool (or one bool for all); greedy trees use the argmax and no randomness.
     probs: for sampling trees, processed probabilities laid out like target_logits, or a callable
         (logits rows, tree index per row) -> probabilities.
@@ -110,11 +112,12 @@ class _Rows:
         t = self.logits if self.logits is not None else self.probs
         if not isinstance(t, torch.Tensor):
             raise ValueError("greedy acceptance needs target_logits or a probability tensor")
-        if t.dim() == 3:
-            return t[b.to(t.device)].argmax(-1)
+        ids = t.argmax(-1) if t.is_floating_point() else t     # integer rows are the argmax already
+        if ids.dim() == 2:
+            return ids[b.to(t.device)]
         nodes = torch.arange(self.M, device=t.device)
         idx = (self.offsets.to(t.device)[b.to(t.device)][:, None] + nodes[None]).clamp(max=t.shape[0] - 1)
-        return t.argmax(-1)[idx]
+        return ids[idx]
 
     def probs_at(self, b: torch.Tensor, node: torch.Tensor) -> torch.Tensor:
         if isinstance(self.probs, torch.Tensor):

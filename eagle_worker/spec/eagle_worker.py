@@ -20,7 +20,7 @@ import torch
 
 from eagle_worker.block_manager import BlockManager
 from eagle_worker.model_runner import ForwardItem, ModelRunner
-from eagle_worker.sampler import sample, target_probs
+from eagle_worker.sampler import argmax_suffices, sample, target_probs
 from eagle_worker.scheduler import ScheduledSeq
 from eagle_worker.sequence import Sequence
 from eagle_worker.spec.acceptance import accept_greedy, accept_sampling
@@ -75,7 +75,8 @@ class EagleWorker:
         t1 = time.perf_counter()
         items = [self._tree_item(it.seq, trees[it.seq.request_id]) if it.seq.request_id in trees
                  else forward_item(self.block_manager, it) for it in batch]
-        result = self.runner.forward(items, aux_layers=self.head.aux_layers if self.head else ())
+        result = self.runner.forward(items, aux_layers=self.head.aux_layers if self.head else (),
+                                     argmax_only=argmax_suffices([it.seq.params for it in batch if it.completes]))
         features = self.head.target_features((result.hidden, result.aux_hidden)) if self.head else None
         new_tokens = self._accept(batch, items, trees, result, features)
         t2 = time.perf_counter()
@@ -180,7 +181,10 @@ class EagleWorker:
         rows = [sum(len(x.logit_rows) for x in items[:i]) for i in range(len(items))]
         row_of = {id(item): r for item, r in zip(items, rows)}
         want = [(it, item) for it, item, _ in plain if it.completes]
-        if want:
+        if want and result.logits is None:
+            toks = result.argmax[torch.tensor([row_of[id(item)] for _, item in want])].tolist()
+            sampled = {it.seq.request_id: (toks[i], None) for i, (it, _) in enumerate(want)}
+        elif want:
             logits = result.logits[torch.tensor([row_of[id(item)] for _, item in want])]
             toks, lps = sample(logits, [it.seq.params for it, _ in want], [it.seq.generator for it, _ in want])
             sampled = {it.seq.request_id: (toks[i], lps[i] if lps else None) for i, (it, _) in enumerate(want)}
@@ -209,7 +213,7 @@ class EagleWorker:
                 continue
             parents, tokens, depth, from_head, from_lookup = trees[seq.request_id]
             r = row_of[id(item)]
-            logits = result.logits[r:r + len(tokens)]
+            logits = (result.logits if result.logits is not None else result.argmax)[r:r + len(tokens)]
             p = seq.params
             if p.greedy:
                 acc = accept_greedy(parents, tokens, logits)

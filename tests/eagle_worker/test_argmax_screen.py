@@ -1,0 +1,54 @@
+"""The int8 argmax screen returns exactly the full logits' argmax, near-ties and exact ties included."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eagle_worker.layers.argmax_screen import Int8ArgmaxScreen
+from eagle_worker.layers.embedding import ParallelLMHead
+
+
+def _near_tie_weight(V=4096, H=64, seed=0, eps=1e-5):
+    """Random rows plus pairs of rows whose logits differ far below the int8 copy's error."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(V, H, generator=g) * 0.05
+    h = torch.randn(8, H, generator=g) * 3
+    for i in range(8):
+        best = int((h[i] @ w.T).argmax())
+        twin = (best * 7 + 1000 + i) % V
+        w[twin] = w[best] + eps * h[i] / h[i].norm()   # a hair above the best row, a different int8 row
+    return w, h
+
+
+@pytest.mark.parametrize("dtype,eps", [(torch.float32, 1e-5), (torch.bfloat16, 4e-3)])
+def test_screen_equals_full_argmax_on_near_ties(dtype, eps):
+    w, h = _near_tie_weight(eps=eps)
+    w, h = w.to(dtype), h.to(dtype)
+    screen = Int8ArgmaxScreen(w)
+    for rows in (h[:1], h[1:3]):
+        want = torch.nn.functional.linear(rows, w).argmax(-1)
+        assert torch.equal(screen.argmax(rows, w), want)
+    # negative control: the int8 logits alone pick the wrong row on some of these near-ties
+    approx = torch.ops.aten._weight_int8pack_mm(h.to(torch.bfloat16), screen.qweight, screen.scale).float()
+    if dtype == torch.float32:
+        assert not torch.equal(approx.argmax(-1), torch.nn.functional.linear(h, w).argmax(-1))
+
+
+def test_exact_tie_keeps_the_first_index_and_softcap_applies():
+    w, h = _near_tie_weight(seed=1)
+    best = int((h[0] @ w.T).argmax())
+    w[-1] = w[best]                                   # an exact copy at the last index
+    screen = Int8ArgmaxScreen(w)
+    assert int(screen.argmax(h[:1], w)) == best
+    cap = lambda x: torch.tanh(x / 30.0) * 30.0       # noqa: E731  (Gemma 2 style softcapping)
+    assert int(screen.argmax(h[:1], w, cap)) == int(cap(h[:1] @ w.T).argmax())
+
+
+def test_lm_head_greedy_uses_the_screen_only_where_it_applies():
+    w, h = _near_tie_weight()
+    head = ParallelLMHead(*w.shape)
+    head.weight.data.copy_(w)
+    with torch.inference_mode():
+        assert torch.equal(head.greedy(h[:1]), head(h[:1]).argmax(-1))
+        assert head._screen is not None
+        assert torch.equal(head.greedy(h), head(h).argmax(-1))        # 8 rows: full logits
