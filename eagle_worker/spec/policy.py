@@ -5,8 +5,8 @@ the target processes). For each batch-size bucket the policy keeps a moving aver
 throughput (tokens produced per second of step time) for each budget it tried, always picks the
 best, measures budgets from no speculation upwards and stops climbing as soon as a larger budget
 is slower (so a losing, expensive tree is tried only once or twice), and re-checks a neighbour of
-the best now and then: the choice follows the real costs of this machine, model and head, down to
-no speculation at all.
+the best now and then, less often each time the best holds: the choice follows the real costs of
+this machine, model and head, down to no speculation at all.
 """
 from __future__ import annotations
 
@@ -29,6 +29,10 @@ class SpecPolicy:
         self.rate: dict[tuple[int, int], float] = {}
         self.samples: dict[tuple[int, int], int] = defaultdict(int)
         self.decisions: dict[int, int] = defaultdict(int)
+        self.best: dict[int, int] = {}                 # per bucket: current best budget,
+        self.interval: dict[int, int] = {}             # decisions between re-checks of a neighbour,
+        self.next_check: dict[int, int] = {}           # and when the next one is due
+        self.checks: dict[int, int] = defaultdict(int)
 
     def choose(self, batch_size: int) -> int:
         if not self.adaptive:
@@ -43,10 +47,15 @@ class SpecPolicy:
         if pending and (not measured or (climbing and pending[0] > measured[-1])):
             return pending[0]
         best = max(measured, key=lambda n: self.rate[(b, n)])
-        if self.decisions[b] % self.explore_every == 0:   # re-check a neighbour now and then
+        if best != self.best.get(b):              # the best moved: look around it again soon
+            self.best[b], self.interval[b] = best, self.explore_every
+            self.next_check[b] = self.decisions[b] + self.explore_every
+        if self.decisions[b] >= self.next_check[b]:   # re-check a neighbour; each re-check that leaves
+            self.checks[b] += 1                       # the best in place makes the next one twice as rare
+            self.interval[b] = min(2 * self.interval[b], 16 * self.explore_every)
+            self.next_check[b] = self.decisions[b] + self.interval[b]
             i = self.options.index(best)
-            return self.options[i + 1] if i + 1 < len(self.options) and (self.decisions[b] // self.explore_every) % 2 \
-                else self.options[max(i - 1, 0)]
+            return self.options[i + 1] if i + 1 < len(self.options) and self.checks[b] % 2 else self.options[max(i - 1, 0)]
         return best
 
     def observe(self, batch_size: int, budget: int, tokens: int, seconds: float) -> None:

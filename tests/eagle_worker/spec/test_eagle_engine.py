@@ -152,4 +152,11 @@ def test_policy_drops_speculation_where_it_loses():
     assert policy.choose(1) == 16
     assert policy.choose(32) == 0
     assert tried[32] == {0, 4}          # a losing budget stops the climb: the big trees are never paid for
+    # while the best holds, re-checks of a losing neighbour back off (40, 80, 160, ... decisions apart)
+    rechecks = 0
+    for _ in range(3000):
+        n = policy.choose(32)
+        rechecks += n != 0
+        policy.observe(32, n, int({0: 300, 4: 200, 8: 150, 16: 90}[n] * 0.1), 0.1)
+    assert 3 <= rechecks <= 10
     assert SpecPolicy(num_draft_tokens=16, adaptive=False).choose(64) == 16
