@@ -28,6 +28,7 @@ from eagle_worker.spec.config import SpecConfig
 from eagle_worker.spec.drafter import Drafter, DraftSeq, DraftState
 from eagle_worker.spec.head_loader import load_draft_head
 from eagle_worker.spec.heads import DraftHead
+from eagle_worker.spec.hybrid import HybridSplit
 from eagle_worker.spec.lookup import NgramIndex, merge_branches, prune_to_best
 from eagle_worker.spec.policy import SpecPolicy
 from eagle_worker.spec.tree import MC_SIM_7B_63, ancestor_mask, chain, static_tree
@@ -58,6 +59,7 @@ class EagleWorker:
         if self.shape is not None and self.head is not None and not spec.lookup:
             full = min(full, self.shape.num_nodes - 1)
         self.policy = SpecPolicy(full, spec.adaptive)
+        self.hybrid = HybridSplit()
         self.states: dict[str, DraftState] = {}
         depth = max(spec.depth if self.shape is None else self.shape.max_depth, spec.lookup_max_tokens if spec.lookup else 0)
         self.totals = {"draft_s": 0.0, "verify_s": 0.0, "spec_steps": 0, "plain_steps": 0,
@@ -80,7 +82,9 @@ class EagleWorker:
         features = self.head.target_features((result.hidden, result.aux_hidden)) if self.head else None
         new_tokens = self._accept(batch, items, trees, result, features)
         t2 = time.perf_counter()
-        self._account(batch, decodes, budget if trees else 0, new_tokens, t0, t1, t2)
+        self._account(batch, decodes, budget if trees else 0, new_tokens, t0, t1, t2,
+                      kind="head" if any(any(t[3][1:]) for t in trees.values())
+                      else "plain" if all(len(t[1]) == 1 for t in trees.values()) else "lookup")
         return new_tokens
 
     def _ready(self, seq: Sequence) -> bool:
@@ -117,8 +121,9 @@ class EagleWorker:
             for d, seq in zip(batch, included):
                 d.state.index.extend(seq.token_ids)
                 proposals[seq.request_id] = d.state.index.propose(spec.lookup_max_tokens, spec.lookup_max_branches)
-        use_head = [self.head is not None and not self._lookup_only(d.state, proposals.get(seq.request_id))
-                    for d, seq in zip(batch, included)]
+        hybrid = self.head is not None and spec.lookup
+        use_head = [self.hybrid.use_head(d.state, proposals.get(seq.request_id), len(batch)) if hybrid
+                    else self.head is not None for d, seq in zip(batch, included)]
         drafted = iter(self._head_trees([d for d, u in zip(batch, use_head) if u], budget, top_k, levels)
                        if any(use_head) else [])
         out = {}
@@ -127,26 +132,13 @@ class EagleWorker:
             parents, tokens, depth, logprobs = next(drafted) if head else ([-1], [seq.token_ids[-1]], [0], [0.0])
             branches = proposals.get(seq.request_id) or []
             if branches and head:
-                st = batch[b].state
-                share = (st.ema_lookup + 0.1) / (st.ema_head + st.ema_lookup + 0.2)
-                head_nodes = budget - max(1, round(budget * share))
+                head_nodes = self.hybrid.head_nodes(batch[b].state, budget)
                 if logprobs is None:
                     parents, tokens, depth = parents[:head_nodes + 1], tokens[:head_nodes + 1], depth[:head_nodes + 1]
                 else:
                     parents, tokens, depth = prune_to_best(parents, tokens, depth, logprobs, head_nodes)
             out[seq.request_id] = merge_branches(parents, tokens, depth, branches, budget - (len(tokens) - 1))
         return out
-
-    @staticmethod
-    def _lookup_only(st: DraftState, branches) -> bool:
-        """Hybrid: skip the head this step while prompt lookup carries the request (it matched,
-        and its recent accepted tokens per step are at least the head's): the step then costs
-        only the lookup trie. The head's pending features wait for its next catch-up, and every
-        4th such step it drafts anyway so its estimate stays current."""
-        if not branches:
-            return False
-        st.lookup_steps += 1
-        return st.lookup_steps % 4 != 0 and st.ema_lookup >= st.ema_head
 
     def _head_trees(self, batch: list[DraftSeq], budget: int, top_k: int, levels: int) -> list[tuple]:
         root_hidden, root_lp = self.drafter.catch_up(batch)
@@ -262,13 +254,15 @@ class EagleWorker:
                 self.totals["accepted_at_depth"][d - 1] += 1
                 per[d - 1] += 1
 
-    def _account(self, batch, decodes, budget, new_tokens, t0, t1, t2) -> None:
+    def _account(self, batch, decodes, budget, new_tokens, t0, t1, t2, kind: str) -> None:
         self.totals["draft_s"] += t1 - t0
         self.totals["verify_s"] += t2 - t1
         self.totals["spec_steps" if budget else "plain_steps"] += 1
         if decodes and len(decodes) == len(batch):            # pure decode steps measure cleanly
             produced = sum(len(new_tokens.get(it.seq.request_id, ())) for it in decodes)
             self.policy.observe(len(decodes), budget, produced, t2 - t0)
+            if kind != "lookup":
+                self.hybrid.observe(len(decodes), kind, t2 - t0)
 
     def stats(self) -> dict:
         t = self.totals

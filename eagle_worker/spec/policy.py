@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 
-def _bucket(batch_size: int) -> int:
+def bucket(batch_size: int) -> int:
     return 1 << max(0, (batch_size - 1).bit_length())
 
 
@@ -37,7 +37,7 @@ class SpecPolicy:
     def choose(self, batch_size: int) -> int:
         if not self.adaptive:
             return self.full
-        b = _bucket(batch_size)
+        b = bucket(batch_size)
         self.decisions[b] += 1
         measured = [n for n in self.options if self.samples[(b, n)] >= self.min_samples]
         pending = [n for n in self.options if self.samples[(b, n)] < self.min_samples]
@@ -62,7 +62,7 @@ class SpecPolicy:
         """Record one pure-decode step: `tokens` produced by `batch_size` sequences in `seconds`."""
         if seconds <= 0:
             return
-        key = (_bucket(batch_size), budget)
+        key = (bucket(batch_size), budget)
         r = tokens / seconds
         self.samples[key] += 1
         n = self.samples[key]
