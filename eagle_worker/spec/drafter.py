@@ -33,8 +33,8 @@ class DraftState:
     index: object = None          # NgramIndex when prompt lookup is on (kept across resets)
     ema_head: float = 1.0         # recent accepted tokens per step from each source
     ema_lookup: float = 1.0
-    lookup_steps: int = 0         # hybrid: steps on which lookup matched (the head is probed on every 4th)
-    skipped_steps: int = 0        # hybrid: steps the head sat out because its trees did not pay
+    skipped_steps: int = 0        # hybrid: steps the head sat out since it last drafted
+    probe_every: int = 4          # hybrid: the head drafts after this many skipped steps (backs off)
 
     def add(self, features: torch.Tensor, next_tokens: list[int]) -> None:
         self.features.append(features)

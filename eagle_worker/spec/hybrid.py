@@ -4,8 +4,8 @@ Prompt lookup is nearly free to draft; the head costs a drafting pass and a bigg
 So, per request: while lookup carries it (it matched, and recently accepted at least as much as
 the head), the head sits the step out. When lookup has nothing, the head drafts only if its trees
 pay for themselves on this machine: its recent accepted tokens per step against the measured cost
-of a head step relative to a plain one (both measured per batch-size bucket). Skipped heads still
-draft every few steps, so their estimates stay current. When both draft, the budget is split by
+of a head step relative to a plain one (both measured per batch-size bucket). A skipped head still
+drafts now and then so its estimate stays current, less often while skipping keeps being right. When both draft, the budget is split by
 each source's recent acceptance.
 """
 from __future__ import annotations
@@ -17,7 +17,8 @@ from eagle_worker.spec.policy import bucket
 
 
 class HybridSplit:
-    PROBE_EVERY = 4            # a skipped head still drafts on every 4th such step
+    PROBE_EVERY = 4            # a skipped head still drafts on the 4th skipped step, then the 8th after
+    MAX_PROBE_EVERY = 32       # that, ... up to every 32nd while skipping keeps being right
 
     def __init__(self, ema: float = 0.2):
         self.ema = ema
@@ -25,19 +26,25 @@ class HybridSplit:
         self.samples: dict[tuple[int, str], int] = defaultdict(int)
 
     def use_head(self, st: DraftState, branches, batch_size: int) -> bool:
-        if branches:                     # lookup matched: skip the head while lookup carries the request
-            st.lookup_steps += 1
-            return st.lookup_steps % self.PROBE_EVERY == 0 or st.ema_lookup < st.ema_head
+        carried = bool(branches) and st.ema_lookup >= st.ema_head
+        if not carried and (branches or self._pays(st, batch_size)):
+            st.probe_every = self.PROBE_EVERY
+            return True
+        st.skipped_steps += 1
+        if st.skipped_steps < st.probe_every:
+            return False
+        st.skipped_steps, st.probe_every = 0, min(2 * st.probe_every, self.MAX_PROBE_EVERY)
+        return True
+
+    def _pays(self, st: DraftState, batch_size: int) -> bool:
+        """Head trees beat plain steps: (1 + recent accepted) tokens per head step against the
+        measured cost of a head step in plain steps. Unmeasured: draft, then time plain steps."""
         b = bucket(batch_size)
         if self.samples[(b, "head")] < 2:
             return True
-        if self.samples[(b, "plain")] < 2:               # measure a couple of plain steps once head steps exist
+        if self.samples[(b, "plain")] < 2:
             return False
-        pays = (1.0 + st.ema_head) * self.seconds[(b, "plain")] > self.seconds[(b, "head")]
-        if pays:
-            return True
-        st.skipped_steps += 1
-        return st.skipped_steps % self.PROBE_EVERY == 0
+        return (1.0 + st.ema_head) * self.seconds[(b, "plain")] > self.seconds[(b, "head")]
 
     @staticmethod
     def head_nodes(st: DraftState, budget: int) -> int:
