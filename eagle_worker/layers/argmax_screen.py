@@ -49,7 +49,7 @@ class Int8ArgmaxScreen:
         a2 = r.abs().amax(1, keepdim=True).clamp_min(1e-30) / 127
         q2 = torch.round(r / a2)
         e = r - a2 * q2
-        dots = torch._int_mm(torch.cat([q1, q2]).to(torch.int8), self.qweight_t)    # exact, [2M, V] int32
+        dots = _int_mm(torch.cat([q1, q2]).to(torch.int8), self.qweight_t)    # exact, [2M, V] int32
         approx = dots[:M] * a1
         approx.add_(dots[M:] * a2).mul_(self.scale)                                   # screened logits
         # |exact - approx| <= half * scale per logit: int8 rounding of w (scale/2 per element,

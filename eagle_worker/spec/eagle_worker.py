@@ -82,9 +82,7 @@ class EagleWorker:
         features = self.head.target_features((result.hidden, result.aux_hidden)) if self.head else None
         new_tokens = self._accept(batch, items, trees, result, features)
         t2 = time.perf_counter()
-        self._account(batch, decodes, budget if trees else 0, new_tokens, t0, t1, t2,
-                      kind="head" if any(any(t[3][1:]) for t in trees.values())
-                      else "plain" if all(len(t[1]) == 1 for t in trees.values()) else "lookup")
+        self._account(batch, decodes, budget if trees else 0, new_tokens, t0, t1, t2, trees)
         return new_tokens
 
     def _ready(self, seq: Sequence) -> bool:
@@ -254,15 +252,18 @@ class EagleWorker:
                 self.totals["accepted_at_depth"][d - 1] += 1
                 per[d - 1] += 1
 
-    def _account(self, batch, decodes, budget, new_tokens, t0, t1, t2, kind: str) -> None:
+    def _account(self, batch, decodes, budget, new_tokens, t0, t1, t2, trees) -> None:
         self.totals["draft_s"] += t1 - t0
         self.totals["verify_s"] += t2 - t1
         self.totals["spec_steps" if budget else "plain_steps"] += 1
         if decodes and len(decodes) == len(batch):            # pure decode steps measure cleanly
             produced = sum(len(new_tokens.get(it.seq.request_id, ())) for it in decodes)
             self.policy.observe(len(decodes), budget, produced, t2 - t0)
-            if kind != "lookup":
-                self.hybrid.observe(len(decodes), kind, t2 - t0)
+            if self.head is not None and self.spec.lookup:   # the hybrid times head steps against plain ones
+                if any(any(t[3][1:]) for t in trees.values()):
+                    self.hybrid.observe(len(decodes), "head", t2 - t0)
+                elif all(len(t[1]) == 1 for t in trees.values()):
+                    self.hybrid.observe(len(decodes), "plain", t2 - t0)
 
     def stats(self) -> dict:
         t = self.totals

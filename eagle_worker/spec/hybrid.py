@@ -5,8 +5,8 @@ So, per request: while lookup carries it (it matched, and recently accepted at l
 the head), the head sits the step out. When lookup has nothing, the head drafts only if its trees
 pay for themselves on this machine: its recent accepted tokens per step against the measured cost
 of a head step relative to a plain one (both measured per batch-size bucket). A skipped head still
-drafts now and then so its estimate stays current, less often while skipping keeps being right. When both draft, the budget is split by
-each source's recent acceptance.
+drafts now and then so its estimate stays current, less often while skipping keeps being right.
+When both draft, the budget is split by each source's recent acceptance.
 """
 from __future__ import annotations
 

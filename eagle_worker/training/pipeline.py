@@ -201,11 +201,12 @@ def run(cfg: PipelineConfig, progress: bool = True) -> dict:
                               cfg.shard_tokens, progress=progress)
         train_store, produce = FeatureStore(work / "features" / "train", require_complete=False), extractor.next_shard
 
-    head = new_head(cfg.kind, model, hf_config, vocab_ids if cfg.kind == "eagle3" else None, seed=cfg.seed).float()
     if start is not None:
-        head.load_state_dict(start.float().state_dict())
-    elif cfg.kind == "eagle3" and cfg.init_from_target:
-        init_output_from_target(head, model, vocab_ids)
+        head = start.float()
+    else:
+        head = new_head(cfg.kind, model, hf_config, vocab_ids if cfg.kind == "eagle3" else None, seed=cfg.seed).float()
+        if cfg.kind == "eagle3" and cfg.init_from_target:
+            init_output_from_target(head, model, vocab_ids)
     t2d_index = torch.full((V,), -1, dtype=torch.long)
     t2d_index[vocab_ids] = torch.arange(len(vocab_ids))
     record = {"target": cfg.target, "format": cfg.format, "command": cfg.command, "data": cfg.data,
