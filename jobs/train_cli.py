@@ -41,6 +41,8 @@ def _command_line() -> str:
 @click.option("--ttt-steps", default=3, show_default=True, type=int, help="Unrolled draft steps (training-time test).")
 @click.option("--self-distill", default=0, show_default=True, type=int, help="Prompts whose responses the target regenerates.")
 @click.option("--distill-tokens", default=128, show_default=True, type=int, help="New tokens per self-distilled response.")
+@click.option("--fixed-text", default=None, type=int,
+              help="Keep at most this many of the other samples as fixed text (default: all).")
 @click.option("--drop-responses", is_flag=True, help="Ignore responses in the data (prompt-only text or self-distill).")
 @click.option("--heldout", default=16, show_default=True, type=int, help="Held-out samples for acceptance reporting.")
 @click.option("--checkpoint-every", default=200, show_default=True, type=int)
@@ -56,7 +58,7 @@ def _command_line() -> str:
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--no-progress", is_flag=True)
 def train_head(target, fmt, data, out, work_dir, prompt_format, init_head, draft_vocab_size, steps, epochs, lr, warmup_steps,
-               batch_tokens, max_tokens, ttt_steps, self_distill, distill_tokens, drop_responses, heldout,
+               batch_tokens, max_tokens, ttt_steps, self_distill, distill_tokens, fixed_text, drop_responses, heldout,
                checkpoint_every, eval_every, eval_prompts, online, full_vocab_labels, dtype, bf16, threads, seed, no_progress):
     """Train an EAGLE-3 (or EAGLE-1) draft head for TARGET on prompts/responses from --data."""
     import json
@@ -73,7 +75,8 @@ def train_head(target, fmt, data, out, work_dir, prompt_format, init_head, draft
                      eval_every=eval_every, seed=seed, threads=threads)
     cfg = PipelineConfig(target=target, out=out, data=list(data), format=fmt, work_dir=work_dir, dtype=dtype,
                          prompt_format=prompt_format.replace("\\n", "\n"), max_tokens=max_tokens,
-                         draft_vocab_size=draft_vocab_size, init_head=init_head, self_distill=self_distill, distill_tokens=distill_tokens,
+                         draft_vocab_size=draft_vocab_size, init_head=init_head, self_distill=self_distill,
+                         distill_tokens=distill_tokens, fixed_text=fixed_text,
                          drop_responses=drop_responses, heldout=heldout, full_vocab_labels=full_vocab_labels, online=online,
                          eval_prompts=eval_prompts, seed=seed, train=tc,
                          command=_command_line())

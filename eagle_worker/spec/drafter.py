@@ -34,7 +34,8 @@ class DraftState:
     ema_head: float = 1.0         # recent accepted tokens per step from each source
     ema_lookup: float = 1.0
     skipped_steps: int = 0        # hybrid: steps the head sat out since it last drafted
-    probe_every: int = 4          # hybrid: the head drafts after this many skipped steps (backs off)
+    probe_every: int = 0          # hybrid: the head drafts after this many skipped steps (0: HybridSplit's first)
+    gains: dict = field(default_factory=dict)   # hybrid: recent accepted tokens per step, per mode
 
     def add(self, features: torch.Tensor, next_tokens: list[int]) -> None:
         self.features.append(features)
@@ -60,10 +61,14 @@ class Drafter:
         self.device = device
 
     def _run(self, seqs: list[SeqAttention], slot_mapping: torch.Tensor, features: torch.Tensor,
-             tokens: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+             tokens: torch.Tensor, positions: torch.Tensor, logit_rows: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Head forward; hidden and draft log-probs of `logit_rows` (default: every row)."""
         ctx = build_context(seqs, slot_mapping, self.device)
         with attention_context(ctx):
             hidden = self.head(features, tokens.to(self.device), positions.to(self.device))
+        if logit_rows is not None:
+            hidden = hidden[logit_rows]
         return hidden, torch.log_softmax(self.head.logits(hidden).float(), dim=-1)
 
     @torch.inference_mode()
@@ -85,9 +90,9 @@ class Drafter:
             start += m
             last.append(start - 1)
             st.reset(c)
-        hidden, logprobs = self._run(attn, torch.cat(slot_map), torch.cat(feats), torch.tensor(toks), torch.cat(pos))
-        idx = torch.tensor(last, device=hidden.device)
-        return hidden[idx], logprobs[idx]
+        # only the roots need draft logits: the other pending rows just write the head's KV
+        return self._run(attn, torch.cat(slot_map), torch.cat(feats), torch.tensor(toks), torch.cat(pos),
+                         logit_rows=torch.tensor(last, device=self.device))
 
     def _level(self, batch: list[DraftSeq], parent_hidden: torch.Tensor, tokens: torch.Tensor,
                node_offsets: torch.Tensor, seen_offsets: torch.Tensor, seen_depths: torch.Tensor,

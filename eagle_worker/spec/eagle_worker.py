@@ -28,7 +28,7 @@ from eagle_worker.spec.config import SpecConfig
 from eagle_worker.spec.drafter import Drafter, DraftSeq, DraftState
 from eagle_worker.spec.head_loader import load_draft_head
 from eagle_worker.spec.heads import DraftHead
-from eagle_worker.spec.hybrid import HybridSplit
+from eagle_worker.spec.hybrid import MODES, HybridSplit, step_mode
 from eagle_worker.spec.lookup import NgramIndex, merge_branches, prune_to_best
 from eagle_worker.spec.policy import SpecPolicy
 from eagle_worker.spec.tree import MC_SIM_7B_63, ancestor_mask, chain, static_tree
@@ -241,6 +241,8 @@ class EagleWorker:
         if any(from_head[1:]):          # only steps the head drafted say how well it does
             st.ema_head = 0.7 * st.ema_head + 0.3 * h
         st.ema_lookup = 0.7 * st.ema_lookup + 0.3 * lk
+        if self.head is not None and self.spec.lookup:
+            self.hybrid.observe_accepted(st, step_mode(any(from_head[1:]), any(from_lookup[1:])), len(accepted))
 
     def _count_depths(self, seq: Sequence, depth: list[int], accepted: int) -> None:
         max_d = max(depth)
@@ -259,11 +261,9 @@ class EagleWorker:
         if decodes and len(decodes) == len(batch):            # pure decode steps measure cleanly
             produced = sum(len(new_tokens.get(it.seq.request_id, ())) for it in decodes)
             self.policy.observe(len(decodes), budget, produced, t2 - t0)
-            if self.head is not None and self.spec.lookup:   # the hybrid times head steps against plain ones
-                if any(any(t[3][1:]) for t in trees.values()):
-                    self.hybrid.observe(len(decodes), "head", t2 - t0)
-                elif all(len(t[1]) == 1 for t in trees.values()):
-                    self.hybrid.observe(len(decodes), "plain", t2 - t0)
+            if self.head is not None and self.spec.lookup and trees:   # the hybrid times each mode
+                modes = {step_mode(any(t[3][1:]), any(t[4][1:])) for t in trees.values()}
+                self.hybrid.observe(len(decodes), max(modes, key=MODES.index), t2 - t0)
 
     def stats(self) -> dict:
         t = self.totals

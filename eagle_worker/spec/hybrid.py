@@ -1,12 +1,14 @@
-"""Hybrid drafting: per request and step, which sources draft and how the node budget is split.
+"""Hybrid drafting: per request and step, whether the head drafts beside prompt lookup, and how
+the node budget is split when both do.
 
 Prompt lookup is nearly free to draft; the head costs a drafting pass and a bigger tree to verify.
-So, per request: while lookup carries it (it matched, and recently accepted at least as much as
-the head), the head sits the step out. When lookup has nothing, the head drafts only if its trees
-pay for themselves on this machine: its recent accepted tokens per step against the measured cost
-of a head step relative to a plain one (both measured per batch-size bucket). A skipped head still
-drafts now and then so its estimate stays current, less often while skipping keeps being right.
-When both draft, the budget is split by each source's recent acceptance.
+So each step picks, per request, the mode with the higher expected tokens per second: with lookup
+branches, lookup alone or lookup merged with the head's tree; without, a plain step or a head
+tree. Expected tokens are (1 + the request's recent accepted tokens in that mode), new requests
+starting from the worker's running average; step seconds are measured per mode and batch-size
+bucket. A head that sits out still drafts now and then so its estimate stays current, less often
+while sitting out keeps being right. When both draft, the budget is split by each source's recent
+acceptance for the request.
 """
 from __future__ import annotations
 
@@ -15,36 +17,50 @@ from collections import defaultdict
 from eagle_worker.spec.drafter import DraftState
 from eagle_worker.spec.policy import bucket
 
+MODES = ("plain", "lookup", "head", "merged")     # which sources drafted a step's tree
+
+
+def step_mode(from_head: bool, from_lookup: bool) -> str:
+    return ("merged" if from_lookup else "head") if from_head else ("lookup" if from_lookup else "plain")
+
 
 class HybridSplit:
-    PROBE_EVERY = 4            # a skipped head still drafts on the 4th skipped step, then the 8th after
-    MAX_PROBE_EVERY = 32       # that, ... up to every 32nd while skipping keeps being right
+    PROBE_EVERY = 8            # a skipped head still drafts on the 8th skipped step, then the 16th after
+    MAX_PROBE_EVERY = 64       # that, ... up to every 64th while skipping keeps being right
 
-    def __init__(self, ema: float = 0.2):
+    def __init__(self, ema: float = 0.2, prior_ema: float = 0.05):
         self.ema = ema
-        self.seconds: dict[tuple[int, str], float] = {}      # (bucket, "head" | "plain") -> step seconds
+        self.prior_ema = prior_ema
+        self.seconds: dict[tuple[int, str], float] = {}      # (bucket, mode) -> step seconds
         self.samples: dict[tuple[int, str], int] = defaultdict(int)
+        self.prior = {m: 0.0 if m == "plain" else 1.0 for m in MODES}   # accepted per step, all requests
+
+    def new_gains(self) -> dict[str, float]:
+        """A new request's expected accepted tokens per mode: what this worker has seen so far."""
+        return dict(self.prior)
 
     def use_head(self, st: DraftState, branches, batch_size: int) -> bool:
-        carried = bool(branches) and st.ema_lookup >= st.ema_head
-        if not carried and (branches or self._pays(st, batch_size)):
+        if self._head_wins(st, bool(branches), batch_size):
             st.probe_every = self.PROBE_EVERY
             return True
         st.skipped_steps += 1
-        if st.skipped_steps < st.probe_every:
+        every = st.probe_every or self.PROBE_EVERY
+        if st.skipped_steps < every:
             return False
-        st.skipped_steps, st.probe_every = 0, min(2 * st.probe_every, self.MAX_PROBE_EVERY)
+        st.skipped_steps, st.probe_every = 0, min(2 * every, self.MAX_PROBE_EVERY)
         return True
 
-    def _pays(self, st: DraftState, batch_size: int) -> bool:
-        """Head trees beat plain steps: (1 + recent accepted) tokens per head step against the
-        measured cost of a head step in plain steps. Unmeasured: draft, then time plain steps."""
+    def _head_wins(self, st: DraftState, branches: bool, batch_size: int) -> bool:
+        """(1 + expected accepted) / measured step seconds, with the head against without it.
+        Unmeasured: draft with the head first, then measure the step without it."""
         b = bucket(batch_size)
-        if self.samples[(b, "head")] < 2:
+        with_head, without = ("merged", "lookup") if branches else ("head", "plain")
+        if self.samples[(b, with_head)] < 2:
             return True
-        if self.samples[(b, "plain")] < 2:
+        if self.samples[(b, without)] < 2:
             return False
-        return (1.0 + st.ema_head) * self.seconds[(b, "plain")] > self.seconds[(b, "head")]
+        gain = st.gains or self.prior
+        return (1.0 + gain[with_head]) * self.seconds[(b, without)] > (1.0 + gain[without]) * self.seconds[(b, with_head)]
 
     @staticmethod
     def head_nodes(st: DraftState, budget: int) -> int:
@@ -52,9 +68,16 @@ class HybridSplit:
         share = (st.ema_lookup + 0.1) / (st.ema_head + st.ema_lookup + 0.2)
         return budget - max(1, round(budget * share))
 
-    def observe(self, batch_size: int, kind: str, seconds: float) -> None:
-        """One pure-decode step: `kind` "head" (the head drafted) or "plain" (no tree at all)."""
-        key = (bucket(batch_size), kind)
+    def observe_accepted(self, st: DraftState, mode: str, accepted: int) -> None:
+        """Accepted draft tokens of one step of `mode`: the request's estimate and the worker's."""
+        if not st.gains:
+            st.gains = self.new_gains()
+        st.gains[mode] = 0.7 * st.gains[mode] + 0.3 * accepted
+        self.prior[mode] = (1 - self.prior_ema) * self.prior[mode] + self.prior_ema * accepted
+
+    def observe(self, batch_size: int, mode: str, seconds: float) -> None:
+        """Seconds of one pure-decode step whose trees were drafted in `mode`."""
+        key = (bucket(batch_size), mode)
         self.samples[key] += 1
         ema = max(self.ema, 1.0 / self.samples[key])
         self.seconds[key] = seconds if key not in self.seconds else (1 - ema) * self.seconds[key] + ema * seconds

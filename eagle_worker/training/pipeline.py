@@ -36,6 +36,7 @@ class PipelineConfig:
     draft_vocab_size: int = 16384
     self_distill: int = 0                  # prompts whose response the target regenerates
     distill_tokens: int = 128
+    fixed_text: int | None = None          # cap on the other training samples kept as fixed text (None: all)
     drop_responses: bool = False           # ignore given responses (prompt-only prefill or distill)
     heldout: int = 16                      # held-out samples (acceptance is reported on them)
     topk: int = 8
@@ -120,7 +121,8 @@ def build_examples(cfg: PipelineConfig, llm, work: Path) -> tuple[list[Example],
         return [e for s in ss if (e := render(tok, s, cfg.prompt_format, template, cfg.max_tokens)) is not None]
 
     def train_make():
-        return distilled(train_s[:n_distill], "train") + fixed(train_s[n_distill:]) if n_distill else fixed(train_s)
+        rest = train_s[n_distill:] if cfg.fixed_text is None else train_s[n_distill:n_distill + cfg.fixed_text]
+        return (distilled(train_s[:n_distill], "train") if n_distill else []) + fixed(rest)
 
     def held_make():   # the held-out set is what serving sees: the target's own continuations
         return distilled(held_s, "held-out") if cfg.self_distill else fixed(held_s)

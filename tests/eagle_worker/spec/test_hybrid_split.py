@@ -1,40 +1,59 @@
-"""The hybrid's per-request source choice: lookup carries, and the head drafts only where it pays."""
+"""The hybrid's per-request choice: the head drafts only in steps where it buys more tokens per second."""
 from __future__ import annotations
 
 from eagle_worker.spec.drafter import DraftState
-from eagle_worker.spec.hybrid import HybridSplit
+from eagle_worker.spec.hybrid import HybridSplit, step_mode
 
 
-def _measured(head_s: float, plain_s: float) -> HybridSplit:
+def _measured(**seconds: float) -> HybridSplit:
     split = HybridSplit()
     for _ in range(3):
-        split.observe(1, "head", head_s)
-        split.observe(1, "plain", plain_s)
+        for mode, s in seconds.items():
+            split.observe(1, mode, s)
     return split
 
 
+def _state(**gains: float) -> DraftState:
+    return DraftState(gains={"plain": 0.0, "lookup": 1.0, "head": 1.0, "merged": 1.0, **gains})
+
+
 def test_head_drafts_only_where_its_trees_pay():
-    split = _measured(head_s=0.090, plain_s=0.040)           # a head step costs 2.25 plain steps
-    weak, strong = DraftState(ema_head=0.8), DraftState(ema_head=2.0)
+    split = _measured(head=0.090, plain=0.040)                # a head step costs 2.25 plain steps
+    weak, strong = _state(head=0.8), _state(head=2.0)
     weak_choices = [split.use_head(weak, None, 1) for _ in range(40)]
-    assert [i for i, c in enumerate(weak_choices) if c] == [3, 11, 27]   # probed after 4, 8, 16 skips
+    assert [i for i, c in enumerate(weak_choices) if c] == [7, 23]       # probed after 8, then 16 skips
     assert all(split.use_head(strong, None, 1) for _ in range(40))
     # the same head pays on a machine where drafting and verifying are cheap
-    cheap = _measured(head_s=0.050, plain_s=0.040)
-    assert all(cheap.use_head(DraftState(ema_head=0.8), None, 1) for _ in range(10))
+    cheap = _measured(head=0.050, plain=0.040)
+    assert all(cheap.use_head(_state(head=0.8), None, 1) for _ in range(10))
 
 
-def test_lookup_carries_and_plain_steps_are_measured_first():
+def test_head_joins_lookup_only_when_the_merged_tree_is_faster():
+    split = _measured(merged=0.100, lookup=0.080)
+    copying = _state(lookup=3.0, merged=3.2)                  # 4.2 tokens / 0.10 s < 4.0 / 0.08 s
+    assert [split.use_head(copying, [[5, 6]], 1) for _ in range(8)] == [False] * 7 + [True]
+    copying.gains["merged"] = 4.5                             # 5.5 / 0.10 > 4.0 / 0.08: the head joins
+    assert split.use_head(copying, [[5, 6]], 1) and copying.probe_every == split.PROBE_EVERY
+
+
+def test_unmeasured_modes_are_tried_and_new_requests_start_from_the_worker_average():
     split = HybridSplit()
-    st = DraftState(ema_head=1.0, ema_lookup=3.0)
-    assert [split.use_head(st, [[5, 6]], 1) for _ in range(8)] == [False] * 3 + [True] + [False] * 4
-    st.ema_head = 4.0                                        # the head now beats lookup: it drafts
-    assert split.use_head(st, [[5, 6]], 1) and st.probe_every == 4
     fresh = DraftState()
-    assert split.use_head(fresh, None, 1)                    # nothing measured yet: draft
+    assert split.use_head(fresh, None, 1)                     # nothing measured yet: draft
     split.observe(1, "head", 0.09)
     split.observe(1, "head", 0.09)
-    assert not split.use_head(fresh, None, 1)                # now measure what a plain step costs
+    assert not split.use_head(fresh, None, 1)                 # now measure what a plain step costs
     split.observe(1, "plain", 0.04)
     split.observe(1, "plain", 0.04)
-    assert split.use_head(DraftState(ema_head=2.0), None, 1)
+    for _ in range(200):                                      # earlier requests: the head's trees paid
+        split.observe_accepted(DraftState(), "head", 2)
+    assert split.new_gains()["head"] > 1.9
+    assert split.use_head(DraftState(), None, 1)              # a new request trusts that at once
+    st = DraftState()
+    for _ in range(10):                                       # ... until its own head steps say otherwise
+        split.observe_accepted(st, "head", 0)
+    assert not split.use_head(st, None, 1)
+
+
+def test_step_modes():
+    assert [step_mode(h, lk) for h in (False, True) for lk in (False, True)] == ["plain", "lookup", "head", "merged"]
