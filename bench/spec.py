@@ -22,15 +22,16 @@ OURS = ("vanilla", "lookup", "chain", "static", "dynamic", "hybrid")
 
 
 def _spec_config(method: str, draft: str, tree: dict | None = None):
-    """`tree`: depth / top_k / num_draft_tokens for the dynamic tree and the hybrid (SpecConfig's
-    defaults where absent)."""
+    """`tree`: depth / top_k / num_draft_tokens for the dynamic tree and the hybrid, and the node
+    budget for prompt lookup too, so lookup and the hybrid verify trees of the same size
+    (SpecConfig's defaults where absent)."""
     from eagle_worker.spec.config import SpecConfig
 
     tree = tree or {}
     if method == "vanilla":
         return None
     if method == "lookup":
-        return SpecConfig(lookup=True, adaptive=False)
+        return SpecConfig(lookup=True, adaptive=False, **{k: v for k, v in tree.items() if k == "num_draft_tokens"})
     if method == "hybrid":
         return SpecConfig(draft=draft, tree="dynamic", lookup=True, adaptive=False, **tree)
     if method == "chain":

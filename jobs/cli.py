@@ -107,7 +107,7 @@ def bench_decode(model, dtypes, batch_sizes, max_tokens, json_out, threads):
 @click.option("--json", "json_out", default="bench/results/spec.json", show_default=True)
 @click.option("--threads", default=None, type=int, help="torch intra-op threads [default: torch's].")
 @click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy; > 0 samples.")
-@click.option("--num-draft-tokens", default=None, type=int, help="Dynamic tree / hybrid node budget [default: SpecConfig's].")
+@click.option("--num-draft-tokens", default=None, type=int, help="Node budget of the dynamic tree, the hybrid and lookup [default: SpecConfig's].")
 @click.option("--depth", default=None, type=int, help="Dynamic tree / hybrid draft levels [default: SpecConfig's].")
 @click.option("--top-k", default=None, type=int, help="Dynamic tree / hybrid expansion width [default: SpecConfig's].")
 def bench_spec(model, prompts_file, per_category, max_tokens, dtype, draft, methods, sweep, json_out, threads,

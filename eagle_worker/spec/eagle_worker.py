@@ -242,7 +242,8 @@ class EagleWorker:
             st.ema_head = 0.7 * st.ema_head + 0.3 * h
         st.ema_lookup = 0.7 * st.ema_lookup + 0.3 * lk
         if self.head is not None and self.spec.lookup:
-            self.hybrid.observe_accepted(st, step_mode(any(from_head[1:]), any(from_lookup[1:])), len(accepted))
+            head_only = sum(1 for i in accepted if from_head[i] and not from_lookup[i])
+            self.hybrid.observe_accepted(st, step_mode(any(from_head[1:]), any(from_lookup[1:])), lk, head_only)
 
     def _count_depths(self, seq: Sequence, depth: list[int], accepted: int) -> None:
         max_d = max(depth)

@@ -2,13 +2,14 @@
 the node budget is split when both do.
 
 Prompt lookup is nearly free to draft; the head costs a drafting pass and a bigger tree to verify.
-So each step picks, per request, the mode with the higher expected tokens per second: with lookup
-branches, lookup alone or lookup merged with the head's tree; without, a plain step or a head
-tree. Expected tokens are (1 + the request's recent accepted tokens in that mode), new requests
-starting from the worker's running average; step seconds are measured per mode and batch-size
-bucket. A head that sits out still drafts now and then so its estimate stays current, less often
-while sitting out keeps being right. When both draft, the budget is split by each source's recent
-acceptance for the request.
+So each step picks, per request, the mode with the higher expected tokens per second. With lookup
+branches: lookup alone, (1 + lookup's recent accepted tokens) per lookup step, against lookup merged
+with the head's tree, which adds what the head's own nodes recently added on top of lookup's, per
+(slower) merged step. Without branches: a plain step against a head tree, (1 + the head's recent
+accepted tokens) per head step. Each request's estimates start from the worker's running averages;
+step seconds are measured per mode and batch-size bucket. A head that sits out still drafts now and
+then so its estimates stay current, less often while sitting out keeps being right. When both
+draft, the budget is split by each source's recent acceptance for the request.
 """
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from eagle_worker.spec.drafter import DraftState
 from eagle_worker.spec.policy import bucket
 
 MODES = ("plain", "lookup", "head", "merged")     # which sources drafted a step's tree
+# accepted draft tokens per step: lookup's; the head's own nodes' beside lookup; the head's alone
+GAINS = ("lookup", "extra", "head")
 
 
 def step_mode(from_head: bool, from_lookup: bool) -> str:
@@ -25,7 +28,7 @@ def step_mode(from_head: bool, from_lookup: bool) -> str:
 
 
 class HybridSplit:
-    PROBE_EVERY = 8            # a skipped head still drafts on the 8th skipped step, then the 16th after
+    PROBE_EVERY = 16           # a skipped head still drafts on the 16th skipped step, then the 32nd after
     MAX_PROBE_EVERY = 64       # that, ... up to every 64th while skipping keeps being right
 
     def __init__(self, ema: float = 0.2, prior_ema: float = 0.05):
@@ -33,10 +36,10 @@ class HybridSplit:
         self.prior_ema = prior_ema
         self.seconds: dict[tuple[int, str], float] = {}      # (bucket, mode) -> step seconds
         self.samples: dict[tuple[int, str], int] = defaultdict(int)
-        self.prior = {m: 0.0 if m == "plain" else 1.0 for m in MODES}   # accepted per step, all requests
+        self.prior = dict.fromkeys(GAINS, 1.0)                 # accepted per step, all requests
 
     def new_gains(self) -> dict[str, float]:
-        """A new request's expected accepted tokens per mode: what this worker has seen so far."""
+        """A new request's expected accepted tokens: what this worker has seen so far."""
         return dict(self.prior)
 
     def use_head(self, st: DraftState, branches, batch_size: int) -> bool:
@@ -51,16 +54,18 @@ class HybridSplit:
         return True
 
     def _head_wins(self, st: DraftState, branches: bool, batch_size: int) -> bool:
-        """(1 + expected accepted) / measured step seconds, with the head against without it.
-        Unmeasured: draft with the head first, then measure the step without it."""
+        """Expected tokens per second with the head against without it. Unmeasured: draft with the
+        head first, then measure the step without it."""
         b = bucket(batch_size)
         with_head, without = ("merged", "lookup") if branches else ("head", "plain")
         if self.samples[(b, with_head)] < 2:
             return True
         if self.samples[(b, without)] < 2:
             return False
-        gain = st.gains or self.prior
-        return (1.0 + gain[with_head]) * self.seconds[(b, without)] > (1.0 + gain[without]) * self.seconds[(b, with_head)]
+        g = st.gains or self.prior
+        base = 1.0 + g["lookup"] if branches else 1.0
+        more = g["extra"] if branches else g["head"]
+        return (base + more) * self.seconds[(b, without)] > base * self.seconds[(b, with_head)]
 
     @staticmethod
     def head_nodes(st: DraftState, budget: int) -> int:
@@ -68,12 +73,16 @@ class HybridSplit:
         share = (st.ema_lookup + 0.1) / (st.ema_head + st.ema_lookup + 0.2)
         return budget - max(1, round(budget * share))
 
-    def observe_accepted(self, st: DraftState, mode: str, accepted: int) -> None:
-        """Accepted draft tokens of one step of `mode`: the request's estimate and the worker's."""
+    def observe_accepted(self, st: DraftState, mode: str, from_lookup: int, head_only: int) -> None:
+        """One step's accepted draft tokens: `from_lookup` on lookup's nodes, `head_only` on nodes only
+        the head proposed. Updates the request's estimates and the worker's."""
         if not st.gains:
             st.gains = self.new_gains()
-        st.gains[mode] = 0.7 * st.gains[mode] + 0.3 * accepted
-        self.prior[mode] = (1 - self.prior_ema) * self.prior[mode] + self.prior_ema * accepted
+        seen = {"lookup": {"lookup": from_lookup}, "merged": {"lookup": from_lookup, "extra": head_only},
+                "head": {"head": head_only}}.get(mode, {})
+        for key, n in seen.items():
+            st.gains[key] = 0.7 * st.gains[key] + 0.3 * n
+            self.prior[key] = (1 - self.prior_ema) * self.prior[key] + self.prior_ema * n
 
     def observe(self, batch_size: int, mode: str, seconds: float) -> None:
         """Seconds of one pure-decode step whose trees were drafted in `mode`."""

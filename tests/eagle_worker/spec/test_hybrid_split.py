@@ -14,14 +14,14 @@ def _measured(**seconds: float) -> HybridSplit:
 
 
 def _state(**gains: float) -> DraftState:
-    return DraftState(gains={"plain": 0.0, "lookup": 1.0, "head": 1.0, "merged": 1.0, **gains})
+    return DraftState(gains={"lookup": 1.0, "extra": 1.0, "head": 1.0, **gains})
 
 
 def test_head_drafts_only_where_its_trees_pay():
     split = _measured(head=0.090, plain=0.040)                # a head step costs 2.25 plain steps
     weak, strong = _state(head=0.8), _state(head=2.0)
-    weak_choices = [split.use_head(weak, None, 1) for _ in range(40)]
-    assert [i for i, c in enumerate(weak_choices) if c] == [7, 23]       # probed after 8, then 16 skips
+    weak_choices = [split.use_head(weak, None, 1) for _ in range(60)]
+    assert [i for i, c in enumerate(weak_choices) if c] == [15, 47]      # probed after 16, then 32 skips
     assert all(split.use_head(strong, None, 1) for _ in range(40))
     # the same head pays on a machine where drafting and verifying are cheap
     cheap = _measured(head=0.050, plain=0.040)
@@ -30,9 +30,9 @@ def test_head_drafts_only_where_its_trees_pay():
 
 def test_head_joins_lookup_only_when_the_merged_tree_is_faster():
     split = _measured(merged=0.100, lookup=0.080)
-    copying = _state(lookup=3.0, merged=3.2)                  # 4.2 tokens / 0.10 s < 4.0 / 0.08 s
-    assert [split.use_head(copying, [[5, 6]], 1) for _ in range(8)] == [False] * 7 + [True]
-    copying.gains["merged"] = 4.5                             # 5.5 / 0.10 > 4.0 / 0.08: the head joins
+    copying = _state(lookup=3.0, extra=0.2)                   # 4.2 tokens / 0.10 s < 4.0 / 0.08 s
+    assert [split.use_head(copying, [[5, 6]], 1) for _ in range(16)] == [False] * 15 + [True]
+    copying.gains["extra"] = 1.5                              # 5.5 / 0.10 > 4.0 / 0.08: the head joins
     assert split.use_head(copying, [[5, 6]], 1) and copying.probe_every == split.PROBE_EVERY
 
 
@@ -46,12 +46,12 @@ def test_unmeasured_modes_are_tried_and_new_requests_start_from_the_worker_avera
     split.observe(1, "plain", 0.04)
     split.observe(1, "plain", 0.04)
     for _ in range(200):                                      # earlier requests: the head's trees paid
-        split.observe_accepted(DraftState(), "head", 2)
+        split.observe_accepted(DraftState(), "head", 0, 2)
     assert split.new_gains()["head"] > 1.9
     assert split.use_head(DraftState(), None, 1)              # a new request trusts that at once
     st = DraftState()
     for _ in range(10):                                       # ... until its own head steps say otherwise
-        split.observe_accepted(st, "head", 0)
+        split.observe_accepted(st, "head", 0, 0)
     assert not split.use_head(st, None, 1)
 
 
