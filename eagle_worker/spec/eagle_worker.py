@@ -60,6 +60,7 @@ class EagleWorker:
             full = min(full, self.shape.num_nodes - 1)
         self.policy = SpecPolicy(full, spec.adaptive)
         self.hybrid = HybridSplit()
+        self.stretch_s = 0.0               # this step's seconds catching the head up on a stretch
         self.states: dict[str, DraftState] = {}
         depth = max(spec.depth if self.shape is None else self.shape.max_depth, spec.lookup_max_tokens if spec.lookup else 0)
         self.totals = {"draft_s": 0.0, "verify_s": 0.0, "spec_steps": 0, "plain_steps": 0,
@@ -71,6 +72,7 @@ class EagleWorker:
     # ---- one step ---------------------------------------------------------------------------
     def execute(self, batch: list[ScheduledSeq]) -> dict[str, list[tuple[int, float | None]]]:
         t0 = time.perf_counter()
+        self.stretch_s = 0.0
         decodes = [it for it in batch if it.num_tokens == 1 and it.completes and self._ready(it.seq)]
         budget = self.policy.choose(len(decodes)) if decodes else 0
         trees = self._draft(decodes, budget) if budget else {}
@@ -97,7 +99,7 @@ class EagleWorker:
         Returns per request (parents, tokens, depth, from_head, from_lookup)."""
         spec = self.spec
         top_k = min(spec.top_k, budget)
-        levels = spec.depth
+        levels = min(spec.depth, budget)      # a tree of n nodes is at most n deep: small budgets draft less
         reserve = budget + 1
         if self.head is not None and self.shape is None:
             reserve = max(reserve, 1 + (levels - 1) * top_k)
@@ -139,7 +141,10 @@ class EagleWorker:
         return out
 
     def _head_trees(self, batch: list[DraftSeq], budget: int, top_k: int, levels: int) -> list[tuple]:
+        stretch = max(len(d.state.tokens) for d in batch) > budget + 1     # more than one step's worth
+        t = time.perf_counter()
         root_hidden, root_lp = self.drafter.catch_up(batch)
+        self.stretch_s = time.perf_counter() - t if stretch else 0.0
         if self.shape is None:
             tree = self.drafter.grow_dynamic(batch, root_hidden, root_lp, budget, top_k, levels)
         else:
@@ -259,12 +264,15 @@ class EagleWorker:
         self.totals["draft_s"] += t1 - t0
         self.totals["verify_s"] += t2 - t1
         self.totals["spec_steps" if budget else "plain_steps"] += 1
-        if decodes and len(decodes) == len(batch):            # pure decode steps measure cleanly
+        # pure decode steps measure cleanly; catching the head up on a stretch it sat out (a prompt,
+        # steps without a tree) is paid once per stretch, so it is not charged to this step's budget
+        step_s = t2 - t0 - self.stretch_s
+        if decodes and len(decodes) == len(batch):
             produced = sum(len(new_tokens.get(it.seq.request_id, ())) for it in decodes)
-            self.policy.observe(len(decodes), budget, produced, t2 - t0)
+            self.policy.observe(len(decodes), budget, produced, step_s)
             if self.head is not None and self.spec.lookup and trees:   # the hybrid times each mode
                 modes = {step_mode(any(t[3][1:]), any(t[4][1:])) for t in trees.values()}
-                self.hybrid.observe(len(decodes), max(modes, key=MODES.index), t2 - t0)
+                self.hybrid.observe(len(decodes), max(modes, key=MODES.index), step_s)
 
     def stats(self) -> dict:
         t = self.totals

@@ -36,6 +36,7 @@ class HybridSplit:
         self.prior_ema = prior_ema
         self.seconds: dict[tuple[int, str], float] = {}      # (bucket, mode) -> step seconds
         self.samples: dict[tuple[int, str], int] = defaultdict(int)
+        self.warm: set[tuple[int, str]] = set()
         self.prior = dict.fromkeys(GAINS, 1.0)                 # accepted per step, all requests
 
     def new_gains(self) -> dict[str, float]:
@@ -87,6 +88,9 @@ class HybridSplit:
     def observe(self, batch_size: int, mode: str, seconds: float) -> None:
         """Seconds of one pure-decode step whose trees were drafted in `mode`."""
         key = (bucket(batch_size), mode)
+        if key not in self.warm:        # the first step of a mode runs cold: not a measurement
+            self.warm.add(key)
+            return
         self.samples[key] += 1
         ema = max(self.ema, 1.0 / self.samples[key])
         self.seconds[key] = seconds if key not in self.seconds else (1 - ema) * self.seconds[key] + ema * seconds

@@ -18,16 +18,18 @@ def bucket(batch_size: int) -> int:
 
 
 class SpecPolicy:
-    def __init__(self, num_draft_tokens: int, adaptive: bool = True, explore_every: int = 40, ema: float = 0.2,
+    def __init__(self, num_draft_tokens: int, adaptive: bool = True, explore_every: int = 40, ema: float = 0.05,
                  min_samples: int = 3):
         self.full = num_draft_tokens
         self.adaptive = adaptive
-        self.options = sorted({0, max(1, num_draft_tokens // 4), max(1, num_draft_tokens // 2), num_draft_tokens})
+        self.options = sorted({0, *(max(1, num_draft_tokens // d) for d in (8, 4, 2)), num_draft_tokens})
         self.explore_every = explore_every
         self.ema = ema
         self.min_samples = min_samples            # measurements per budget before trusting the average
-        self.rate: dict[tuple[int, int], float] = {}
+        self.rate: dict[tuple[int, int], float] = {}           # tokens per second
+        self.sums: dict[tuple[int, int], tuple[float, float]] = {}   # moving averages behind it
         self.samples: dict[tuple[int, int], int] = defaultdict(int)
+        self.warm: set[tuple[int, int]] = set()
         self.decisions: dict[int, int] = defaultdict(int)
         self.best: dict[int, int] = {}                 # per bucket: current best budget,
         self.interval: dict[int, int] = {}             # decisions between re-checks of a neighbour,
@@ -63,11 +65,15 @@ class SpecPolicy:
         if seconds <= 0:
             return
         key = (bucket(batch_size), budget)
-        r = tokens / seconds
+        if key not in self.warm:        # the first step at a budget runs cold (kernel selection,
+            self.warm.add(key)          # allocation): not a measurement
+            return
         self.samples[key] += 1
         n = self.samples[key]
         ema = max(self.ema, 1.0 / n)              # plain mean over the first samples, then a moving average
-        self.rate[key] = r if key not in self.rate else (1 - ema) * self.rate[key] + ema * r
+        t, s = self.sums.get(key, (0.0, 0.0))     # of tokens and of seconds: a step's tokens vary a lot
+        self.sums[key] = ((1 - ema) * t + ema * tokens, (1 - ema) * s + ema * seconds)
+        self.rate[key] = self.sums[key][0] / self.sums[key][1]
 
     def snapshot(self) -> dict:
         return {f"batch<={b}/draft={n}": round(r, 2) for (b, n), r in sorted(self.rate.items())}

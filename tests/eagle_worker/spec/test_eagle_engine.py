@@ -145,18 +145,18 @@ def test_policy_drops_speculation_where_it_loses():
     policy = SpecPolicy(num_draft_tokens=16)
     tried = {1: set(), 32: set()}
     for _ in range(30):
-        for bs, rate in ((1, {0: 10, 4: 14, 8: 18, 16: 25}), (32, {0: 300, 4: 200, 8: 150, 16: 90})):
+        for bs, rate in ((1, {0: 10, 2: 12, 4: 14, 8: 18, 16: 25}), (32, {0: 300, 2: 250, 4: 200, 8: 150, 16: 90})):
             n = policy.choose(bs)
             tried[bs].add(n)
             policy.observe(bs, n, int(rate[n] * 0.1), 0.1)
     assert policy.choose(1) == 16
     assert policy.choose(32) == 0
-    assert tried[32] == {0, 4}          # a losing budget stops the climb: the big trees are never paid for
+    assert tried[32] == {0, 2}          # a losing budget stops the climb: the big trees are never paid for
     # while the best holds, re-checks of a losing neighbour back off (40, 80, 160, ... decisions apart)
     rechecks = 0
     for _ in range(3000):
         n = policy.choose(32)
         rechecks += n != 0
-        policy.observe(32, n, int({0: 300, 4: 200, 8: 150, 16: 90}[n] * 0.1), 0.1)
+        policy.observe(32, n, int({0: 300, 2: 250, 4: 200, 8: 150, 16: 90}[n] * 0.1), 0.1)
     assert 3 <= rechecks <= 10
     assert SpecPolicy(num_draft_tokens=16, adaptive=False).choose(64) == 16
