@@ -35,7 +35,7 @@ class DraftState:
     ema_lookup: float = 1.0
     skipped_steps: int = 0        # hybrid: steps the head sat out since it last drafted
     probe_every: int = 0          # hybrid: the head drafts after this many skipped steps (0: HybridSplit's first)
-    gains: dict = field(default_factory=dict)   # hybrid: recent accepted tokens per step, per mode
+    gains: dict = field(default_factory=dict)   # hybrid: recent accepted tokens per step (hybrid.GAINS)
 
     def add(self, features: torch.Tensor, next_tokens: list[int]) -> None:
         self.features.append(features)

@@ -1,8 +1,8 @@
 """How many draft tokens to verify this step, from measured throughput at this batch size.
 
 Speculation pays at small batches and loses at large ones (verification multiplies the tokens
-the target processes). For each batch-size bucket the policy keeps a moving average of decode
-throughput (tokens produced per second of step time) for each budget it tried, always picks the
+the target processes). For each batch-size bucket the policy keeps moving averages of the tokens a
+step produces and of its seconds (their ratio: throughput) for each budget it tried, always picks the
 best, measures budgets from no speculation upwards and stops climbing as soon as a larger budget
 is slower (so a losing, expensive tree is tried only once or twice), and re-checks a neighbour of
 the best now and then, less often each time the best holds: the choice follows the real costs of
