@@ -113,6 +113,8 @@ def bench_decode(model, dtypes, batch_sizes, max_tokens, json_out, threads):
 def bench_spec(model, prompts_file, per_category, max_tokens, dtype, draft, methods, sweep, json_out, threads,
                temperature, num_draft_tokens, depth, top_k):
     """Vanilla, transformers (plain, prompt lookup), our lookup, EAGLE chain/static/dynamic, hybrid."""
+    if "vanilla" not in methods.split(","):
+        raise click.BadParameter("must include vanilla: every speedup is measured against it", param_hint="--methods")
     from bench.prompts import SPEC_BENCH
     from bench.spec import run
 

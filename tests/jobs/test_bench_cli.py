@@ -1,0 +1,12 @@
+"""`eaglectl bench spec` refuses a method list it cannot report on, before loading any model."""
+from __future__ import annotations
+
+from click.testing import CliRunner
+
+from jobs.cli import bench_spec
+
+
+def test_bench_spec_needs_vanilla():
+    res = CliRunner().invoke(bench_spec, ["--methods", "dynamic,hybrid", "--sweep", ""])
+    assert res.exit_code == 2
+    assert "--methods" in res.output and "vanilla" in res.output
