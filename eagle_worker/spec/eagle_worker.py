@@ -124,7 +124,11 @@ class EagleWorker:
         hybrid = self.head is not None and spec.lookup
         use_head = [self.hybrid.use_head(d.state, proposals.get(seq.request_id), len(batch)) if hybrid
                     else self.head is not None for d, seq in zip(batch, included)]
-        drafted = iter(self._head_trees([d for d, u in zip(batch, use_head) if u], budget, top_k, levels)
+        head_budget = budget
+        if hybrid and not any(u and proposals.get(seq.request_id) for u, seq in zip(use_head, included)):
+            head_budget = self.hybrid.alone_nodes(budget)
+            top_k, levels = min(top_k, head_budget), min(levels, head_budget)
+        drafted = iter(self._head_trees([d for d, u in zip(batch, use_head) if u], head_budget, top_k, levels)
                        if any(use_head) else [])
         out = {}
         for b, seq in enumerate(included):
