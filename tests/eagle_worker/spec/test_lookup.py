@@ -99,3 +99,21 @@ def test_hybrid_sampling_keeps_the_target_distribution(copying_target, monkeypat
     assert _chi2_pvalue(plain, _joint_counts(LLM(model=str(target), spec=spec, **kw), n)) > 1e-3
     monkeypatch.setattr(acceptance, "_walk_sampling", functools.partial(acceptance._walk_sampling, zero_rejected=False))
     assert _chi2_pvalue(plain, _joint_counts(LLM(model=str(target), spec=spec, **kw), n)) < 1e-3
+
+
+def test_hybrid_head_trees_are_small_where_lookup_has_nothing(copying_target):
+    """Where lookup proposes nothing the head drafts a quarter-budget tree (cheap to be wrong);
+    beside lookup branches it drafts at the full budget; the output stays greedy decoding's."""
+    target, head = copying_target
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    prompts = ["x", "The quick brown fox"]
+    expected = [o.token_ids for o in LLM(model=str(target), block_size=4, num_kv_blocks=512).generate(prompts, params)]
+    llm = LLM(model=str(target), block_size=4, num_kv_blocks=512,
+              spec=SpecConfig(draft=str(head), lookup=True, adaptive=False, num_draft_tokens=8, depth=4))
+    worker = llm.engine.worker
+    calls = []
+    grow = worker.drafter.grow_dynamic
+    worker.drafter.grow_dynamic = lambda batch, h, lp, n, k, levels: calls.append((n, k, levels)) or grow(batch, h, lp, n, k, levels)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    assert (2, 2, 2) in calls, calls                        # lone head trees: 8 // 4 nodes, 2 wide, 2 deep
+    assert set(calls) <= {(2, 2, 2), (8, 8, 4)}, calls
