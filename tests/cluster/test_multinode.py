@@ -60,6 +60,13 @@ def _retries(url: str) -> float:
     return sum(float(v) for v in re.findall(r"^eagle_request_retries_total{[^}]*} (\S+)$", text, re.M))
 
 
+def _replica_running(url: str) -> dict[str, float]:
+    """Sequences each replica reported running with its latest finished request."""
+    text = requests.get(f"{url}/metrics", timeout=30).text
+    return {rid: float(v) for rid, v in re.findall(r'^eagle_replica_num_running{[^}]*replica="([^"]+)"[^}]*} (\S+)$',
+                                                   text, re.M)}
+
+
 def _one(client, i: int) -> tuple[str, str]:
     """('ok', text) or ('error', message); raising means an unclear failure."""
     kw = dict(model=MODEL, prompt=f"The quick brown fox {i}", max_tokens=MAX_TOKENS, temperature=0,
@@ -107,8 +114,10 @@ def test_load_spreads_over_both_nodes_and_survives_a_replica_kill(two_nodes, app
         for _ in range(KILL_AFTER):
             assert done.acquire(timeout=REQUEST_TIMEOUT), "requests stopped finishing before the kill"
         before = _replica_counts(url)
-        # kill the replica the router has used most so far: the likeliest to be busy right now
-        victim = max(replicas, key=lambda r: before.get(r["replica_id"], 0))
+        # kill the replica likeliest to be busy right now: the most sequences running at its last
+        # report, then the most used so far
+        running = _replica_running(url)
+        victim = max(replicas, key=lambda r: (running.get(r["replica_id"], 0), before.get(r["replica_id"], 0)))
         os.kill(victim["pid"], signal.SIGKILL)
         killed.update(victim, at=time.monotonic() - t0, in_flight=sum(f.running() for f in futs))
         finished, pending = cf.wait(futs, timeout=3 * REQUEST_TIMEOUT)
