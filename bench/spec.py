@@ -85,6 +85,10 @@ def _run_hf(model, tok, prompts: list[str], max_tokens: int, lookup: int | None,
     return time.perf_counter() - t0, tokens, 0
 
 
+class MethodsError(ValueError):
+    """A method list the benchmark cannot report on."""
+
+
 def run(model: str = "gemma-3-270m", prompts_file: str | Path = SPEC_BENCH, per_category: int = 2,
         max_tokens: int = 128, dtype: str = "bfloat16", draft: str = "default",
         methods: tuple[str, ...] = ("vanilla", "hf", "hf_lookup", "lookup", "chain", "static", "dynamic", "hybrid"),
@@ -92,6 +96,8 @@ def run(model: str = "gemma-3-270m", prompts_file: str | Path = SPEC_BENCH, per_
         threads: int | None = None, temperature: float = 0.0, tree: dict | None = None) -> dict:
     """Batch 1, one request after another; `temperature` > 0 samples (seed 0 per request on our
     side) and reports tau and speed: acceptance then depends on the drawn tokens."""
+    if "vanilla" not in methods:
+        raise MethodsError("must include vanilla: every speedup is measured against it")
     if threads:
         torch.set_num_threads(threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer

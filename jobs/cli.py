@@ -113,16 +113,17 @@ def bench_decode(model, dtypes, batch_sizes, max_tokens, json_out, threads):
 def bench_spec(model, prompts_file, per_category, max_tokens, dtype, draft, methods, sweep, json_out, threads,
                temperature, num_draft_tokens, depth, top_k):
     """Vanilla, transformers (plain, prompt lookup), our lookup, EAGLE chain/static/dynamic, hybrid."""
-    if "vanilla" not in methods.split(","):
-        raise click.BadParameter("must include vanilla: every speedup is measured against it", param_hint="--methods")
     from bench.prompts import SPEC_BENCH
-    from bench.spec import run
+    from bench.spec import MethodsError, run
 
-    run(model=model, prompts_file=prompts_file or SPEC_BENCH, per_category=per_category, max_tokens=max_tokens,
-        dtype=dtype, draft=draft, methods=tuple(methods.split(",")),
-        sweep=tuple(int(b) for b in sweep.split(",") if b), json_out=json_out, threads=threads,
-        temperature=temperature, tree={k: v for k, v in (("num_draft_tokens", num_draft_tokens), ("depth", depth),
-                                                         ("top_k", top_k)) if v is not None})
+    try:
+        run(model=model, prompts_file=prompts_file or SPEC_BENCH, per_category=per_category, max_tokens=max_tokens,
+            dtype=dtype, draft=draft, methods=tuple(methods.split(",")),
+            sweep=tuple(int(b) for b in sweep.split(",") if b), json_out=json_out, threads=threads,
+            temperature=temperature, tree={k: v for k, v in (("num_draft_tokens", num_draft_tokens), ("depth", depth),
+                                                             ("top_k", top_k)) if v is not None})
+    except MethodsError as e:
+        raise click.BadParameter(str(e), param_hint="--methods") from None
 
 
 @bench.command("job")

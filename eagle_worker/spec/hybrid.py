@@ -13,10 +13,8 @@ draft, the budget is split by each source's recent acceptance for the request.
 """
 from __future__ import annotations
 
-from collections import defaultdict
-
 from eagle_worker.spec.drafter import DraftState
-from eagle_worker.spec.policy import bucket
+from eagle_worker.spec.policy import StepMeans, bucket
 
 MODES = ("plain", "lookup", "head", "merged")     # which sources drafted a step's tree
 # accepted draft tokens per step: lookup's; the head's own nodes' beside lookup; the head's alone
@@ -32,11 +30,8 @@ class HybridSplit:
     MAX_PROBE_EVERY = 64       # that, ... up to every 64th while skipping keeps being right
 
     def __init__(self, ema: float = 0.2, prior_ema: float = 0.05):
-        self.ema = ema
         self.prior_ema = prior_ema
-        self.seconds: dict[tuple[int, str], float] = {}      # (bucket, mode) -> step seconds
-        self.samples: dict[tuple[int, str], int] = defaultdict(int)
-        self.warm: set[tuple[int, str]] = set()
+        self.steps = StepMeans(ema)                            # (bucket, mode) -> (step seconds,)
         self.prior = dict.fromkeys(GAINS, 1.0)                 # accepted per step, all requests
 
     def new_gains(self) -> dict[str, float]:
@@ -59,14 +54,15 @@ class HybridSplit:
         head first, then measure the step without it."""
         b = bucket(batch_size)
         with_head, without = ("merged", "lookup") if branches else ("head", "plain")
-        if self.samples[(b, with_head)] < 2:
+        if self.steps.samples[(b, with_head)] < 2:
             return True
-        if self.samples[(b, without)] < 2:
+        if self.steps.samples[(b, without)] < 2:
             return False
         g = st.gains or self.prior
         base = 1.0 + g["lookup"] if branches else 1.0
         more = g["extra"] if branches else g["head"]
-        return (base + more) * self.seconds[(b, without)] > base * self.seconds[(b, with_head)]
+        (t_with,), (t_without,) = self.steps.means[(b, with_head)], self.steps.means[(b, without)]
+        return (base + more) * t_without > base * t_with
 
     @staticmethod
     def alone_nodes(budget: int) -> int:
@@ -94,10 +90,4 @@ class HybridSplit:
 
     def observe(self, batch_size: int, mode: str, seconds: float) -> None:
         """Seconds of one pure-decode step whose trees were drafted in `mode`."""
-        key = (bucket(batch_size), mode)
-        if key not in self.warm:        # the first step of a mode runs cold: not a measurement
-            self.warm.add(key)
-            return
-        self.samples[key] += 1
-        ema = max(self.ema, 1.0 / self.samples[key])
-        self.seconds[key] = seconds if key not in self.seconds else (1 - ema) * self.seconds[key] + ema * seconds
+        self.steps.observe((bucket(batch_size), mode), seconds)

@@ -17,6 +17,27 @@ def bucket(batch_size: int) -> int:
     return 1 << max(0, (batch_size - 1).bit_length())
 
 
+class StepMeans:
+    """Per key (batch bucket, choice): moving averages of a step's measurements, a plain mean over
+    the first samples and then exponential. The first step of each key runs cold (kernel selection,
+    allocation) and is not a measurement."""
+
+    def __init__(self, ema: float):
+        self.ema = ema
+        self.samples: dict[tuple, int] = defaultdict(int)
+        self.means: dict[tuple, tuple[float, ...]] = {}
+        self._warm: set[tuple] = set()
+
+    def observe(self, key: tuple, *values: float) -> None:
+        if key not in self._warm:
+            self._warm.add(key)
+            return
+        self.samples[key] += 1
+        a = max(self.ema, 1.0 / self.samples[key])
+        old = self.means.get(key, values)
+        self.means[key] = tuple((1 - a) * o + a * v for o, v in zip(old, values))
+
+
 class SpecPolicy:
     def __init__(self, num_draft_tokens: int, adaptive: bool = True, explore_every: int = 40, ema: float = 0.05,
                  min_samples: int = 3):
@@ -24,12 +45,8 @@ class SpecPolicy:
         self.adaptive = adaptive
         self.options = sorted({0, *(max(1, num_draft_tokens // d) for d in (8, 4, 2)), num_draft_tokens})
         self.explore_every = explore_every
-        self.ema = ema
         self.min_samples = min_samples            # measurements per budget before trusting the average
-        self.rate: dict[tuple[int, int], float] = {}           # tokens per second
-        self.sums: dict[tuple[int, int], tuple[float, float]] = {}   # moving averages behind it
-        self.samples: dict[tuple[int, int], int] = defaultdict(int)
-        self.warm: set[tuple[int, int]] = set()
+        self.steps = StepMeans(ema)               # (bucket, budget) -> (tokens, seconds) per step
         self.decisions: dict[int, int] = defaultdict(int)
         self.best: dict[int, int] = {}                 # per bucket: current best budget,
         self.interval: dict[int, int] = {}             # decisions between re-checks of a neighbour,
@@ -41,14 +58,14 @@ class SpecPolicy:
             return self.full
         b = bucket(batch_size)
         self.decisions[b] += 1
-        measured = [n for n in self.options if self.samples[(b, n)] >= self.min_samples]
-        pending = [n for n in self.options if self.samples[(b, n)] < self.min_samples]
+        measured = [n for n in self.options if self.steps.samples[(b, n)] >= self.min_samples]
+        pending = [n for n in self.options if self.steps.samples[(b, n)] < self.min_samples]
         # climb from no speculation upwards while each larger budget is still faster: a budget
         # that loses at this batch size is never followed by a (more expensive) larger one
-        climbing = len(measured) < 2 or self.rate[(b, measured[-1])] >= self.rate[(b, measured[-2])]
+        climbing = len(measured) < 2 or self.rate(b, measured[-1]) >= self.rate(b, measured[-2])
         if pending and (not measured or (climbing and pending[0] > measured[-1])):
             return pending[0]
-        best = max(measured, key=lambda n: self.rate[(b, n)])
+        best = max(measured, key=lambda n: self.rate(b, n))
         if best != self.best.get(b):              # the best moved: look around it again soon
             self.best[b], self.interval[b] = best, self.explore_every
             self.next_check[b] = self.decisions[b] + self.explore_every
@@ -60,20 +77,15 @@ class SpecPolicy:
             return self.options[i + 1] if i + 1 < len(self.options) and self.checks[b] % 2 else self.options[max(i - 1, 0)]
         return best
 
+    def rate(self, b: int, budget: int) -> float:
+        """Tokens per second: a ratio of moving averages, since a step's accepted tokens vary a lot."""
+        tokens, seconds = self.steps.means[(b, budget)]
+        return tokens / seconds
+
     def observe(self, batch_size: int, budget: int, tokens: int, seconds: float) -> None:
         """Record one pure-decode step: `tokens` produced by `batch_size` sequences in `seconds`."""
-        if seconds <= 0:
-            return
-        key = (bucket(batch_size), budget)
-        if key not in self.warm:        # the first step at a budget runs cold (kernel selection,
-            self.warm.add(key)          # allocation): not a measurement
-            return
-        self.samples[key] += 1
-        n = self.samples[key]
-        ema = max(self.ema, 1.0 / n)              # plain mean over the first samples, then a moving average
-        t, s = self.sums.get(key, (0.0, 0.0))     # of tokens and of seconds: a step's tokens vary a lot
-        self.sums[key] = ((1 - ema) * t + ema * tokens, (1 - ema) * s + ema * seconds)
-        self.rate[key] = self.sums[key][0] / self.sums[key][1]
+        if seconds > 0:
+            self.steps.observe((bucket(batch_size), budget), tokens, seconds)
 
     def snapshot(self) -> dict:
-        return {f"batch<={b}/draft={n}": round(r, 2) for (b, n), r in sorted(self.rate.items())}
+        return {f"batch<={b}/draft={n}": round(self.rate(b, n), 2) for b, n in sorted(self.steps.means)}

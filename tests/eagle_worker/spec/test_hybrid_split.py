@@ -47,7 +47,7 @@ def test_unmeasured_modes_are_tried_and_new_requests_start_from_the_worker_avera
     assert not split.use_head(fresh, None, 1)                 # now measure what a plain step costs
     for _ in range(3):
         split.observe(1, "plain", 0.04)
-    assert split.seconds[(1, "head")] == 0.09
+    assert split.steps.means[(1, "head")] == (0.09,)
     for _ in range(200):                                      # earlier requests: the head's trees paid
         split.observe_accepted(DraftState(), "head", 0, 2)
     assert split.new_gains()["head"] > 1.9
