@@ -117,3 +117,26 @@ def test_hybrid_head_trees_are_small_where_lookup_has_nothing(copying_target):
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected
     assert (2, 2, 2) in calls, calls                        # lone head trees: 8 // 4 nodes, 2 wide, 2 deep
     assert set(calls) <= {(2, 2, 2), (8, 8, 4)}, calls
+
+
+def test_hybrid_with_the_adaptive_budget_in_continuous_batches(copying_target):
+    """More requests than batch slots, so requests join and leave mid-run while the adaptive budget
+    moves between no speculation and trees: outputs stay plain greedy decoding's and every KV block
+    comes back."""
+    target, head = copying_target
+    base = LLM(model=str(target), block_size=4, num_kv_blocks=512)
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    first = base.generate("def add(a, b):\n", params)[0]
+    prompts = ["def add(a, b):\n" + first.text + "\ndef add(a, b):\n", "The quick brown fox", "x", "hello world",
+               "def add(a, b):\n", "1 2 3 4"]
+    expected = [o.token_ids for o in base.generate(prompts, params)]
+    llm = LLM(model=str(target), block_size=4, num_kv_blocks=512, max_num_seqs=3,
+              spec=SpecConfig(draft=str(head), lookup=True, num_draft_tokens=8))
+    budgets = []
+    choose = llm.engine.worker.policy.choose
+    llm.engine.worker.policy.choose = lambda bs: budgets.append(choose(bs)) or budgets[-1]
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == expected
+    assert 0 in budgets and any(budgets), sorted(set(budgets))       # both plain and speculative steps
+    assert llm.engine.worker.stats()["spec_steps"] > 0
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
