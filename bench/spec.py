@@ -93,57 +93,51 @@ def run(model: str = "gemma-3-270m", prompts_file: str | Path = SPEC_BENCH, per_
         max_tokens: int = 128, dtype: str = "bfloat16", draft: str = "default",
         methods: tuple[str, ...] = ("vanilla", "hf", "hf_lookup", "lookup", "chain", "static", "dynamic", "hybrid"),
         sweep: tuple[int, ...] = (1, 2, 4, 8, 16, 32), json_out: str | None = "bench/results/spec.json",
-        threads: int | None = None, temperature: float = 0.0, tree: dict | None = None) -> dict:
+        threads: int | None = None, temperature: float = 0.0, tree: dict | None = None, rounds: int = 1) -> dict:
     """Batch 1, one request after another; `temperature` > 0 samples (seed 0 per request on our
-    side) and reports tau and speed: acceptance then depends on the drawn tokens."""
+    side) and reports tau and speed: acceptance then depends on the drawn tokens.
+
+    Every engine is loaded first and the methods take turns category by category (in reverse
+    order every other round), so a slow spell of the machine hits all methods alike instead of
+    whichever ran then; `rounds` > 1 repeats the prompts and sums the times."""
     if "vanilla" not in methods:
         raise MethodsError("must include vanilla: every speedup is measured against it")
     if threads:
         torch.set_num_threads(threads)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from eagle_worker import LLM
-    from eagle_worker.model_runner import resolve_model
-
     records = load_questions(prompts_file, per_category=per_category)
     by_cat = defaultdict(list)
     for r in records:
         by_cat[r.get("category", "default")].append(render(r))
-    vanilla = LLM(model=model, dtype=dtype, draft=None)
-    tmp = tempfile.mkdtemp(prefix="bench-head-")
-    if draft == "random":
-        draft = _random_head(vanilla, Path(tmp))
-    results: dict[str, dict[str, dict]] = defaultdict(dict)
-    path = resolve_model(model)
-    hf = tok = None
-    for method in methods:
-        if method.startswith("hf"):
-            if hf is None:
-                tok = AutoTokenizer.from_pretrained(path)
-                hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
-            runner = lambda ps: _run_hf(hf, tok, ps, max_tokens, 10 if method == "hf_lookup" else None,  # noqa: E731
-                                        temperature)
-        else:
-            llm = vanilla if method == "vanilla" else LLM(model=model, dtype=dtype, spec=_spec_config(method, draft, tree))
-            llm.generate(by_cat[next(iter(by_cat))][0], None)          # warm-up
-            runner = lambda ps, shares=None, llm=llm: _run_ours(llm, ps, max_tokens, shares, temperature)  # noqa: E731
+    runners, engines = _runners(model, dtype, draft, methods, tree, max_tokens, temperature, next(iter(by_cat.values()))[0])
+    results: dict[str, dict[str, dict]] = {m: {} for m in methods}
+    for rnd in range(rounds):
         for cat, ps in by_cat.items():
-            shares = {} if method == "hybrid" else None
-            secs, tokens, forwards = runner(ps, shares) if method in OURS else runner(ps)
-            results[method][cat] = {"tok_s": tokens / secs, "tau": tokens / forwards if forwards else None,
-                                    "tokens": tokens, "seconds": secs}
-            if shares and shares.get("accepted"):
-                results[method][cat]["share_head"] = shares["head"] / shares["accepted"]
-                results[method][cat]["share_lookup"] = shares["lookup"] / shares["accepted"]
-            print(f"{method:10s} {cat:16s} {tokens / secs:7.2f} tok/s", flush=True)
-        if method in OURS and method != "vanilla":
-            results[method]["_acceptance_per_depth"] = llm.engine.stats().get("acceptance_rate_per_depth")
-            del llm
+            for method in (methods if rnd % 2 == 0 else methods[::-1]):
+                shares = {} if method == "hybrid" else None
+                secs, tokens, forwards = runners[method](ps, shares) if method in OURS else runners[method](ps)
+                row = results[method].setdefault(cat, {"tokens": 0, "seconds": 0.0, "forwards": 0, "shares": {}})
+                row["tokens"] += tokens
+                row["seconds"] += secs
+                row["forwards"] += forwards
+                for k, v in (shares or {}).items():
+                    row["shares"][k] = row["shares"].get(k, 0) + v
+                print(f"{method:10s} {cat:16s} {tokens / secs:7.2f} tok/s", flush=True)
+    for method, per_cat in results.items():
+        for row in per_cat.values():
+            row["tok_s"] = row["tokens"] / row["seconds"]
+            row["tau"] = row["tokens"] / row["forwards"] if row["forwards"] else None
+            shares = row.pop("shares")
+            if shares.get("accepted"):
+                row["share_head"] = shares["head"] / shares["accepted"]
+                row["share_lookup"] = shares["lookup"] / shares["accepted"]
+        if method in engines and method != "vanilla":
+            per_cat["_acceptance_per_depth"] = engines[method].engine.stats().get("acceptance_rate_per_depth")
+    engines.clear()
     summary = _summarise(results)
     sweep_rows = _sweep(model, dtype, draft, [p for ps in by_cat.values() for p in ps], sweep, max_tokens=32) if sweep else []
     _print(summary, sweep_rows)
     report = {"meta": {"model": model, "dtype": dtype, "max_tokens": max_tokens, "prompt_format": PROMPT_FORMAT,
-                       "temperature": temperature, "tree": tree or {},
+                       "temperature": temperature, "tree": tree or {}, "rounds": rounds,
                        "prompts": str(prompts_file), "per_category": per_category, "draft": draft,
                        "threads": torch.get_num_threads()},
               "results": results, "summary": summary, "sweep": sweep_rows}
@@ -151,6 +145,35 @@ def run(model: str = "gemma-3-270m", prompts_file: str | Path = SPEC_BENCH, per_
         Path(json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(json_out).write_text(json.dumps(report, indent=2))
     return report
+
+
+def _runners(model: str, dtype: str, draft: str, methods, tree: dict | None, max_tokens: int,
+             temperature: float, warm_prompt: str) -> tuple[dict, dict]:
+    """One callable per method (prompts -> seconds, tokens, target forwards) and our engines by method."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from eagle_worker import LLM
+    from eagle_worker.model_runner import resolve_model
+
+    vanilla = LLM(model=model, dtype=dtype, draft=None, kv_cache_gb=0.25)
+    if draft == "random":
+        draft = _random_head(vanilla, Path(tempfile.mkdtemp(prefix="bench-head-")))
+    runners, engines = {}, {}
+    hf = tok = None
+    for method in methods:
+        if method.startswith("hf"):
+            if hf is None:
+                path = resolve_model(model)
+                tok = AutoTokenizer.from_pretrained(path)
+                hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+            runners[method] = lambda ps, lookup=10 if method == "hf_lookup" else None: _run_hf(  # noqa: E731
+                hf, tok, ps, max_tokens, lookup, temperature)
+        else:
+            llm = engines[method] = vanilla if method == "vanilla" else LLM(     # batch 1: little KV
+                model=model, dtype=dtype, spec=_spec_config(method, draft, tree), kv_cache_gb=0.25)
+            llm.generate(warm_prompt, None)          # warm-up
+            runners[method] = lambda ps, shares=None, llm=llm: _run_ours(llm, ps, max_tokens, shares, temperature)  # noqa: E731
+    return runners, engines
 
 
 def _summarise(results: dict) -> dict:

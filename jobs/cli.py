@@ -110,8 +110,9 @@ def bench_decode(model, dtypes, batch_sizes, max_tokens, json_out, threads):
 @click.option("--num-draft-tokens", default=None, type=int, help="Node budget of the dynamic tree, the hybrid and lookup [default: SpecConfig's].")
 @click.option("--depth", default=None, type=int, help="Dynamic tree / hybrid draft levels [default: SpecConfig's].")
 @click.option("--top-k", default=None, type=int, help="Dynamic tree / hybrid expansion width [default: SpecConfig's].")
+@click.option("--rounds", default=1, show_default=True, type=int, help="Passes over the prompts (times summed).")
 def bench_spec(model, prompts_file, per_category, max_tokens, dtype, draft, methods, sweep, json_out, threads,
-               temperature, num_draft_tokens, depth, top_k):
+               temperature, num_draft_tokens, depth, top_k, rounds):
     """Vanilla, transformers (plain, prompt lookup), our lookup, EAGLE chain/static/dynamic, hybrid."""
     from bench.prompts import SPEC_BENCH
     from bench.spec import MethodsError, run
@@ -121,7 +122,8 @@ def bench_spec(model, prompts_file, per_category, max_tokens, dtype, draft, meth
             dtype=dtype, draft=draft, methods=tuple(methods.split(",")),
             sweep=tuple(int(b) for b in sweep.split(",") if b), json_out=json_out, threads=threads,
             temperature=temperature, tree={k: v for k, v in (("num_draft_tokens", num_draft_tokens), ("depth", depth),
-                                                             ("top_k", top_k)) if v is not None})
+                                                             ("top_k", top_k)) if v is not None},
+            rounds=rounds)
     except MethodsError as e:
         raise click.BadParameter(str(e), param_hint="--methods") from None
 

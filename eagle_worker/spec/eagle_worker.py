@@ -122,14 +122,16 @@ class EagleWorker:
                 d.state.index.extend(seq.token_ids)
                 proposals[seq.request_id] = d.state.index.propose(spec.lookup_max_tokens, spec.lookup_max_branches)
         hybrid = self.head is not None and spec.lookup
-        use_head = [self.hybrid.use_head(d.state, proposals.get(seq.request_id), len(batch)) if hybrid
+        use_head = [self.hybrid.use_head(d.state, proposals.get(seq.request_id), len(batch),
+                                         remaining=seq.params.max_tokens - seq.num_output_tokens,
+                                         stretch=max(0, len(d.state.tokens) - (budget + 1))) if hybrid
                     else self.head is not None for d, seq in zip(batch, included)]
         head_budget = budget
         if hybrid and not any(u and proposals.get(seq.request_id) for u, seq in zip(use_head, included)):
             head_budget = self.hybrid.alone_nodes(budget)
             top_k, levels = min(top_k, head_budget), min(levels, head_budget)
-        drafted = iter(self._head_trees([d for d, u in zip(batch, use_head) if u], head_budget, top_k, levels)
-                       if any(use_head) else [])
+        drafted = iter(self._head_trees([d for d, u in zip(batch, use_head) if u], head_budget, top_k, levels,
+                                        stretch_after=budget + 1) if any(use_head) else [])
         out = {}
         for b, seq in enumerate(included):
             head = use_head[b]
@@ -144,11 +146,15 @@ class EagleWorker:
             out[seq.request_id] = merge_branches(parents, tokens, depth, branches, budget - (len(tokens) - 1))
         return out
 
-    def _head_trees(self, batch: list[DraftSeq], budget: int, top_k: int, levels: int) -> list[tuple]:
-        stretch = max(len(d.state.tokens) for d in batch) > budget + 1     # more than one step's worth
+    def _head_trees(self, batch: list[DraftSeq], budget: int, top_k: int, levels: int,
+                    stretch_after: int) -> list[tuple]:
+        pending = sum(len(d.state.tokens) for d in batch)
+        stretch = max(len(d.state.tokens) for d in batch) > stretch_after     # more than one step's worth
         t = time.perf_counter()
         root_hidden, root_lp = self.drafter.catch_up(batch)
         self.stretch_s = time.perf_counter() - t if stretch else 0.0
+        if stretch:
+            self.hybrid.observe_catch_up(pending, self.stretch_s)
         if self.shape is None:
             tree = self.drafter.grow_dynamic(batch, root_hidden, root_lp, budget, top_k, levels)
         else:

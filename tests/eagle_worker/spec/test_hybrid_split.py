@@ -60,3 +60,26 @@ def test_unmeasured_modes_are_tried_and_new_requests_start_from_the_worker_avera
 
 def test_step_modes():
     assert [step_mode(h, lk) for h in (False, True) for lk in (False, True)] == ["plain", "lookup", "head", "merged"]
+
+
+def test_a_head_that_sat_out_rejoins_only_if_the_rest_of_the_request_repays_its_catch_up():
+    split = _measured(head=0.050, plain=0.040)       # 1.8 tokens / 50 ms beat 1 / 40 ms: 12.2 ms saved a token
+    for _ in range(3):
+        split.observe_catch_up(100, 0.010)            # 0.1 ms per token the head catches up on
+    assert split.catch_up_seconds(600) == 0.060
+    st = _state(head=0.8)
+    assert split.use_head(st, None, 1, remaining=100, stretch=600)      # 1.2 s saved > 60 ms
+    assert not split.use_head(st, None, 1, remaining=4, stretch=600)    # 49 ms saved < 60 ms
+    assert split.use_head(st, None, 1, remaining=4, stretch=0)          # nothing to catch up: it pays
+    assert split.use_head(st, None, 1, stretch=600)                     # no end in sight: it pays
+
+
+def test_no_probe_when_its_catch_up_outweighs_a_twentieth_of_the_remaining_time():
+    split = _measured(merged=0.100, lookup=0.080)
+    for _ in range(3):
+        split.observe_catch_up(100, 0.010)
+    copying = _state(lookup=3.0, extra=0.2)           # lookup alone: 20 ms a token
+    # 100 tokens left (2 s): a probe catching up on 600 tokens (60 ms) costs 3% -> probed
+    assert [split.use_head(copying, [[5, 6]], 1, remaining=100, stretch=600) for _ in range(16)] == [False] * 15 + [True]
+    # 20 tokens left (0.4 s): 60 ms is 15% -> the head stays out
+    assert not any(split.use_head(copying, [[5, 6]], 1, remaining=20, stretch=600) for _ in range(80))
