@@ -36,6 +36,8 @@ class DraftState:
     skipped_steps: int = 0        # hybrid: steps the head sat out since it last drafted
     probe_every: int = 0          # hybrid: the head drafts after this many skipped steps (0: HybridSplit's first)
     gains: dict = field(default_factory=dict)   # hybrid: recent accepted tokens per step (hybrid.GAINS)
+    lookup_outcome: str = "new"   # hybrid: how the last lookup proposal did (hybrid.LOOKUP_OUTCOMES)
+    shadow: tuple | None = None   # hybrid: an unverified lookup proposal (position, branches) to score
 
     def add(self, features: torch.Tensor, next_tokens: list[int]) -> None:
         self.features.append(features)

@@ -122,10 +122,20 @@ class EagleWorker:
                 d.state.index.extend(seq.token_ids)
                 proposals[seq.request_id] = d.state.index.propose(spec.lookup_max_tokens, spec.lookup_max_branches)
         hybrid = self.head is not None and spec.lookup
-        use_head = [self.hybrid.use_head(d.state, proposals.get(seq.request_id), len(batch),
-                                         remaining=seq.params.max_tokens - seq.num_output_tokens,
-                                         stretch=max(0, len(d.state.tokens) - (budget + 1))) if hybrid
-                    else self.head is not None for d, seq in zip(batch, included)]
+        use_head = []
+        for d, seq in zip(batch, included):
+            if not hybrid:
+                use_head.append(self.head is not None)
+                continue
+            self.hybrid.score_shadow(d.state, seq.token_ids)
+            branches = proposals[seq.request_id]
+            mode = self.hybrid.choose(d.state, branches, len(batch),
+                                      remaining=seq.params.max_tokens - seq.num_output_tokens,
+                                      stretch=max(0, len(d.state.tokens) - (budget + 1)))
+            if branches and mode in ("plain", "head"):        # lookup sits out: score its proposal later
+                self.hybrid.shadow(d.state, len(seq.token_ids), branches, budget)
+                proposals[seq.request_id] = []
+            use_head.append(mode in ("head", "merged"))
         head_budget = budget
         if hybrid and not any(u and proposals.get(seq.request_id) for u, seq in zip(use_head, included)):
             head_budget = self.hybrid.alone_nodes(budget)
@@ -230,7 +240,7 @@ class EagleWorker:
             st = self.states[seq.request_id]
             if features is not None:
                 st.add(features[off + torch.tensor(acc.path)], acc.tokens)
-            self._count_sources(seq, st, acc.path[1:], from_head, from_lookup)
+            self._count_sources(seq, st, acc.path[1:], parents, from_head, from_lookup)
             lps = torch.log_softmax(logits[torch.tensor(acc.path)].float(), -1) if p.logprobs else None
             new_tokens[seq.request_id] = [(t, lps[i, t].item() if lps is not None else None) for i, t in enumerate(acc.tokens)]
             seq.metrics.num_target_forwards += 1
@@ -246,7 +256,8 @@ class EagleWorker:
                 st.index = NgramIndex(*self.spec.lookup_ngram)
         return st
 
-    def _count_sources(self, seq: Sequence, st: DraftState, accepted: list[int], from_head, from_lookup) -> None:
+    def _count_sources(self, seq: Sequence, st: DraftState, accepted: list[int], parents: list[int],
+                       from_head, from_lookup) -> None:
         """Per-source acceptance: the request's metrics and the moving averages that split the budget."""
         h = sum(1 for i in accepted if from_head[i])
         lk = sum(1 for i in accepted if from_lookup[i])
@@ -258,7 +269,10 @@ class EagleWorker:
         st.ema_lookup = 0.7 * st.ema_lookup + 0.3 * lk
         if self.head is not None and self.spec.lookup:
             head_only = sum(1 for i in accepted if from_head[i] and not from_lookup[i])
-            self.hybrid.observe_accepted(st, step_mode(any(from_head[1:]), any(from_lookup[1:])), lk, head_only)
+            self.hybrid.observe_accepted(st, step_mode(any(from_head[1:]), any(from_lookup[1:])), head_only)
+            if any(from_lookup[1:]):      # a whole branch accepted: the path ends on a lookup leaf
+                inner = {parents[i] for i in range(1, len(parents)) if from_lookup[i]}
+                self.hybrid.observe_lookup(st, lk, bool(lk) and from_lookup[accepted[-1]] and accepted[-1] not in inner)
 
     def _count_depths(self, seq: Sequence, depth: list[int], accepted: int) -> None:
         max_d = max(depth)

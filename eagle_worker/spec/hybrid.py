@@ -1,18 +1,22 @@
-"""Hybrid drafting: per request and step, whether the head drafts beside prompt lookup, and how
-the node budget is split when both do.
+"""Hybrid drafting: per request and step, which sources draft (prompt lookup, the head, both or
+neither), and how the node budget is split when both do.
 
-Prompt lookup is nearly free to draft; the head costs a drafting pass and a bigger tree to verify.
-So each step picks, per request, the mode with the higher expected tokens per second. With lookup
-branches: lookup alone, (1 + lookup's recent accepted tokens) per lookup step, against lookup merged
-with the head's tree, which adds what the head's own nodes recently added on top of lookup's, per
-(slower) merged step. Without branches: a plain step against a head tree, (1 + the head's recent
-accepted tokens) per head step. Each request's estimates start from the worker's running averages;
-step seconds are measured per mode and batch-size bucket. A head that sat out must first catch up
-on the stretch it missed (one pass of its layer over those tokens): it rejoins only when the time
-it saves over the request's remaining tokens repays that. A head that sits out still probes now and
-then so its estimates stay current, less often while sitting out keeps being right, and not when
-the catch-up would cost more than a twentieth of the request's remaining time. When both draft,
-the budget is split by each source's recent acceptance for the request.
+Prompt lookup is nearly free to draft but its branches cost verification rows; the head costs a
+drafting pass and rows too. So each step picks, per request, the mode with the most expected
+tokens per second: plain (1 token per step), lookup (1 + what lookup's proposal is expected to
+add), head (1 + the head's recent accepted tokens) or merged (lookup's + what the head's own nodes
+recently added beside lookup), each over its measured step seconds (per mode and batch-size
+bucket). Lookup's expectation depends on how its previous proposal for the request did: a copy
+that was followed to the end keeps going, a miss is usually followed by more misses; the worker
+keeps the average accepted tokens after each outcome. A proposal left unverified is still scored
+against the tokens that follow (shadow scoring), so a request learns when its copying resumes
+without paying for it. The head's gains start from the worker's running averages.
+
+A head that sat out must first catch up on the stretch it missed (one pass of its layer over those
+tokens): it rejoins only when the time it saves over the request's remaining tokens repays that.
+A head that sits out still probes now and then so its estimates stay current, less often while
+sitting out keeps being right, and not when the catch-up would cost more than a twentieth of the
+request's remaining time. When both draft, the budget is split by each source's recent acceptance.
 """
 from __future__ import annotations
 
@@ -20,12 +24,16 @@ from eagle_worker.spec.drafter import DraftState
 from eagle_worker.spec.policy import StepMeans, bucket
 
 MODES = ("plain", "lookup", "head", "merged")     # which sources drafted a step's tree
-# accepted draft tokens per step: lookup's; the head's own nodes' beside lookup; the head's alone
-GAINS = ("lookup", "extra", "head")
+GAINS = ("extra", "head")       # accepted per step: the head's own nodes beside lookup; the head alone
+LOOKUP_OUTCOMES = ("new", "miss", "partial", "complete")   # how a request's previous lookup proposal did
 
 
 def step_mode(from_head: bool, from_lookup: bool) -> str:
     return ("merged" if from_lookup else "head") if from_head else ("lookup" if from_lookup else "plain")
+
+
+def lookup_outcome(accepted: int, complete: bool) -> str:
+    return "miss" if accepted == 0 else ("complete" if complete else "partial")
 
 
 class HybridSplit:
@@ -37,48 +45,49 @@ class HybridSplit:
         self.prior_ema = prior_ema
         self.steps = StepMeans(ema)                            # (bucket, mode) -> (step seconds,)
         self.prior = dict.fromkeys(GAINS, 1.0)                 # accepted per step, all requests
+        self.lookup_after = dict.fromkeys(LOOKUP_OUTCOMES, 1.0)   # lookup's accepted, by previous outcome
         self.catch_up = StepMeans(ema)                         # ("catch_up",) -> (tokens, seconds)
 
     def new_gains(self) -> dict[str, float]:
         """A new request's expected accepted tokens: what this worker has seen so far."""
         return dict(self.prior)
 
-    def use_head(self, st: DraftState, branches, batch_size: int, remaining: int | None = None,
-                 stretch: int = 0) -> bool:
-        """`remaining`: tokens the request may still generate (None: unbounded); `stretch`: pending
-        tokens the head must catch up on beyond one step's worth before it can draft."""
+    # ---- the choice ----------------------------------------------------------------------------
+    def choose(self, st: DraftState, branches, batch_size: int, remaining: int | None = None,
+               stretch: int = 0) -> str:
+        """This step's mode for one request. `remaining`: tokens it may still generate (None:
+        unbounded); `stretch`: pending tokens the head must catch up on beyond one step's worth."""
+        b = bucket(batch_size)
+        candidates = ("merged", "lookup", "head", "plain") if branches else ("head", "plain")
+        untried = [m for m in candidates if self.steps.samples[(b, m)] < 2]
+        if untried:                                            # measure every mode's step time first
+            return untried[0]
         catch_up_s = self.catch_up_seconds(stretch)
-        pays, seconds_left = self._head_pays(st, bool(branches), batch_size, remaining, catch_up_s)
-        if pays:
+        cost = {m: self._seconds(st, b, m, remaining, catch_up_s) for m in candidates}
+        mode = min(candidates, key=lambda m: cost[m])
+        if mode in ("head", "merged"):
             st.probe_every = self.PROBE_EVERY
-            return True
+            return mode
         st.skipped_steps += 1
         every = st.probe_every or self.PROBE_EVERY
-        if st.skipped_steps < every or catch_up_s > self.PROBE_SHARE * seconds_left:
-            return False
+        affordable = remaining is None or catch_up_s <= self.PROBE_SHARE * cost[mode]
+        if st.skipped_steps < every or not affordable:
+            return mode
         st.skipped_steps, st.probe_every = 0, min(2 * every, self.MAX_PROBE_EVERY)
-        return True
+        return candidates[0]                                   # the head's mode: merged or head alone
 
-    def _head_pays(self, st: DraftState, branches: bool, batch_size: int, remaining: int | None,
-                   catch_up_s: float) -> tuple[bool, float]:
-        """Whether the head's tokens per second, over the request's remaining tokens, repay its
-        catch-up; and the remaining seconds without the head. Unmeasured: draft with the head
-        first, then measure the step without it."""
-        b = bucket(batch_size)
-        with_head, without = ("merged", "lookup") if branches else ("head", "plain")
-        if self.steps.samples[(b, with_head)] < 2:
-            return True, float("inf")
-        if self.steps.samples[(b, without)] < 2:
-            return False, float("inf")
+    def _seconds(self, st: DraftState, b: int, mode: str, remaining: int | None, catch_up_s: float) -> float:
+        """Expected seconds for the request's remaining tokens in `mode` (per token when unbounded)."""
         g = st.gains or self.prior
-        base = 1.0 + g["lookup"] if branches else 1.0
-        more = g["extra"] if branches else g["head"]
-        (t_with,), (t_without,) = self.steps.means[(b, with_head)], self.steps.means[(b, without)]
-        per_token_without, per_token_with = t_without / base, t_with / (base + more)
+        lookup = self.lookup_after[st.lookup_outcome]
+        tokens = {"plain": 1.0, "lookup": 1.0 + lookup, "head": 1.0 + g["head"],
+                  "merged": 1.0 + lookup + g["extra"]}[mode]
+        per_token = self.steps.means[(b, mode)][0] / tokens
         if remaining is None:
-            return per_token_with < per_token_without, float("inf")
-        return remaining * (per_token_without - per_token_with) > catch_up_s, remaining * per_token_without
+            return per_token
+        return remaining * per_token + (catch_up_s if mode in ("head", "merged") else 0.0)
 
+    # ---- measurements --------------------------------------------------------------------------
     def catch_up_seconds(self, tokens: int) -> float:
         if not tokens or not self.catch_up.samples[("catch_up",)]:
             return 0.0
@@ -102,16 +111,45 @@ class HybridSplit:
         share = (st.ema_lookup + 0.1) / (st.ema_head + st.ema_lookup + 0.2)
         return budget - max(1, round(budget * share))
 
-    def observe_accepted(self, st: DraftState, mode: str, from_lookup: int, head_only: int) -> None:
-        """One step's accepted draft tokens: `from_lookup` on lookup's nodes, `head_only` on nodes only
-        the head proposed. Updates the request's estimates and the worker's."""
+    def observe_accepted(self, st: DraftState, mode: str, head_only: int) -> None:
+        """One step's accepted draft tokens on nodes only the head proposed: updates the request's
+        estimate of the head's gain in this mode, and the worker's."""
         if not st.gains:
             st.gains = self.new_gains()
-        seen = {"lookup": {"lookup": from_lookup}, "merged": {"lookup": from_lookup, "extra": head_only},
-                "head": {"head": head_only}}.get(mode, {})
-        for key, n in seen.items():
-            st.gains[key] = 0.7 * st.gains[key] + 0.3 * n
-            self.prior[key] = (1 - self.prior_ema) * self.prior[key] + self.prior_ema * n
+        key = {"merged": "extra", "head": "head"}.get(mode)
+        if key:
+            st.gains[key] = 0.7 * st.gains[key] + 0.3 * head_only
+            self.prior[key] = (1 - self.prior_ema) * self.prior[key] + self.prior_ema * head_only
+
+    def observe_lookup(self, st: DraftState, accepted: int, complete: bool) -> None:
+        """How a lookup proposal did, verified or shadow-scored: `accepted` of its tokens, `complete`
+        when a whole branch was."""
+        before = st.lookup_outcome
+        self.lookup_after[before] = (1 - self.prior_ema) * self.lookup_after[before] + self.prior_ema * accepted
+        st.lookup_outcome = lookup_outcome(accepted, complete)
+
+    def shadow(self, st: DraftState, position: int, branches: list[list[int]], budget: int) -> None:
+        """Keep an unverified proposal (continuing the first `position` tokens) to score it later."""
+        if st.shadow is None:
+            st.shadow = (position, [br[:budget] for br in branches])
+
+    def score_shadow(self, st: DraftState, token_ids: list[int]) -> None:
+        """Score the kept proposal once the tokens that followed it settle every branch."""
+        if st.shadow is None:
+            return
+        position, branches = st.shadow
+        generated = token_ids[position:]
+        best, complete = 0, False
+        for br in branches:
+            n = 0
+            while n < min(len(br), len(generated)) and br[n] == generated[n]:
+                n += 1
+            if n == len(generated) and n < len(br):
+                return                                         # still matching: not settled yet
+            if n > best or (n == best and n == len(br)):
+                best, complete = n, n == len(br)
+        st.shadow = None
+        self.observe_lookup(st, best, complete)
 
     def observe(self, batch_size: int, mode: str, seconds: float) -> None:
         """Seconds of one pure-decode step whose trees were drafted in `mode`."""

@@ -1,4 +1,4 @@
-"""The hybrid's per-request choice: the head drafts only in steps where it buys more tokens per second."""
+"""The hybrid's per-request choice of sources: the mode with the most expected tokens per second."""
 from __future__ import annotations
 
 from eagle_worker.spec.drafter import DraftState
@@ -13,53 +13,75 @@ def _measured(**seconds: float) -> HybridSplit:
     return split
 
 
-def _state(**gains: float) -> DraftState:
-    return DraftState(gains={"lookup": 1.0, "extra": 1.0, "head": 1.0, **gains})
+def _state(outcome: str = "new", **gains: float) -> DraftState:
+    return DraftState(gains={"extra": 1.0, "head": 1.0, **gains}, lookup_outcome=outcome)
+
+
+ALL = dict(merged=0.100, lookup=0.080, head=0.090, plain=0.040)
 
 
 def test_head_drafts_only_where_its_trees_pay():
     split = _measured(head=0.090, plain=0.040)                # a head step costs 2.25 plain steps
     weak, strong = _state(head=0.8), _state(head=2.0)
-    weak_choices = [split.use_head(weak, None, 1) for _ in range(60)]
-    assert [i for i, c in enumerate(weak_choices) if c] == [15, 47]      # probed after 16, then 32 skips
-    assert all(split.use_head(strong, None, 1) for _ in range(40))
+    weak_choices = [split.choose(weak, None, 1) for _ in range(60)]
+    assert [i for i, c in enumerate(weak_choices) if c == "head"] == [15, 47]   # probes after 16, then 32 skips
+    assert set(weak_choices) == {"plain", "head"}
+    assert all(split.choose(strong, None, 1) == "head" for _ in range(40))
     # the same head pays on a machine where drafting and verifying are cheap
     cheap = _measured(head=0.050, plain=0.040)
-    assert all(cheap.use_head(_state(head=0.8), None, 1) for _ in range(10))
+    assert all(cheap.choose(_state(head=0.8), None, 1) == "head" for _ in range(10))
 
 
 def test_head_joins_lookup_only_when_the_merged_tree_is_faster():
-    split = _measured(merged=0.100, lookup=0.080)
-    copying = _state(lookup=3.0, extra=0.2)                   # 4.2 tokens / 0.10 s < 4.0 / 0.08 s
-    assert [split.use_head(copying, [[5, 6]], 1) for _ in range(16)] == [False] * 15 + [True]
+    split = _measured(**ALL)
+    split.lookup_after["complete"] = 3.0                      # after a whole branch was accepted
+    copying = _state("complete", extra=0.2)                   # merged 4.2 / 0.10 s < lookup 4.0 / 0.08 s
+    assert [split.choose(copying, [[5, 6]], 1) for _ in range(16)] == ["lookup"] * 15 + ["merged"]
     copying.gains["extra"] = 1.5                              # 5.5 / 0.10 > 4.0 / 0.08: the head joins
-    assert split.use_head(copying, [[5, 6]], 1) and copying.probe_every == split.PROBE_EVERY
+    assert split.choose(copying, [[5, 6]], 1) == "merged" and copying.probe_every == split.PROBE_EVERY
+
+
+def test_lookup_sits_out_after_a_miss_and_its_proposals_are_still_scored():
+    split = _measured(**ALL)
+    split.lookup_after.update(miss=0.3, complete=6.0)
+    missed = _state("miss", head=0.5)                         # lookup 1.3 / 0.08 s, head 1.5 / 0.09 s < plain 1 / 0.04 s
+    assert split.choose(missed, [[7, 8, 9]], 1) == "plain"
+    split.shadow(missed, 3, [[7, 8, 9], [7, 5]], budget=8)    # proposed after tokens [1, 2, 3]
+    split.score_shadow(missed, [1, 2, 3, 7])                  # [7, 8, 9] may still match: not settled
+    assert missed.shadow is not None and missed.lookup_outcome == "miss"
+    split.score_shadow(missed, [1, 2, 3, 7, 8, 9])            # the whole branch came true
+    assert missed.shadow is None and missed.lookup_outcome == "complete"
+    assert split.lookup_after["miss"] > 0.3                   # a miss was followed by 3 tokens
+    assert split.choose(missed, [[4, 4]], 1) == "lookup"      # copying resumed: 7 / 0.08 s
+    split.shadow(missed, 6, [[4, 4]], budget=8)
+    split.score_shadow(missed, [1, 2, 3, 7, 8, 9, 5])
+    assert missed.lookup_outcome == "miss"
+    split.shadow(missed, 2, [[9, 9, 9]], budget=2)            # branches are scored as the budget cuts them
+    split.score_shadow(missed, [1, 2, 9, 9])
+    assert missed.lookup_outcome == "complete"
 
 
 def test_unmeasured_modes_are_tried_and_new_requests_start_from_the_worker_average():
     split = HybridSplit()
     fresh = DraftState()
-    assert split.use_head(fresh, None, 1)                     # nothing measured yet: draft
-    split.observe(1, "head", 0.50)                            # the first step of a mode runs cold: ignored
+    assert split.choose(fresh, None, 1) == "head"              # nothing measured yet: draft
+    split.observe(1, "head", 0.50)                             # the first step of a mode runs cold: ignored
     split.observe(1, "head", 0.09)
-    assert split.use_head(fresh, None, 1)                     # one measurement is not enough
+    assert split.choose(fresh, None, 1) == "head"              # one measurement is not enough
     split.observe(1, "head", 0.09)
-    assert not split.use_head(fresh, None, 1)                 # now measure what a plain step costs
+    assert split.choose(fresh, None, 1) == "plain"             # now measure what a plain step costs
+    assert split.choose(fresh, [[1, 2]], 1) == "merged"        # and, with branches, the modes with lookup
     for _ in range(3):
         split.observe(1, "plain", 0.04)
     assert split.steps.means[(1, "head")] == (0.09,)
-    for _ in range(200):                                      # earlier requests: the head's trees paid
-        split.observe_accepted(DraftState(), "head", 0, 2)
+    for _ in range(200):                                       # earlier requests: the head's trees paid
+        split.observe_accepted(DraftState(), "head", 2)
     assert split.new_gains()["head"] > 1.9
-    assert split.use_head(DraftState(), None, 1)              # a new request trusts that at once
+    assert split.choose(DraftState(), None, 1) == "head"       # a new request trusts that at once
     st = DraftState()
-    for _ in range(10):                                       # ... until its own head steps say otherwise
-        split.observe_accepted(st, "head", 0, 0)
-    assert not split.use_head(st, None, 1)
-
-
-def test_step_modes():
-    assert [step_mode(h, lk) for h in (False, True) for lk in (False, True)] == ["plain", "lookup", "head", "merged"]
+    for _ in range(10):                                        # ... until its own head steps say otherwise
+        split.observe_accepted(st, "head", 0)
+    assert split.choose(st, None, 1) == "plain"
 
 
 def test_a_head_that_sat_out_rejoins_only_if_the_rest_of_the_request_repays_its_catch_up():
@@ -68,18 +90,24 @@ def test_a_head_that_sat_out_rejoins_only_if_the_rest_of_the_request_repays_its_
         split.observe_catch_up(100, 0.010)            # 0.1 ms per token the head catches up on
     assert split.catch_up_seconds(600) == 0.060
     st = _state(head=0.8)
-    assert split.use_head(st, None, 1, remaining=100, stretch=600)      # 1.2 s saved > 60 ms
-    assert not split.use_head(st, None, 1, remaining=4, stretch=600)    # 49 ms saved < 60 ms
-    assert split.use_head(st, None, 1, remaining=4, stretch=0)          # nothing to catch up: it pays
-    assert split.use_head(st, None, 1, stretch=600)                     # no end in sight: it pays
+    assert split.choose(st, None, 1, remaining=100, stretch=600) == "head"    # 1.2 s saved > 60 ms
+    assert split.choose(st, None, 1, remaining=4, stretch=600) == "plain"     # 49 ms saved < 60 ms
+    assert split.choose(st, None, 1, remaining=4, stretch=0) == "head"        # nothing to catch up: it pays
+    assert split.choose(st, None, 1, stretch=600) == "head"                   # no end in sight: it pays
 
 
 def test_no_probe_when_its_catch_up_outweighs_a_twentieth_of_the_remaining_time():
-    split = _measured(merged=0.100, lookup=0.080)
+    split = _measured(**ALL)
+    split.lookup_after["complete"] = 3.0
     for _ in range(3):
         split.observe_catch_up(100, 0.010)
-    copying = _state(lookup=3.0, extra=0.2)           # lookup alone: 20 ms a token
+    copying = _state("complete", extra=0.2)           # lookup alone: 20 ms a token
     # 100 tokens left (2 s): a probe catching up on 600 tokens (60 ms) costs 3% -> probed
-    assert [split.use_head(copying, [[5, 6]], 1, remaining=100, stretch=600) for _ in range(16)] == [False] * 15 + [True]
+    choices = [split.choose(copying, [[5, 6]], 1, remaining=100, stretch=600) for _ in range(16)]
+    assert choices == ["lookup"] * 15 + ["merged"]
     # 20 tokens left (0.4 s): 60 ms is 15% -> the head stays out
-    assert not any(split.use_head(copying, [[5, 6]], 1, remaining=20, stretch=600) for _ in range(80))
+    assert {split.choose(copying, [[5, 6]], 1, remaining=20, stretch=600) for _ in range(80)} == {"lookup"}
+
+
+def test_step_modes():
+    assert [step_mode(h, lk) for h in (False, True) for lk in (False, True)] == ["plain", "lookup", "head", "merged"]
