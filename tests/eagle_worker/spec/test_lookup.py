@@ -102,7 +102,7 @@ def test_hybrid_sampling_keeps_the_target_distribution(copying_target, monkeypat
 
 
 def test_hybrid_head_trees_are_small_where_lookup_has_nothing(copying_target):
-    """Where lookup proposes nothing the head drafts a quarter-budget tree (cheap to be wrong);
+    """Where lookup proposes nothing the head drafts an eighth-budget tree (cheap to be wrong);
     beside lookup branches it drafts at the full budget; the output stays greedy decoding's."""
     target, head = copying_target
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
@@ -115,8 +115,8 @@ def test_hybrid_head_trees_are_small_where_lookup_has_nothing(copying_target):
     grow = worker.drafter.grow_dynamic
     worker.drafter.grow_dynamic = lambda batch, h, lp, n, k, levels: calls.append((n, k, levels)) or grow(batch, h, lp, n, k, levels)
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected
-    assert (2, 2, 2) in calls, calls                        # lone head trees: 8 // 4 nodes, 2 wide, 2 deep
-    assert set(calls) <= {(2, 2, 2), (8, 8, 4)}, calls
+    assert (1, 1, 1) in calls, calls                        # lone head trees: 8 // 8 nodes, 1 wide, 1 deep
+    assert set(calls) <= {(1, 1, 1), (8, 8, 4)}, calls
 
 
 def test_hybrid_with_the_adaptive_budget_in_continuous_batches(copying_target):
