@@ -102,6 +102,8 @@ def run(model: str = "gemma-3-270m", prompts_file: str | Path = SPEC_BENCH, per_
     whichever ran then; `rounds` > 1 repeats the prompts and sums the times."""
     if "vanilla" not in methods:
         raise MethodsError("must include vanilla: every speedup is measured against it")
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
     if threads:
         torch.set_num_threads(threads)
     records = load_questions(prompts_file, per_category=per_category)
@@ -132,6 +134,7 @@ def run(model: str = "gemma-3-270m", prompts_file: str | Path = SPEC_BENCH, per_
                 row["share_lookup"] = shares["lookup"] / shares["accepted"]
         if method in engines and method != "vanilla":
             per_cat["_acceptance_per_depth"] = engines[method].engine.stats().get("acceptance_rate_per_depth")
+    runners.clear()                 # free the engines before the sweep loads its own
     engines.clear()
     summary = _summarise(results)
     sweep_rows = _sweep(model, dtype, draft, [p for ps in by_cat.values() for p in ps], sweep, max_tokens=32) if sweep else []

@@ -110,7 +110,7 @@ def bench_decode(model, dtypes, batch_sizes, max_tokens, json_out, threads):
 @click.option("--num-draft-tokens", default=None, type=int, help="Node budget of the dynamic tree, the hybrid and lookup [default: SpecConfig's].")
 @click.option("--depth", default=None, type=int, help="Dynamic tree / hybrid draft levels [default: SpecConfig's].")
 @click.option("--top-k", default=None, type=int, help="Dynamic tree / hybrid expansion width [default: SpecConfig's].")
-@click.option("--rounds", default=1, show_default=True, type=int, help="Passes over the prompts (times summed).")
+@click.option("--rounds", default=1, show_default=True, type=click.IntRange(min=1), help="Passes over the prompts (times summed).")
 def bench_spec(model, prompts_file, per_category, max_tokens, dtype, draft, methods, sweep, json_out, threads,
                temperature, num_draft_tokens, depth, top_k, rounds):
     """Vanilla, transformers (plain, prompt lookup), our lookup, EAGLE chain/static/dynamic, hybrid."""

@@ -1,4 +1,4 @@
-"""`eaglectl bench spec` refuses a method list it cannot report on, before loading any model."""
+"""`eaglectl bench spec` refuses options it cannot report on, before loading any model."""
 from __future__ import annotations
 
 from click.testing import CliRunner
@@ -10,3 +10,9 @@ def test_bench_spec_needs_vanilla():
     res = CliRunner().invoke(bench_spec, ["--methods", "dynamic,hybrid", "--sweep", ""])
     assert res.exit_code == 2
     assert "--methods" in res.output and "vanilla" in res.output
+
+
+def test_bench_spec_needs_at_least_one_round():
+    res = CliRunner().invoke(bench_spec, ["--rounds", "0", "--sweep", ""])
+    assert res.exit_code == 2
+    assert "--rounds" in res.output
