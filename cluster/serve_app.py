@@ -374,8 +374,23 @@ def run_serve(config: ServeConfig, address: str | None = None, blocking: bool = 
         logger.info("interrupted: shutting down %s", config.app_name)
     finally:
         if blocking and ray.is_initialized():
-            try:
-                serve.delete(config.app_name)
-            except Exception:  # nothing deployed yet, or Serve already gone
-                logger.debug("serve.delete failed", exc_info=True)
+            _delete_app(config.app_name)
     return url
+
+
+def _delete_app(name: str, timeout_s: float = 60.0) -> None:
+    """Delete the app, waiting at most `timeout_s`: an interrupted server must exit even when a
+    replica is slow to stop (Ray tears down a cluster this process started when it exits)."""
+    import threading
+
+    def delete() -> None:
+        try:
+            serve.delete(name)
+        except Exception:  # nothing deployed yet, or Serve already gone
+            logger.debug("serve.delete failed", exc_info=True)
+
+    worker = threading.Thread(target=delete, daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        logger.warning("app %s still deleting after %.0f s; exiting anyway", name, timeout_s)
