@@ -13,6 +13,8 @@ KubeRay RayService specs; args are a ServeConfig dict), `build_app(config)` and
 import asyncio
 import json
 import logging
+import signal
+import threading
 import time
 from typing import Any, AsyncIterator
 
@@ -353,18 +355,21 @@ def deploy_app(config: ServeConfig, route_prefix: str = "/") -> None:
 def run_serve(config: ServeConfig, address: str | None = None, blocking: bool = True) -> str:
     """Start (or join, with `address`) a Ray cluster, deploy the app, and return its base URL.
 
-    `blocking=True` serves until interrupted (Ctrl-C / SIGINT, also during startup), then deletes
-    the app and returns.
+    `blocking=True` serves until interrupted (Ctrl-C / SIGINT, or SIGTERM as Kubernetes sends,
+    also during startup), then deletes the app and returns.
     """
     import ray
 
     host = "127.0.0.1" if config.host in ("0.0.0.0", "::") else config.host
     url = f"http://{host}:{config.port}"
+    previous = _stop_on_signals() if blocking else {}
     try:
         if not ray.is_initialized():
             ray.init(address=address, namespace="eagle-serve", ignore_reinit_error=True)
         serve.start(http_options={"host": config.host, "port": config.port})
         deploy_app(config)
+        if blocking:
+            _stop_on_signals()      # again: starting Ray may have installed handlers of its own
         print(f"eagle-serve: {config.model_name} at {url}/v1", flush=True)
         while blocking:
             time.sleep(1)
@@ -375,14 +380,26 @@ def run_serve(config: ServeConfig, address: str | None = None, blocking: bool = 
     finally:
         if blocking and ray.is_initialized():
             _delete_app(config.app_name)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return url
+
+
+def _stop_on_signals() -> dict:
+    """SIGINT and SIGTERM raise KeyboardInterrupt in the main thread, whatever handler (or ignore)
+    the process inherited or a library installed; returns the handlers replaced."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    return {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
 
 
 def _delete_app(name: str, timeout_s: float = 60.0) -> None:
     """Delete the app, waiting at most `timeout_s`: an interrupted server must exit even when a
     replica is slow to stop (Ray tears down a cluster this process started when it exits)."""
-    import threading
-
     def delete() -> None:
         try:
             serve.delete(name)

@@ -16,7 +16,10 @@ from cluster.config import ServeConfig
 from tests.cluster.conftest import FAKE, REPO, _free_port, wait_for
 
 
-def test_run_serve_blocking_until_interrupted(tmp_path):
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
+def test_run_serve_blocking_until_interrupted(tmp_path, stop):
+    """SIGINT (Ctrl-C) and SIGTERM (what Kubernetes sends) stop the server cleanly, even in a process
+    started with SIGINT ignored, as a shell starts background jobs."""
     port = _free_port()
     cfg = tmp_path / "serve.yaml"
     cfg.write_text(f"model: fake\nengine: {FAKE}\nport: {port}\nresources_per_rank: {{cpu: 0.25}}\n"
@@ -31,7 +34,8 @@ def test_run_serve_blocking_until_interrupted(tmp_path):
     """)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
     proc = subprocess.Popen([sys.executable, "-c", script], cwd=tmp_path, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
         def up():
             assert proc.poll() is None, proc.stdout.read()[-3000:]
@@ -42,7 +46,7 @@ def test_run_serve_blocking_until_interrupted(tmp_path):
         assert wait_for(up, timeout=180, interval=1), "server did not come up"
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
         assert client.completions.create(model="fake", prompt="hi", max_tokens=3).usage.completion_tokens == 3
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(stop)
         out, _ = proc.communicate(timeout=120)
         assert "CLEAN EXIT" in out, out[-3000:]
     finally:
