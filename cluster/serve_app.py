@@ -369,7 +369,7 @@ def run_serve(config: ServeConfig, address: str | None = None, blocking: bool = 
         serve.start(http_options={"host": config.host, "port": config.port})
         deploy_app(config)
         if blocking:
-            _stop_on_signals()      # again: starting Ray may have installed handlers of its own
+            _stop_on_signals()      # again: ray.init installs a SIGTERM handler of its own
         print(f"eagle-serve: {config.model_name} at {url}/v1", flush=True)
         while blocking:
             time.sleep(1)
