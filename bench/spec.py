@@ -79,9 +79,11 @@ def _run_hf(model, tok, prompts: list[str], max_tokens: int, lookup: int | None,
         kw.update(do_sample=False)
     with torch.inference_mode():
         for p in prompts:
-            ids = tok(p, return_tensors="pt").input_ids
+            ids = tok(p, return_tensors="pt").input_ids.to(model.device)
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, **kw)
             tokens += out.shape[1] - ids.shape[1]
+    if model.device.type == "cuda":      # generate returns before the GPU is done
+        torch.cuda.synchronize(model.device)
     return time.perf_counter() - t0, tokens, 0
 
 
@@ -93,7 +95,8 @@ def run(model: str = "gemma-3-270m", prompts_file: str | Path = SPEC_BENCH, per_
         max_tokens: int = 128, dtype: str = "bfloat16", draft: str = "default",
         methods: tuple[str, ...] = ("vanilla", "hf", "hf_lookup", "lookup", "chain", "static", "dynamic", "hybrid"),
         sweep: tuple[int, ...] = (1, 2, 4, 8, 16, 32), json_out: str | None = "bench/results/spec.json",
-        threads: int | None = None, temperature: float = 0.0, tree: dict | None = None, rounds: int = 1) -> dict:
+        threads: int | None = None, temperature: float = 0.0, tree: dict | None = None, rounds: int = 1,
+        device: str = "cpu") -> dict:
     """Batch 1, one request after another; `temperature` > 0 samples (seed 0 per request on our
     side) and reports tau and speed: acceptance then depends on the drawn tokens.
 
@@ -110,7 +113,8 @@ def run(model: str = "gemma-3-270m", prompts_file: str | Path = SPEC_BENCH, per_
     by_cat = defaultdict(list)
     for r in records:
         by_cat[r.get("category", "default")].append(render(r))
-    runners, engines = _runners(model, dtype, draft, methods, tree, max_tokens, temperature, next(iter(by_cat.values()))[0])
+    runners, engines = _runners(model, dtype, draft, methods, tree, max_tokens, temperature, next(iter(by_cat.values()))[0],
+                                device)
     results: dict[str, dict[str, dict]] = {m: {} for m in methods}
     for rnd in range(rounds):
         for cat, ps in by_cat.items():
@@ -137,9 +141,9 @@ def run(model: str = "gemma-3-270m", prompts_file: str | Path = SPEC_BENCH, per_
     runners.clear()                 # free the engines before the sweep loads its own
     engines.clear()
     summary = _summarise(results)
-    sweep_rows = _sweep(model, dtype, draft, [p for ps in by_cat.values() for p in ps], sweep, max_tokens=32) if sweep else []
+    sweep_rows = _sweep(model, dtype, draft, [p for ps in by_cat.values() for p in ps], sweep, 32, device) if sweep else []
     _print(summary, sweep_rows)
-    report = {"meta": {"model": model, "dtype": dtype, "max_tokens": max_tokens, "prompt_format": PROMPT_FORMAT,
+    report = {"meta": {"model": model, "dtype": dtype, "device": device, "max_tokens": max_tokens, "prompt_format": PROMPT_FORMAT,
                        "temperature": temperature, "tree": tree or {}, "rounds": rounds,
                        "prompts": str(prompts_file), "per_category": per_category, "draft": draft,
                        "threads": torch.get_num_threads()},
@@ -151,14 +155,14 @@ def run(model: str = "gemma-3-270m", prompts_file: str | Path = SPEC_BENCH, per_
 
 
 def _runners(model: str, dtype: str, draft: str, methods, tree: dict | None, max_tokens: int,
-             temperature: float, warm_prompt: str) -> tuple[dict, dict]:
+             temperature: float, warm_prompt: str, device: str = "cpu") -> tuple[dict, dict]:
     """One callable per method (prompts -> seconds, tokens, target forwards) and our engines by method."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from eagle_worker import LLM
     from eagle_worker.model_runner import resolve_model
 
-    vanilla = LLM(model=model, dtype=dtype, draft=None, kv_cache_gb=0.25)
+    vanilla = LLM(model=model, dtype=dtype, device=device, draft=None, kv_cache_gb=0.25)
     if draft == "random":
         draft = _random_head(vanilla, Path(tempfile.mkdtemp(prefix="bench-head-")))
     runners, engines = {}, {}
@@ -168,12 +172,12 @@ def _runners(model: str, dtype: str, draft: str, methods, tree: dict | None, max
             if hf is None:
                 path = resolve_model(model)
                 tok = AutoTokenizer.from_pretrained(path)
-                hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+                hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
             runners[method] = lambda ps, lookup=10 if method == "hf_lookup" else None: _run_hf(  # noqa: E731
                 hf, tok, ps, max_tokens, lookup, temperature)
         else:
             llm = engines[method] = vanilla if method == "vanilla" else LLM(     # batch 1: little KV
-                model=model, dtype=dtype, spec=_spec_config(method, draft, tree), kv_cache_gb=0.25)
+                model=model, dtype=dtype, device=device, spec=_spec_config(method, draft, tree), kv_cache_gb=0.25)
             llm.generate(warm_prompt, None)          # warm-up
             runners[method] = lambda ps, shares=None, llm=llm: _run_ours(llm, ps, max_tokens, shares, temperature)  # noqa: E731
     return runners, engines
@@ -203,14 +207,15 @@ def _summarise(results: dict) -> dict:
     return out
 
 
-def _sweep(model: str, dtype: str, draft: str, prompts: list[str], sizes, max_tokens: int) -> list[dict]:
+def _sweep(model: str, dtype: str, draft: str, prompts: list[str], sizes, max_tokens: int,
+           device: str = "cpu") -> list[dict]:
     """Throughput at each batch size, plain vs with the head (adaptive budget, as served)."""
     from eagle_worker import LLM, SamplingParams
     from eagle_worker.spec.config import SpecConfig
 
     rows = []
-    engines = {"no head": LLM(model=model, dtype=dtype, draft=None),
-               "head (adaptive)": LLM(model=model, dtype=dtype, spec=SpecConfig(draft=draft, adaptive=True))}
+    engines = {"no head": LLM(model=model, dtype=dtype, device=device, draft=None),
+               "head (adaptive)": LLM(model=model, dtype=dtype, device=device, spec=SpecConfig(draft=draft, adaptive=True))}
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for bs in sizes:
         batch = (prompts * (bs // max(len(prompts), 1) + 1))[:bs]

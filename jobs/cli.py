@@ -111,19 +111,24 @@ def bench_decode(model, dtypes, batch_sizes, max_tokens, json_out, threads):
 @click.option("--depth", default=None, type=int, help="Dynamic tree / hybrid draft levels [default: SpecConfig's].")
 @click.option("--top-k", default=None, type=int, help="Dynamic tree / hybrid expansion width [default: SpecConfig's].")
 @click.option("--rounds", default=1, show_default=True, type=click.IntRange(min=1), help="Passes over the prompts (times summed).")
+@click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N (every method runs there).")
 def bench_spec(model, prompts_file, per_category, max_tokens, dtype, draft, methods, sweep, json_out, threads,
-               temperature, num_draft_tokens, depth, top_k, rounds):
+               temperature, num_draft_tokens, depth, top_k, rounds, device):
     """Vanilla, transformers (plain, prompt lookup), our lookup, EAGLE chain/static/dynamic, hybrid."""
+    import torch
+
     from bench.prompts import SPEC_BENCH
     from bench.spec import MethodsError, run
 
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise click.BadParameter(f"{device!r}: CUDA is not available on this machine", param_hint="--device")
     try:
         run(model=model, prompts_file=prompts_file or SPEC_BENCH, per_category=per_category, max_tokens=max_tokens,
             dtype=dtype, draft=draft, methods=tuple(methods.split(",")),
             sweep=tuple(int(b) for b in sweep.split(",") if b), json_out=json_out, threads=threads,
             temperature=temperature, tree={k: v for k, v in (("num_draft_tokens", num_draft_tokens), ("depth", depth),
                                                              ("top_k", top_k)) if v is not None},
-            rounds=rounds)
+            rounds=rounds, device=device)
     except MethodsError as e:
         raise click.BadParameter(str(e), param_hint="--methods") from None
 

@@ -54,12 +54,15 @@ def _command_line() -> str:
               help="Target dtype for distillation and features.")
 @click.option("--bf16", default="auto", show_default=True, type=click.Choice(["auto", "on", "off"]),
               help="bf16 autocast for training; auto = on CUDA only (slower than fp32 on our CPUs, measured).")
+@click.option("--device", default="cpu", show_default=True,
+              help="Where the target and the head run: cpu, cuda or cuda:N (features are kept on the host either way).")
 @click.option("--threads", default=None, type=int, help="torch threads.")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--no-progress", is_flag=True)
 def train_head(target, fmt, data, out, work_dir, prompt_format, init_head, draft_vocab_size, steps, epochs, lr, warmup_steps,
                batch_tokens, max_tokens, ttt_steps, self_distill, distill_tokens, fixed_text, drop_responses, heldout,
-               checkpoint_every, eval_every, eval_prompts, online, full_vocab_labels, dtype, bf16, threads, seed, no_progress):
+               checkpoint_every, eval_every, eval_prompts, online, full_vocab_labels, dtype, bf16, device, threads, seed,
+               no_progress):
     """Train an EAGLE-3 (or EAGLE-1) draft head for TARGET on prompts/responses from --data."""
     import json
 
@@ -73,7 +76,7 @@ def train_head(target, fmt, data, out, work_dir, prompt_format, init_head, draft
     tc = TrainConfig(steps=steps, epochs=epochs, lr=lr, warmup_steps=warmup_steps, batch_tokens=max(batch_tokens, row_len),
                      row_len=row_len, ttt_steps=ttt_steps, bf16=bf16, checkpoint_every=checkpoint_every,
                      eval_every=eval_every, seed=seed, threads=threads)
-    cfg = PipelineConfig(target=target, out=out, data=list(data), format=fmt, work_dir=work_dir, dtype=dtype,
+    cfg = PipelineConfig(target=target, out=out, data=list(data), format=fmt, work_dir=work_dir, dtype=dtype, device=device,
                          prompt_format=prompt_format.replace("\\n", "\n"), max_tokens=max_tokens,
                          draft_vocab_size=draft_vocab_size, init_head=init_head, self_distill=self_distill,
                          distill_tokens=distill_tokens, fixed_text=fixed_text,

@@ -13,7 +13,9 @@ against the tokens that follow (shadow scoring), so a request learns when its co
 without paying for it. The head's gains start from the worker's running averages.
 
 A head that sat out must first catch up on the stretch it missed (one pass of its layer over those
-tokens): it rejoins only when the time it saves over the request's remaining tokens repays that.
+tokens): it rejoins only when the time it saves repays that, counted over the share of the
+request's remaining tokens that lookup is not expected to carry (the request's recent share of
+steps lookup did not carry; a new request starts from the worker's).
 A head that sits out still probes now and then so its estimates stay current, less often while
 sitting out keeps being right, and not when the catch-up would cost more than a twentieth of the
 request's remaining time. When both draft, the budget is split by each source's recent acceptance.
@@ -47,6 +49,7 @@ class HybridSplit:
         self.prior = dict.fromkeys(GAINS, 1.0)                 # accepted per step, all requests
         self.lookup_after = dict.fromkeys(LOOKUP_OUTCOMES, 1.0)   # lookup's accepted, by previous outcome
         self.catch_up = StepMeans(ema)                         # ("catch_up",) -> (tokens, seconds)
+        self.free_share = 0.5                                  # share of steps lookup does not carry
 
     def new_gains(self) -> dict[str, float]:
         """A new request's expected accepted tokens: what this worker has seen so far."""
@@ -57,16 +60,26 @@ class HybridSplit:
                stretch: int = 0) -> str:
         """This step's mode for one request. `remaining`: tokens it may still generate (None:
         unbounded); `stretch`: pending tokens the head must catch up on beyond one step's worth."""
+        mode = self._choose(st, branches, batch_size, remaining, stretch)
+        free = 1.0 if mode in ("plain", "head") else 0.0     # a step lookup did not carry
+        self.free_share = (1 - self.prior_ema) * self.free_share + self.prior_ema * free
+        st.free_share = self.free_share if st.free_share is None else 0.8 * st.free_share + 0.2 * free
+        return mode
+
+    def _choose(self, st: DraftState, branches, batch_size: int, remaining: int | None, stretch: int) -> str:
         b = bucket(batch_size)
         candidates = ("merged", "lookup", "head", "plain") if branches else ("head", "plain")
         untried = [m for m in candidates if self.steps.samples[(b, m)] < 2]
         if untried:                                            # measure every mode's step time first
             return untried[0]
+        if remaining is not None:      # the head's catch-up is repaid only on steps lookup leaves to it
+            share = self.free_share if st.free_share is None else st.free_share
+            remaining = max(1, round(remaining * share))
         catch_up_s = self.catch_up_seconds(stretch)
         cost = {m: self._seconds(st, b, m, remaining, catch_up_s) for m in candidates}
         mode = min(candidates, key=lambda m: cost[m])
-        if mode in ("head", "merged"):
-            st.probe_every = self.PROBE_EVERY
+        if mode in ("head", "merged"):        # the head drafts on its merits: probing starts over
+            st.skipped_steps, st.probe_every = 0, self.PROBE_EVERY
             return mode
         st.skipped_steps += 1
         every = st.probe_every or self.PROBE_EVERY
@@ -74,7 +87,7 @@ class HybridSplit:
         if st.skipped_steps < every or not affordable:
             return mode
         st.skipped_steps, st.probe_every = 0, min(2 * every, self.MAX_PROBE_EVERY)
-        return candidates[0]                                   # the head's mode: merged or head alone
+        return min((m for m in candidates if m in ("head", "merged")), key=lambda m: cost[m])   # the cheaper probe
 
     def _seconds(self, st: DraftState, b: int, mode: str, remaining: int | None, catch_up_s: float) -> float:
         """Expected seconds for the request's remaining tokens in `mode` (per token when unbounded)."""
@@ -126,6 +139,7 @@ class HybridSplit:
         """How a lookup proposal did, verified or shadow-scored: `accepted` of its tokens, `complete`
         when a whole branch was."""
         before = st.lookup_outcome
+        st.shadow = None                                       # a newer outcome supersedes a kept one
         self.lookup_after[before] = (1 - self.prior_ema) * self.lookup_after[before] + self.prior_ema * accepted
         st.lookup_outcome = lookup_outcome(accepted, complete)
 
@@ -145,8 +159,10 @@ class HybridSplit:
             n = 0
             while n < min(len(br), len(generated)) and br[n] == generated[n]:
                 n += 1
-            if n == len(generated) and n < len(br):
-                return                                         # still matching: not settled yet
+            if n == len(generated) and n < len(br):            # still matching: not settled yet, but
+                if n:                                          # lookup's next proposal continues it
+                    st.lookup_outcome = "partial"
+                return
             if n > best or (n == best and n == len(br)):
                 best, complete = n, n == len(br)
         st.shadow = None

@@ -31,6 +31,7 @@ class PipelineConfig:
     format: str = "eagle3"                 # "eagle3" | "eagle1"
     work_dir: str | None = None            # features, checkpoints; default <out>/work
     dtype: str = "float32"                 # target dtype for distillation and features (fp32 was faster on our CPU)
+    device: str = "cpu"                    # where the target and the head run: "cpu", "cuda", "cuda:N"
     prompt_format: str = "chat"            # "chat" | a frame with {prompt} | "{prompt}"
     max_tokens: int = 512                  # per example (prompt + response)
     draft_vocab_size: int = 16384
@@ -146,13 +147,14 @@ def _export(head, cfg: PipelineConfig, llm, vocab_ids, out: Path, record: dict) 
 
 
 def engine_tau(target: str, dtype: str, head_dir: str | Path, prompts: list[list[int]], new_tokens: int,
-               depth: int = 5, tree: str = "chain") -> dict:
+               depth: int = 5, tree: str = "chain", device: str = "cpu") -> dict:
     """Mean accepted tokens per target forward with the head, measured by our engine (greedy)."""
     from eagle_worker.llm import LLM
     from eagle_worker.sampling_params import SamplingParams
     from eagle_worker.spec.config import SpecConfig
 
-    llm = LLM(model=target, dtype=dtype, spec=SpecConfig(draft=str(head_dir), tree=tree, depth=depth, adaptive=False))
+    llm = LLM(model=target, dtype=dtype, device=device,
+              spec=SpecConfig(draft=str(head_dir), tree=tree, depth=depth, adaptive=False))
     outs = llm.generate(prompts, SamplingParams(max_tokens=new_tokens, temperature=0.0))
     taus = [o.metrics.get("mean_accepted_tokens", 1.0) for o in outs]
     return {"engine_tau": sum(taus) / len(taus), "engine_tau_per_prompt": taus, "tree": tree, "depth": depth,
@@ -170,7 +172,7 @@ def run(cfg: PipelineConfig, progress: bool = True) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     (work / "pipeline_config.json").write_text(json.dumps(asdict(cfg), indent=1) + "\n")
     t_start = time.time()
-    llm = LLM(model=cfg.target, dtype=cfg.dtype)
+    llm = LLM(model=cfg.target, dtype=cfg.dtype, device=cfg.device)
     runner = llm.engine.runner
     model, hf_config = runner.model, runner.hf_config
     train_ex, held_ex, held_prompts = build_examples(cfg, llm, work)
@@ -235,7 +237,7 @@ def run(cfg: PipelineConfig, progress: bool = True) -> dict:
     if cfg.eval_prompts:
         prompts = held_prompts[:cfg.eval_prompts]
         record["engine"] = engine_tau(cfg.target, cfg.dtype, out, prompts, cfg.eval_new_tokens,
-                                      depth=max(2, cfg.train.ttt_steps + 1))
+                                      depth=max(2, cfg.train.ttt_steps + 1), device=cfg.device)
         _log(f"engine tau on {len(prompts)} held-out prompts: {record['engine']['engine_tau']:.3f}")
     record["wall_s"] = time.time() - t_start
     (out / "training_record.json").write_text(json.dumps(record, indent=1, default=str) + "\n")

@@ -184,7 +184,8 @@ class Trainer:
         self.head, self.train_store, self.heldout, self.cfg = head, train, heldout, cfg
         self.out = Path(out_dir)
         self.ckpt_dir = self.out / "checkpoints"
-        self.t2d_index = target_to_draft
+        self.device = next(head.parameters()).device      # the head trains where it lives (CPU or CUDA)
+        self.t2d_index = target_to_draft.to(self.device)
         self.on_checkpoint = on_checkpoint       # called with (step, metrics) after each checkpoint
         self.produce = produce                   # extracts the next feature shard (streaming epoch 0)
         self.params = [p for p in head.parameters()]
@@ -198,7 +199,7 @@ class Trainer:
         self.total = cfg.steps or max(1, int(self.spe * cfg.epochs))
         self.step, self.epoch, self.batch_in_epoch = 0, 0, 0
         self.history: list[dict] = []
-        self.autocast = cfg.bf16 == "on" or (cfg.bf16 == "auto" and torch.cuda.is_available() and bf16_supported())
+        self.autocast = cfg.bf16 == "on" or (cfg.bf16 == "auto" and self.device.type == "cuda" and bf16_supported())
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:
@@ -234,9 +235,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ steps
     def _forward(self, rows: Rows):
-        dev = next(self.head.parameters()).device.type
-        with torch.autocast(dev, dtype=torch.bfloat16, enabled=self.autocast):
-            return unrolled_forward(self.head, rows, self.cfg.ttt_steps, self.t2d_index,
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            return unrolled_forward(self.head, rows.to(self.device), self.cfg.ttt_steps, self.t2d_index,
                                     feature_noise=self.cfg.feature_noise)
 
     def train_step(self, rows: Rows) -> dict:

@@ -33,6 +33,9 @@ class Rows:
     topk_logp: torch.Tensor   # [B, L, K] float
     label_mask: torch.Tensor  # [B, L] bool: the prediction at this position is trained
 
+    def to(self, device: torch.device) -> Rows:
+        return Rows(*(getattr(self, f).to(device, non_blocking=True) for f in self.__dataclass_fields__))
+
 
 def _shift(x: torch.Tensor, n: int, fill) -> torch.Tensor:
     """y[:, t] = x[:, t + n], `fill` past the end."""

@@ -37,18 +37,25 @@ def test_head_joins_lookup_only_when_the_merged_tree_is_faster():
     split.lookup_after["complete"] = 3.0                      # after a whole branch was accepted
     copying = _state("complete", extra=0.2)                   # merged 4.2 / 0.10 s < lookup 4.0 / 0.08 s
     assert [split.choose(copying, [[5, 6]], 1) for _ in range(16)] == ["lookup"] * 15 + ["merged"]
+    assert [split.choose(copying, [[5, 6]], 1) for _ in range(10)] == ["lookup"] * 10
     copying.gains["extra"] = 1.5                              # 5.5 / 0.10 > 4.0 / 0.08: the head joins
     assert split.choose(copying, [[5, 6]], 1) == "merged" and copying.probe_every == split.PROBE_EVERY
+    copying.gains["extra"] = 0.2                              # the next probe is 16 skipped steps away
+    assert [split.choose(copying, [[5, 6]], 1) for _ in range(16)] == ["lookup"] * 15 + ["merged"]
 
 
 def test_lookup_sits_out_after_a_miss_and_its_proposals_are_still_scored():
     split = _measured(**ALL)
-    split.lookup_after.update(miss=0.3, complete=6.0)
+    split.lookup_after.update(miss=0.3, partial=4.0, complete=6.0)
     missed = _state("miss", head=0.5)                         # lookup 1.3 / 0.08 s, head 1.5 / 0.09 s < plain 1 / 0.04 s
     assert split.choose(missed, [[7, 8, 9]], 1) == "plain"
     split.shadow(missed, 3, [[7, 8, 9], [7, 5]], budget=8)    # proposed after tokens [1, 2, 3]
-    split.score_shadow(missed, [1, 2, 3, 7])                  # [7, 8, 9] may still match: not settled
+    split.score_shadow(missed, [1, 2, 3])                     # nothing followed yet
     assert missed.shadow is not None and missed.lookup_outcome == "miss"
+    split.score_shadow(missed, [1, 2, 3, 7])                  # [7, 8, 9] may still match: not settled,
+    assert missed.shadow is not None and missed.lookup_outcome == "partial"   # but copying has resumed
+    assert split.choose(missed, [[8, 9]], 1) == "lookup"
+    missed.lookup_outcome = "miss"
     split.score_shadow(missed, [1, 2, 3, 7, 8, 9])            # the whole branch came true
     assert missed.shadow is None and missed.lookup_outcome == "complete"
     assert split.lookup_after["miss"] > 0.3                   # a miss was followed by 3 tokens
@@ -102,11 +109,32 @@ def test_no_probe_when_its_catch_up_outweighs_a_twentieth_of_the_remaining_time(
     for _ in range(3):
         split.observe_catch_up(100, 0.010)
     copying = _state("complete", extra=0.2)           # lookup alone: 20 ms a token
-    # 100 tokens left (2 s): a probe catching up on 600 tokens (60 ms) costs 3% -> probed
-    choices = [split.choose(copying, [[5, 6]], 1, remaining=100, stretch=600) for _ in range(16)]
-    assert choices == ["lookup"] * 15 + ["merged"]
+    assert [split.choose(copying, [[5, 6]], 1, remaining=100, stretch=600) for _ in range(15)] == ["lookup"] * 15
+    # 100 tokens left (2 s), all of them the head's to help with: a probe catching up on 600
+    # tokens (60 ms) costs 3% -> probed, in the cheaper of the head's modes
+    copying.free_share = 1.0
+    assert split.choose(copying, [[5, 6]], 1, remaining=100, stretch=600) == "merged"
     # 20 tokens left (0.4 s): 60 ms is 15% -> the head stays out
+    copying.free_share = 1.0
     assert {split.choose(copying, [[5, 6]], 1, remaining=20, stretch=600) for _ in range(80)} == {"lookup"}
+
+
+def test_catch_up_is_repaid_only_on_the_steps_lookup_leaves_to_the_head():
+    split = _measured(head=0.050, plain=0.040, lookup=0.060, merged=0.080)   # head: 12.2 ms saved a token
+    for _ in range(3):
+        split.observe_catch_up(100, 0.010)
+    st = _state("new", head=0.8)
+    st.free_share = 1.0                               # lookup carries nothing: 100 tokens repay 60 ms
+    assert split.choose(st, None, 1, remaining=100, stretch=600) == "head"
+    st.free_share = 0.04                              # lookup carries 96% of the steps: 4 tokens do not
+    assert split.choose(st, None, 1, remaining=100, stretch=600) == "plain"
+    copying = _state("complete")                      # a request lookup keeps carrying ...
+    split.lookup_after["complete"] = 6.0
+    for _ in range(30):
+        split.choose(copying, [[5, 6]], 1, remaining=100)
+    assert copying.free_share < 0.01
+    assert split.free_share < 0.5                     # ... and the worker's prior for new requests follow
+    assert split.choose(copying, None, 1, remaining=100, stretch=600) == "plain"
 
 
 def test_step_modes():

@@ -128,7 +128,7 @@ def test_train_head_eagle1_online(sharp_model, data_file, tmp_path):
             "--prompt-format", "{prompt}", "--self-distill", "1000", "--distill-tokens", "40", "--max-tokens", "64",
             "--batch-tokens", "512", "--steps", "16", "--lr", "1e-2", "--warmup-steps", "4", "--ttt-steps", "2",
             "--checkpoint-every", "8", "--eval-every", "16", "--heldout", "4", "--eval-prompts", "0",
-            "--online", "--no-progress"]
+            "--online", "--device", "cpu", "--no-progress"]
     r = CliRunner().invoke(train_head, args, catch_exceptions=False)
     assert r.exit_code == 0, r.output
     assert not (out / "work" / "features" / "train").exists()
@@ -141,3 +141,12 @@ def test_train_head_eagle1_online(sharp_model, data_file, tmp_path):
     outs = spec.generate(PROMPTS[:4], params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     assert sum(o.metrics["mean_accepted_tokens"] for o in outs) / 4 > 1.3
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_train_head_on_a_missing_gpu_says_so(sharp_model, data_file, tmp_path):
+    args = ["--target", str(sharp_model), "--data", str(data_file), "--out", str(tmp_path / "h"),
+            "--device", "cuda", "--no-progress"]
+    r = CliRunner().invoke(train_head, args)
+    assert r.exit_code == 2 and "'cuda'" in r.output and "CUDA is not available" in r.output
+    assert not (tmp_path / "h" / "model.safetensors").exists()
