@@ -96,25 +96,28 @@ def run(model: str = "gemma-3-270m", prompts_file: str | Path = SPEC_BENCH, per_
         methods: tuple[str, ...] = ("vanilla", "hf", "hf_lookup", "lookup", "chain", "static", "dynamic", "hybrid"),
         sweep: tuple[int, ...] = (1, 2, 4, 8, 16, 32), json_out: str | None = "bench/results/spec.json",
         threads: int | None = None, temperature: float = 0.0, tree: dict | None = None, rounds: int = 1,
-        device: str = "cpu") -> dict:
+        device: str = "cpu", warmup: int = 4) -> dict:
     """Batch 1, one request after another; `temperature` > 0 samples (seed 0 per request on our
     side) and reports tau and speed: acceptance then depends on the drawn tokens.
 
     Every engine is loaded first and the methods take turns category by category (in reverse
     order every other round), so a slow spell of the machine hits all methods alike instead of
-    whichever ran then; `rounds` > 1 repeats the prompts and sums the times."""
+    whichever ran then; `rounds` > 1 repeats the prompts and sums the times. Each engine first
+    serves `warmup` prompts from outside the measured set (the next prompt of several categories),
+    so what adapts per worker (the tree budget, the hybrid's estimates) is measured settled, as in a
+    server that has been running, not while it learns."""
     if "vanilla" not in methods:
         raise MethodsError("must include vanilla: every speedup is measured against it")
-    if rounds < 1:
-        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    if rounds < 1 or warmup < 0:
+        raise ValueError(f"rounds must be >= 1 and warmup >= 0, got {rounds} and {warmup}")
     if threads:
         torch.set_num_threads(threads)
     records = load_questions(prompts_file, per_category=per_category)
     by_cat = defaultdict(list)
     for r in records:
         by_cat[r.get("category", "default")].append(render(r))
-    runners, engines = _runners(model, dtype, draft, methods, tree, max_tokens, temperature, next(iter(by_cat.values()))[0],
-                                device)
+    runners, engines = _runners(model, dtype, draft, methods, tree, max_tokens, temperature,
+                                _warmup_prompts(prompts_file, per_category, warmup), device)
     results: dict[str, dict[str, dict]] = {m: {} for m in methods}
     for rnd in range(rounds):
         for cat, ps in by_cat.items():
@@ -144,7 +147,7 @@ def run(model: str = "gemma-3-270m", prompts_file: str | Path = SPEC_BENCH, per_
     sweep_rows = _sweep(model, dtype, draft, [p for ps in by_cat.values() for p in ps], sweep, 32, device) if sweep else []
     _print(summary, sweep_rows)
     report = {"meta": {"model": model, "dtype": dtype, "device": device, "max_tokens": max_tokens, "prompt_format": PROMPT_FORMAT,
-                       "temperature": temperature, "tree": tree or {}, "rounds": rounds,
+                       "temperature": temperature, "tree": tree or {}, "rounds": rounds, "warmup": warmup,
                        "prompts": str(prompts_file), "per_category": per_category, "draft": draft,
                        "threads": torch.get_num_threads()},
               "results": results, "summary": summary, "sweep": sweep_rows}
@@ -154,9 +157,21 @@ def run(model: str = "gemma-3-270m", prompts_file: str | Path = SPEC_BENCH, per_
     return report
 
 
+def _warmup_prompts(prompts_file, per_category: int, n: int) -> list[str]:
+    """`n` prompts outside the measured ones (the next prompt of each category, spread over them);
+    the measured ones where a small prompt file has no others."""
+    measured = load_questions(prompts_file, per_category=per_category)
+    keys = {json.dumps(r, sort_keys=True) for r in measured}
+    extra = [r for r in load_questions(prompts_file, per_category=per_category + 1)
+             if json.dumps(r, sort_keys=True) not in keys] or measured
+    step = max(1, len(extra) // max(1, n))
+    return [render(r) for r in extra[::step][:n]]
+
+
 def _runners(model: str, dtype: str, draft: str, methods, tree: dict | None, max_tokens: int,
-             temperature: float, warm_prompt: str, device: str = "cpu") -> tuple[dict, dict]:
-    """One callable per method (prompts -> seconds, tokens, target forwards) and our engines by method."""
+             temperature: float, warm_prompts: list[str], device: str = "cpu") -> tuple[dict, dict]:
+    """One callable per method (prompts -> seconds, tokens, target forwards) and our engines by method,
+    each warmed up on `warm_prompts` (transformers' on the first)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from eagle_worker import LLM
@@ -175,11 +190,12 @@ def _runners(model: str, dtype: str, draft: str, methods, tree: dict | None, max
                 hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
             runners[method] = lambda ps, lookup=10 if method == "hf_lookup" else None: _run_hf(  # noqa: E731
                 hf, tok, ps, max_tokens, lookup, temperature)
+            runners[method](warm_prompts[:1])
         else:
             llm = engines[method] = vanilla if method == "vanilla" else LLM(     # batch 1: little KV
                 model=model, dtype=dtype, device=device, spec=_spec_config(method, draft, tree), kv_cache_gb=0.25)
-            llm.generate(warm_prompt, None)          # warm-up
             runners[method] = lambda ps, shares=None, llm=llm: _run_ours(llm, ps, max_tokens, shares, temperature)  # noqa: E731
+            runners[method](warm_prompts)
     return runners, engines
 
 

@@ -112,8 +112,10 @@ def bench_decode(model, dtypes, batch_sizes, max_tokens, json_out, threads):
 @click.option("--top-k", default=None, type=int, help="Dynamic tree / hybrid expansion width [default: SpecConfig's].")
 @click.option("--rounds", default=1, show_default=True, type=click.IntRange(min=1), help="Passes over the prompts (times summed).")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N (every method runs there).")
+@click.option("--warmup", default=4, show_default=True, type=click.IntRange(min=0),
+              help="Prompts each engine serves first, from outside the measured set (adaptive state settles).")
 def bench_spec(model, prompts_file, per_category, max_tokens, dtype, draft, methods, sweep, json_out, threads,
-               temperature, num_draft_tokens, depth, top_k, rounds, device):
+               temperature, num_draft_tokens, depth, top_k, rounds, device, warmup):
     """Vanilla, transformers (plain, prompt lookup), our lookup, EAGLE chain/static/dynamic, hybrid."""
     import torch
 
@@ -128,7 +130,7 @@ def bench_spec(model, prompts_file, per_category, max_tokens, dtype, draft, meth
             sweep=tuple(int(b) for b in sweep.split(",") if b), json_out=json_out, threads=threads,
             temperature=temperature, tree={k: v for k, v in (("num_draft_tokens", num_draft_tokens), ("depth", depth),
                                                              ("top_k", top_k)) if v is not None},
-            rounds=rounds, device=device)
+            rounds=rounds, device=device, warmup=warmup)
     except MethodsError as e:
         raise click.BadParameter(str(e), param_hint="--methods") from None
 

@@ -1,0 +1,152 @@
+"""The CUDA paths, checked and timed in one run on a GPU machine (CI has none).
+
+`python -m bench.cuda_check --out DIR [--device cuda]` builds tiny random targets (the test suite's),
+then on the device: greedy output equals the CPU's; every draft method (chain, static and dynamic
+trees with a random head, prompt lookup, the hybrid) reproduces plain greedy decoding; seeded
+sampling runs; bfloat16 runs; `train-head` trains a head there that reloads and speculates
+losslessly. It times decoding at a few batch sizes, and with `--spec-bench` also runs
+`bench spec` on the default model when its weights are on the machine. Writes DIR/cuda_check.json;
+exits 1 if any check failed. `--device cpu` dry-runs the same checks here.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import click
+import torch
+
+PROMPTS = ["The quick brown fox", "Question: what is two plus two?\nAnswer:", "def add(a, b):",
+           "Bonjour, comment ça va ?", "Speculative decoding drafts tokens and verifies them in one pass."]
+
+
+def _tiny_targets(root: Path) -> dict[str, Path]:
+    from tests.conftest import save_tiny_model
+
+    return {f: save_tiny_model(f, root / f) for f in ("llama", "qwen2", "gemma3")}
+
+
+def _random_head(target: Path, out: Path) -> Path:
+    from eagle_worker import LLM
+    from eagle_worker.spec.head_init import new_head
+    from eagle_worker.spec.head_loader import save_draft_head
+
+    runner = LLM(model=str(target), draft=None).engine.runner
+    save_draft_head(new_head("eagle3", runner.model, runner.hf_config, torch.arange(64)), out)
+    return out
+
+
+def _greedy(llm, prompts, n=24):
+    from eagle_worker import SamplingParams
+
+    return [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))]
+
+
+def check_engine(target: Path, head: Path, device: str) -> dict:
+    from eagle_worker import LLM, SamplingParams
+    from eagle_worker.spec.config import SpecConfig
+
+    cpu = _greedy(LLM(model=str(target), draft=None), PROMPTS)
+    plain = _greedy(LLM(model=str(target), device=device, draft=None), PROMPTS)
+    out = {"greedy_equals_cpu": plain == cpu}
+    methods = {"chain": SpecConfig(draft=str(head), tree="chain", adaptive=False),
+               "static": SpecConfig(draft=str(head), tree="static", adaptive=False),
+               "dynamic": SpecConfig(draft=str(head), tree="dynamic", adaptive=False),
+               "lookup": SpecConfig(lookup=True, adaptive=False),
+               "hybrid": SpecConfig(draft=str(head), tree="dynamic", lookup=True, adaptive=False)}
+    for name, spec in methods.items():
+        out[f"{name}_lossless"] = _greedy(LLM(model=str(target), device=device, spec=spec), PROMPTS) == plain
+    sampled = LLM(model=str(target), device=device, spec=methods["dynamic"]).generate(
+        PROMPTS, SamplingParams(max_tokens=16, temperature=1.0, seed=0))
+    out["sampling_runs"] = all(len(o.token_ids) > 0 for o in sampled)
+    out["bf16_runs"] = all(len(t) == 24 for t in _greedy(LLM(model=str(target), device=device, dtype="bfloat16",
+                                                             spec=methods["hybrid"]), PROMPTS))
+    return out
+
+
+def time_decoding(target: Path, head: Path, device: str, sizes=(1, 16, 64)) -> list[dict]:
+    from eagle_worker import LLM
+    from eagle_worker.spec.config import SpecConfig
+
+    engines = {"vanilla": LLM(model=str(target), device=device, draft=None),
+               "dynamic": LLM(model=str(target), device=device, spec=SpecConfig(draft=str(head), adaptive=False))}
+    rows = []
+    for bs in sizes:
+        batch = (PROMPTS * bs)[:bs]
+        row = {"batch": bs}
+        for name, llm in engines.items():
+            _greedy(llm, batch, 8)                                 # warm-up
+            t0 = time.perf_counter()
+            n = sum(len(t) for t in _greedy(llm, batch, 64))
+            row[f"{name}_tok_s"] = round(n / (time.perf_counter() - t0), 1)
+        rows.append(row)
+    return rows
+
+
+def check_training(target: Path, work: Path, device: str) -> dict:
+    from eagle_worker import LLM
+    from eagle_worker.spec.config import SpecConfig
+    from eagle_worker.training.pipeline import PipelineConfig, run
+    from eagle_worker.training.trainer import TrainConfig
+
+    data = work / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS * 8))
+    out = work / "head"
+    t0 = time.perf_counter()
+    record = run(PipelineConfig(target=str(target), out=str(out), data=[str(data)], device=device, prompt_format="{prompt}",
+                                draft_vocab_size=128, self_distill=16, distill_tokens=24, max_tokens=64, heldout=4,
+                                eval_prompts=0, train=TrainConfig(steps=24, lr=1e-2, warmup_steps=4, batch_tokens=512,
+                                                                  row_len=64, checkpoint_every=12, eval_every=12)),
+                 progress=False)
+    seconds = time.perf_counter() - t0
+    plain = _greedy(LLM(model=str(target), device=device, draft=None), PROMPTS)
+    spec = _greedy(LLM(model=str(target), device=device, spec=SpecConfig(draft=str(out), adaptive=False)), PROMPTS)
+    return {"train_head_steps": record["steps"], "train_head_s": round(seconds, 1),
+            "heldout_acc": record["metrics"].get("heldout_acc"), "trained_head_lossless": spec == plain,
+            "trained_head_ran": record["steps"] == 24}
+
+
+@click.command()
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Folder for cuda_check.json.")
+@click.option("--device", default="cuda", show_default=True)
+@click.option("--spec-bench", is_flag=True, help="Also `bench spec` on the default model (needs its weights there).")
+def main(out, device, spec_bench):
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise click.BadParameter("CUDA is not available on this machine", param_hint="--device")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    report: dict = {"device": device, "torch": torch.__version__,
+                    "gpu": torch.cuda.get_device_name(device) if device.startswith("cuda") else None}
+    root = Path(tempfile.mkdtemp(prefix="cuda-check-"))
+    targets = _tiny_targets(root)
+    heads = {f: _random_head(t, root / f"head-{f}") for f, t in targets.items()}
+    steps = [(f"engine_{f}", lambda f=f: check_engine(targets[f], heads[f], device)) for f in targets]
+    steps += [("decode_tok_s", lambda: time_decoding(targets["llama"], heads["llama"], device)),
+              ("train_head", lambda: check_training(targets["llama"], root / "train", device))]
+    if spec_bench:
+        from bench.spec import run as bench_spec
+        steps.append(("spec_bench", lambda: bench_spec(dtype="bfloat16", per_category=1, device=device, sweep=(1, 8, 32),
+                                                       methods=("vanilla", "hf_lookup", "lookup", "dynamic", "hybrid"),
+                                                       json_out=str(out / "spec_cuda.json"))["summary"]))
+    failed = []
+    for name, fn in steps:
+        t0 = time.perf_counter()
+        try:
+            report[name] = fn()
+        except Exception:                                     # keep going: one broken path hides no other
+            report[name] = {"error": traceback.format_exc()}
+        result = report[name] if isinstance(report[name], dict) else {}
+        bad = "error" in result or any(v is False for v in result.values())   # a check that did not hold
+        failed += [name] if bad else []
+        print(f"{name}: {'FAILED' if bad else 'ok'} ({time.perf_counter() - t0:.1f} s)", flush=True)
+        (out / "cuda_check.json").write_text(json.dumps(report, indent=1, default=str))
+    print(json.dumps({"failed": failed}), flush=True)
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
