@@ -9,6 +9,7 @@ Usage: `eaglectl bench spec [--prompts FILE] [--draft DIR|default|random] [--jso
 from __future__ import annotations
 
 import json
+import statistics
 import tempfile
 import time
 from collections import defaultdict
@@ -100,9 +101,11 @@ def run(model: str = "gemma-3-270m", prompts_file: str | Path = SPEC_BENCH, per_
     """Batch 1, one request after another; `temperature` > 0 samples (seed 0 per request on our
     side) and reports tau and speed: acceptance then depends on the drawn tokens.
 
-    Every engine is loaded first and the methods take turns category by category (in reverse
-    order every other round), so a slow spell of the machine hits all methods alike instead of
-    whichever ran then; `rounds` > 1 repeats the prompts and sums the times. Each engine first
+    Every engine is loaded first and the methods take turns prompt by prompt, the order rotating
+    by one place each prompt and round (each method runs first, second, ... equally often), so a
+    slow spell of the machine hits all methods alike instead of whichever ran then. With `rounds`
+    > 1 every prompt runs that many times per method and its median time counts (a spell that
+    slows one pass does not; 3 rounds take a median of 3). Each engine first
     serves `warmup` prompts from outside the measured set (the next prompt of several categories),
     so what adapts per worker (the tree budget, the hybrid's estimates) is measured settled, as in a
     server that has been running, not while it learns."""
@@ -118,19 +121,25 @@ def run(model: str = "gemma-3-270m", prompts_file: str | Path = SPEC_BENCH, per_
         by_cat[r.get("category", "default")].append(render(r))
     runners, engines = _runners(model, dtype, draft, methods, tree, max_tokens, temperature,
                                 _warmup_prompts(prompts_file, per_category, warmup), device)
-    results: dict[str, dict[str, dict]] = {m: {} for m in methods}
+    prompts = [(cat, p) for cat, ps in by_cat.items() for p in ps]
+    runs = defaultdict(list)                 # (method, prompt index) -> (seconds, tokens, forwards, shares) per round
     for rnd in range(rounds):
-        for cat, ps in by_cat.items():
-            for method in (methods if rnd % 2 == 0 else methods[::-1]):
+        for i, (cat, p) in enumerate(prompts):
+            k = (i + rnd) % len(methods)
+            for method in methods[k:] + methods[:k]:
                 shares = {} if method == "hybrid" else None
-                secs, tokens, forwards = runners[method](ps, shares) if method in OURS else runners[method](ps)
-                row = results[method].setdefault(cat, {"tokens": 0, "seconds": 0.0, "forwards": 0, "shares": {}})
-                row["tokens"] += tokens
-                row["seconds"] += secs
-                row["forwards"] += forwards
-                for k, v in (shares or {}).items():
-                    row["shares"][k] = row["shares"].get(k, 0) + v
-                print(f"{method:10s} {cat:16s} {tokens / secs:7.2f} tok/s", flush=True)
+                secs, tokens, forwards = runners[method]([p], shares) if method in OURS else runners[method]([p])
+                runs[(method, i)].append((secs, tokens, forwards, shares or {}))
+                print(f"round {rnd + 1} {method:10s} {cat:16s} {tokens / secs:7.2f} tok/s", flush=True)
+    results: dict[str, dict[str, dict]] = {m: {} for m in methods}
+    for (method, i), rs in runs.items():     # one pass per prompt: mean tokens, median seconds
+        row = results[method].setdefault(prompts[i][0], {"tokens": 0.0, "seconds": 0.0, "forwards": 0.0, "shares": {}})
+        row["seconds"] += statistics.median(r[0] for r in rs)
+        row["tokens"] += sum(r[1] for r in rs) / len(rs)
+        row["forwards"] += sum(r[2] for r in rs) / len(rs)
+        for r in rs:
+            for key, v in r[3].items():
+                row["shares"][key] = row["shares"].get(key, 0) + v
     for method, per_cat in results.items():
         for row in per_cat.values():
             row["tok_s"] = row["tokens"] / row["seconds"]

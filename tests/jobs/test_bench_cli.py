@@ -42,3 +42,35 @@ def test_bench_spec_warms_up_on_prompts_it_does_not_measure(tmp_path):
     assert _warmup_prompts(small, 2, 4) == [render({"turns": ["hi"]})]
     res = CliRunner().invoke(bench_spec, ["--warmup", "-1", "--sweep", ""])
     assert res.exit_code == 2 and "--warmup" in res.output
+
+
+def test_bench_spec_rotates_the_order_and_takes_each_prompts_median_time(monkeypatch, tmp_path):
+    import json
+
+    import bench.spec as bs
+
+    calls = []
+
+    def fake_runners(model, dtype, draft, methods, tree, max_tokens, temperature, warm_prompts, device):
+        def runner(method):
+            def run(ps, shares=None):
+                calls.append((method, ps[0]))
+                secs = 1.0 if method == "vanilla" else 0.5
+                if method == "lookup" and "aq0\n" in ps[0] and calls.count((method, ps[0])) == 2:
+                    secs = 50.0                                  # a slow spell during one pass
+                return secs, 10, 10 if method == "vanilla" else 4
+            return run
+        return {m: runner(m) for m in methods}, {}
+
+    monkeypatch.setattr(bs, "_runners", fake_runners)
+    q = tmp_path / "q.jsonl"
+    q.write_text("".join(json.dumps({"category": c, "turns": [f"{c}q{i}"]}) + "\n" for c in ("a", "b") for i in range(2)))
+    rep = bs.run(model="x", prompts_file=q, per_category=2, methods=("vanilla", "lookup", "hybrid"), sweep=(),
+                 json_out=None, rounds=3, warmup=0)
+    assert len(calls) == 3 * 4 * 3                               # every method, prompt and round
+    firsts = [calls[i][0] for i in range(0, len(calls), 3)]
+    assert firsts[:4] == ["vanilla", "lookup", "hybrid", "vanilla"]   # the order rotates per prompt ...
+    assert firsts[4:6] == ["lookup", "hybrid"]                   # ... and per round
+    s = rep["summary"]
+    assert s["lookup"]["a"]["tok_s"] == s["lookup"]["b"]["tok_s"] == 20.0   # the slow pass's median drops it
+    assert s["lookup"]["overall"]["speedup"] == 2.0 and s["lookup"]["a"]["tau"] == 2.5
