@@ -93,6 +93,7 @@ def check_training(target: Path, work: Path, device: str) -> dict:
     from eagle_worker.training.pipeline import PipelineConfig, run
     from eagle_worker.training.trainer import TrainConfig
 
+    work.mkdir(parents=True, exist_ok=True)
     data = work / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS * 8))
     out = work / "head"

@@ -74,3 +74,19 @@ def test_bench_spec_rotates_the_order_and_takes_each_prompts_median_time(monkeyp
     s = rep["summary"]
     assert s["lookup"]["a"]["tok_s"] == s["lookup"]["b"]["tok_s"] == 20.0   # the slow pass's median drops it
     assert s["lookup"]["overall"]["speedup"] == 2.0 and s["lookup"]["a"]["tau"] == 2.5
+
+
+def test_cuda_check_dry_runs_on_cpu(tmp_path):
+    """The prepared GPU check (`python -m bench.cuda_check`) runs end to end with --device cpu, so it
+    works the day a GPU machine is lent; every check it reports holds."""
+    import json
+
+    from bench.cuda_check import main
+
+    res = CliRunner().invoke(main, ["--out", str(tmp_path), "--device", "cpu"])
+    assert res.exit_code == 0, res.output
+    report = json.loads((tmp_path / "cuda_check.json").read_text())
+    for family in ("llama", "qwen2", "gemma3"):
+        assert set(report[f"engine_{family}"].values()) == {True}
+    assert report["train_head"]["trained_head_lossless"] and report["train_head"]["train_head_steps"] == 24
+    assert [r["batch"] for r in report["decode_tok_s"]] == [1, 16, 64]
