@@ -116,8 +116,12 @@ def check_training(target: Path, work: Path, device: str) -> dict:
 @click.option("--device", default="cuda", show_default=True)
 @click.option("--spec-bench", is_flag=True, help="Also `bench spec` on the default model (needs its weights there).")
 def main(out, device, spec_bench):
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise click.BadParameter("CUDA is not available on this machine", param_hint="--device")
+    from eagle_worker.config import check_device
+
+    try:
+        check_device(device)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--device") from None
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     report: dict = {"device": device, "torch": torch.__version__,

@@ -10,6 +10,12 @@ from eagle_worker.spec.config import SpecConfig
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def check_device(device: str) -> None:
+    """Refuse a CUDA device on a machine without one, before anything loads."""
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: CUDA is not available on this machine")
+
+
 @dataclass
 class EngineConfig:
     model: str = "gemma-3-270m"
@@ -31,8 +37,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"EngineConfig.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"EngineConfig.device={self.device!r} but CUDA is not available")
+        check_device(self.device)
         if self.draft == "auto":
             from eagle_worker.spec.config import has_builtin_head
             self.draft = "default" if has_builtin_head(self.model) else None

@@ -117,13 +117,14 @@ def bench_decode(model, dtypes, batch_sizes, max_tokens, json_out, threads):
 def bench_spec(model, prompts_file, per_category, max_tokens, dtype, draft, methods, sweep, json_out, threads,
                temperature, num_draft_tokens, depth, top_k, rounds, device, warmup):
     """Vanilla, transformers (plain, prompt lookup), our lookup, EAGLE chain/static/dynamic, hybrid."""
-    import torch
-
     from bench.prompts import SPEC_BENCH
     from bench.spec import MethodsError, run
+    from eagle_worker.config import check_device
 
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise click.BadParameter(f"{device!r}: CUDA is not available on this machine", param_hint="--device")
+    try:
+        check_device(device)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--device") from None
     try:
         run(model=model, prompts_file=prompts_file or SPEC_BENCH, per_category=per_category, max_tokens=max_tokens,
             dtype=dtype, draft=draft, methods=tuple(methods.split(",")),

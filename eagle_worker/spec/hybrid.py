@@ -165,8 +165,7 @@ class HybridSplit:
                 return
             if n > best or (n == best and n == len(br)):
                 best, complete = n, n == len(br)
-        st.shadow = None
-        self.observe_lookup(st, best, complete)
+        self.observe_lookup(st, best, complete)                # clears the kept proposal
 
     def observe(self, batch_size: int, mode: str, seconds: float) -> None:
         """Seconds of one pure-decode step whose trees were drafted in `mode`."""
