@@ -76,7 +76,45 @@ def build(seed: int = 0, max_chars: int = 3500) -> list[dict]:
     return out
 
 
+def build_copies(seed: int = 1, max_chars: int = 1800) -> list[dict]:
+    """Prompt + response pairs whose response copies from the prompt, as the base model's own
+    answers to such prompts do: a passage and its first sentences, its sentences as a list, a
+    sentence repeated for a translation. Trained as fixed text, the labels are still the target's
+    own next-token distribution at every position (prefill self-distillation), so the head learns
+    where the target copies at the cost of a prefill instead of a generation."""
+    rng = random.Random(seed)
+    pairs = [(q, a) for q, a in oasst_pairs() if len(a) >= 600]
+    passages = [a[:max_chars] for _, a in pairs] + [t[:max_chars] for t in sharegpt_long(800)]
+    rng.shuffle(passages)
+    out = []
+    for i, p in enumerate(passages[:500]):
+        sents = sentences(p) or [p[:300]]
+        k = rng.randint(2, 6)
+        kind = i % 4
+        if kind == 0:
+            out.append({"prompt": f"Summarize: {p}", "response": " ".join(sents[:k])})
+        elif kind == 1:
+            out.append({"prompt": f"Extract the main facts from the following text, one per line:\n{p}",
+                        "response": "\n".join(f"- {s}" for s in sents[:k])})
+        elif kind == 2:
+            out.append({"prompt": f"Rewrite the following text more concisely: {p}", "response": p[:1200]})
+        else:
+            s = rng.choice(sents)
+            out.append({"prompt": f"{p} What does the text say about this: {s[:60]}?", "response": " ".join([s] + sents[:k])})
+    sents = [s for _, a in pairs for s in sentences(a)]
+    out += [{"prompt": TRANSLATE[i % len(TRANSLATE)].format(s=s), "response": s}
+            for i, s in enumerate(rng.sample(sents, min(100, len(sents))))]
+    for r in out:
+        r["source"] = "tasks/copy"
+    rng.shuffle(out)
+    return out
+
+
+def _write(name: str, rows: list[dict]) -> None:
+    (HERE / name).write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    print(f"{len(rows)} records -> {HERE / name}")
+
+
 if __name__ == "__main__":
-    rows = build()
-    (HERE / "tasks.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-    print(f"{len(rows)} prompts -> {HERE / 'tasks.jsonl'}")
+    _write("tasks.jsonl", build())
+    _write("copies.jsonl", build_copies())

@@ -18,18 +18,25 @@ def _builder():
     return mod
 
 
+def _committed(name):
+    return [json.loads(line) for line in (TASKS / name).read_text().split("\n") if line.strip()]
+
+
 def test_committed_tasks_are_what_the_builder_writes():
-    built = _builder().build()
-    committed = [json.loads(line) for line in (TASKS / "tasks.jsonl").read_text().split("\n") if line.strip()]
-    assert built == committed
-    kinds = {r["source"] for r in built}
-    assert kinds == {"tasks/passage", "tasks/rag", "tasks/translate"}
+    builder = _builder()
+    built, copies = builder.build(), builder.build_copies()
+    assert built == _committed("tasks.jsonl") and copies == _committed("copies.jsonl")
+    assert {r["source"] for r in built} == {"tasks/passage", "tasks/rag", "tasks/translate"}
     samples = load_samples(TASKS / "tasks.jsonl")
     assert len(samples) == len(built) and all(s.response is None and s.prompt for s in samples)
+    pairs = load_samples(TASKS / "copies.jsonl")
+    assert len(pairs) == len(copies) and all(s.response for s in pairs)
+    # every response copies from its prompt (its first 40 characters appear there, list markers aside)
+    assert all(r["response"].lstrip("- ")[:40] in r["prompt"] for r in copies)
 
 
 def test_no_benchmark_text_in_training_tasks():
-    prompts = [json.loads(line)["prompt"] for line in (TASKS / "tasks.jsonl").read_text().split("\n") if line.strip()]
+    prompts = [r[k] for name in ("tasks.jsonl", "copies.jsonl") for r in _committed(name) for k in ("prompt", "response") if k in r]
     probes = []
     for rec in load_questions():
         q = " ".join(rec["turns"][0].split())
