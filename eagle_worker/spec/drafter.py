@@ -37,7 +37,7 @@ class DraftState:
     probe_every: int = 0          # hybrid: the head drafts after this many skipped steps (0: HybridSplit's first)
     gains: dict = field(default_factory=dict)   # hybrid: recent accepted tokens per step (hybrid.GAINS)
     lookup_outcome: str = "new"   # hybrid: how the last lookup proposal did (hybrid.LOOKUP_OUTCOMES)
-    shadow: tuple | None = None   # hybrid: an unverified lookup proposal (position, branches) to score
+    shadow: tuple | None = None   # hybrid: an unverified lookup proposal (position, branches, outcome before, matched)
     free_share: float | None = None   # hybrid: recent share of steps lookup did not carry (None: new)
 
     def add(self, features: torch.Tensor, next_tokens: list[int]) -> None:

@@ -136,36 +136,50 @@ class HybridSplit:
             self.prior[key] = (1 - self.prior_ema) * self.prior[key] + self.prior_ema * head_only
 
     def observe_lookup(self, st: DraftState, accepted: int, complete: bool) -> None:
-        """How a lookup proposal did, verified or shadow-scored: `accepted` of its tokens, `complete`
-        when a whole branch was."""
-        before = st.lookup_outcome
-        st.shadow = None                                       # a newer outcome supersedes a kept one
-        self.lookup_after[before] = (1 - self.prior_ema) * self.lookup_after[before] + self.prior_ema * accepted
+        """How a verified lookup proposal did: `accepted` of its tokens, `complete` when a whole
+        branch was. A kept proposal the tokens were still following settles with it: it would have
+        given what it matched so far plus what lookup has now accepted (at most its longest branch)."""
+        if st.shadow is not None:
+            _, branches, before, matched = st.shadow
+            if matched:
+                self._learn(before, min(max(map(len, branches)), matched + accepted))
+            st.shadow = None
+        self._learn(st.lookup_outcome, accepted)
         st.lookup_outcome = lookup_outcome(accepted, complete)
 
+    def _learn(self, before: str, accepted: int) -> None:
+        """Lookup's accepted tokens after a proposal that ended with outcome `before` (all requests)."""
+        self.lookup_after[before] = (1 - self.prior_ema) * self.lookup_after[before] + self.prior_ema * accepted
+
     def shadow(self, st: DraftState, position: int, branches: list[list[int]], budget: int) -> None:
-        """Keep an unverified proposal (continuing the first `position` tokens) to score it later."""
+        """Keep an unverified proposal (continuing the first `position` tokens) to score it later,
+        with the outcome it followed and the tokens matched so far."""
         if st.shadow is None:
-            st.shadow = (position, [br[:budget] for br in branches])
+            st.shadow = (position, [br[:budget] for br in branches], st.lookup_outcome, 0)
 
     def score_shadow(self, st: DraftState, token_ids: list[int]) -> None:
-        """Score the kept proposal once the tokens that followed it settle every branch."""
+        """Score the kept proposal once the tokens that followed it settle every branch. While they
+        still follow one, copying has resumed: the request counts as mid-copy ("partial") at once,
+        and the proposal settles when it breaks, completes, or lookup is verified again."""
         if st.shadow is None:
             return
-        position, branches = st.shadow
+        position, branches, before, _ = st.shadow
         generated = token_ids[position:]
         best, complete = 0, False
         for br in branches:
             n = 0
             while n < min(len(br), len(generated)) and br[n] == generated[n]:
                 n += 1
-            if n == len(generated) and n < len(br):            # still matching: not settled yet, but
-                if n:                                          # lookup's next proposal continues it
+            if n == len(generated) and n < len(br):            # still matching: not settled yet
+                if n:
+                    st.shadow = (position, branches, before, n)
                     st.lookup_outcome = "partial"
                 return
             if n > best or (n == best and n == len(br)):
                 best, complete = n, n == len(br)
-        self.observe_lookup(st, best, complete)                # clears the kept proposal
+        st.shadow = None
+        self._learn(before, best)
+        st.lookup_outcome = lookup_outcome(best, complete)
 
     def observe(self, batch_size: int, mode: str, seconds: float) -> None:
         """Seconds of one pure-decode step whose trees were drafted in `mode`."""

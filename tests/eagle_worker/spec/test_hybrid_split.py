@@ -139,3 +139,25 @@ def test_catch_up_is_repaid_only_on_the_steps_lookup_leaves_to_the_head():
 
 def test_step_modes():
     assert [step_mode(h, lk) for h in (False, True) for lk in (False, True)] == ["plain", "lookup", "head", "merged"]
+
+
+def test_a_skipped_proposal_that_copying_resumed_on_counts_for_the_outcome_it_followed():
+    """After a miss, lookup's next proposal often has a new, right match: when the following tokens
+    take it up and lookup is then verified, the miss is credited with the whole run (matched while
+    sitting out plus accepted after), not left to the proposals that broke at once."""
+    split = _measured(**ALL)
+    split.lookup_after.update(miss=0.3, partial=4.0)
+    missed = _state("miss", head=0.5)
+    assert split.choose(missed, [[7, 8, 9, 10, 11]], 1) == "plain"
+    split.shadow(missed, 3, [[7, 8, 9, 10, 11]], budget=8)
+    split.score_shadow(missed, [1, 2, 3, 7])                     # the plain step's token follows it
+    assert missed.lookup_outcome == "partial" and split.lookup_after["miss"] == 0.3
+    assert split.choose(missed, [[8, 9, 10, 11]], 1) == "lookup"
+    split.observe_lookup(missed, 3, False)                       # verified: 3 more of its tokens
+    assert missed.shadow is None and missed.lookup_outcome == "partial"
+    assert abs(split.lookup_after["miss"] - (0.95 * 0.3 + 0.05 * 4)) < 1e-9    # 1 matched + 3 accepted
+    assert abs(split.lookup_after["partial"] - (0.95 * 4.0 + 0.05 * 3)) < 1e-9
+    # a kept proposal that broke at once counts as nothing, as before
+    split.shadow(missed, 7, [[5, 5]], budget=8)
+    split.observe_lookup(missed, 2, True)
+    assert abs(split.lookup_after["miss"] - (0.95 * 0.3 + 0.05 * 4)) < 1e-9
