@@ -1,5 +1,6 @@
-"""Builds tasks.jsonl: prompts that ask the model to work over a passage (summarize, answer from
-it, extract, rewrite, translate), from the long texts of the other training sources.
+"""Builds tasks.jsonl (prompts that ask the model to work over a passage: summarize, answer from
+it, extract, rewrite, translate) and copies.jsonl (such prompts with answers that copy from them),
+from the long texts of the other training sources.
 
 Why: the base model copies a lot from its context when it summarizes, answers from a passage or
 translates (prompt lookup alone reaches tau 4-7 on those Spec-Bench categories), and a head learns
@@ -60,10 +61,15 @@ def sentences(text: str) -> list[str]:
     return [s.strip() for s in re.split(r"(?<=[.!?])\s+", text) if 50 <= len(s.strip()) <= 250 and "\n" not in s]
 
 
+def _passages(max_chars: int) -> tuple[list[tuple[str, str]], list[str]]:
+    """(question, long reply) pairs, and every long text cut to `max_chars`."""
+    pairs = [(q, a) for q, a in oasst_pairs() if len(a) >= 600]
+    return pairs, [a[:max_chars] for _, a in pairs] + [t[:max_chars] for t in sharegpt_long(800)]
+
+
 def build(seed: int = 0, max_chars: int = 3500) -> list[dict]:
     rng = random.Random(seed)
-    pairs = [(q, a) for q, a in oasst_pairs() if len(a) >= 600]
-    passages = [a[:max_chars] for _, a in pairs] + [t[:max_chars] for t in sharegpt_long(800)]
+    pairs, passages = _passages(max_chars)
     rng.shuffle(passages)
     out = [{"prompt": TEMPLATES[i % len(TEMPLATES)].format(passage=p), "source": "tasks/passage"}
            for i, p in enumerate(passages[:600])]
@@ -83,8 +89,7 @@ def build_copies(seed: int = 1, max_chars: int = 1800) -> list[dict]:
     own next-token distribution at every position (prefill self-distillation), so the head learns
     where the target copies at the cost of a prefill instead of a generation."""
     rng = random.Random(seed)
-    pairs = [(q, a) for q, a in oasst_pairs() if len(a) >= 600]
-    passages = [a[:max_chars] for _, a in pairs] + [t[:max_chars] for t in sharegpt_long(800)]
+    pairs, passages = _passages(max_chars)
     rng.shuffle(passages)
     out = []
     for i, p in enumerate(passages[:500]):
