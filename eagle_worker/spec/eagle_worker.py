@@ -136,23 +136,26 @@ class EagleWorker:
                 self.hybrid.shadow(d.state, len(seq.token_ids), branches, budget)
                 proposals[seq.request_id] = []
             use_head.append(mode in ("head", "merged"))
-        head_budget = budget
-        if hybrid and not any(u and proposals.get(seq.request_id) for u, seq in zip(use_head, included)):
-            head_budget = self.hybrid.alone_nodes(budget)
-            top_k, levels = min(top_k, head_budget), min(levels, head_budget)
+        # the head drafts only the nodes this step keeps: beside lookup its share of the budget, alone
+        # a small tree (a tree of n nodes is at most n deep and needs at most n candidates per level)
+        keep = {seq.request_id: (self.hybrid.head_nodes(d.state, budget) if proposals.get(seq.request_id)
+                                 else self.hybrid.alone_nodes(budget)) if hybrid else budget
+                for d, seq, u in zip(batch, included, use_head) if u}
+        head_budget = max(keep.values(), default=budget)
+        top_k, levels = min(top_k, head_budget), min(levels, head_budget)
         drafted = iter(self._head_trees([d for d, u in zip(batch, use_head) if u], head_budget, top_k, levels,
-                                        stretch_after=budget + 1) if any(use_head) else [])
+                                        stretch_after=budget + 1) if keep else [])
         out = {}
         for b, seq in enumerate(included):
             head = use_head[b]
             parents, tokens, depth, logprobs = next(drafted) if head else ([-1], [seq.token_ids[-1]], [0], [0.0])
-            branches = proposals.get(seq.request_id) or []
-            if branches and head:
-                head_nodes = self.hybrid.head_nodes(batch[b].state, budget)
+            if head and len(tokens) - 1 > keep[seq.request_id]:
+                n = keep[seq.request_id]
                 if logprobs is None:
-                    parents, tokens, depth = parents[:head_nodes + 1], tokens[:head_nodes + 1], depth[:head_nodes + 1]
+                    parents, tokens, depth = parents[:n + 1], tokens[:n + 1], depth[:n + 1]
                 else:
-                    parents, tokens, depth = prune_to_best(parents, tokens, depth, logprobs, head_nodes)
+                    parents, tokens, depth = prune_to_best(parents, tokens, depth, logprobs, n)
+            branches = proposals.get(seq.request_id) or []
             out[seq.request_id] = merge_branches(parents, tokens, depth, branches, budget - (len(tokens) - 1))
         return out
 

@@ -121,9 +121,10 @@ class HybridSplit:
 
     @staticmethod
     def head_nodes(st: DraftState, budget: int) -> int:
-        """Nodes the head keeps when lookup branches share the tree (the rest go to lookup)."""
+        """Nodes the head keeps when lookup branches share the tree (the rest go to lookup; each
+        keeps at least one when the budget has two)."""
         share = (st.ema_lookup + 0.1) / (st.ema_head + st.ema_lookup + 0.2)
-        return budget - max(1, round(budget * share))
+        return max(1, budget - max(1, round(budget * share)))
 
     def observe_accepted(self, st: DraftState, mode: str, head_only: int) -> None:
         """One step's accepted draft tokens on nodes only the head proposed: updates the request's
