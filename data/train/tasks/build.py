@@ -61,23 +61,23 @@ def sentences(text: str) -> list[str]:
     return [s.strip() for s in re.split(r"(?<=[.!?])\s+", text) if 50 <= len(s.strip()) <= 250 and "\n" not in s]
 
 
-def _passages(max_chars: int) -> tuple[list[tuple[str, str]], list[str]]:
-    """(question, long reply) pairs, and every long text cut to `max_chars`."""
+def _passages(max_chars: int) -> tuple[list[tuple[str, str]], list[str], list[str]]:
+    """(question, long reply) pairs, every long text cut to `max_chars`, and the replies' sentences."""
     pairs = [(q, a) for q, a in oasst_pairs() if len(a) >= 600]
-    return pairs, [a[:max_chars] for _, a in pairs] + [t[:max_chars] for t in sharegpt_long(800)]
+    passages = [a[:max_chars] for _, a in pairs] + [t[:max_chars] for t in sharegpt_long(800)]
+    return pairs, passages, [s for _, a in pairs for s in sentences(a)]
 
 
 def build(seed: int = 0, max_chars: int = 3500) -> list[dict]:
     rng = random.Random(seed)
-    pairs, passages = _passages(max_chars)
+    pairs, passages, reply_sents = _passages(max_chars)
     rng.shuffle(passages)
     out = [{"prompt": TEMPLATES[i % len(TEMPLATES)].format(passage=p), "source": "tasks/passage"}
            for i, p in enumerate(passages[:600])]
     # answer a question from a passage placed before it (the RAG layout)
     out += [{"prompt": f"{a[:max_chars]} {q}", "source": "tasks/rag"} for q, a in rng.sample(pairs, min(150, len(pairs)))]
-    sents = [s for _, a in pairs for s in sentences(a)]
     out += [{"prompt": TRANSLATE[i % len(TRANSLATE)].format(s=s), "source": "tasks/translate"}
-            for i, s in enumerate(rng.sample(sents, min(150, len(sents))))]
+            for i, s in enumerate(rng.sample(reply_sents, min(150, len(reply_sents))))]
     rng.shuffle(out)
     return out
 
@@ -89,7 +89,7 @@ def build_copies(seed: int = 1, max_chars: int = 1800) -> list[dict]:
     own next-token distribution at every position (prefill self-distillation), so the head learns
     where the target copies at the cost of a prefill instead of a generation."""
     rng = random.Random(seed)
-    pairs, passages = _passages(max_chars)
+    _, passages, reply_sents = _passages(max_chars)
     rng.shuffle(passages)
     out = []
     for i, p in enumerate(passages[:500]):
@@ -106,9 +106,8 @@ def build_copies(seed: int = 1, max_chars: int = 1800) -> list[dict]:
         else:
             s = rng.choice(sents)
             out.append({"prompt": f"{p} What does the text say about this: {s[:60]}?", "response": " ".join([s] + sents[:k])})
-    sents = [s for _, a in pairs for s in sentences(a)]
     out += [{"prompt": TRANSLATE[i % len(TRANSLATE)].format(s=s), "response": s}
-            for i, s in enumerate(rng.sample(sents, min(100, len(sents))))]
+            for i, s in enumerate(rng.sample(reply_sents, min(100, len(reply_sents))))]
     for r in out:
         r["source"] = "tasks/copy"
     rng.shuffle(out)
