@@ -1,4 +1,4 @@
-"""Driver side of the multi-node Serve tests: `python -m tests.cluster.multinode ADDRESS deploy|replicas ...`.
+"""Driver side of the multi-node Serve tests: `python -m tests.cluster.multinode ADDRESS deploy|replicas|kill-busy ...`.
 
 The test process stays out of the cluster (it may already be connected to the session's embedded
 Ray, and a process joins one cluster only): deploying and asking Ray about replicas happen in short
@@ -7,7 +7,10 @@ driver subprocesses (`LocalCluster.driver`); Serve apps outlive their driver (Se
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
+import time
 
 
 
@@ -24,6 +27,29 @@ def _replicas(app: str) -> list[dict]:
             out.append({"deployment": deployment, "replica_id": replica_id, "pid": a["Pid"],
                         "node_id": a["Address"]["NodeID"]})
     return sorted(out, key=lambda r: (r["deployment"], r["replica_id"]))
+
+
+def _kill_busy(app: str, deployment: str, timeout: float = 60.0) -> dict:
+    """SIGKILL the `deployment` replica with the most requests in flight, asked of Serve's replica
+    actors themselves (their queue length answers on a thread of its own, never behind user code).
+
+    Waits until some replica serves at least two requests (one after a short wait), so the kill is
+    known to land on work in progress; the load's own counts, reported as requests finish, lag.
+    """
+    import ray
+
+    replicas = [r for r in _replicas(app) if r["deployment"] == deployment]
+    handles = {r["replica_id"]: ray.get_actor(f"SERVE_REPLICA::{app}#{deployment}#{r['replica_id']}", namespace="serve")
+               for r in replicas}
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        ongoing = dict(zip(handles, ray.get([h.get_num_ongoing_requests.remote() for h in handles.values()])))
+        busiest = max(replicas, key=lambda r: ongoing[r["replica_id"]])
+        if ongoing[busiest["replica_id"]] >= (2 if time.monotonic() - t0 < 2.0 else 1):
+            os.kill(busiest["pid"], signal.SIGKILL)
+            return {**busiest, "ongoing": ongoing}
+        time.sleep(0.01)
+    raise SystemExit(f"no {deployment} replica of {app} had a request in flight for {timeout:.0f} s")
 
 
 def _main(argv: list[str]) -> None:
@@ -43,6 +69,8 @@ def _main(argv: list[str]) -> None:
     elif cmd == "replicas":  # replicas APP
         answer = {"replicas": _replicas(rest[0]),
                   "nodes": sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])}
+    elif cmd == "kill-busy":  # kill-busy APP DEPLOYMENT
+        answer = {"killed": _kill_busy(rest[0], rest[1])}
     else:
         raise SystemExit(f"unknown command {cmd!r}")
     print(json.dumps(answer), flush=True)

@@ -2,19 +2,18 @@
 the real engine on a tiny Gemma 3, the official `openai` client over HTTP.
 
 Node CPUs are sized so each node fits exactly one replica (head: 2 CPUs = ingress 0.1 + one replica;
-worker: 1 CPU = one replica). A bounded load (40 requests, 4 at a time, a quarter of them streamed)
-must spread over both replicas (per-replica counts from /metrics) and survive SIGKILL of one
-replica's actor process in the middle: every request completes or ends in a clear error (503
-`replica_lost` / a stream error event naming the dead replica), none hangs. Non-streamed requests
+worker: 1 CPU = one replica). A bounded load (80 requests, 4 at a time, a quarter of them streamed)
+must spread over both replicas (per-replica counts from /metrics) and survive SIGKILL of the
+replica with the most requests in flight (as its Serve actor counts them) in the middle: every
+request completes or ends in a clear error (503 `replica_lost` / a stream error event naming the
+dead replica), none hangs. Non-streamed requests
 and streams that had sent nothing yet are retried on the survivor, so they must all complete.
 """
 from __future__ import annotations
 
 import concurrent.futures as cf
 import json
-import os
 import re
-import signal
 import threading
 import time
 
@@ -26,7 +25,7 @@ from cluster.config import ServeConfig
 from tests.ray_cluster import LocalCluster, free_ports
 
 MODEL = "tiny-gemma"
-N_REQUESTS, CONCURRENCY, MAX_TOKENS = 40, 4, 64  # long enough that a replica is rarely idle
+N_REQUESTS, CONCURRENCY, MAX_TOKENS = 80, 4, 64  # the load outlasts the kill driver's start (~3 s)
 KILL_AFTER = 10          # completed requests before the kill: both replicas are warm and busy by then
 REQUEST_TIMEOUT = 90     # per request; a hang fails the test instead of blocking it
 
@@ -58,13 +57,6 @@ def _replica_counts(url: str) -> dict[str, float]:
 def _retries(url: str) -> float:
     text = requests.get(f"{url}/metrics", timeout=30).text
     return sum(float(v) for v in re.findall(r"^eagle_request_retries_total{[^}]*} (\S+)$", text, re.M))
-
-
-def _replica_running(url: str) -> dict[str, float]:
-    """Sequences each replica reported running with its latest finished request."""
-    text = requests.get(f"{url}/metrics", timeout=30).text
-    return {rid: float(v) for rid, v in re.findall(r'^eagle_replica_num_running{[^}]*replica="([^"]+)"[^}]*} (\S+)$',
-                                                   text, re.M)}
 
 
 def _one(client, i: int) -> tuple[str, str]:
@@ -114,12 +106,9 @@ def test_load_spreads_over_both_nodes_and_survives_a_replica_kill(two_nodes, app
         for _ in range(KILL_AFTER):
             assert done.acquire(timeout=REQUEST_TIMEOUT), "requests stopped finishing before the kill"
         before = _replica_counts(url)
-        # kill the replica likeliest to be busy right now: the most sequences running at its last
-        # report, then the most used so far
-        running = _replica_running(url)
-        victim = max(replicas, key=lambda r: (running.get(r["replica_id"], 0), before.get(r["replica_id"], 0)))
-        os.kill(victim["pid"], signal.SIGKILL)
-        killed.update(victim, at=time.monotonic() - t0, in_flight=sum(f.running() for f in futs))
+        # kill the replica with the most requests in flight, as its own Serve actor counts them
+        killed.update(two_nodes.driver("kill-busy", "multinode", "LLMServer")["killed"],
+                      at=time.monotonic() - t0, in_flight=sum(f.running() for f in futs))
         finished, pending = cf.wait(futs, timeout=3 * REQUEST_TIMEOUT)
         assert not pending, f"{len(pending)} requests hung after the kill"
     results = [f.result() for f in futs]  # re-raises an unclear failure
