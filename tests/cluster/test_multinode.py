@@ -2,7 +2,7 @@
 the real engine on a tiny Gemma 3, the official `openai` client over HTTP.
 
 Node CPUs are sized so each node fits exactly one replica (head: 2 CPUs = ingress 0.1 + one replica;
-worker: 1 CPU = one replica). A bounded load (80 requests, 4 at a time, a quarter of them streamed)
+worker: 1 CPU = one replica). A bounded load (120 requests, 4 at a time, a quarter of them streamed)
 must spread over both replicas (per-replica counts from /metrics) and survive SIGKILL of the
 replica with the most requests in flight (as its Serve actor counts them) in the middle: every
 request completes or ends in a clear error (503 `replica_lost` / a stream error event naming the
@@ -25,7 +25,7 @@ from cluster.config import ServeConfig
 from tests.ray_cluster import LocalCluster, free_ports
 
 MODEL = "tiny-gemma"
-N_REQUESTS, CONCURRENCY, MAX_TOKENS = 80, 4, 64  # the load outlasts the kill driver's start (~3 s)
+N_REQUESTS, CONCURRENCY, MAX_TOKENS = 120, 4, 64  # the load (~15 s) outlasts the kill driver's start (~3 s)
 KILL_AFTER = 10          # completed requests before the kill: both replicas are warm and busy by then
 REQUEST_TIMEOUT = 90     # per request; a hang fails the test instead of blocking it
 
