@@ -1,4 +1,5 @@
-"""Driver side of the multi-node Serve tests: `python -m tests.cluster.multinode ADDRESS deploy|replicas|kill-busy ...`.
+"""Driver side of the multi-node Serve tests:
+`python -m tests.cluster.multinode ADDRESS deploy|replicas|kill-busy ...`.
 
 The test process stays out of the cluster (it may already be connected to the session's embedded
 Ray, and a process joins one cluster only): deploying and asking Ray about replicas happen in short
@@ -35,6 +36,7 @@ def _kill_busy(app: str, deployment: str, timeout: float = 60.0) -> dict:
 
     Waits until some replica serves at least two requests (one after a short wait), so the kill is
     known to land on work in progress; the load's own counts, reported as requests finish, lag.
+    Every node of the test's local cluster is this machine, so the pid is killed from here.
     """
     import ray
 
