@@ -6,8 +6,8 @@ worker: 1 CPU = one replica). A bounded load (120 requests, 4 at a time, a quart
 must spread over both replicas (per-replica counts from /metrics) and survive SIGKILL of the
 replica with the most requests in flight (as its Serve actor counts them) in the middle: every
 request completes or ends in a clear error (503 `replica_lost` / a stream error event naming the
-dead replica), none hangs. Non-streamed requests
-and streams that had sent nothing yet are retried on the survivor, so they must all complete.
+dead replica), none hangs. Non-streamed requests and streams that had sent nothing yet are retried
+on the survivor, so they must all complete.
 """
 from __future__ import annotations
 
