@@ -10,7 +10,6 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 from eagle_worker import default_models
 from eagle_worker.attention import SeqAttention, attention_context, build_context
 from eagle_worker.config import EngineConfig
-from eagle_worker.layers.linear import use_cpu_gemm_layout
 from eagle_worker.loader import load_weights, resolve_model_path
 from eagle_worker.models.registry import model_class_for
 from eagle_worker.parallel import broadcast_from_rank0, tp_rank, tp_size
@@ -64,7 +63,6 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(prev_dtype)
         load_weights(self.model, self.model_path)
-        use_cpu_gemm_layout(self.model)
         self.model.eval()
         self.attn_layers = self.model.attention_layers()
         self.num_kv_blocks = self._allocate_kv_cache()

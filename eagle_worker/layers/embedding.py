@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eagle_worker.layers.argmax_screen import Int8ArgmaxScreen
-from eagle_worker.layers.linear import check_shape
+from eagle_worker.layers.linear import check_shape, linear
 from eagle_worker.parallel import all_gather_last_dim, all_reduce, tp_rank, tp_size
 
 
@@ -40,23 +40,6 @@ class VocabParallelEmbedding(nn.Module):
         return all_reduce(y)
 
 
-def wide_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight.T for a very wide weight (an LM head). On CPU in float32, MKL's GEMM for 4..64
-    rows is pathological on a 262K-row weight (89 ms for 8 rows vs 23 ms for 1, measured on
-    2 cores); oneDNN on the same dense weight takes 42 ms. Those are the shapes of batched decode
-    and tree verification, so they go through oneDNN; everything else stays `F.linear`."""
-    rows = x.numel() // x.shape[-1]
-    if (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
-            and 4 <= rows <= 64 and _onednn_linear is not None and not torch.is_grad_enabled()):
-        y = _onednn_linear(x.reshape(rows, x.shape[-1]).contiguous(), weight, None, "none", [], "")
-        return y.view(*x.shape[:-1], weight.shape[0])
-    return F.linear(x, weight)
-
-
-_onednn_linear = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None) \
-    if torch.backends.mkldnn.is_available() else None
-
-
 class ParallelLMHead(VocabParallelEmbedding):
     """Hidden states -> full-vocab logits. `tie_to(embedding)` shares the embedding's weight."""
 
@@ -68,7 +51,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.weight = embedding.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = wide_linear(hidden, self.weight)
+        logits = linear(hidden, self.weight)
         if self.tp_size == 1:
             return logits
         return all_gather_last_dim(logits)[..., : self.num_embeddings]
