@@ -131,7 +131,7 @@ class EagleWorker:
             branches = proposals[seq.request_id]
             mode = self.hybrid.choose(d.state, branches, len(batch),
                                       remaining=seq.params.max_tokens - seq.num_output_tokens,
-                                      stretch=max(0, len(d.state.tokens) - (budget + 1)))
+                                      stretch=max(0, len(d.state.tokens) - (budget + 1)), budget=budget)
             if branches and mode in ("plain", "head"):        # lookup sits out: score its proposal later
                 self.hybrid.shadow(d.state, len(seq.token_ids), branches, budget)
                 proposals[seq.request_id] = []

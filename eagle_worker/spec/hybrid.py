@@ -8,7 +8,8 @@ add), head (1 + the head's recent accepted tokens) or merged (lookup's + what th
 recently added beside lookup), each over its measured step seconds (per mode and batch-size
 bucket). Lookup's expectation depends on how its previous proposal for the request did: a copy
 that was followed to the end keeps going, a miss is usually followed by more misses; the worker
-keeps the average accepted tokens after each outcome. A proposal left unverified is still scored
+keeps, after each outcome, the share of proposals that reached each depth, so a merged tree whose
+lookup branches are cut short to make room for the head is charged for the tokens they give up. A proposal left unverified is still scored
 against the tokens that follow (shadow scoring), so a request learns when its copying resumes
 without paying for it. The head's gains start from the worker's running averages.
 
@@ -47,7 +48,8 @@ class HybridSplit:
         self.prior_ema = prior_ema
         self.steps = StepMeans(ema)                            # (bucket, mode) -> (step seconds,)
         self.prior = dict.fromkeys(GAINS, 1.0)                 # accepted per step, all requests
-        self.lookup_after = dict.fromkeys(LOOKUP_OUTCOMES, 1.0)   # lookup's accepted, by previous outcome
+        # by previous outcome: P(lookup accepts >= j + 1 tokens) at index j (its sum: the mean)
+        self.lookup_reach = {o: [1.0] for o in LOOKUP_OUTCOMES}
         self.catch_up = StepMeans(ema)                         # ("catch_up",) -> (tokens, seconds)
         self.free_share = 0.5                                  # share of steps lookup does not carry
 
@@ -57,16 +59,18 @@ class HybridSplit:
 
     # ---- the choice ----------------------------------------------------------------------------
     def choose(self, st: DraftState, branches, batch_size: int, remaining: int | None = None,
-               stretch: int = 0) -> str:
+               stretch: int = 0, budget: int | None = None) -> str:
         """This step's mode for one request. `remaining`: tokens it may still generate (None:
-        unbounded); `stretch`: pending tokens the head must catch up on beyond one step's worth."""
-        mode = self._choose(st, branches, batch_size, remaining, stretch)
+        unbounded); `stretch`: pending tokens the head must catch up on beyond one step's worth;
+        `budget`: the step's node budget (None: lookup's branches are never cut short)."""
+        mode = self._choose(st, branches, batch_size, remaining, stretch, budget)
         free = 1.0 if mode in ("plain", "head") else 0.0     # a step lookup did not carry
         self.free_share = (1 - self.prior_ema) * self.free_share + self.prior_ema * free
         st.free_share = self.free_share if st.free_share is None else 0.8 * st.free_share + 0.2 * free
         return mode
 
-    def _choose(self, st: DraftState, branches, batch_size: int, remaining: int | None, stretch: int) -> str:
+    def _choose(self, st: DraftState, branches, batch_size: int, remaining: int | None, stretch: int,
+                budget: int | None) -> str:
         b = bucket(batch_size)
         candidates = ("merged", "lookup", "head", "plain") if branches else ("head", "plain")
         untried = [m for m in candidates if self.steps.samples[(b, m)] < 2]
@@ -76,7 +80,7 @@ class HybridSplit:
             share = self.free_share if st.free_share is None else st.free_share
             remaining = max(1, round(remaining * share))
         catch_up_s = self.catch_up_seconds(stretch)
-        cost = {m: self._seconds(st, b, m, remaining, catch_up_s) for m in candidates}
+        cost = {m: self._seconds(st, b, m, remaining, catch_up_s, budget) for m in candidates}
         mode = min(candidates, key=lambda m: cost[m])
         if mode in ("head", "merged"):        # the head drafts on its merits: probing starts over
             st.skipped_steps, st.probe_every = 0, self.PROBE_EVERY
@@ -89,12 +93,15 @@ class HybridSplit:
         st.skipped_steps, st.probe_every = 0, min(2 * every, self.MAX_PROBE_EVERY)
         return min((m for m in candidates if m in ("head", "merged")), key=lambda m: cost[m])   # the cheaper probe
 
-    def _seconds(self, st: DraftState, b: int, mode: str, remaining: int | None, catch_up_s: float) -> float:
-        """Expected seconds for the request's remaining tokens in `mode` (per token when unbounded)."""
+    def _seconds(self, st: DraftState, b: int, mode: str, remaining: int | None, catch_up_s: float,
+                 budget: int | None) -> float:
+        """Expected seconds for the request's remaining tokens in `mode` (per token when unbounded).
+        Beside the head, lookup keeps only what `head_nodes` leaves it of the budget."""
         g = st.gains or self.prior
-        lookup = self.lookup_after[st.lookup_outcome]
-        tokens = {"plain": 1.0, "lookup": 1.0 + lookup, "head": 1.0 + g["head"],
-                  "merged": 1.0 + lookup + g["extra"]}[mode]
+        beside_head = budget - self.head_nodes(st, budget) if budget else None
+        tokens = {"plain": 1.0, "lookup": 1.0 + self.expected_lookup(st.lookup_outcome, budget),
+                  "head": 1.0 + g["head"],
+                  "merged": 1.0 + self.expected_lookup(st.lookup_outcome, beside_head) + g["extra"]}[mode]
         per_token = self.steps.means[(b, mode)][0] / tokens
         if remaining is None:
             return per_token
@@ -148,9 +155,17 @@ class HybridSplit:
         self._learn(st.lookup_outcome, accepted)
         st.lookup_outcome = lookup_outcome(accepted, complete)
 
+    def expected_lookup(self, outcome: str, nodes: int | None = None) -> float:
+        """Lookup's expected accepted tokens after a proposal that ended with `outcome`, its branches
+        cut to `nodes` deep (None: as proposed)."""
+        return sum(self.lookup_reach[outcome][:nodes])
+
     def _learn(self, before: str, accepted: int) -> None:
         """Lookup's accepted tokens after a proposal that ended with outcome `before` (all requests)."""
-        self.lookup_after[before] = (1 - self.prior_ema) * self.lookup_after[before] + self.prior_ema * accepted
+        reach, a = self.lookup_reach[before], self.prior_ema
+        reach.extend([0.0] * (accepted - len(reach)))
+        for j in range(len(reach)):
+            reach[j] = (1 - a) * reach[j] + a * (accepted > j)
 
     def shadow(self, st: DraftState, position: int, branches: list[list[int]], budget: int) -> None:
         """Keep an unverified proposal (continuing the first `position` tokens) to score it later,

@@ -17,6 +17,12 @@ def _state(outcome: str = "new", **gains: float) -> DraftState:
     return DraftState(gains={"extra": 1.0, "head": 1.0, **gains}, lookup_outcome=outcome)
 
 
+def _expect(split: HybridSplit, **means: float) -> None:
+    """Lookup's expected accepted tokens after each outcome (`n + f` as n sure tokens and a share f)."""
+    for outcome, m in means.items():
+        split.lookup_reach[outcome] = [1.0] * int(m) + ([m - int(m)] if m % 1 else [])
+
+
 ALL = dict(merged=0.100, lookup=0.080, head=0.090, plain=0.040)
 
 
@@ -34,7 +40,7 @@ def test_head_drafts_only_where_its_trees_pay():
 
 def test_head_joins_lookup_only_when_the_merged_tree_is_faster():
     split = _measured(**ALL)
-    split.lookup_after["complete"] = 3.0                      # after a whole branch was accepted
+    _expect(split, complete=3.0)                      # after a whole branch was accepted
     copying = _state("complete", extra=0.2)                   # merged 4.2 / 0.10 s < lookup 4.0 / 0.08 s
     assert [split.choose(copying, [[5, 6]], 1) for _ in range(16)] == ["lookup"] * 15 + ["merged"]
     assert [split.choose(copying, [[5, 6]], 1) for _ in range(10)] == ["lookup"] * 10
@@ -46,7 +52,7 @@ def test_head_joins_lookup_only_when_the_merged_tree_is_faster():
 
 def test_lookup_sits_out_after_a_miss_and_its_proposals_are_still_scored():
     split = _measured(**ALL)
-    split.lookup_after.update(miss=0.3, partial=4.0, complete=6.0)
+    _expect(split, miss=0.3, partial=4.0, complete=6.0)
     missed = _state("miss", head=0.5)                         # lookup 1.3 / 0.08 s, head 1.5 / 0.09 s < plain 1 / 0.04 s
     assert split.choose(missed, [[7, 8, 9]], 1) == "plain"
     split.shadow(missed, 3, [[7, 8, 9], [7, 5]], budget=8)    # proposed after tokens [1, 2, 3]
@@ -58,7 +64,7 @@ def test_lookup_sits_out_after_a_miss_and_its_proposals_are_still_scored():
     missed.lookup_outcome = "miss"
     split.score_shadow(missed, [1, 2, 3, 7, 8, 9])            # the whole branch came true
     assert missed.shadow is None and missed.lookup_outcome == "complete"
-    assert split.lookup_after["miss"] > 0.3                   # a miss was followed by 3 tokens
+    assert split.expected_lookup("miss") > 0.3                   # a miss was followed by 3 tokens
     assert split.choose(missed, [[4, 4]], 1) == "lookup"      # copying resumed: 7 / 0.08 s
     split.shadow(missed, 6, [[4, 4]], budget=8)
     split.score_shadow(missed, [1, 2, 3, 7, 8, 9, 5])
@@ -105,7 +111,7 @@ def test_a_head_that_sat_out_rejoins_only_if_the_rest_of_the_request_repays_its_
 
 def test_no_probe_when_its_catch_up_outweighs_a_twentieth_of_the_remaining_time():
     split = _measured(**ALL)
-    split.lookup_after["complete"] = 3.0
+    _expect(split, complete=3.0)
     for _ in range(3):
         split.observe_catch_up(100, 0.010)
     copying = _state("complete", extra=0.2)           # lookup alone: 20 ms a token
@@ -129,7 +135,7 @@ def test_catch_up_is_repaid_only_on_the_steps_lookup_leaves_to_the_head():
     st.free_share = 0.04                              # lookup carries 96% of the steps: 4 tokens do not
     assert split.choose(st, None, 1, remaining=100, stretch=600) == "plain"
     copying = _state("complete")                      # a request lookup keeps carrying ...
-    split.lookup_after["complete"] = 6.0
+    _expect(split, complete=6.0)
     for _ in range(30):
         split.choose(copying, [[5, 6]], 1, remaining=100)
     assert copying.free_share < 0.01
@@ -146,18 +152,45 @@ def test_a_skipped_proposal_that_copying_resumed_on_counts_for_the_outcome_it_fo
     take it up and lookup is then verified, the miss is credited with the whole run (matched while
     sitting out plus accepted after), not left to the proposals that broke at once."""
     split = _measured(**ALL)
-    split.lookup_after.update(miss=0.3, partial=4.0)
+    _expect(split, miss=0.3, partial=4.0)
     missed = _state("miss", head=0.5)
     assert split.choose(missed, [[7, 8, 9, 10, 11]], 1) == "plain"
     split.shadow(missed, 3, [[7, 8, 9, 10, 11]], budget=8)
     split.score_shadow(missed, [1, 2, 3, 7])                     # the plain step's token follows it
-    assert missed.lookup_outcome == "partial" and split.lookup_after["miss"] == 0.3
+    assert missed.lookup_outcome == "partial" and split.expected_lookup("miss") == 0.3
     assert split.choose(missed, [[8, 9, 10, 11]], 1) == "lookup"
     split.observe_lookup(missed, 3, False)                       # verified: 3 more of its tokens
     assert missed.shadow is None and missed.lookup_outcome == "partial"
-    assert abs(split.lookup_after["miss"] - (0.95 * 0.3 + 0.05 * 4)) < 1e-9    # 1 matched + 3 accepted
-    assert abs(split.lookup_after["partial"] - (0.95 * 4.0 + 0.05 * 3)) < 1e-9
+    assert abs(split.expected_lookup("miss") - (0.95 * 0.3 + 0.05 * 4)) < 1e-9    # 1 matched + 3 accepted
+    assert abs(split.expected_lookup("partial") - (0.95 * 4.0 + 0.05 * 3)) < 1e-9
     # a kept proposal that broke at once counts as nothing, as before
     split.shadow(missed, 7, [[5, 5]], budget=8)
     split.observe_lookup(missed, 2, True)
-    assert abs(split.lookup_after["miss"] - (0.95 * 0.3 + 0.05 * 4)) < 1e-9
+    assert abs(split.expected_lookup("miss") - (0.95 * 0.3 + 0.05 * 4)) < 1e-9
+
+
+def test_a_merged_tree_is_charged_for_the_lookup_tokens_its_shorter_branches_give_up():
+    split = _measured(lookup=0.048, merged=0.050)
+    for _ in range(3):
+        split.observe(1, "head", 0.09)
+        split.observe(1, "plain", 0.04)
+    copying = _state("complete", extra=1.0)
+    copying.ema_lookup, copying.ema_head = 7.0, 1.0
+    assert HybridSplit.head_nodes(copying, 8) == 1             # the head would take 1 of 8 nodes
+    _expect(split, complete=8.0)                               # after a complete copy lookup accepts 8
+    # uncut, the merged tree would add the head's token: 10 / 50 ms > 9 / 48 ms; with 7 lookup
+    # nodes it adds one and loses one: 9 / 50 ms < 9 / 48 ms
+    assert split.choose(copying, [[5] * 8], 1) == "merged"
+    assert split.choose(copying, [[5] * 8], 1, budget=8) == "lookup"
+    _expect(split, complete=2.5)                               # copies that end early lose nothing to the cut
+    assert split.choose(copying, [[5] * 8], 1, budget=8) == "merged"
+
+
+def test_lookup_reach_is_learned_per_depth():
+    split = HybridSplit()
+    split._learn("miss", 3)
+    assert split.lookup_reach["miss"] == [1.0, 0.05, 0.05]
+    assert abs(split.expected_lookup("miss") - (0.95 * 1.0 + 0.05 * 3)) < 1e-9
+    assert abs(split.expected_lookup("miss", 2) - 1.05) < 1e-9
+    split._learn("miss", 0)
+    assert split.lookup_reach["miss"] == [0.95, 0.0475, 0.0475]
