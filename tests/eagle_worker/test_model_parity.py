@@ -233,3 +233,18 @@ def test_rope_config_reads_legacy_and_nested_configs():
     theta, scaling = rope_config(tiny_config("llama3"))
     assert theta == 10000.0 and scaling["rope_type"] == "llama3"
     assert rope_config(tiny_config("mistral"))[1] is None
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 9])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_matches_f_linear_at_every_kernel_choice(rows, bias):
+    """`linear` picks a kernel by dtype, device and row count; every choice computes x @ W.T + b."""
+    from eagle_worker.layers.linear import linear
+
+    g = torch.Generator().manual_seed(rows)
+    x, w = torch.randn(rows, 64, generator=g), torch.randn(96, 64, generator=g)
+    b = torch.randn(96, generator=g) if bias else None
+    with torch.inference_mode():
+        got = linear(x[:, None], w, b)                    # a leading batch shape is kept
+    assert got.shape == (rows, 1, 96)
+    torch.testing.assert_close(got[:, 0], torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
