@@ -156,7 +156,9 @@ def _completion_order(app, jobs) -> list[str]:
 
     def send(tag, priority, delay):
         time.sleep(delay)
-        app.client.completions.create(model=MODEL, prompt=f"[slow:0.03] {tag}", max_tokens=40,
+        # 40 steps of 50 ms: the running request is still running, with a margin of 1.5 s for a
+        # loaded machine, when the online one arrives at 0.5 s
+        app.client.completions.create(model=MODEL, prompt=f"[slow:0.05] {tag}", max_tokens=40,
                                       extra_body={"priority": priority})
         done.append(tag)
 
