@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import torch
+import transformers
 
 from bench.prompts import load_questions, render
 
@@ -77,7 +78,8 @@ def run(model: str = "gemma-3-270m", dtypes: list[str] = ("float32", "bfloat16")
     if json_out:
         Path(json_out).parent.mkdir(parents=True, exist_ok=True)
         meta = {"model": model, "max_tokens": max_tokens, "threads": torch.get_num_threads(),
-                "machine": platform.processor() or platform.machine(), "torch": torch.__version__}
+                "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
+                "transformers": transformers.__version__}
         Path(json_out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     return rows
 

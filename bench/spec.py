@@ -16,6 +16,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+import transformers
 
 from bench.prompts import PROMPT_FORMAT, SPEC_BENCH, load_questions, render
 
@@ -156,6 +157,7 @@ def run(model: str = "gemma-3-270m", prompts_file: str | Path = SPEC_BENCH, per_
     sweep_rows = _sweep(model, dtype, draft, [p for ps in by_cat.values() for p in ps], sweep, 32, device) if sweep else []
     _print(summary, sweep_rows)
     report = {"meta": {"model": model, "dtype": dtype, "device": device, "max_tokens": max_tokens, "prompt_format": PROMPT_FORMAT,
+                       "torch": torch.__version__, "transformers": transformers.__version__,
                        "temperature": temperature, "tree": tree or {}, "rounds": rounds, "warmup": warmup,
                        "prompts": str(prompts_file), "per_category": per_category, "draft": draft,
                        "threads": torch.get_num_threads()},
