@@ -9,9 +9,9 @@ recently added beside lookup), each over its measured step seconds (per mode and
 bucket). Lookup's expectation depends on how its previous proposal for the request did: a copy
 that was followed to the end keeps going, a miss is usually followed by more misses; the worker
 keeps, after each outcome, the share of proposals that reached each depth, so a merged tree whose
-lookup branches are cut short to make room for the head is charged for the tokens they give up. A proposal left unverified is still scored
-against the tokens that follow (shadow scoring), so a request learns when its copying resumes
-without paying for it. The head's gains start from the worker's running averages.
+lookup branches are cut short to make room for the head is charged for the tokens they give up. A
+proposal left unverified is still scored against the tokens that follow (shadow scoring), so a
+request learns when its copying resumes without paying for it. The head's gains start from the worker's running averages.
 
 A head that sat out must first catch up on the stretch it missed (one pass of its layer over those
 tokens): it rejoins only when the time it saves repays that, counted over the share of the
