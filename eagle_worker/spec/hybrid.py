@@ -16,7 +16,10 @@ request learns when its copying resumes without paying for it. The head's gains 
 A head that sat out must first catch up on the stretch it missed (one pass of its layer over those
 tokens): it rejoins only when the time it saves repays that, counted over the share of the
 request's remaining tokens that lookup is not expected to carry (the request's recent share of
-steps lookup did not carry; a new request starts from the worker's).
+steps lookup did not carry; a new request starts from the worker's), and only at a step where
+lookup has nothing (the head is then the only source), not beside lookup's branches (where it adds
+least), and not at a request's first step, before anything says whether lookup will carry it: a
+copying request with a long prompt does not pay that catch-up for a node beside a copy.
 A head that sits out still probes now and then so its estimates stay current, less often while
 sitting out keeps being right, and not when the catch-up would cost more than a twentieth of the
 request's remaining time. When both draft, the budget is split by each source's recent acceptance.
@@ -73,6 +76,10 @@ class HybridSplit:
                 budget: int | None) -> str:
         b = bucket(batch_size)
         candidates = ("merged", "lookup", "head", "plain") if branches else ("head", "plain")
+        if stretch and (branches or st.free_share is None):
+            # a head that sat out rejoins where lookup has nothing, not beside it, and not at a new
+            # request's first step: whether lookup will carry the request is not known yet
+            candidates = ("lookup", "plain") if branches else ("plain",)
         untried = [m for m in candidates if self.steps.samples[(b, m)] < 2]
         if untried:                                            # measure every mode's step time first
             return untried[0]
@@ -88,7 +95,7 @@ class HybridSplit:
         st.skipped_steps += 1
         every = st.probe_every or self.PROBE_EVERY
         affordable = remaining is None or catch_up_s <= self.PROBE_SHARE * cost[mode]
-        if st.skipped_steps < every or not affordable:
+        if st.skipped_steps < every or not affordable or "head" not in candidates:
             return mode
         st.skipped_steps, st.probe_every = 0, min(2 * every, self.MAX_PROBE_EVERY)
         return min((m for m in candidates if m in ("head", "merged")), key=lambda m: cost[m])   # the cheaper probe

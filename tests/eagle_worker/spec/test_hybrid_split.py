@@ -103,6 +103,8 @@ def test_a_head_that_sat_out_rejoins_only_if_the_rest_of_the_request_repays_its_
         split.observe_catch_up(100, 0.010)            # 0.1 ms per token the head catches up on
     assert split.catch_up_seconds(600) == 0.060
     st = _state(head=0.8)
+    assert split.choose(st, None, 1, remaining=100, stretch=600) == "plain"   # a new request's first step
+    st.free_share = 0.5                                                       # a step later
     assert split.choose(st, None, 1, remaining=100, stretch=600) == "head"    # 1.2 s saved > 60 ms
     assert split.choose(st, None, 1, remaining=4, stretch=600) == "plain"     # 49 ms saved < 60 ms
     assert split.choose(st, None, 1, remaining=4, stretch=0) == "head"        # nothing to catch up: it pays
@@ -117,12 +119,24 @@ def test_no_probe_when_its_catch_up_outweighs_a_twentieth_of_the_remaining_time(
     copying = _state("complete", extra=0.2)           # lookup alone: 20 ms a token
     assert [split.choose(copying, [[5, 6]], 1, remaining=100, stretch=600) for _ in range(15)] == ["lookup"] * 15
     # 100 tokens left (2 s), all of them the head's to help with: a probe catching up on 600
-    # tokens (60 ms) costs 3% -> probed, in the cheaper of the head's modes
+    # tokens (60 ms) costs 3% -> probed, but not beside lookup's branches: at the next step lookup
+    # leaves free
     copying.free_share = 1.0
-    assert split.choose(copying, [[5, 6]], 1, remaining=100, stretch=600) == "merged"
+    assert split.choose(copying, [[5, 6]], 1, remaining=100, stretch=600) == "lookup"
+    copying.free_share = 1.0
+    assert split.choose(copying, None, 1, remaining=100, stretch=600) == "head"
     # 20 tokens left (0.4 s): 60 ms is 15% -> the head stays out
+    assert [split.choose(copying, [[5, 6]], 1, remaining=20, stretch=600) for _ in range(15)] == ["lookup"] * 15
     copying.free_share = 1.0
-    assert {split.choose(copying, [[5, 6]], 1, remaining=20, stretch=600) for _ in range(80)} == {"lookup"}
+    assert {split.choose(copying, None, 1, remaining=20, stretch=600) for _ in range(80)} == {"plain"}
+
+
+def test_a_head_that_sat_out_does_not_catch_up_beside_lookups_branches():
+    split = _measured(**ALL)
+    copying = _state("complete", extra=3.0)                   # merged would win on its merits ...
+    _expect(split, complete=3.0)
+    assert split.choose(copying, [[5, 6]], 1, stretch=0) == "merged"
+    assert split.choose(copying, [[5, 6]], 1, stretch=600) == "lookup"      # ... but not with a catch-up
 
 
 def test_catch_up_is_repaid_only_on_the_steps_lookup_leaves_to_the_head():
