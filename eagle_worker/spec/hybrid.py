@@ -11,7 +11,8 @@ that was followed to the end keeps going, a miss is usually followed by more mis
 keeps, after each outcome, the share of proposals that reached each depth, so a merged tree whose
 lookup branches are cut short to make room for the head is charged for the tokens they give up. A
 proposal left unverified is still scored against the tokens that follow (shadow scoring), so a
-request learns when its copying resumes without paying for it. The head's gains start from the worker's running averages.
+request learns when its copying resumes without paying for it. The head's gains start from the
+worker's running averages.
 
 A head that sat out must first catch up on the stretch it missed (one pass of its layer over those
 tokens): it rejoins only when the time it saves repays that, counted over the share of the
@@ -105,10 +106,13 @@ class HybridSplit:
         """Expected seconds for the request's remaining tokens in `mode` (per token when unbounded).
         Beside the head, lookup keeps only what `head_nodes` leaves it of the budget."""
         g = st.gains or self.prior
-        beside_head = budget - self.head_nodes(st, budget) if budget else None
-        tokens = {"plain": 1.0, "lookup": 1.0 + self.expected_lookup(st.lookup_outcome, budget),
-                  "head": 1.0 + g["head"],
-                  "merged": 1.0 + self.expected_lookup(st.lookup_outcome, beside_head) + g["extra"]}[mode]
+        if mode == "merged":
+            beside_head = budget - self.head_nodes(st, budget) if budget else None
+            tokens = 1.0 + self.expected_lookup(st.lookup_outcome, beside_head) + g["extra"]
+        elif mode == "lookup":
+            tokens = 1.0 + self.expected_lookup(st.lookup_outcome, budget)
+        else:
+            tokens = 1.0 + g["head"] if mode == "head" else 1.0
         per_token = self.steps.means[(b, mode)][0] / tokens
         if remaining is None:
             return per_token
