@@ -38,7 +38,7 @@ class DraftState:
     gains: dict = field(default_factory=dict)   # hybrid: recent accepted tokens per step (hybrid.GAINS)
     lookup_outcome: str = "new"   # hybrid: how the last lookup proposal did (hybrid.LOOKUP_OUTCOMES)
     shadow: tuple | None = None   # hybrid: an unverified lookup proposal (position, branches, outcome before, matched)
-    free_share: float | None = None   # hybrid: recent share of steps lookup did not carry (None: new)
+    free_tokens: tuple | None = None  # hybrid: recent tokens per step made where lookup did not carry, all (None: new)
 
     def add(self, features: torch.Tensor, next_tokens: list[int]) -> None:
         self.features.append(features)

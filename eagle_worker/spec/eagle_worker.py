@@ -272,7 +272,8 @@ class EagleWorker:
         st.ema_lookup = 0.7 * st.ema_lookup + 0.3 * lk
         if self.head is not None and self.spec.lookup:
             head_only = sum(1 for i in accepted if from_head[i] and not from_lookup[i])
-            self.hybrid.observe_accepted(st, step_mode(any(from_head[1:]), any(from_lookup[1:])), head_only)
+            self.hybrid.observe_accepted(st, step_mode(any(from_head[1:]), any(from_lookup[1:])), head_only,
+                                         len(accepted) + 1)
             if any(from_lookup[1:]):      # a whole branch accepted: the path ends on a lookup leaf
                 inner = {parents[i] for i in range(1, len(parents)) if from_lookup[i]}
                 self.hybrid.observe_lookup(st, lk, bool(lk) and from_lookup[accepted[-1]] and accepted[-1] not in inner)

@@ -55,7 +55,7 @@ class HybridSplit:
         # by previous outcome: P(lookup accepts >= j + 1 tokens) at index j (its sum: the mean)
         self.lookup_reach = {o: [1.0] for o in LOOKUP_OUTCOMES}
         self.catch_up = StepMeans(ema)                         # ("catch_up",) -> (tokens, seconds)
-        self.free_share = 0.5                                  # share of steps lookup does not carry
+        self.free_tokens = (0.5, 1.0)      # tokens per step made on steps lookup did not carry, all tokens per step
 
     def new_gains(self) -> dict[str, float]:
         """A new request's expected accepted tokens: what this worker has seen so far."""
@@ -67,17 +67,19 @@ class HybridSplit:
         """This step's mode for one request. `remaining`: tokens it may still generate (None:
         unbounded); `stretch`: pending tokens the head must catch up on beyond one step's worth;
         `budget`: the step's node budget (None: lookup's branches are never cut short)."""
-        mode = self._choose(st, branches, batch_size, remaining, stretch, budget)
-        free = 1.0 if mode in ("plain", "head") else 0.0     # a step lookup did not carry
-        self.free_share = (1 - self.prior_ema) * self.free_share + self.prior_ema * free
-        st.free_share = self.free_share if st.free_share is None else 0.8 * st.free_share + 0.2 * free
-        return mode
+        return self._choose(st, branches, batch_size, remaining, stretch, budget)
+
+    def free_share(self, st: DraftState | None = None) -> float:
+        """The share of tokens made on steps lookup did not carry: the request's recent share, or the
+        worker's for a new request (or st None)."""
+        free, total = self.free_tokens if st is None or st.free_tokens is None else st.free_tokens
+        return free / total
 
     def _choose(self, st: DraftState, branches, batch_size: int, remaining: int | None, stretch: int,
                 budget: int | None) -> str:
         b = bucket(batch_size)
         candidates = ("merged", "lookup", "head", "plain") if branches else ("head", "plain")
-        if stretch and (branches or st.free_share is None):
+        if stretch and (branches or st.free_tokens is None):
             # a head that sat out rejoins where lookup has nothing, not beside it, and not at a new
             # request's first step: whether lookup will carry the request is not known yet
             candidates = ("lookup", "plain") if branches else ("plain",)
@@ -85,8 +87,7 @@ class HybridSplit:
         if untried:                                            # measure every mode's step time first
             return untried[0]
         if remaining is not None:      # the head's catch-up is repaid only on steps lookup leaves to it
-            share = self.free_share if st.free_share is None else st.free_share
-            remaining = max(1, round(remaining * share))
+            remaining = max(1, round(remaining * self.free_share(st)))
         catch_up_s = self.catch_up_seconds(stretch)
         cost = {m: self._seconds(st, b, m, remaining, catch_up_s, budget) for m in candidates}
         mode = min(candidates, key=lambda m: cost[m])
@@ -144,9 +145,15 @@ class HybridSplit:
         share = (st.ema_lookup + 0.1) / (st.ema_head + st.ema_lookup + 0.2)
         return max(1, budget - max(1, round(budget * share)))
 
-    def observe_accepted(self, st: DraftState, mode: str, head_only: int) -> None:
-        """One step's accepted draft tokens on nodes only the head proposed: updates the request's
-        estimate of the head's gain in this mode, and the worker's."""
+    def observe_accepted(self, st: DraftState, mode: str, head_only: int, tokens: int) -> None:
+        """One verified step: `head_only` accepted draft tokens on nodes only the head proposed (the
+        head's gain in this mode), `tokens` made in all (the share lookup did not carry); updates the
+        request's estimates and the worker's."""
+        free = tokens if mode in ("plain", "head") else 0
+        a = self.prior_ema
+        self.free_tokens = tuple((1 - a) * x + a * y for x, y in zip(self.free_tokens, (free, tokens)))
+        before = self.free_tokens if st.free_tokens is None else st.free_tokens
+        st.free_tokens = tuple(0.8 * x + 0.2 * y for x, y in zip(before, (free, tokens)))
         if not st.gains:
             st.gains = self.new_gains()
         key = {"merged": "extra", "head": "head"}.get(mode)

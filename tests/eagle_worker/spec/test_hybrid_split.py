@@ -88,12 +88,12 @@ def test_unmeasured_modes_are_tried_and_new_requests_start_from_the_worker_avera
         split.observe(1, "plain", 0.04)
     assert split.steps.means[(1, "head")] == (0.09,)
     for _ in range(200):                                       # earlier requests: the head's trees paid
-        split.observe_accepted(DraftState(), "head", 2)
+        split.observe_accepted(DraftState(), "head", 2, 3)
     assert split.new_gains()["head"] > 1.9
     assert split.choose(DraftState(), None, 1) == "head"       # a new request trusts that at once
     st = DraftState()
     for _ in range(10):                                        # ... until its own head steps say otherwise
-        split.observe_accepted(st, "head", 0)
+        split.observe_accepted(st, "head", 0, 1)
     assert split.choose(st, None, 1) == "plain"
 
 
@@ -104,7 +104,7 @@ def test_a_head_that_sat_out_rejoins_only_if_the_rest_of_the_request_repays_its_
     assert split.catch_up_seconds(600) == 0.060
     st = _state(head=0.8)
     assert split.choose(st, None, 1, remaining=100, stretch=600) == "plain"   # a new request's first step
-    st.free_share = 0.5                                                       # a step later
+    st.free_tokens = (0.5, 1.0)                                                       # a step later
     assert split.choose(st, None, 1, remaining=100, stretch=600) == "head"    # 1.2 s saved > 60 ms
     assert split.choose(st, None, 1, remaining=4, stretch=600) == "plain"     # 49 ms saved < 60 ms
     assert split.choose(st, None, 1, remaining=4, stretch=0) == "head"        # nothing to catch up: it pays
@@ -121,13 +121,13 @@ def test_no_probe_when_its_catch_up_outweighs_a_twentieth_of_the_remaining_time(
     # 100 tokens left (2 s), all of them the head's to help with: a probe catching up on 600
     # tokens (60 ms) costs 3% -> probed, but not beside lookup's branches: at the next step lookup
     # leaves free
-    copying.free_share = 1.0
+    copying.free_tokens = (1.0, 1.0)
     assert split.choose(copying, [[5, 6]], 1, remaining=100, stretch=600) == "lookup"
-    copying.free_share = 1.0
+    copying.free_tokens = (1.0, 1.0)
     assert split.choose(copying, None, 1, remaining=100, stretch=600) == "head"
     # 20 tokens left (0.4 s): 60 ms is 15% -> the head stays out
     assert [split.choose(copying, [[5, 6]], 1, remaining=20, stretch=600) for _ in range(15)] == ["lookup"] * 15
-    copying.free_share = 1.0
+    copying.free_tokens = (1.0, 1.0)
     assert {split.choose(copying, None, 1, remaining=20, stretch=600) for _ in range(80)} == {"plain"}
 
 
@@ -144,17 +144,32 @@ def test_catch_up_is_repaid_only_on_the_steps_lookup_leaves_to_the_head():
     for _ in range(3):
         split.observe_catch_up(100, 0.010)
     st = _state("new", head=0.8)
-    st.free_share = 1.0                               # lookup carries nothing: 100 tokens repay 60 ms
+    st.free_tokens = (1.0, 1.0)                               # lookup carries nothing: 100 tokens repay 60 ms
     assert split.choose(st, None, 1, remaining=100, stretch=600) == "head"
-    st.free_share = 0.04                              # lookup carries 96% of the steps: 4 tokens do not
+    st.free_tokens = (0.04, 1.0)                              # lookup carries 96% of the steps: 4 tokens do not
     assert split.choose(st, None, 1, remaining=100, stretch=600) == "plain"
     copying = _state("complete")                      # a request lookup keeps carrying ...
-    _expect(split, complete=6.0)
     for _ in range(30):
-        split.choose(copying, [[5, 6]], 1, remaining=100)
-    assert copying.free_share < 0.01
-    assert split.free_share < 0.5                     # ... and the worker's prior for new requests follow
+        split.observe_accepted(copying, "lookup", 0, 7)
+    assert split.free_share(copying) < 0.01
+    assert split.free_share() < 0.5                   # ... and the worker's prior for new requests follow
     assert split.choose(copying, None, 1, remaining=100, stretch=600) == "plain"
+
+
+def test_the_share_lookup_leaves_counts_tokens_not_steps():
+    """One step in three left to the head, but lookup's steps make 7 tokens and the others 1: the
+    head has about 1 token in 11 to speed up, not 1 in 3, and 40 remaining tokens do not repay a
+    60-ms catch-up (4 tokens at 12.2 ms saved each; 13 would)."""
+    split = _measured(head=0.050, plain=0.040, lookup=0.060, merged=0.080)
+    for _ in range(3):
+        split.observe_catch_up(100, 0.010)
+    st = _state("complete", head=0.8)
+    for _ in range(30):
+        for mode, tokens in (("lookup", 7), ("lookup", 7), ("plain", 1)):
+            split.observe_accepted(st, mode, 0, tokens)
+    assert 0.04 < split.free_share(st) < 0.1
+    assert split.choose(st, None, 1, remaining=40, stretch=600) == "plain"
+    assert split.choose(st, None, 1, remaining=40, stretch=0) == "head"     # nothing to catch up: it pays
 
 
 def test_step_modes():
