@@ -67,6 +67,8 @@ def _run_ours(llm, prompts: list[str], max_tokens: int, shares: dict | None = No
             shares["head"] = shares.get("head", 0) + out.metrics.get("accepted_share_head", 0) * drafted
             shares["lookup"] = shares.get("lookup", 0) + out.metrics.get("accepted_share_lookup", 0) * drafted
             shares["accepted"] = shares.get("accepted", 0) + drafted
+            for mode, n in out.metrics.get("steps_by_source", {}).items():
+                shares["steps_" + mode] = shares.get("steps_" + mode, 0) + n
     return time.perf_counter() - t0, tokens, forwards
 
 
@@ -149,6 +151,9 @@ def run(model: str = "gemma-3-270m", prompts_file: str | Path = SPEC_BENCH, per_
             if shares.get("accepted"):
                 row["share_head"] = shares["head"] / shares["accepted"]
                 row["share_lookup"] = shares["lookup"] / shares["accepted"]
+            steps = {k[6:]: v / rounds for k, v in shares.items() if k.startswith("steps_")}
+            if steps:                   # hybrid: decode steps of one pass over the category, by source
+                row["steps_by_source"] = steps
         if method in engines and method != "vanilla":
             per_cat["_acceptance_per_depth"] = engines[method].engine.stats().get("acceptance_rate_per_depth")
     runners.clear()                 # free the engines before the sweep loads its own

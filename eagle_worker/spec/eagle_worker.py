@@ -271,9 +271,10 @@ class EagleWorker:
             st.ema_head = 0.7 * st.ema_head + 0.3 * h
         st.ema_lookup = 0.7 * st.ema_lookup + 0.3 * lk
         if self.head is not None and self.spec.lookup:
+            mode = step_mode(any(from_head[1:]), any(from_lookup[1:]))
+            m.steps_by_source[mode] = m.steps_by_source.get(mode, 0) + 1
             head_only = sum(1 for i in accepted if from_head[i] and not from_lookup[i])
-            self.hybrid.observe_accepted(st, step_mode(any(from_head[1:]), any(from_lookup[1:])), head_only,
-                                         len(accepted) + 1)
+            self.hybrid.observe_accepted(st, mode, head_only, len(accepted) + 1)
             if any(from_lookup[1:]):      # a whole branch accepted: the path ends on a lookup leaf
                 inner = {parents[i] for i in range(1, len(parents)) if from_lookup[i]}
                 self.hybrid.observe_lookup(st, lk, bool(lk) and from_lookup[accepted[-1]] and accepted[-1] not in inner)

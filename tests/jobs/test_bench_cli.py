@@ -58,6 +58,8 @@ def test_bench_spec_rotates_the_order_and_takes_each_prompts_median_time(monkeyp
                 secs = 1.0 if method == "vanilla" else 0.5
                 if method == "lookup" and "aq0\n" in ps[0] and calls.count((method, ps[0])) == 2:
                     secs = 50.0                                  # a slow spell during one pass
+                if shares is not None:                           # the hybrid's 3 lookup steps a prompt
+                    shares["steps_lookup"] = shares.get("steps_lookup", 0) + 3
                 return secs, 10, 10 if method == "vanilla" else 4
             return run
         return {m: runner(m) for m in methods}, {}
@@ -74,6 +76,7 @@ def test_bench_spec_rotates_the_order_and_takes_each_prompts_median_time(monkeyp
     s = rep["summary"]
     assert s["lookup"]["a"]["tok_s"] == s["lookup"]["b"]["tok_s"] == 20.0   # the slow pass's median drops it
     assert s["lookup"]["overall"]["speedup"] == 2.0 and s["lookup"]["a"]["tau"] == 2.5
+    assert rep["results"]["hybrid"]["a"]["steps_by_source"] == {"lookup": 6.0}   # per pass over 2 prompts
 
 
 def test_cuda_check_dry_runs_on_cpu(tmp_path):

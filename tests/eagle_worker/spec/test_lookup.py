@@ -12,7 +12,7 @@ from eagle_worker.spec import acceptance
 from eagle_worker.spec.config import SpecConfig
 from eagle_worker.spec.head_init import new_head
 from eagle_worker.spec.head_loader import save_draft_head
-from eagle_worker.spec.hybrid import HybridSplit
+from eagle_worker.spec.hybrid import MODES, HybridSplit
 from eagle_worker.spec.lookup import NgramIndex, merge_branches, prune_to_best
 from tests.eagle_worker.spec.test_eagle_engine import _chi2_pvalue, _joint_counts
 
@@ -89,6 +89,10 @@ def test_hybrid_skips_the_head_while_lookup_carries_the_request():
     steps = worker.stats()["spec_steps"]
     assert out.metrics["accepted_share_lookup"] > 0.8, out.metrics
     assert 0 < len(grown) <= steps // 2 + 1, (len(grown), steps)
+    by_source = out.metrics["steps_by_source"]       # every decode step counted once, by who drafted
+    assert sum(by_source.values()) == out.metrics["num_target_forwards"] and set(by_source) <= set(MODES)
+    assert by_source.get("head", 0) + by_source.get("merged", 0) == len(grown)
+    assert by_source["lookup"] > by_source.get("plain", 0)
 
 
 def test_hybrid_sampling_keeps_the_target_distribution(copying_target, monkeypatch):
