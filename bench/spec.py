@@ -9,6 +9,8 @@ Usage: `eaglectl bench spec [--prompts FILE] [--draft DIR|default|random] [--jso
 from __future__ import annotations
 
 import json
+import math
+import random
 import statistics
 import tempfile
 import time
@@ -159,14 +161,16 @@ def run(model: str = "gemma-3-270m", prompts_file: str | Path = SPEC_BENCH, per_
     runners.clear()                 # free the engines before the sweep loads its own
     engines.clear()
     summary = _summarise(results)
+    paired = {f"hybrid/{m}": _paired(runs, [c for c, _ in prompts], "hybrid", m)
+              for m in methods if "hybrid" in methods and m != "hybrid"}
     sweep_rows = _sweep(model, dtype, draft, [p for ps in by_cat.values() for p in ps], sweep, 32, device) if sweep else []
-    _print(summary, sweep_rows)
+    _print(summary, sweep_rows, paired)
     report = {"meta": {"model": model, "dtype": dtype, "device": device, "max_tokens": max_tokens, "prompt_format": PROMPT_FORMAT,
                        "torch": torch.__version__, "transformers": transformers.__version__,
                        "temperature": temperature, "tree": tree or {}, "rounds": rounds, "warmup": warmup,
                        "prompts": str(prompts_file), "per_category": per_category, "draft": draft,
                        "threads": torch.get_num_threads()},
-              "results": results, "summary": summary, "sweep": sweep_rows}
+              "results": results, "summary": summary, "paired": paired, "sweep": sweep_rows}
     if json_out:
         Path(json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(json_out).write_text(json.dumps(report, indent=2))
@@ -239,6 +243,25 @@ def _summarise(results: dict) -> dict:
     return out
 
 
+def _paired(runs: dict, categories: list[str], a: str, b: str, resamples: int = 2000) -> dict:
+    """Speed of `a` over `b` per category from passes run back to back (the same prompt in the same
+    round): the median of b's time per token over a's, and a 95% bootstrap interval of that median.
+    Two methods that do the same work differ only by the machine's noise, which the interval shows:
+    a category whose interval straddles 1 is level within this run's noise. Medians, as elsewhere
+    here, so one pass caught by a slow spell does not decide."""
+    logs = defaultdict(list)
+    for (method, i), rs in runs.items():
+        if method == a:
+            logs[categories[i]] += [math.log(rb[0] / rb[1] * ra[1] / ra[0]) for ra, rb in zip(rs, runs[(b, i)])]
+    logs["overall"] = [x for c in list(logs) for x in logs[c]]
+    rng, out = random.Random(0), {}
+    for cat, xs in logs.items():
+        meds = sorted(statistics.median(rng.choices(xs, k=len(xs))) for _ in range(resamples))
+        lo, hi = meds[int(0.025 * resamples)], meds[int(0.975 * resamples) - 1]
+        out[cat] = {"ratio": math.exp(statistics.median(xs)), "ci95": [math.exp(lo), math.exp(hi)], "pairs": len(xs)}
+    return out
+
+
 def _sweep(model: str, dtype: str, draft: str, prompts: list[str], sizes, max_tokens: int,
            device: str = "cpu") -> list[dict]:
     """Throughput at each batch size, plain vs with the head (adaptive budget, as served)."""
@@ -263,7 +286,7 @@ def _sweep(model: str, dtype: str, draft: str, prompts: list[str], sizes, max_to
     return rows
 
 
-def _print(summary: dict, sweep_rows: list[dict]) -> None:
+def _print(summary: dict, sweep_rows: list[dict], paired: dict | None = None) -> None:
     methods = list(summary)
     cats = list(next(iter(summary.values())))
     print("\n| category | " + " | ".join(methods) + " |")
@@ -276,6 +299,9 @@ def _print(summary: dict, sweep_rows: list[dict]) -> None:
             src = f", lookup {r['share_lookup']:.0%}" if "share_lookup" in r else ""
             cells.append(f"{r['tok_s']:.1f} ({r['speedup']:.2f}x{tau}{src})")
         print(f"| {cat} | " + " | ".join(cells) + " |")
+    for name, per_cat in (paired or {}).items():
+        print(f"\n{name} (paired, 95% interval): " + ", ".join(
+            f"{c} {r['ratio']:.3f} [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}]" for c, r in per_cat.items()))
     if sweep_rows:
         print("\n| batch | no head tok/s | head (adaptive) tok/s | ratio |\n|---:|---:|---:|---:|")
         for r in sweep_rows:

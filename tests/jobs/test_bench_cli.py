@@ -77,6 +77,11 @@ def test_bench_spec_rotates_the_order_and_takes_each_prompts_median_time(monkeyp
     assert s["lookup"]["a"]["tok_s"] == s["lookup"]["b"]["tok_s"] == 20.0   # the slow pass's median drops it
     assert s["lookup"]["overall"]["speedup"] == 2.0 and s["lookup"]["a"]["tau"] == 2.5
     assert rep["results"]["hybrid"]["a"]["steps_by_source"] == {"lookup": 6.0}   # per pass over 2 prompts
+    # hybrid against lookup pass by pass: level (both 0.5 s) but for the slow pass, which the median drops
+    level = rep["paired"]["hybrid/lookup"]
+    assert level["a"]["ratio"] == level["b"]["ratio"] == 1.0 and level["a"]["pairs"] == 6
+    assert level["a"]["ci95"][0] == 1.0 and level["a"]["ci95"][1] >= 1.0 and level["b"]["ci95"] == [1.0, 1.0]
+    assert rep["paired"]["hybrid/vanilla"]["overall"]["ratio"] == 2.0
 
 
 def test_cuda_check_dry_runs_on_cpu(tmp_path):
