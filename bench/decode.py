@@ -1,13 +1,16 @@
-"""Decode throughput: this engine vs `transformers` generate, same model, dtype and prompts, one run.
+"""Decode throughput: this engine vs `transformers` generate, same model, dtype and prompts.
 
 Greedy, a fixed number of new tokens per prompt (EOS ignored on both sides), batch 1 (prompts
 one after another) and batch N (all at once: continuous batching here, left-padded batch there).
-Usage: `eaglectl bench decode` or `python -m bench.decode`.
+With `rounds` > 1 each measurement repeats that many times, the two engines taking turns (the
+one that goes first alternates), and the median counts: a slow spell of a shared machine then
+does not decide a ratio. Usage: `eaglectl bench decode` or `python -m bench.decode`.
 """
 from __future__ import annotations
 
 import json
 import platform
+import statistics
 import time
 from pathlib import Path
 
@@ -30,9 +33,12 @@ def _timed(fn) -> tuple[float, int]:
 
 
 def run(model: str = "gemma-3-270m", dtypes: list[str] = ("float32", "bfloat16"), batch_sizes: list[int] = (1, 8),
-        max_tokens: int = 64, json_out: str | None = "bench/results/decode.json", threads: int | None = None) -> list[dict]:
+        max_tokens: int = 64, json_out: str | None = "bench/results/decode.json", threads: int | None = None,
+        rounds: int = 1) -> list[dict]:
     """`threads` pins torch's intra-op threads for both engines (1 keeps a shared machine's
     other processes from stalling every parallel op; the JSON records what was used)."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
     if threads:
         torch.set_num_threads(threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -54,20 +60,30 @@ def run(model: str = "gemma-3-270m", dtypes: list[str] = ("float32", "bfloat16")
             _hf_generate(hf, tok, prompts[:1], 4)                      # warm-up
         llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0))
         for bs in batch_sizes:
-            batch = prompts[:bs]
-            with torch.inference_mode():
+            batch = prompts[:bs] if bs > 1 else prompts[:2]         # batch 1: two prompts one after another
+
+            def transformers_run(batch=batch, bs=bs):
+                with torch.inference_mode():
+                    if bs == 1:
+                        return sum(_hf_generate(hf, tok, [p], max_tokens) for p in batch)
+                    return _hf_generate(hf, tok, batch, max_tokens)
+
+            def engine_run(batch=batch, bs=bs):
                 if bs == 1:
-                    t_hf, n_hf = _timed(lambda: sum(_hf_generate(hf, tok, [p], max_tokens) for p in prompts[:2]))
-                else:
-                    t_hf, n_hf = _timed(lambda: _hf_generate(hf, tok, batch, max_tokens))
-            if bs == 1:
-                t_us, n_us = _timed(lambda: sum(len(llm.generate([p], params)[0].token_ids) for p in prompts[:2]))
-            else:
-                t_us, n_us = _timed(lambda: sum(len(o.token_ids) for o in llm.generate(batch, params)))
-            rows.append({"dtype": dtype, "batch": bs, "engine_tok_s": n_us / t_us, "transformers_tok_s": n_hf / t_hf,
-                         "speedup_vs_transformers": (n_us / t_us) / (n_hf / t_hf)})
-            print(f"{dtype:9s} batch {bs:2d}: engine {n_us / t_us:7.1f} tok/s  transformers {n_hf / t_hf:7.1f} tok/s",
-                  flush=True)
+                    return sum(len(llm.generate([p], params)[0].token_ids) for p in batch)
+                return sum(len(o.token_ids) for o in llm.generate(batch, params))
+
+            speeds = {"engine": [], "transformers": []}
+            for rnd in range(rounds):
+                order = [("transformers", transformers_run), ("engine", engine_run)]
+                for name, fn in order[::-1] if rnd % 2 else order:
+                    secs, n = _timed(fn)
+                    speeds[name].append(n / secs)
+            ours, theirs = statistics.median(speeds["engine"]), statistics.median(speeds["transformers"])
+            rows.append({"dtype": dtype, "batch": bs, "engine_tok_s": ours, "transformers_tok_s": theirs,
+                         "speedup_vs_transformers": ours / theirs, "rounds": speeds})
+            print(f"{dtype:9s} batch {bs:2d}: engine {ours:7.1f} tok/s  transformers {theirs:7.1f} tok/s"
+                  + (f"  (median of {rounds})" if rounds > 1 else ""), flush=True)
         del hf, llm
     for dtype in dtypes:
         b1 = next((r for r in rows if r["dtype"] == dtype and r["batch"] == 1), None)
@@ -79,7 +95,7 @@ def run(model: str = "gemma-3-270m", dtypes: list[str] = ("float32", "bfloat16")
         Path(json_out).parent.mkdir(parents=True, exist_ok=True)
         meta = {"model": model, "max_tokens": max_tokens, "threads": torch.get_num_threads(),
                 "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
-                "transformers": transformers.__version__}
+                "transformers": transformers.__version__, "rounds": rounds}
         Path(json_out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     return rows
 

@@ -87,12 +87,14 @@ def bench() -> None:
 @click.option("--max-tokens", default=64, show_default=True, type=int)
 @click.option("--json", "json_out", default="bench/results/decode.json", show_default=True)
 @click.option("--threads", default=None, type=int, help="torch intra-op threads for both engines [default: torch's].")
-def bench_decode(model, dtypes, batch_sizes, max_tokens, json_out, threads):
-    """Tokens/s of this engine vs transformers generate, same model and dtype, one run."""
+@click.option("--rounds", default=3, show_default=True, type=click.IntRange(min=1),
+              help="Runs per measurement, the engines taking turns; the median counts.")
+def bench_decode(model, dtypes, batch_sizes, max_tokens, json_out, threads, rounds):
+    """Tokens/s of this engine vs transformers generate, same model and dtype."""
     from bench.decode import run
 
     run(model=model, dtypes=dtypes.split(","), batch_sizes=[int(b) for b in batch_sizes.split(",")],
-        max_tokens=max_tokens, json_out=json_out, threads=threads)
+        max_tokens=max_tokens, json_out=json_out, threads=threads, rounds=rounds)
 
 
 @bench.command("spec")

@@ -1,0 +1,44 @@
+"""Paged attention against a plain float32 softmax over the same cached keys and values, in bf16:
+decode groups (one query per sequence) run in float32 on CPU, the rest in the cache's dtype."""
+from __future__ import annotations
+
+import torch
+
+from eagle_worker.attention import Attention, SeqAttention, attention_context, build_context
+
+H, HKV, D = 4, 1, 16
+
+
+def _reference(q, k, v, scale):
+    """q [Q, H, D], k/v [K, HKV, D], causal over the last Q keys; float32."""
+    q, k, v = q.float(), k.float().repeat_interleave(H // HKV, 1), v.float().repeat_interleave(H // HKV, 1)
+    s = torch.einsum("qhd,khd->hqk", q, k) * scale
+    Q, K = q.shape[0], k.shape[0]
+    s = s.masked_fill(~torch.ones(Q, K, dtype=torch.bool).tril(K - Q), float("-inf"))
+    return torch.einsum("hqk,khd->qhd", s.softmax(-1), v).reshape(Q, H * D)
+
+
+def test_bf16_attention_matches_float32_for_decodes_and_chunks():
+    g = torch.Generator().manual_seed(0)
+    attn = Attention(H, HKV, D, scale=D ** -0.5)
+    attn.k_cache = torch.randn(64, HKV, D, generator=g).bfloat16()
+    attn.v_cache = torch.randn(64, HKV, D, generator=g).bfloat16()
+    for q_lens in ([1, 1], [3, 3]):                       # a decode group, then a group of 3-token chunks
+        ctx_lens = [5, 9]
+        seqs, new_slots, start = [], [], 0
+        for b, (q_len, c) in enumerate(zip(q_lens, ctx_lens)):
+            slots = list(range(32 * b, 32 * b + c + q_len))
+            seqs.append(SeqAttention(q_start=start, q_positions=list(range(c, c + q_len)), kv_slots=slots,
+                                     kv_positions=list(range(c + q_len))))
+            new_slots += slots[c:]
+            start += q_len
+        q = torch.randn(start, H * D, generator=g).bfloat16()
+        k = torch.randn(start, HKV * D, generator=g).bfloat16()
+        v = torch.randn(start, HKV * D, generator=g).bfloat16()
+        with torch.no_grad(), attention_context(build_context(seqs, new_slots, torch.device("cpu"))):
+            out = attn(q, k, v)
+        assert out.dtype == torch.bfloat16
+        for s in seqs:
+            rows = slice(s.q_start, s.q_start + s.q_len)
+            expect = _reference(q[rows].view(-1, H, D), attn.k_cache[s.kv_slots], attn.v_cache[s.kv_slots], D ** -0.5)
+            assert (out[rows].float() - expect).abs().max() < 2e-2, (q_lens, s.q_start)
