@@ -67,16 +67,6 @@ class HybridSplit:
         """This step's mode for one request. `remaining`: tokens it may still generate (None:
         unbounded); `stretch`: pending tokens the head must catch up on beyond one step's worth;
         `budget`: the step's node budget (None: lookup's branches are never cut short)."""
-        return self._choose(st, branches, batch_size, remaining, stretch, budget)
-
-    def free_share(self, st: DraftState | None = None) -> float:
-        """The share of tokens made on steps lookup did not carry: the request's recent share, or the
-        worker's for a new request (or st None)."""
-        free, total = self.free_tokens if st is None or st.free_tokens is None else st.free_tokens
-        return free / total
-
-    def _choose(self, st: DraftState, branches, batch_size: int, remaining: int | None, stretch: int,
-                budget: int | None) -> str:
         b = bucket(batch_size)
         candidates = ("merged", "lookup", "head", "plain") if branches else ("head", "plain")
         if stretch and (branches or st.free_tokens is None):
@@ -118,6 +108,12 @@ class HybridSplit:
         if remaining is None:
             return per_token
         return remaining * per_token + (catch_up_s if mode in ("head", "merged") else 0.0)
+
+    def free_share(self, st: DraftState | None = None) -> float:
+        """The share of tokens made on steps lookup did not carry: the request's recent share, or the
+        worker's for a new request (or st None)."""
+        free, total = self.free_tokens if st is None or st.free_tokens is None else st.free_tokens
+        return free / total
 
     # ---- measurements --------------------------------------------------------------------------
     def catch_up_seconds(self, tokens: int) -> float:
