@@ -17,7 +17,8 @@ worker's running averages.
 A head that sat out must first catch up on the stretch it missed (one pass of its layer over those
 tokens): it rejoins only when the time it saves repays that, counted over the share of the
 request's remaining tokens that lookup is not expected to carry (the request's recent share of
-steps lookup did not carry; a new request starts from the worker's), and only at a step where
+tokens made on steps lookup did not carry: tokens, not steps, since a copying step makes several;
+a new request starts from the worker's), and only at a step where
 lookup has nothing (the head is then the only source), not beside lookup's branches (where it adds
 least), and not at a request's first step, before anything says whether lookup will carry it: a
 copying request with a long prompt does not pay that catch-up for a node beside a copy.
