@@ -32,8 +32,8 @@ def _tiny_targets(root: Path) -> dict[str, Path]:
 
 def _random_head(target: Path, out: Path) -> Path:
     from eagle_worker import LLM
-    from eagle_worker.spec.head_init import new_head
-    from eagle_worker.spec.head_loader import save_draft_head
+    from eagle_worker.speculative.head_init import new_head
+    from eagle_worker.speculative.head_loader import save_draft_head
 
     runner = LLM(model=str(target), draft=None).engine.runner
     save_draft_head(new_head("eagle3", runner.model, runner.hf_config, torch.arange(64)), out)
@@ -48,7 +48,7 @@ def _greedy(llm, prompts, n=24):
 
 def check_engine(target: Path, head: Path, device: str) -> dict:
     from eagle_worker import LLM, SamplingParams
-    from eagle_worker.spec.config import SpecConfig
+    from eagle_worker.speculative.config import SpecConfig
 
     cpu = _greedy(LLM(model=str(target), draft=None), PROMPTS)
     plain = _greedy(LLM(model=str(target), device=device, draft=None), PROMPTS)
@@ -70,7 +70,7 @@ def check_engine(target: Path, head: Path, device: str) -> dict:
 
 def time_decoding(target: Path, head: Path, device: str, sizes=(1, 16, 64)) -> list[dict]:
     from eagle_worker import LLM
-    from eagle_worker.spec.config import SpecConfig
+    from eagle_worker.speculative.config import SpecConfig
 
     engines = {"vanilla": LLM(model=str(target), device=device, draft=None),
                "dynamic": LLM(model=str(target), device=device, spec=SpecConfig(draft=str(head), adaptive=False))}
@@ -89,7 +89,7 @@ def time_decoding(target: Path, head: Path, device: str, sizes=(1, 16, 64)) -> l
 
 def check_training(target: Path, work: Path, device: str) -> dict:
     from eagle_worker import LLM
-    from eagle_worker.spec.config import SpecConfig
+    from eagle_worker.speculative.config import SpecConfig
     from eagle_worker.training.pipeline import PipelineConfig, run
     from eagle_worker.training.trainer import TrainConfig
 

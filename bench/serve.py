@@ -131,7 +131,7 @@ def resolve_head(model: str, draft: str | None) -> tuple[str | None, str | None]
     if draft in (None, "", "none"):
         return None, "draft head disabled: plain decoding only"
     if draft == "default":
-        from eagle_worker.spec.config import HEADS_DIR
+        from eagle_worker.speculative.config import HEADS_DIR
 
         if (HEADS_DIR / model / "config.json").exists():
             return "default", None

@@ -29,7 +29,7 @@ def _spec_config(method: str, draft: str, tree: dict | None = None):
     """`tree`: depth / top_k / num_draft_tokens for the dynamic tree and the hybrid, and the node
     budget for prompt lookup too, so lookup and the hybrid verify trees of the same size
     (SpecConfig's defaults where absent)."""
-    from eagle_worker.spec.config import SpecConfig
+    from eagle_worker.speculative.config import SpecConfig
 
     tree = tree or {}
     if method == "vanilla":
@@ -45,8 +45,8 @@ def _spec_config(method: str, draft: str, tree: dict | None = None):
 
 def _random_head(llm, out: Path, draft_vocab: int = 8192) -> str:
     """A random EAGLE-3 head (accepts ~nothing): measures the cost side while no trained head exists."""
-    from eagle_worker.spec.head_init import new_head
-    from eagle_worker.spec.head_loader import save_draft_head
+    from eagle_worker.speculative.head_init import new_head
+    from eagle_worker.speculative.head_loader import save_draft_head
 
     runner = llm.engine.runner
     save_draft_head(new_head("eagle3", runner.model, runner.hf_config, torch.arange(draft_vocab)), out)
@@ -266,7 +266,7 @@ def _sweep(model: str, dtype: str, draft: str, prompts: list[str], sizes, max_to
            device: str = "cpu") -> list[dict]:
     """Throughput at each batch size, plain vs with the head (adaptive budget, as served)."""
     from eagle_worker import LLM, SamplingParams
-    from eagle_worker.spec.config import SpecConfig
+    from eagle_worker.speculative.config import SpecConfig
 
     rows = []
     engines = {"no head": LLM(model=model, dtype=dtype, device=device, draft=None),

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eagle_worker.spec.config import SpecConfig
+from eagle_worker.speculative.config import SpecConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -39,7 +39,7 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         check_device(self.device)
         if self.draft == "auto":
-            from eagle_worker.spec.config import has_builtin_head
+            from eagle_worker.speculative.config import has_builtin_head
             self.draft = "default" if has_builtin_head(self.model) else None
         if self.draft in ("none", ""):
             self.draft = None

@@ -19,7 +19,7 @@ from eagle_worker.outputs import RequestOutput
 from eagle_worker.sampling_params import SamplingParams
 from eagle_worker.scheduler import Scheduler
 from eagle_worker.sequence import Sequence, SequenceStatus
-from eagle_worker.worker import DecodeWorker
+from eagle_worker.decode_worker import DecodeWorker
 
 
 class LLMEngine:
@@ -44,8 +44,8 @@ class LLMEngine:
         if config.tp_size > 1:
             raise ValueError("speculative decoding with tp_size > 1 is not supported yet: the draft head "
                              "needs the full vocabulary; serve with draft=None or tp_size=1")
-        from eagle_worker.spec.config import resolve_draft
-        from eagle_worker.spec.eagle_worker import EagleWorker
+        from eagle_worker.speculative.config import resolve_draft
+        from eagle_worker.speculative.worker import EagleWorker
 
         config.spec.draft = resolve_draft(config.spec.draft, config.model)
         return EagleWorker(self.runner, self.block_manager, config.spec)

@@ -86,8 +86,8 @@ def copying_target(tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     from eagle_worker import LLM
-    from eagle_worker.spec.head_init import new_head
-    from eagle_worker.spec.head_loader import save_draft_head
+    from eagle_worker.speculative.head_init import new_head
+    from eagle_worker.speculative.head_loader import save_draft_head
 
     torch.manual_seed(0)
     cfg = tiny_config("qwen2")

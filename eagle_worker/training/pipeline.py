@@ -69,7 +69,7 @@ def init_output_from_target(head, model, vocab_ids: torch.Tensor) -> None:
 
 def _initial_head(cfg: PipelineConfig, model, hf_config):
     """The head to continue from; it must be of the format being trained."""
-    from eagle_worker.spec.head_loader import load_draft_head
+    from eagle_worker.speculative.head_loader import load_draft_head
 
     head = load_draft_head(cfg.init_head, model, hf_config)
     if head.kind != cfg.kind:
@@ -136,8 +136,8 @@ def build_examples(cfg: PipelineConfig, llm, work: Path) -> tuple[list[Example],
 
 def _export(head, cfg: PipelineConfig, llm, vocab_ids, out: Path, record: dict) -> None:
     """Published format in the target's serving dtype (bf16 halves the file), plus the record."""
-    from eagle_worker.spec.head_init import new_head
-    from eagle_worker.spec.head_loader import save_draft_head
+    from eagle_worker.speculative.head_init import new_head
+    from eagle_worker.speculative.head_loader import save_draft_head
 
     runner = llm.engine.runner
     pub = new_head(cfg.kind, runner.model, runner.hf_config, vocab_ids if cfg.kind == "eagle3" else None)
@@ -151,7 +151,7 @@ def engine_tau(target: str, dtype: str, head_dir: str | Path, prompts: list[list
     """Mean accepted tokens per target forward with the head, measured by our engine (greedy)."""
     from eagle_worker.llm import LLM
     from eagle_worker.sampling_params import SamplingParams
-    from eagle_worker.spec.config import SpecConfig
+    from eagle_worker.speculative.config import SpecConfig
 
     llm = LLM(model=target, dtype=dtype, device=device,
               spec=SpecConfig(draft=str(head_dir), tree=tree, depth=depth, adaptive=False))
@@ -163,7 +163,7 @@ def engine_tau(target: str, dtype: str, head_dir: str | Path, prompts: list[list
 
 def run(cfg: PipelineConfig, progress: bool = True) -> dict:
     from eagle_worker.llm import LLM
-    from eagle_worker.spec.head_init import new_head
+    from eagle_worker.speculative.head_init import new_head
 
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)

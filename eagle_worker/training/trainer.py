@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from eagle_worker.spec.heads import DraftHead
+from eagle_worker.speculative.heads import DraftHead
 from eagle_worker.training.features import FeatureStore, OnlineFeatures, Seq, load_shard
 from eagle_worker.training.ttt import Rows, chain_accepted, unrolled_forward
 

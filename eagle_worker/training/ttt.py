@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from eagle_worker.spec.heads import DraftHead
+from eagle_worker.speculative.heads import DraftHead
 
 
 @dataclass

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import yaml
 
-from jobs.kuberay import render_files
+from deploy.kuberay import render_files
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

@@ -2,7 +2,7 @@
 
 Parsed with click exactly as `eaglectl` would (make_context parses and validates every option and
 argument without running the command), plus a `--help` dry run. If `submit-job` is not registered
-in `jobs.cli:main`, these tests fail on purpose: the RayJob would fail on the cluster the same way.
+in `eaglectl.main:main`, these tests fail on purpose: the RayJob would fail on the cluster the same way.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from jobs.cli import main
+from eaglectl.main import main
 from tests.deploy.examples import ROOT, SETUPS, committed_manifest_files, fresh
 
 
@@ -33,7 +33,7 @@ ENTRYPOINTS = _entrypoints()
 
 def _submit_job() -> click.Command:
     cmd = main.get_command(click.Context(main), "submit-job")
-    assert cmd is not None, ("`eaglectl submit-job` is not registered in jobs/cli.py: every RayJob rendered by "
+    assert cmd is not None, ("`eaglectl submit-job` is not registered in eaglectl/main.py: every RayJob rendered by "
                              "`eaglectl deploy render` would fail on the cluster")
     return cmd
 
@@ -45,7 +45,7 @@ def test_every_setup_has_a_job():
 def test_eaglectl_is_the_console_script():
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["eaglectl"] == "jobs.cli:main"
+    assert scripts["eaglectl"] == "eaglectl.main:main"
 
 
 def test_submit_job_help():
@@ -67,7 +67,7 @@ def test_entrypoint_parses_with_the_real_cli(where, entrypoint):
 @pytest.mark.parametrize("where,entrypoint", ENTRYPOINTS, ids=[w for w, _ in ENTRYPOINTS])
 def test_entrypoint_settings_pass_the_job_config(where, entrypoint):
     """The submit-job command itself (registered or not) accepts the line and its values."""
-    from jobs.job_cli import submit_job
+    from eaglectl.jobs import submit_job
     from jobs.job_config import JobConfig
 
     params = submit_job.make_context("submit-job", shlex.split(entrypoint)[2:]).params

@@ -8,7 +8,7 @@ import yaml
 from click.testing import CliRunner
 
 from cluster.config import ConfigError, ServeConfig
-from jobs.kuberay import (RAY_VERSION, DeployConfig, JobConfig, deploy, job_entrypoint, load_serve_config,
+from deploy.kuberay import (RAY_VERSION, DeployConfig, JobConfig, deploy, job_entrypoint, load_serve_config,
                           render)
 from tests.deploy.examples import EXAMPLES, SETUPS, fresh, inputs
 
@@ -250,7 +250,7 @@ def test_job_entrypoint_quotes_paths_and_the_draft_choice_is_explicit():
 
 
 def test_bad_extra_args_are_refused_at_render_time():
-    pytest.importorskip("jobs.job_cli")
+    pytest.importorskip("eaglectl.jobs")
     job = JobConfig(input="/data/in.parquet", output="/data/out", data_volume=VOL, extra_args=["--no-such-flag"])
     with pytest.raises(ConfigError, match="would refuse"):
         job_entrypoint(_cfg({}), job)

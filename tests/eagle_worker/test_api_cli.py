@@ -8,7 +8,7 @@ from click.testing import CliRunner
 
 from eagle_worker import LLM, SamplingParams
 from eagle_worker.chat_template import GEMMA_TEMPLATE
-from jobs.cli import main
+from eaglectl.main import main
 
 
 def test_chat_without_template_is_a_clear_error(tiny_model_dir):
@@ -67,7 +67,7 @@ def test_cli_generate_unknown_model():
 
 def test_auto_draft_only_picks_heads_shipped_for_builtin_names(tiny_model_dir):
     from eagle_worker.config import EngineConfig
-    from eagle_worker.spec.config import HEADS_DIR, has_builtin_head
+    from eagle_worker.speculative.config import HEADS_DIR, has_builtin_head
 
     path = str(tiny_model_dir("llama"))            # a model folder is never its own "built-in head"
     assert not has_builtin_head(path) and EngineConfig(model=path).draft is None

@@ -120,7 +120,7 @@ def test_id_set_merges_and_dedups(monkeypatch):
 def test_job_status_of_a_local_output_folder(tmp_path):
     from click.testing import CliRunner
 
-    from jobs.job_cli import job
+    from eaglectl.jobs import job
 
     out = OutputDir(tmp_path / "o", "parquet")
     out.open(FP)

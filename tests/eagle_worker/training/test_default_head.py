@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from eagle_worker.spec.config import HEADS_DIR
+from eagle_worker.speculative.config import HEADS_DIR
 
 pytestmark = pytest.mark.slow
 
@@ -21,7 +21,7 @@ PROMPTS = ["Question: A baker makes 24 muffins and sells 3/4 of them. How many a
 @pytest.mark.skipif(not (HEAD / "config.json").exists(), reason="no shipped gemma-3-270m head")
 def test_default_head_is_lossless_and_accepts():
     from eagle_worker import LLM, SamplingParams
-    from eagle_worker.spec.config import SpecConfig
+    from eagle_worker.speculative.config import SpecConfig
 
     cfg = json.loads((HEAD / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]

@@ -8,7 +8,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from jobs.train_cli import train_head
+from eaglectl.train import train_head
 
 PROMPTS = ["The quick brown fox", "Question: what is two plus two?", "def add(a, b):", "Bonjour, comment",
            "Speculative decoding drafts", "The lazy dog", "Answer: four.", "return a + b", "Très bien, merci",
@@ -46,7 +46,7 @@ def data_file(tmp_path_factory):
 def _tau(model_dir, head_dir, prompts):
     from eagle_worker.llm import LLM
     from eagle_worker.sampling_params import SamplingParams
-    from eagle_worker.spec.config import SpecConfig
+    from eagle_worker.speculative.config import SpecConfig
 
     llm = LLM(model=str(model_dir), spec=SpecConfig(draft=str(head_dir), tree="chain", depth=4, adaptive=False))
     outs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0))
@@ -55,8 +55,8 @@ def _tau(model_dir, head_dir, prompts):
 
 def test_train_head_end_to_end_and_resume(sharp_model, data_file, tmp_path):
     from eagle_worker.llm import LLM
-    from eagle_worker.spec.head_init import new_head
-    from eagle_worker.spec.head_loader import save_draft_head
+    from eagle_worker.speculative.head_init import new_head
+    from eagle_worker.speculative.head_loader import save_draft_head
 
     model = sharp_model
     out = tmp_path / "head"
@@ -121,7 +121,7 @@ def test_train_head_eagle1_online(sharp_model, data_file, tmp_path):
     the engine speculates with, losslessly, and that learned something."""
     from eagle_worker.llm import LLM
     from eagle_worker.sampling_params import SamplingParams
-    from eagle_worker.spec.config import SpecConfig
+    from eagle_worker.speculative.config import SpecConfig
 
     out = tmp_path / "h1"
     args = ["--target", str(sharp_model), "--format", "eagle1", "--data", str(data_file), "--out", str(out),

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from eagle_worker.spec.head_loader import build_head_like_target, head_config
-from eagle_worker.spec.heads import DraftHead
+from eagle_worker.speculative.head_loader import build_head_like_target, head_config
+from eagle_worker.speculative.heads import DraftHead
 
 
 def head_raw_config(kind: str, target: nn.Module, target_hf_config, draft_vocab_size: int | None = None) -> dict:

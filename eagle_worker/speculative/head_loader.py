@@ -25,7 +25,7 @@ from torch import nn
 from eagle_worker.layers.linear import default_weight_loader
 from eagle_worker.layers.rotary import rope_config
 from eagle_worker.parallel import tp_size
-from eagle_worker.spec.heads import DraftHead, HeadConfig, build_head
+from eagle_worker.speculative.heads import DraftHead, HeadConfig, build_head
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _PACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),

@@ -1,6 +1,6 @@
 """Plain decoding worker: one target forward per step, one sampled token per finished chunk.
 
-The EAGLE worker (spec/eagle_worker.py) has the same `execute` signature and drafts and verifies
+The EAGLE worker (eagle_worker/speculative/worker.py) has the same `execute` signature and drafts and verifies
 trees instead; the engine does not know which one it drives.
 """
 from __future__ import annotations

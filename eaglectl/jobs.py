@@ -1,9 +1,9 @@
-"""`eaglectl submit-job` and `eaglectl job status|list|logs|cancel` (registered in jobs/cli.py).
+"""`eaglectl submit-job` and `eaglectl job status|list|logs|cancel` (registered in eaglectl/main.py).
 
 Without `--address` and `RAY_ADDRESS` a job runs right here on an embedded Ray; with one, it is
 submitted to that cluster through the Ray Jobs API and `job ...` follows it. Exit codes: 0 the job
 completed, 1 it failed, 2 bad input or settings (nothing generated), 130 cancelled.
-Also runnable as `python -m jobs.job_cli ...` (that is how the cluster runs the driver).
+Also runnable as `python -m eaglectl.jobs ...` (that is how the cluster runs the driver).
 """
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eagle_worker.spec.tree import TreeBatch, children_index
+from eagle_worker.speculative.tree import TreeBatch, children_index
 
 ProbsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]   # (logits rows [R, V], tree idx [R]) -> probs
 

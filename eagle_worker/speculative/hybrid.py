@@ -28,8 +28,8 @@ request's remaining time. When both draft, the budget is split by each source's 
 """
 from __future__ import annotations
 
-from eagle_worker.spec.drafter import DraftState
-from eagle_worker.spec.policy import StepMeans, bucket
+from eagle_worker.speculative.drafter import DraftState
+from eagle_worker.speculative.policy import StepMeans, bucket
 
 MODES = ("plain", "lookup", "head", "merged")     # which sources drafted a step's tree
 GAINS = ("extra", "head")       # accepted per step: the head's own nodes beside lookup; the head alone

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import torch
 
 from eagle_worker.attention import SeqAttention, attention_context, build_context
-from eagle_worker.spec.heads import DraftHead
-from eagle_worker.spec.tree import (TreeBatch, TreeShape, dynamic_tree_finish, dynamic_tree_start,
+from eagle_worker.speculative.heads import DraftHead
+from eagle_worker.speculative.tree import (TreeBatch, TreeShape, dynamic_tree_finish, dynamic_tree_start,
                                     dynamic_tree_step, static_tree_level_tokens)
 
 

@@ -1,4 +1,4 @@
-"""`eaglectl train-head`: train an EAGLE draft head for a target (registered in `jobs/cli.py`).
+"""`eaglectl train-head`: train an EAGLE draft head for a target (registered in `eaglectl/main.py`).
 
 Example (the shipped gemma-3-270m head; see eagle_worker/heads/gemma-3-270m/TRAINING.md):
     eaglectl train-head --target gemma-3-270m --format eagle3 --data data/train/gsm8k/train.jsonl:2000 \\
@@ -91,5 +91,5 @@ def train_head(target, fmt, data, out, work_dir, prompt_format, init_head, draft
     click.echo(json.dumps({k: record.get(k) for k in ("steps", "train_tokens", "metrics", "engine")}, default=str))
 
 
-if __name__ == "__main__":     # `python -m jobs.train_cli ...` until `eaglectl` registers it
+if __name__ == "__main__":     # `python -m eaglectl.train ...` until `eaglectl` registers it
     train_head()

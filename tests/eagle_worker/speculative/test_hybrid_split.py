@@ -1,8 +1,8 @@
 """The hybrid's per-request choice of sources: the mode with the most expected tokens per second."""
 from __future__ import annotations
 
-from eagle_worker.spec.drafter import DraftState
-from eagle_worker.spec.hybrid import HybridSplit, step_mode
+from eagle_worker.speculative.drafter import DraftState
+from eagle_worker.speculative.hybrid import HybridSplit, step_mode
 
 
 def _measured(**seconds: float) -> HybridSplit:

@@ -9,9 +9,9 @@ import random
 import pytest
 import torch
 
-from eagle_worker.spec import acceptance
-from eagle_worker.spec.acceptance import accept_batch, accept_greedy, accept_sampling
-from eagle_worker.spec.tree import TreeBatch
+from eagle_worker.speculative import acceptance
+from eagle_worker.speculative.acceptance import accept_batch, accept_greedy, accept_sampling
+from eagle_worker.speculative.tree import TreeBatch
 
 
 def onehot_logits(argmaxes: list[int], V: int = 8) -> torch.Tensor:

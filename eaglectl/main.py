@@ -35,7 +35,7 @@ def _fail(msg: str) -> None:
 def generate(model, prompt, max_tokens, temperature, top_p, top_k, seed, dtype, device, draft, tree, num_draft_tokens, as_json):
     """Generate a completion for one prompt."""
     from eagle_worker import LLM, SamplingParams
-    from eagle_worker.spec.config import SpecConfig
+    from eagle_worker.speculative.config import SpecConfig
 
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
@@ -63,7 +63,7 @@ def serve(config_path, host, port, address):
 
     from cluster.config import ServeConfig
     from cluster.serve_app import run_serve
-    from jobs.kuberay import load_serve_config
+    from deploy.kuberay import load_serve_config
 
     try:
         cfg = load_serve_config(config_path) if config_path else ServeConfig()
@@ -167,9 +167,9 @@ def bench_serve(url, model, concurrencies, num_prompts, max_tokens, draft, json_
 
 
 def _register() -> None:
-    from jobs.job_cli import job, submit_job
-    from jobs.kuberay import deploy
-    from jobs.train_cli import train_head
+    from eaglectl.jobs import job, submit_job
+    from deploy.kuberay import deploy
+    from eaglectl.train import train_head
 
     main.add_command(train_head)
     main.add_command(submit_job)

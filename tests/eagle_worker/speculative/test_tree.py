@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from eagle_worker.spec.tree import (
+from eagle_worker.speculative.tree import (
     MC_SIM_7B_63, TreeBatch, ancestor_mask, chain, children_index, dynamic_tree_finish, dynamic_tree_start,
     dynamic_tree_step, position_offsets, root_to_leaf_paths, static_tree, static_tree_level_tokens,
 )
@@ -216,7 +216,7 @@ def test_dynamic_tree_budget_larger_than_candidates():
 
 
 def test_topk_sorted_breaks_ties_by_token_id():
-    from eagle_worker.spec.tree import topk_sorted
+    from eagle_worker.speculative.tree import topk_sorted
     lp = torch.tensor([[-1.0, -1, 0, -2, -1, -1], [-3.0, -3, -3, -3, -3, -3]])
     vals, ids = topk_sorted(lp, 3)
     assert ids.tolist() == [[2, 0, 1], [0, 1, 2]]

@@ -23,16 +23,16 @@ from eagle_worker.model_runner import ForwardItem, ModelRunner
 from eagle_worker.sampler import argmax_suffices, sample, target_probs
 from eagle_worker.scheduler import ScheduledSeq
 from eagle_worker.sequence import Sequence
-from eagle_worker.spec.acceptance import accept_greedy, accept_sampling
-from eagle_worker.spec.config import SpecConfig
-from eagle_worker.spec.drafter import Drafter, DraftSeq, DraftState
-from eagle_worker.spec.head_loader import load_draft_head
-from eagle_worker.spec.heads import DraftHead
-from eagle_worker.spec.hybrid import MODES, HybridSplit, step_mode
-from eagle_worker.spec.lookup import NgramIndex, merge_branches, prune_to_best
-from eagle_worker.spec.policy import SpecPolicy
-from eagle_worker.spec.tree import MC_SIM_7B_63, ancestor_mask, chain, static_tree
-from eagle_worker.worker import forward_item
+from eagle_worker.speculative.acceptance import accept_greedy, accept_sampling
+from eagle_worker.speculative.config import SpecConfig
+from eagle_worker.speculative.drafter import Drafter, DraftSeq, DraftState
+from eagle_worker.speculative.head_loader import load_draft_head
+from eagle_worker.speculative.heads import DraftHead
+from eagle_worker.speculative.hybrid import MODES, HybridSplit, step_mode
+from eagle_worker.speculative.lookup import NgramIndex, merge_branches, prune_to_best
+from eagle_worker.speculative.policy import SpecPolicy
+from eagle_worker.speculative.tree import MC_SIM_7B_63, ancestor_mask, chain, static_tree
+from eagle_worker.decode_worker import forward_item
 
 
 class EagleWorker:

@@ -435,7 +435,7 @@ def job_entrypoint(cfg: DeployConfig, job: JobConfig) -> str:
     argv += ["--max-num-seqs", str(s.limits.max_num_seqs), "--replicas", str(job.replicas),
              "--tp-size", str(_job_tp(cfg, job)), *job.extra_args, "--address", "http://127.0.0.1:8265", "--wait"]
     try:
-        from jobs.job_cli import submit_job
+        from eaglectl.jobs import submit_job
     except ImportError:  # not installed: the tests parse the committed entrypoints with the real CLI
         return shlex.join(argv)
     try:

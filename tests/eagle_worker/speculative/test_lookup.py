@@ -8,13 +8,13 @@ import functools
 import torch
 
 from eagle_worker import LLM, SamplingParams
-from eagle_worker.spec import acceptance
-from eagle_worker.spec.config import SpecConfig
-from eagle_worker.spec.head_init import new_head
-from eagle_worker.spec.head_loader import save_draft_head
-from eagle_worker.spec.hybrid import MODES, HybridSplit
-from eagle_worker.spec.lookup import NgramIndex, merge_branches, prune_to_best
-from tests.eagle_worker.spec.test_eagle_engine import _chi2_pvalue, _joint_counts
+from eagle_worker.speculative import acceptance
+from eagle_worker.speculative.config import SpecConfig
+from eagle_worker.speculative.head_init import new_head
+from eagle_worker.speculative.head_loader import save_draft_head
+from eagle_worker.speculative.hybrid import MODES, HybridSplit
+from eagle_worker.speculative.lookup import NgramIndex, merge_branches, prune_to_best
+from tests.eagle_worker.speculative.test_eagle_engine import _chi2_pvalue, _joint_counts
 
 
 def test_index_is_incremental_and_matches_longest_suffix_first():

@@ -13,11 +13,11 @@ import torch
 
 from eagle_worker import LLM, SamplingParams
 from eagle_worker.engine import LLMEngine
-from eagle_worker.spec import acceptance
-from eagle_worker.spec.config import SpecConfig
-from eagle_worker.spec.head_init import new_head
-from eagle_worker.spec.head_loader import save_draft_head
-from eagle_worker.spec.policy import SpecPolicy
+from eagle_worker.speculative import acceptance
+from eagle_worker.speculative.config import SpecConfig
+from eagle_worker.speculative.head_init import new_head
+from eagle_worker.speculative.head_loader import save_draft_head
+from eagle_worker.speculative.policy import SpecPolicy
 
 PROMPTS = ["The quick brown fox", "Question: what is two plus two?\nAnswer:", "def add(a, b):\n", "x",
            "Speculative decoding drafts tokens and verifies them in one pass.", "Bonjour"]
