@@ -298,7 +298,7 @@ def engine_config(config: ServeConfig) -> Any:
         if spec["draft"] is None and not spec.get("lookup"):
             logger.warning("speculation settings ignored: model %s has no draft head", config.model)
             return ec
-        spec_cls = getattr(mod, "SpecConfig", None) or importlib.import_module(f"{config.engine}.spec.config").SpecConfig
+        spec_cls = mod.SpecConfig
         ec.spec = spec_cls(**spec)
     return ec
 

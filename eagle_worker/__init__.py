@@ -10,6 +10,7 @@ _EXPORTS = {
     "LLMEngine": "eagle_worker.engine",
     "EngineConfig": "eagle_worker.config",
     "SamplingParams": "eagle_worker.sampling_params",
+    "SpecConfig": "eagle_worker.speculative.config",
     "RequestOutput": "eagle_worker.outputs",
     "run_tp_worker": "eagle_worker.tp_worker",
 }

@@ -171,7 +171,7 @@ def builtin_head_error(engine_module: str, model: str, draft: str = "default") -
         # built-in heads belong to built-in model names (the engine's resolver would join the path)
         return f"model {model!r} is a path; built-in draft heads exist only for built-in model names"
     try:
-        spec_config = importlib.import_module(f"{engine_module}.spec.config")
+        spec_config = importlib.import_module(f"{engine_module}.speculative.config")
         spec_config.resolve_draft(draft, model)
     except ImportError:
         return f"the engine `{engine_module}` has no speculative decoding"
