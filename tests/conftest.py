@@ -113,3 +113,38 @@ def copying_target(tmp_path_factory):
     head_dir = tmp_path_factory.mktemp("copying-head")
     save_draft_head(head, head_dir)
     return target, head_dir
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    """The built-in default model (gemma-3-270m) materialised into the cache: slow (see below)."""
+    import time
+
+    from eagle_worker import default_models
+
+    t0 = time.perf_counter()
+    path = default_models.materialize("gemma-3-270m")
+    print(f"\nmaterialize('gemma-3-270m') took {time.perf_counter() - t0:.1f}s -> {path}")
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Test tiers. `python -m pytest` runs everything (CI); `python -m pytest -m "not slow"` is the fast
+# tier for development (unit tests and tiny random models, a few minutes on 2 cores).
+# `slow` = loads the real default model (gemma-3-270m), starts Ray (a local `ray.init`, a
+# multi-node `ray start` cluster, Serve apps) or runs the CLI/jobs/servers in subprocesses.
+# Tests that use one of the fixtures below are marked slow here, in one place; tests that start
+# such things themselves carry `pytestmark = pytest.mark.slow` (whole module) or `@pytest.mark.slow`.
+# ---------------------------------------------------------------------------------------------
+
+SLOW_FIXTURES = frozenset({
+    "ray_cluster",        # tests/cluster/conftest.py: a local Ray + Serve (also behind `serve_port`, `deploy`)
+    "local_ray",          # tests/jobs/conftest.py: an embedded Ray for in-process jobs
+    "default_model_dir",  # tests/eagle_worker/test_default_model.py: the materialised gemma-3-270m
+})
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)

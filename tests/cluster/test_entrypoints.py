@@ -16,6 +16,7 @@ from cluster.config import ServeConfig
 from tests.cluster.conftest import FAKE, REPO, _free_port, wait_for
 
 
+@pytest.mark.slow  # a Ray cluster and a Serve app in a subprocess
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
 def test_run_serve_blocking_until_interrupted(tmp_path, stop):
     """SIGINT (Ctrl-C) and SIGTERM (what Kubernetes sends) stop the server cleanly, even in a process

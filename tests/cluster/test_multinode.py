@@ -24,6 +24,8 @@ import requests
 from cluster.config import ServeConfig
 from tests.ray_cluster import LocalCluster, free_ports
 
+pytestmark = pytest.mark.slow  # a real two-node Ray cluster
+
 MODEL = "tiny-gemma"
 N_REQUESTS, CONCURRENCY, MAX_TOKENS = 120, 4, 64  # the load (~15 s) outlasts the kill driver's start (~3 s)
 KILL_AFTER = 10          # completed requests before the kill: both replicas are warm and busy by then

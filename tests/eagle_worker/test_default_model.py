@@ -55,11 +55,8 @@ def test_incomplete_folder_is_not_complete(tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="session")
-def model_dir() -> Path:
-    t0 = time.perf_counter()
-    path = default_models.materialize(NAME)
-    print(f"\nmaterialize({NAME!r}) took {time.perf_counter() - t0:.1f}s -> {path}")
-    return path
+def model_dir(default_model_dir) -> Path:
+    return default_model_dir  # tests/conftest.py; using it marks a test slow
 
 
 @pytest.fixture(scope="session")
@@ -99,7 +96,6 @@ def gguf_model(gguf_file, gguf_reader):
     return m.eval()
 
 
-@pytest.mark.slow
 def test_folder_layout_and_config(model_dir):
     from transformers import AutoConfig, GenerationConfig
 
@@ -134,7 +130,6 @@ def test_folder_layout_and_config(model_dir):
     assert len(keys) == 236  # lm_head is tied to the embedding, not stored
 
 
-@pytest.mark.slow
 def test_tokenizer_round_trip(model_dir, tokenizer):
     assert tokenizer.bos_token_id == 2 and tokenizer.eos_token_id == 1 and tokenizer.pad_token_id == 0
     assert len(tokenizer) == 262144
@@ -155,7 +150,6 @@ def test_tokenizer_round_trip(model_dir, tokenizer):
     assert not (model_dir / "chat_template.jinja").exists()
 
 
-@pytest.mark.slow
 def test_norm_weights_are_gguf_minus_one(model_dir, gguf_reader):
     """llama.cpp stores Gemma RMSNorm weights as w+1; the folder must hold w."""
     import numpy as np
@@ -178,7 +172,6 @@ def test_norm_weights_are_gguf_minus_one(model_dir, gguf_reader):
     assert len(raw) == 1 + 18 * 6
 
 
-@pytest.mark.slow
 def test_logits_match_gguf_loaded_directly(tokenizer, hf_model, gguf_model):
     enc = tokenizer(["The capital of France is", "Speculative decoding 🤖 verifies draft tokens"],
                     return_tensors="pt", padding=True)
@@ -202,7 +195,6 @@ def _greedy(tokenizer, model, prompt: str, n: int) -> str:
     return tokenizer.decode(out[0, enc.input_ids.shape[1]:], skip_special_tokens=True)
 
 
-@pytest.mark.slow
 def test_greedy_generation_is_sensible_and_deterministic(tokenizer, hf_model):
     # a 270M base model quantized to 4 bits: "The capital of France is" -> " the capital of the
     # country of France. It is the largest city in France ..." (no "Paris"); easier prompts:
@@ -215,7 +207,6 @@ def test_greedy_generation_is_sensible_and_deterministic(tokenizer, hf_model):
     assert _greedy(tokenizer, hf_model, "Monday, Tuesday, Wednesday,", 6).startswith(" Thursday, Friday")
 
 
-@pytest.mark.slow
 def test_second_call_is_fast_and_same(model_dir):
     t0 = time.perf_counter()
     again = default_models.materialize(NAME)
@@ -242,7 +233,6 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-@pytest.mark.slow
 def test_concurrent_materialize_into_empty_cache(tmp_path, model_dir):
     cache = tmp_path / "cache"
     cache.mkdir()

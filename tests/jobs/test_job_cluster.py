@@ -28,6 +28,7 @@ def test_jobs_address_mapping():
     assert jobs_address("head:9999") == "http://head:9999"
 
 
+@pytest.mark.slow  # a two-node `ray start` cluster and CLI subprocesses
 def test_job_on_a_two_node_cluster_followed_to_completion(tmp_path, tiny_model, two_node_cluster):
     address, env = two_node_cluster["address"], two_node_cluster["env"]
     n = 300

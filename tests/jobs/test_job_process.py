@@ -6,8 +6,11 @@ import signal
 import time
 
 import pyarrow.parquet as pq
+import pytest
 
 from .conftest import cli, cli_popen, read_manifest, write_parquet
+
+pytestmark = pytest.mark.slow  # the CLI in subprocesses, each with its own embedded Ray
 
 
 def _committed(out):
