@@ -71,23 +71,57 @@ def test_seed_gives_same_sample_alone_and_in_batch(tiny_model_dir):
     assert different[0].token_ids != alone
 
 
-def test_stop_token_ids_stop_strings_eos_and_logprobs(tiny_model_dir):
+def test_stop_token_ids_stop_strings_and_logprobs(tiny_model_dir):
     llm = LLM(model=str(tiny_model_dir("llama")), block_size=4, num_kv_blocks=256)
     base = llm.generate(PROMPTS[1], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0]
     stop_id = base.token_ids[5]
     first = base.token_ids.index(stop_id)
     out = llm.generate(PROMPTS[1], SamplingParams(max_tokens=16, temperature=0.0, stop_token_ids=[stop_id], ignore_eos=True))[0]
     assert out.finish_reason == "stop" and out.token_ids == base.token_ids[: first + 1]
-    stop_str = base.text[len(base.text) // 2: len(base.text) // 2 + 2]
-    if stop_str.strip():
-        out = llm.generate(PROMPTS[1], SamplingParams(max_tokens=16, temperature=0.0, stop=[stop_str], ignore_eos=True))[0]
-        assert out.finish_reason == "stop" and stop_str not in out.text and base.text.startswith(out.text)
-    # EOS: make EOS the model's argmax by prompting with token ids and checking the rule on a sampled EOS
-    eos = llm.tokenizer.eos_token_id
-    out = llm.generate(PROMPTS[1], SamplingParams(max_tokens=16, temperature=0.0, stop_token_ids=[], ignore_eos=False))[0]
-    assert (eos in out.token_ids) == (out.finish_reason == "stop")
+    # stop string: the first two characters from the middle on that are not all whitespace
+    mid = len(base.text) // 2
+    stop_str = next(base.text[i: i + 2] for i in range(mid, len(base.text) - 1) if base.text[i: i + 2].strip())
+    out = llm.generate(PROMPTS[1], SamplingParams(max_tokens=16, temperature=0.0, stop=[stop_str], ignore_eos=True))[0]
+    assert out.finish_reason == "stop" and stop_str not in out.text and base.text.startswith(out.text)
+    assert out.text == base.text[: base.text.index(stop_str)]
     lp = llm.generate(PROMPTS[1], SamplingParams(max_tokens=4, temperature=0.0, logprobs=True, ignore_eos=True))[0]
     assert len(lp.logprobs) == 4 and all(x <= 0 for x in lp.logprobs)
+
+
+def eos_forcing_model(path, tmp_path, token: int):
+    """A copy of the tiny model whose EOS row of the LM head is 1.5x the row of `token`: wherever
+    `token` is the greedy choice with a positive logit, EOS now is (its logit is 1.5x that)."""
+    from transformers import AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    eos = model.config.eos_token_id
+    assert not model.config.tie_word_embeddings
+    with torch.no_grad():
+        w = model.get_output_embeddings().weight
+        w[eos] = 1.5 * w[token]
+    out = tmp_path / "eos-forcing"
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(path).save_pretrained(out)
+    return out
+
+
+def test_eos_stops_generation_and_is_the_last_token(tiny_model_dir, tmp_path):
+    path = tiny_model_dir("llama")
+    base = LLM(model=str(path), block_size=4, num_kv_blocks=256).generate(
+        PROMPTS[1], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0]
+    llm = LLM(model=str(eos_forcing_model(path, tmp_path, base.token_ids[4])), block_size=4, num_kv_blocks=256)
+    eos = llm.tokenizer.eos_token_id
+    forced = llm.generate(PROMPTS[1], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0]
+    assert eos in forced.token_ids[:5], forced.token_ids  # the construction works: greedy does pick EOS
+    cut = forced.token_ids.index(eos) + 1
+    out = llm.generate(PROMPTS[1], SamplingParams(max_tokens=16, temperature=0.0))[0]
+    assert out.finish_reason == "stop" and out.token_ids == forced.token_ids[:cut] and out.token_ids[-1] == eos
+    # EOS in the stop rule means the model's EOS, not `stop_token_ids`: an empty list still stops
+    out = llm.generate(PROMPTS[1], SamplingParams(max_tokens=16, temperature=0.0, stop_token_ids=[]))[0]
+    assert out.finish_reason == "stop" and out.token_ids == forced.token_ids[:cut]
+    # ignore_eos: EOS is generated like any token and the request runs to max_tokens
+    assert forced.finish_reason == "length" and len(forced.token_ids) == 16
+    assert_no_leaks(llm.engine)
 
 
 def test_incremental_outputs_and_abort(tiny_model_dir):
