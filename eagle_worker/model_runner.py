@@ -111,11 +111,12 @@ class ModelRunner:
         """`argmax_only`: every logit row is consumed greedily (no logprobs), so return the argmax
         and skip full-vocabulary logits where the LM head can (see layers/argmax_screen.py)."""
         self._drive("forward", items, aux_layers, argmax_only)
-        return self._forward(items, aux_layers, argmax_only)
+        return self.forward_local(items, aux_layers, argmax_only)
 
     @torch.inference_mode()
-    def _forward(self, items: list[ForwardItem], aux_layers: tuple[int, ...] = (),
-                 argmax_only: bool = False) -> ForwardResult:
+    def forward_local(self, items: list[ForwardItem], aux_layers: tuple[int, ...] = (),
+                      argmax_only: bool = False) -> ForwardResult:
+        """This rank's share of `forward`, without telling the other ranks (tp_worker.py calls it)."""
         seqs, slot_mapping, token_ids, positions, logit_index, offsets = [], [], [], [], [], []
         start = 0
         for it in items:
@@ -149,9 +150,10 @@ class ModelRunner:
         """Move K/V of kept draft tokens into place, in every layer at once (on every rank)."""
         if len(src):
             self._drive("copy_kv", src, dst)
-            self._copy_kv(src, dst)
+            self.copy_kv_local(src, dst)
 
-    def _copy_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+    def copy_kv_local(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """This rank's share of `copy_kv`, without telling the other ranks (tp_worker.py calls it)."""
         if len(src):
             src, dst = src.to(self.device), dst.to(self.device)
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]

@@ -1,9 +1,11 @@
 """The loop ranks 1..n-1 of a tensor-parallel replica run.
 
 Rank 0 owns the scheduler, the sampler and the draft head; for each target forward (and each KV
-compaction after speculative acceptance) it broadcasts the command, and every rank runs the same
-sharded computation, meeting in the layers' all-reduce / all-gather. The cluster package starts
-this loop on each non-zero rank after the process group exists (cluster/tp_group.py).
+compaction after speculative acceptance) its `ModelRunner` broadcasts the command, and every rank
+runs the same sharded computation (`forward_local` / `copy_kv_local`), meeting in the layers'
+all-reduce / all-gather. The cluster package starts this loop on each non-zero rank after the
+process group exists and `init_tensor_parallel` ran (the engine contract, eagle_worker/engine_api.py;
+cluster/tp_group.py).
 """
 from __future__ import annotations
 
@@ -16,13 +18,11 @@ def run_tp_worker(config: EngineConfig) -> None:
     if tp_rank() == 0:
         raise RuntimeError("run_tp_worker runs on ranks 1..n-1; rank 0 runs the LLMEngine")
     runner = ModelRunner(config)
+    local = {"forward": runner.forward_local, "copy_kv": runner.copy_kv_local}
     while True:
         command = broadcast_from_rank0()
         if command[0] == "stop":
             return
-        if command[0] == "forward":
-            runner._forward(*command[1:])
-        elif command[0] == "copy_kv":
-            runner._copy_kv(*command[1:])
-        else:
+        if command[0] not in local:
             raise RuntimeError(f"unknown tensor-parallel command {command[0]!r}")
+        local[command[0]](*command[1:])
