@@ -1,7 +1,8 @@
 """EAGLE speculative-decoding serving engine: what one replica runs.
 
 Names are imported lazily so that light modules (sampling params, block manager) load without
-pulling in transformers and the model code.
+pulling in transformers and the model code. The names below are what the fleet needs of an engine
+module (eagle_worker/engine_api.py: `EngineModule`), plus `LLM` and `RequestOutput`.
 """
 import importlib
 
@@ -13,6 +14,7 @@ _EXPORTS = {
     "SpecConfig": "eagle_worker.speculative.config",
     "RequestOutput": "eagle_worker.outputs",
     "run_tp_worker": "eagle_worker.tp_worker",
+    "init_tensor_parallel": "eagle_worker.parallel",
 }
 __all__ = list(_EXPORTS)
 

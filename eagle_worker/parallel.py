@@ -1,7 +1,8 @@
 """Tensor-parallel state of this process: rank, world size and the collectives layers need.
 
 A replica with `tp_size=1` never touches `torch.distributed`; the cluster package calls
-`init_tensor_parallel` on every rank of a TP group before building the model.
+`init_tensor_parallel` (exported as part of the engine contract, eagle_worker/engine_api.py) on
+every rank of a TP group before building the model.
 """
 from __future__ import annotations
 

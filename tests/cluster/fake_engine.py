@@ -1,4 +1,4 @@
-"""A tiny stand-in engine honouring the `eagle_worker` engine contract.
+"""A tiny stand-in engine honouring the engine contract (eagle_worker/engine_api.py).
 
 Used with `ServeConfig(engine="tests.cluster.fake_engine")` to test what the real engine cannot be
 made to do on cue. Byte-level "tokenizer"; tokens are a hash of the context so greedy output is
@@ -15,6 +15,7 @@ import random
 import re
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 ALPHABET = b"abcdefghij klmnopqrstuvwxyz"
 EOS = 0
@@ -46,6 +47,21 @@ class EngineConfig:
     max_model_len: int = 512
     kv_cache_gb: float = 1.0
     chat_template: str | None = None
+    spec: Any = None
+
+
+class SpecConfig:
+    """Accepts any speculation settings; the fake engine never speculates."""
+
+    def __init__(self, draft: str | None = None, **settings):
+        self.draft, self.settings = draft, settings
+
+
+def init_tensor_parallel(rank: int, world_size: int) -> None:
+    """Nothing to shard; the TP group's own collectives are tested with this engine."""
+
+
+run_tp_worker = None  # no tensor-parallel worker loop: a tp_size > 1 replica is refused
 
 
 @dataclass
@@ -190,6 +206,9 @@ class LLMEngine:
                  "mean_accepted_tokens": 1.0, "ttft_s": s.first_token_t - s.arrival},
             ))
         return outs
+
+    def shutdown(self) -> None:
+        pass
 
     def stats(self) -> dict:
         total = 1024

@@ -1,0 +1,116 @@
+"""The engine contract: what the serving fleet (cluster/, jobs/) calls on an engine, written once.
+
+`ServeConfig.engine` names an *engine module* (default `eagle_worker`; the cluster tests use
+`tests.cluster.fake_engine`). The module provides the names of `EngineModule`, and its
+`LLMEngine(config)` objects are `Engine`s. The fleet reaches an engine only through
+`load_engine_module(path)`, which imports the module and checks it against these protocols, so a
+module that drifts from the contract fails at load time with a message naming what is wrong (and
+tests/eagle_worker/test_engine_api.py checks both engines in this repository).
+
+Light on purpose: no torch at module level, so the cluster side can import it anywhere.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
+
+# Keys of `Engine.stats()` the fleet reads (routing, metrics); an engine may report more.
+STATS_KEYS = ("num_running", "num_waiting", "num_free_blocks", "kv_usage")
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """One engine instance. Not thread-safe: one thread owns it (cluster/replica.py's engine loop)."""
+
+    max_model_len: int  # prompt + output tokens one request may use
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: Any, priority: int = 0) -> None:
+        """Queue a request (`params`: the module's SamplingParams); ValueError when it is refused."""
+
+    def abort(self, request_id: str) -> Any:
+        """Drop a request; its final output (finish_reason "abort") comes from the next `step`."""
+
+    def step(self) -> list[Any]:
+        """Run one scheduling step; the RequestOutputs (deltas and finals) it produced."""
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether `step` has anything to do."""
+
+    def stats(self) -> dict[str, Any]:
+        """Load figures, at least `STATS_KEYS`."""
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        """Chat messages -> prompt text; raises when there is no template or the messages are bad."""
+
+    def shutdown(self) -> None:
+        """Release what the engine holds (with tp_size > 1: tell ranks 1..n-1 to stop)."""
+
+
+class EngineModule(Protocol):
+    """The names an engine module provides (checked by `load_engine_module`)."""
+
+    LLMEngine: Callable[[Any], Engine]
+    """`LLMEngine(EngineConfig)` -> an `Engine`."""
+
+    EngineConfig: Callable[..., Any]
+    """Takes the keywords of `ServeConfig.engine_kwargs()`; exposes `draft` (as resolved) and `spec`."""
+
+    SamplingParams: Callable[..., Any]
+    """Takes a request's sampling fields as keywords; ValueError / TypeError on bad values."""
+
+    SpecConfig: Callable[..., Any]
+    """Speculation settings: `draft` plus the fields of the config's `speculation` section."""
+
+    init_tensor_parallel: Callable[[int, int], None]
+    """`(rank, world_size)`: every rank of a TP group calls it once torch.distributed is up."""
+
+    run_tp_worker: Callable[[Any], None] | None
+    """`(EngineConfig)`: the loop of ranks 1..n-1 (returns when rank 0's engine shuts down);
+    None when the engine has no tensor parallelism, so tp_size > 1 is refused."""
+
+
+ENGINE_METHODS = tuple(n for n, v in vars(Engine).items() if callable(v) and not n.startswith("_"))
+ENGINE_ATTRS = tuple(Engine.__annotations__)
+MODULE_NAMES = tuple(EngineModule.__annotations__)
+
+
+def signature_mismatches(impl: Any, proto: type) -> list[str]:
+    """How `impl` (a class or object) differs from the methods of `proto`: a missing method, or a
+    parameter of the protocol's method it lacks (by name and order) or must be passed that the
+    protocol does not pass."""
+    problems = []
+    for name, want_fn in vars(proto).items():
+        if name.startswith("_") or not callable(want_fn):
+            continue
+        have_fn = getattr(impl, name, None)
+        if not callable(have_fn):
+            problems.append(f"{name}: missing")
+            continue
+        want = list(inspect.signature(want_fn).parameters.values())[1:]  # without self
+        have = list(inspect.signature(have_fn).parameters.values())
+        if have and have[0].name == "self":  # looked up on the class
+            have = have[1:]
+        for i, p in enumerate(want):
+            q = have[i] if i < len(have) else None
+            if q is None or q.name != p.name or q.kind != p.kind:
+                problems.append(f"{name}: parameter {i + 1} should be {p}, got {q}")
+            elif p.default is not inspect.Parameter.empty and q.default is inspect.Parameter.empty:
+                problems.append(f"{name}: parameter {p.name!r} needs a default")
+        problems += [f"{name}: extra parameter {q} needs a default" for q in have[len(want):]
+                     if q.default is inspect.Parameter.empty and q.kind not in (q.VAR_POSITIONAL, q.VAR_KEYWORD)]
+    return problems
+
+
+def load_engine_module(path: str) -> EngineModule:
+    """Import the engine module `path` and check it provides `EngineModule`; TypeError if not."""
+    module = importlib.import_module(path)
+    missing = [n for n in MODULE_NAMES if not hasattr(module, n)]  # hasattr: lazy module __getattr__ counts
+    if missing:
+        raise TypeError(f"engine module {path!r} lacks {', '.join(missing)} (see eagle_worker/engine_api.py)")
+    problems = signature_mismatches(module.LLMEngine, Engine)
+    if problems:
+        raise TypeError(f"{path}.LLMEngine does not match the engine contract (eagle_worker/engine_api.py): "
+                        + "; ".join(problems))
+    return module
