@@ -14,14 +14,14 @@ instead of raising, so the caller gets the engine's message without a Ray traceb
 If the engine loop crashes, in-flight requests fail with EngineDiedError and the process exits
 shortly after, so Serve replaces the replica at once. The final output of a request carries
 `metrics["replica_id"]` and `metrics["replica_stats"]`, which the HTTP layer turns into per-replica
-gauges.
+gauges. The engine is reached only through the engine contract (eagle_worker/engine_api.py), from
+the module `ServeConfig.engine` names.
 """
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
 import dataclasses
-import importlib
 import logging
 import os
 import queue
@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from cluster.config import ServeConfig
+from eagle_worker.engine_api import Engine, EngineModule, load_engine_module
 
 logger = logging.getLogger(__name__)
 EXIT_GRACE_S = 1.0  # after an engine crash: time to send the errors out before the process exits
@@ -92,18 +93,17 @@ class EngineReplica:
             import torch
 
             torch.set_num_threads(max(1, int(self.config.resources_per_rank.cpu)))
-        mod = importlib.import_module(self.config.engine)
-        self._sampling_params_cls = mod.SamplingParams
+        backend: EngineModule = load_engine_module(self.config.engine)
+        self._sampling_params_cls = backend.SamplingParams
         self.tp = None
         if self.config.tp_size > 1:
             from cluster.tp_group import TPGroup
 
             self.tp = TPGroup.create(self.config)  # rank 0 joins the process group here
-        self.engine = mod.LLMEngine(engine_config(self.config))
+        self.engine: Engine = backend.LLMEngine(engine_config(self.config))
         if self.tp is not None:
             self.tp.start_workers()
-        self.max_model_len = getattr(self.engine, "max_model_len", None) or getattr(
-            getattr(self.engine, "config", None), "max_model_len", None)
+        self.max_model_len = self.engine.max_model_len
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._stats: dict[str, Any] = self._snapshot_stats(step_s=0.0)
@@ -234,8 +234,7 @@ class EngineReplica:
                 self._stats = self._snapshot_stats(time.perf_counter() - t0)
                 for out in outs:
                     self._deliver(out.request_id, out)
-            if hasattr(self.engine, "shutdown"):
-                self.engine.shutdown()  # e.g. tells the other TP ranks to stop
+            self.engine.shutdown()  # e.g. tells the other TP ranks to stop
         except BaseException as e:  # the engine is unusable: fail everyone, let Serve replace us
             logger.exception("replica %s: engine loop crashed", self.replica_id)
             self._dead = e
@@ -281,25 +280,24 @@ class EngineReplica:
 
     def _snapshot_stats(self, step_s: float) -> dict[str, Any]:
         st = dict(self.engine.stats())
-        st.update(replica_id=self.replica_id, engine_alive=True, max_model_len=getattr(self, "max_model_len", None),
-                  num_streams=len(getattr(self, "_streams", ())), step_s=step_s, updated_at=time.time())
+        st.update(replica_id=self.replica_id, engine_alive=True, max_model_len=self.max_model_len,
+                  num_streams=len(self._streams), step_s=step_s, updated_at=time.time())
         return st
 
 
 def engine_config(config: ServeConfig) -> Any:
     """The engine's EngineConfig for `config`; `speculation` becomes its SpecConfig, with the draft
     the engine resolved (`auto` -> the model's built-in head, or none)."""
-    mod = importlib.import_module(config.engine)
+    backend = load_engine_module(config.engine)
     kw = config.engine_kwargs()
     spec = kw.pop("spec", None)
-    ec = mod.EngineConfig(**kw)
+    ec = backend.EngineConfig(**kw)
     if isinstance(spec, dict):
-        spec["draft"] = getattr(ec, "draft", spec["draft"])
+        spec["draft"] = ec.draft
         if spec["draft"] is None and not spec.get("lookup"):
             logger.warning("speculation settings ignored: model %s has no draft head", config.model)
             return ec
-        spec_cls = mod.SpecConfig
-        ec.spec = spec_cls(**spec)
+        ec.spec = backend.SpecConfig(**spec)
     return ec
 
 

@@ -4,34 +4,36 @@ Rank 0 is the replica itself (cluster/replica.py, bundle 0 of the placement grou
 for it via `placement_group_bundles`); ranks 1..n-1 are `TPRankWorker` actors pinned to bundles
 1..n-1, so PACK / STRICT_PACK decide whether a replica may span nodes. All ranks join one
 torch.distributed group (gloo on CPU, NCCL on CUDA) whose TCP rendezvous is hosted by rank 0, then
-call `eagle_worker.parallel.init_tensor_parallel(rank, world)` so the sharded layers know their
-slice.
+call the engine module's `init_tensor_parallel(rank, world)` so the sharded layers know their slice.
 
-Engine-side contract (eagle_worker.tp_worker provides it):
+Engine side: the engine contract (eagle_worker/engine_api.py, `EngineModule`); eagle_worker's
+tp_worker.py and parallel.py implement it:
+  * every rank calls `<engine module>.init_tensor_parallel(rank, world)` once the group exists;
   * ranks 1..n-1 call `<engine module>.run_tp_worker(config: EngineConfig) -> None`: build the
     model shard, then loop on the commands rank 0 broadcasts (forward, KV copy) and run the same
     sharded computation, meeting in the layers' all-reduce / all-gather; return on "stop".
   * rank 0's `LLMEngine` broadcasts each command before running it itself, and "stop" from
     `engine.shutdown()`, which the replica's engine thread calls when the replica stops (so every
     collective of rank 0 stays on that one thread). Sampling and drafting happen on rank 0 only.
-An engine without `run_tp_worker` makes a tp_size > 1 replica refuse to start with a message that
-says so; the group itself (placement, rendezvous, collectives) is also tested by `selftest`.
+An engine module whose `run_tp_worker` is None makes a tp_size > 1 replica refuse to start with a
+message that says so; the group itself (placement, rendezvous, collectives) is also tested by
+`selftest`.
 """
 from __future__ import annotations
 
 import datetime
-import importlib
 import logging
 import socket
+from collections.abc import Callable
 from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.config import ServeConfig
+from eagle_worker.engine_api import load_engine_module
 
 logger = logging.getLogger(__name__)
-HOOK = "run_tp_worker"
 RENDEZVOUS_TIMEOUT_S = 300
 
 
@@ -41,10 +43,10 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def _init_process_group(backend: str, init_method: str, rank: int, world: int) -> None:
+def _init_process_group(backend: str, init_method: str, rank: int, world: int,
+                        init_tensor_parallel: Callable[[int, int], None]) -> None:
+    """Join the group, then tell the engine (its `init_tensor_parallel`) which slice is ours."""
     import torch.distributed as dist
-
-    from eagle_worker.parallel import init_tensor_parallel
 
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
@@ -70,6 +72,7 @@ class TPRankWorker:
     def __init__(self, rank: int, world: int, config: dict[str, Any]):
         self.rank, self.world = rank, world
         self.config = ServeConfig.from_dict(config)
+        self.engine_module = load_engine_module(self.config.engine)
         if self.config.device == "cpu":  # the cores this rank reserved, no more
             import torch
 
@@ -79,7 +82,7 @@ class TPRankWorker:
         return ray.util.get_node_ip_address()
 
     def init_distributed(self, backend: str, init_method: str) -> int:
-        _init_process_group(backend, init_method, self.rank, self.world)
+        _init_process_group(backend, init_method, self.rank, self.world, self.engine_module.init_tensor_parallel)
         return self.rank
 
     def all_reduce_rank(self) -> float:
@@ -88,7 +91,7 @@ class TPRankWorker:
     def run(self) -> None:
         from cluster.replica import engine_config
 
-        getattr(importlib.import_module(self.config.engine), HOOK)(engine_config(self.config))
+        self.engine_module.run_tp_worker(engine_config(self.config))
 
     def ping(self) -> int:
         return self.rank
@@ -103,18 +106,20 @@ class TPRankWorker:
 class TPGroup:
     """Created by rank 0 (inside its actor); owns the worker actors of ranks 1..n-1."""
 
-    def __init__(self, workers: list, backend: str):
+    def __init__(self, workers: list, backend: str, init_tensor_parallel: Callable[[int, int], None]):
         self.workers = workers
         self.backend = backend
+        self._init_tensor_parallel = init_tensor_parallel
         self._loops: list = []
 
     @classmethod
     def create(cls, config: ServeConfig, require_engine_hook: bool = True) -> "TPGroup":
         """Place ranks 1..n-1, form the process group with this process as rank 0, and return."""
-        if require_engine_hook and not hasattr(importlib.import_module(config.engine), HOOK):
+        engine_module = load_engine_module(config.engine)
+        if require_engine_hook and engine_module.run_tp_worker is None:
             raise NotImplementedError(
                 f"tp_size={config.tp_size} needs the engine's tensor-parallel worker loop "
-                f"`{config.engine}.{HOOK}(config)` on the non-zero ranks, which this engine does not provide yet"
+                f"`{config.engine}.run_tp_worker(config)` on the non-zero ranks, which this engine does not provide yet"
             )
         world = config.tp_size
         pg = ray.util.get_current_placement_group()
@@ -127,7 +132,7 @@ class TPGroup:
                     placement_group=pg, placement_group_bundle_index=rank,
                     placement_group_capture_child_tasks=True)
             workers.append(TPRankWorker.options(**opts).remote(rank, world, config.model_dump(mode="json")))
-        group = cls(workers, "nccl" if config.device == "cuda" else "gloo")
+        group = cls(workers, "nccl" if config.device == "cuda" else "gloo", engine_module.init_tensor_parallel)
         group._rendezvous(world)
         return group
 
@@ -136,7 +141,7 @@ class TPGroup:
         init_method = f"tcp://{host}:{_free_port(host)}"
         refs = [w.init_distributed.remote(self.backend, init_method) for w in self.workers]
         logger.info("TP rendezvous at %s (world=%d, backend=%s)", init_method, world, self.backend)
-        _init_process_group(self.backend, init_method, 0, world)
+        _init_process_group(self.backend, init_method, 0, world, self._init_tensor_parallel)
         ray.get(refs, timeout=RENDEZVOUS_TIMEOUT_S)
 
     def selftest(self) -> list[float]:
