@@ -84,7 +84,7 @@ def run(model: str = "gemma-3-270m", dtypes: list[str] = ("float32", "bfloat16")
                          "speedup_vs_transformers": ours / theirs, "rounds": speeds})
             print(f"{dtype:9s} batch {bs:2d}: engine {ours:7.1f} tok/s  transformers {theirs:7.1f} tok/s"
                   + (f"  (median of {rounds})" if rounds > 1 else ""), flush=True)
-        del hf, llm
+        hf = llm = None  # free both models before the next dtype
     for dtype in dtypes:
         b1 = next((r for r in rows if r["dtype"] == dtype and r["batch"] == 1), None)
         for r in rows:

@@ -208,8 +208,9 @@ def _runners(model: str, dtype: str, draft: str, methods, tree: dict | None, max
                 path = resolve_model(model)
                 tok = AutoTokenizer.from_pretrained(path)
                 hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
-            runners[method] = lambda ps, lookup=10 if method == "hf_lookup" else None: _run_hf(  # noqa: E731
-                hf, tok, ps, max_tokens, lookup, temperature)
+            def run_hf(ps, lookup=10 if method == "hf_lookup" else None):
+                return _run_hf(hf, tok, ps, max_tokens, lookup, temperature)
+            runners[method] = run_hf
             runners[method](warm_prompts[:1])
         else:
             llm = engines[method] = vanilla if method == "vanilla" else LLM(     # batch 1: little KV

@@ -31,9 +31,12 @@ class ServeMetrics:
         self.tpot = Histogram("eagle_tpot_seconds", "time per output token after the first", lb, buckets=TPOT_BUCKETS, registry=r)
         self.prompt_tokens = Counter("eagle_prompt_tokens", "prompt tokens processed", lb, registry=r)
         self.gen_tokens = Counter("eagle_generation_tokens", "tokens generated", lb, registry=r)
-        self.target_forwards = Counter("eagle_target_forwards", "target-model forwards (tau = tokens / forwards)", lb, registry=r)
-        self.tau = Histogram("eagle_mean_accepted_tokens", "per-request mean tokens per target forward (tau)", lb, buckets=TAU_BUCKETS, registry=r)
-        self.tokens_per_s = Gauge("eagle_generation_tokens_per_second", f"generation throughput over the last {window_s:.0f}s", lb, registry=r)
+        self.target_forwards = Counter("eagle_target_forwards", "target-model forwards (tau = tokens / forwards)",
+                                       lb, registry=r)
+        self.tau = Histogram("eagle_mean_accepted_tokens", "per-request mean tokens per target forward (tau)",
+                             lb, buckets=TAU_BUCKETS, registry=r)
+        self.tokens_per_s = Gauge("eagle_generation_tokens_per_second",
+                                  f"generation throughput over the last {window_s:.0f}s", lb, registry=r)
         rl = lb + ["replica"]
         self.running = Gauge("eagle_replica_num_running", "sequences running in a replica", rl, registry=r)
         self.waiting = Gauge("eagle_replica_queue_depth", "requests waiting in a replica", rl, registry=r)

@@ -24,10 +24,12 @@ class SamplingParams:
         self.stop = [s for s in (self.stop or []) if s]
         self.stop_token_ids = list(self.stop_token_ids or [])
         checks = [
-            (isinstance(self.max_tokens, int) and self.max_tokens > 0, "max_tokens", f"must be a positive integer, got {self.max_tokens!r}"),
+            (isinstance(self.max_tokens, int) and self.max_tokens > 0, "max_tokens",
+             f"must be a positive integer, got {self.max_tokens!r}"),
             (self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature!r}"),
             (0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p!r}"),
-            (isinstance(self.top_k, int) and (self.top_k >= 0 or self.top_k == -1), "top_k", f"must be -1 (off) or >= 0, got {self.top_k!r}"),
+            (isinstance(self.top_k, int) and (self.top_k >= 0 or self.top_k == -1), "top_k",
+             f"must be -1 (off) or >= 0, got {self.top_k!r}"),
             (0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p!r}"),
             (self.seed is None or isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}"),
         ]

@@ -57,7 +57,8 @@ def target_batch(model, seqs: list[list[int]], spec: FeatureSpec, lm_chunk: int 
     if spec.label_ids is not None:
         rows = model.lm_head.weight[spec.label_ids.to(dev)]
     for i in range(0, final.shape[0], lm_chunk):
-        logits = model.compute_logits(final[i:i + lm_chunk]) if rows is None else _restricted_logits(model, final[i:i + lm_chunk], rows)
+        chunk = final[i:i + lm_chunk]
+        logits = model.compute_logits(chunk) if rows is None else _restricted_logits(model, chunk, rows)
         v, j = torch.log_softmax(logits.float(), -1).topk(spec.topk, -1)
         top_ids.append(j.int() if rows is None else spec.label_ids.to(dev)[j].int())
         top_lp.append(v)

@@ -19,8 +19,8 @@ from eagle_worker.training.data import load_samples
 from eagle_worker.training.distill import self_distill
 from eagle_worker.training.features import Extractor, FeatureSpec, FeatureStore, OnlineFeatures, extract
 from eagle_worker.training.render import Example, prompt_ids, render
-from eagle_worker.training.trainer import Trainer, TrainConfig
-from eagle_worker.training.vocab import coverage, d2t_t2d, draft_vocab, token_counts
+from eagle_worker.training.trainer import TrainConfig, Trainer
+from eagle_worker.training.vocab import coverage, draft_vocab, token_counts
 
 
 @dataclass
@@ -233,7 +233,7 @@ def run(cfg: PipelineConfig, progress: bool = True) -> dict:
         metrics = trainer.evaluate()
     record.update({"steps": trainer.step, "metrics": metrics, "train_s": time.time() - t0})
     _export(head, cfg, llm, vocab_ids, out, record)
-    del llm
+    llm = None  # free the engine before the evaluation builds its own
     if cfg.eval_prompts:
         prompts = held_prompts[:cfg.eval_prompts]
         record["engine"] = engine_tau(cfg.target, cfg.dtype, out, prompts, cfg.eval_new_tokens,

@@ -37,7 +37,8 @@ def publish(head_dir: str | Path, model: str, training_md: str, dest: Path | Non
     head_dir = Path(head_dir)
     dest = dest or HEADS_DIR / model
     dest.mkdir(parents=True, exist_ok=True)
-    sd = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in load_file(str(head_dir / "model.safetensors")).items()}
+    sd = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v)
+          for k, v in load_file(str(head_dir / "model.safetensors")).items()}
     save_file(sd, str(dest / "model.safetensors"))
     if (dest / "model.safetensors").stat().st_size > MAX_BYTES:
         raise ValueError(f"{dest / 'model.safetensors'} is over {MAX_BYTES} bytes; a shipped head must be smaller")

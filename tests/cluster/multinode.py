@@ -14,7 +14,6 @@ import sys
 import time
 
 
-
 # ---- driver side (runs in a subprocess joined to the cluster) ------------------------------------
 def _replicas(app: str) -> list[dict]:
     """Alive Serve replicas of `app` (every deployment): replica id, process id, node."""

@@ -18,7 +18,7 @@ IDS = [p.name for p in DOCKERFILES]
 
 def _instructions(path):
     """(INSTRUCTION, args) with continuation lines joined and comments dropped."""
-    text = re.sub(r"\\\n", " ", "\n".join(l for l in path.read_text().splitlines() if not l.lstrip().startswith("#")))
+    text = re.sub(r"\\\n", " ", "\n".join(line for line in path.read_text().splitlines() if not line.lstrip().startswith("#")))
     return [(m.group(1).upper(), m.group(2).strip()) for m in re.finditer(r"^\s*(\w+)\s+(.*)$", text, re.M)]
 
 

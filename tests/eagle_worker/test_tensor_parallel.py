@@ -2,7 +2,6 @@
 on a Gemma 3 config with a single KV head (replicated across ranks) and an odd vocabulary split."""
 from __future__ import annotations
 
-import os
 import socket
 
 import torch
@@ -34,8 +33,9 @@ def _rank(rank: int, world: int, port: int, model: str, out):
 
 
 def test_tp2_greedy_equals_tp1(tmp_path):
-    from tests.conftest import make_tokenizer, tiny_config
     from transformers import AutoModelForCausalLM
+
+    from tests.conftest import make_tokenizer, tiny_config
 
     torch.manual_seed(0)
     cfg = tiny_config("gemma3", vocab_size=321)

@@ -34,8 +34,8 @@ def test_job_on_a_two_node_cluster_followed_to_completion(tmp_path, tiny_model, 
     n = 300
     inp = write_parquet(tmp_path / "in.parquet", prompt=[f"the quick brown fox {i}" for i in range(n)])
     res = cli("submit-job", inp, "--model", tiny_model, "--draft", "none", "--max-tokens", "16", "--replicas", "2",
-              "--cpus-per-replica", "1", "--max-num-seqs", "8", "--min-ready-replicas", "2", "--address", address, "--job-id", "two-node-job",
-              "--no-wait", env=env, timeout=120)
+              "--cpus-per-replica", "1", "--max-num-seqs", "8", "--min-ready-replicas", "2", "--address", address,
+              "--job-id", "two-node-job", "--no-wait", env=env, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "submitted job two-node-job" in res.stdout
 

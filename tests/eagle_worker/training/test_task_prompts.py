@@ -36,7 +36,8 @@ def test_committed_tasks_are_what_the_builder_writes():
 
 
 def test_no_benchmark_text_in_training_tasks():
-    prompts = [r[k] for name in ("tasks.jsonl", "copies.jsonl") for r in _committed(name) for k in ("prompt", "response") if k in r]
+    prompts = [r[k] for name in ("tasks.jsonl", "copies.jsonl") for r in _committed(name)
+               for k in ("prompt", "response") if k in r]
     probes = []
     for rec in load_questions():
         q = " ".join(rec["turns"][0].split())
