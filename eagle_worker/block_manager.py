@@ -58,7 +58,9 @@ class BlockManager:
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
     def commit(self, seq: Sequence, num_tokens: int) -> None:
+        """Advance past `num_tokens` computed tokens; lookahead slots past them are released."""
         seq.num_computed_tokens += num_tokens
+        self.trim(seq)
 
     def keep_subset(self, seq: Sequence, keep: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Keep uncommitted tokens at offsets `keep` (ascending), drop the rest.

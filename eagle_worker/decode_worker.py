@@ -24,6 +24,8 @@ def forward_item(block_manager: BlockManager, item: ScheduledSeq) -> ForwardItem
 
 
 class DecodeWorker:
+    num_lookahead_slots = 0            # no draft tree: the scheduler reserves nothing past a decode
+
     def __init__(self, runner: ModelRunner, block_manager: BlockManager):
         self.runner = runner
         self.block_manager = block_manager

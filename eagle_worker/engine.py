@@ -29,8 +29,8 @@ class LLMEngine:
         self.tokenizer = self.runner.tokenizer
         self.max_model_len = self.runner.max_model_len
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size)
-        self.scheduler = Scheduler(config, self.block_manager)
         self.worker = self._make_worker(config)
+        self.scheduler = Scheduler(config, self.block_manager, self.worker.num_lookahead_slots, self.max_model_len)
         self.chat_template = resolve_chat_template(self.tokenizer, self.runner.hf_config, config.chat_template)
         self.requests: dict[str, Sequence] = {}
         self._aborted: list[RequestOutput] = []

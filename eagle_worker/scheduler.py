@@ -5,10 +5,18 @@ them), then waiting requests by (priority, arrival) while the token budget, the 
 and free KV blocks allow. Long prompts are split into chunks. When KV blocks run out, the
 least urgent, most recently arrived running sequence is preempted: its blocks are freed and it
 is recomputed later (vLLM's recompute preemption), so a full cache never crashes the engine.
+
+The scheduler owns every KV slot, speculative ones included: with a speculative worker, each
+decode also gets up to `num_lookahead_slots` slots after its token for the draft tree (vLLM's
+lookahead slots), from the blocks left once every scheduled token has its own; where memory or
+the context is short it gets fewer (the worker drafts a smaller tree, or none). Speculation never
+preempts a request and never delays one's admission. Slots a step does not keep are freed when it
+commits.
 """
 from __future__ import annotations
 
 import bisect
+import sys
 from dataclasses import dataclass
 
 from eagle_worker.block_manager import BlockManager
@@ -20,6 +28,7 @@ from eagle_worker.sequence import Sequence, SequenceStatus
 class ScheduledSeq:
     seq: Sequence
     num_tokens: int          # tokens fed from seq.num_computed_tokens on
+    num_lookahead: int = 0   # reserved slots after them, for a draft tree (decodes only)
 
     @property
     def completes(self) -> bool:
@@ -28,9 +37,12 @@ class ScheduledSeq:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, num_lookahead_slots: int = 0,
+                 max_model_len: int | None = None):
         self.config = config
         self.block_manager = block_manager
+        self.num_lookahead_slots = num_lookahead_slots
+        self.max_model_len = max_model_len or sys.maxsize     # lookahead never reaches past the context
         self.waiting: list[tuple[tuple[int, float], Sequence]] = []   # sorted by (priority, arrival)
         self.running: list[Sequence] = []
 
@@ -85,7 +97,21 @@ class Scheduler:
             self.block_manager.append_slots(seq, n)
             batch.append(ScheduledSeq(seq, n))
             budget -= n
+        if self.num_lookahead_slots:
+            self._reserve_lookahead(batch)
         return batch
+
+    def _reserve_lookahead(self, batch: list[ScheduledSeq]) -> None:
+        """Draft-tree slots after each decode's token, most urgent first, from what is left."""
+        bm = self.block_manager
+        for item in batch:
+            seq = item.seq
+            if item.num_tokens != 1 or not item.completes:
+                continue
+            end = seq.num_computed_tokens + 1                      # slots allocated so far
+            spare = len(seq.block_table) * bm.block_size - end + bm.num_free_blocks * bm.block_size
+            item.num_lookahead = max(0, min(self.num_lookahead_slots, self.max_model_len - end, spare))
+            bm.append_slots(seq, 1 + item.num_lookahead)
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -28,7 +28,8 @@ class SequenceMetrics:
     accepted_per_depth: list[int] = field(default_factory=list)  # speculative: accepted drafts at depth d
     accepted_from_head: int = 0      # accepted draft tokens the EAGLE head proposed
     accepted_from_lookup: int = 0    # accepted draft tokens prompt lookup proposed (both: counted in both)
-    steps_by_source: dict[str, int] = field(default_factory=dict)   # hybrid: decode steps per hybrid.MODES
+    steps_by_source: dict[str, int] = field(default_factory=dict)   # hybrid: decode steps per StepMode
+    num_trees_shrunk_for_memory: int = 0   # decode steps whose draft tree was smaller for want of KV slots
 
     def as_dict(self, num_output_tokens: int, prompt_tokens: int) -> dict:
         forwards = self.num_target_forwards
@@ -50,6 +51,8 @@ class SequenceMetrics:
             drafted = sum(self.accepted_per_depth)
             out["accepted_share_head"] = self.accepted_from_head / drafted if drafted else 0.0
             out["accepted_share_lookup"] = self.accepted_from_lookup / drafted if drafted else 0.0
+        if self.accepted_per_depth or self.num_trees_shrunk_for_memory:
+            out["num_trees_shrunk_for_memory"] = self.num_trees_shrunk_for_memory
         if self.steps_by_source:
             out["steps_by_source"] = dict(self.steps_by_source)
         return out

@@ -30,15 +30,6 @@ class DraftState:
     start: int = 0
     features: list[torch.Tensor] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
-    index: object = None          # NgramIndex when prompt lookup is on (kept across resets)
-    ema_head: float = 1.0         # recent accepted tokens per step from each source
-    ema_lookup: float = 1.0
-    skipped_steps: int = 0        # hybrid: steps the head sat out since it last drafted
-    probe_every: int = 0          # hybrid: the head drafts after this many skipped steps (0: HybridSplit's first)
-    gains: dict = field(default_factory=dict)   # hybrid: recent accepted tokens per step (hybrid.GAINS)
-    lookup_outcome: str = "new"   # hybrid: how the last lookup proposal did (hybrid.LOOKUP_OUTCOMES)
-    shadow: tuple | None = None   # hybrid: an unverified lookup proposal (position, branches, outcome before, matched)
-    free_tokens: tuple | None = None  # hybrid: recent tokens per step made where lookup did not carry, all (None: new)
 
     def add(self, features: torch.Tensor, next_tokens: list[int]) -> None:
         self.features.append(features)

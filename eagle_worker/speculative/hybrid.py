@@ -28,20 +28,45 @@ request's remaining time. When both draft, the budget is split by each source's 
 """
 from __future__ import annotations
 
-from eagle_worker.speculative.drafter import DraftState
+from dataclasses import dataclass, field
+
+from eagle_worker.speculative.draft_tree import StepMode
 from eagle_worker.speculative.policy import StepMeans, bucket
 
-MODES = ("plain", "lookup", "head", "merged")     # which sources drafted a step's tree
 GAINS = ("extra", "head")       # accepted per step: the head's own nodes beside lookup; the head alone
 LOOKUP_OUTCOMES = ("new", "miss", "partial", "complete")   # how a request's previous lookup proposal did
 
 
-def step_mode(from_head: bool, from_lookup: bool) -> str:
-    return ("merged" if from_lookup else "head") if from_head else ("lookup" if from_lookup else "plain")
+_HEAD_MODES = (StepMode.HEAD, StepMode.MERGED)
 
 
 def lookup_outcome(accepted: int, complete: bool) -> str:
     return "miss" if accepted == 0 else ("complete" if complete else "partial")
+
+
+@dataclass
+class ShadowProposal:
+    """A lookup proposal that was not verified, kept to score against the tokens that follow."""
+
+    position: int                  # the proposal continues the first `position` tokens
+    branches: list[list[int]]
+    outcome_before: str            # the request's lookup outcome when it was proposed
+    matched: int = 0               # tokens the generated text has followed so far
+
+
+@dataclass
+class HybridState:
+    """What the hybrid chooser knows about one request."""
+
+    ema_head: float = 1.0          # recent accepted tokens per step from each source
+    ema_lookup: float = 1.0
+    skipped_steps: int = 0         # steps the head sat out since it last drafted
+    probe_every: int = 0           # the head drafts after this many skipped steps (0: HybridSplit's first)
+    gains: dict = field(default_factory=dict)   # recent accepted tokens per step (GAINS)
+    lookup_outcome: str = "new"    # how the last lookup proposal did (LOOKUP_OUTCOMES)
+    shadow: ShadowProposal | None = None
+    free_tokens: tuple[float, float] | None = None  # recent tokens per step made where lookup did not
+                                                    # carry, and all tokens per step (None: new request)
 
 
 class HybridSplit:
@@ -63,17 +88,18 @@ class HybridSplit:
         return dict(self.prior)
 
     # ---- the choice ----------------------------------------------------------------------------
-    def choose(self, st: DraftState, branches, batch_size: int, remaining: int | None = None,
-               stretch: int = 0, budget: int | None = None) -> str:
+    def choose(self, st: HybridState, branches, batch_size: int, remaining: int | None = None,
+               stretch: int = 0, budget: int | None = None) -> StepMode:
         """This step's mode for one request. `remaining`: tokens it may still generate (None:
         unbounded); `stretch`: pending tokens the head must catch up on beyond one step's worth;
         `budget`: the step's node budget (None: lookup's branches are never cut short)."""
         b = bucket(batch_size)
-        candidates = ("merged", "lookup", "head", "plain") if branches else ("head", "plain")
+        M = StepMode
+        candidates = (M.MERGED, M.LOOKUP, M.HEAD, M.PLAIN) if branches else (M.HEAD, M.PLAIN)
         if stretch and (branches or st.free_tokens is None):
             # a head that sat out rejoins where lookup has nothing, not beside it, and not at a new
             # request's first step: whether lookup will carry the request is not known yet
-            candidates = ("lookup", "plain") if branches else ("plain",)
+            candidates = (M.LOOKUP, M.PLAIN) if branches else (M.PLAIN,)
         untried = [m for m in candidates if self.steps.samples[(b, m)] < 2]
         if untried:                                            # measure every mode's step time first
             return untried[0]
@@ -82,35 +108,35 @@ class HybridSplit:
         catch_up_s = self.catch_up_seconds(stretch)
         cost = {m: self._seconds(st, b, m, remaining, catch_up_s, budget) for m in candidates}
         mode = min(candidates, key=lambda m: cost[m])
-        if mode in ("head", "merged"):        # the head drafts on its merits: probing starts over
+        if mode in _HEAD_MODES:               # the head drafts on its merits: probing starts over
             st.skipped_steps, st.probe_every = 0, self.PROBE_EVERY
             return mode
         st.skipped_steps += 1
         every = st.probe_every or self.PROBE_EVERY
         affordable = remaining is None or catch_up_s <= self.PROBE_SHARE * cost[mode]
-        if st.skipped_steps < every or not affordable or "head" not in candidates:
+        if st.skipped_steps < every or not affordable or M.HEAD not in candidates:
             return mode
         st.skipped_steps, st.probe_every = 0, min(2 * every, self.MAX_PROBE_EVERY)
-        return min((m for m in candidates if m in ("head", "merged")), key=lambda m: cost[m])   # the cheaper probe
+        return min((m for m in candidates if m in _HEAD_MODES), key=lambda m: cost[m])   # the cheaper probe
 
-    def _seconds(self, st: DraftState, b: int, mode: str, remaining: int | None, catch_up_s: float,
+    def _seconds(self, st: HybridState, b: int, mode: StepMode, remaining: int | None, catch_up_s: float,
                  budget: int | None) -> float:
         """Expected seconds for the request's remaining tokens in `mode` (per token when unbounded).
         Beside the head, lookup keeps only what `head_nodes` leaves it of the budget."""
         g = st.gains or self.prior
-        if mode == "merged":
+        if mode == StepMode.MERGED:
             beside_head = budget - self.head_nodes(st, budget) if budget else None
             tokens = 1.0 + self.expected_lookup(st.lookup_outcome, beside_head) + g["extra"]
-        elif mode == "lookup":
+        elif mode == StepMode.LOOKUP:
             tokens = 1.0 + self.expected_lookup(st.lookup_outcome, budget)
         else:
-            tokens = 1.0 + g["head"] if mode == "head" else 1.0
+            tokens = 1.0 + g["head"] if mode == StepMode.HEAD else 1.0
         per_token = self.steps.means[(b, mode)][0] / tokens
         if remaining is None:
             return per_token
-        return remaining * per_token + (catch_up_s if mode in ("head", "merged") else 0.0)
+        return remaining * per_token + (catch_up_s if mode in _HEAD_MODES else 0.0)
 
-    def free_share(self, st: DraftState | None = None) -> float:
+    def free_share(self, st: HybridState | None = None) -> float:
         """The share of tokens made on steps lookup did not carry: the request's recent share, or the
         worker's for a new request (or st None)."""
         free, total = self.free_tokens if st is None or st.free_tokens is None else st.free_tokens
@@ -136,36 +162,37 @@ class HybridSplit:
         return max(1, budget // 8)
 
     @staticmethod
-    def head_nodes(st: DraftState, budget: int) -> int:
+    def head_nodes(st: HybridState, budget: int) -> int:
         """Nodes the head keeps when lookup branches share the tree (the rest go to lookup; each
         keeps at least one when the budget has two)."""
         share = (st.ema_lookup + 0.1) / (st.ema_head + st.ema_lookup + 0.2)
         return max(1, budget - max(1, round(budget * share)))
 
-    def observe_accepted(self, st: DraftState, mode: str, head_only: int, tokens: int) -> None:
+    def observe_accepted(self, st: HybridState, mode: StepMode | str, head_only: int, tokens: int) -> None:
         """One verified step: `head_only` accepted draft tokens on nodes only the head proposed (the
         head's gain in this mode), `tokens` made in all (the share lookup did not carry); updates the
         request's estimates and the worker's."""
-        free = tokens if mode in ("plain", "head") else 0
+        mode = StepMode(mode)
+        free = tokens if mode in (StepMode.PLAIN, StepMode.HEAD) else 0
         a = self.prior_ema
         self.free_tokens = tuple((1 - a) * x + a * y for x, y in zip(self.free_tokens, (free, tokens)))
         before = self.free_tokens if st.free_tokens is None else st.free_tokens
         st.free_tokens = tuple(0.8 * x + 0.2 * y for x, y in zip(before, (free, tokens)))
         if not st.gains:
             st.gains = self.new_gains()
-        key = {"merged": "extra", "head": "head"}.get(mode)
+        key = {StepMode.MERGED: "extra", StepMode.HEAD: "head"}.get(mode)
         if key:
             st.gains[key] = 0.7 * st.gains[key] + 0.3 * head_only
             self.prior[key] = (1 - self.prior_ema) * self.prior[key] + self.prior_ema * head_only
 
-    def observe_lookup(self, st: DraftState, accepted: int, complete: bool) -> None:
+    def observe_lookup(self, st: HybridState, accepted: int, complete: bool) -> None:
         """How a verified lookup proposal did: `accepted` of its tokens, `complete` when a whole
         branch was. A kept proposal the tokens were still following settles with it: it would have
         given what it matched so far plus what lookup has now accepted (at most its longest branch)."""
         if st.shadow is not None:
-            _, branches, before, matched = st.shadow
-            if matched:
-                self._learn(before, min(max(map(len, branches)), matched + accepted))
+            sh = st.shadow
+            if sh.matched:
+                self._learn(sh.outcome_before, min(max(map(len, sh.branches)), sh.matched + accepted))
             st.shadow = None
         self._learn(st.lookup_outcome, accepted)
         st.lookup_outcome = lookup_outcome(accepted, complete)
@@ -182,36 +209,36 @@ class HybridSplit:
         for j in range(len(reach)):
             reach[j] = (1 - a) * reach[j] + a * (accepted > j)
 
-    def shadow(self, st: DraftState, position: int, branches: list[list[int]], budget: int) -> None:
+    def shadow(self, st: HybridState, position: int, branches: list[list[int]], budget: int) -> None:
         """Keep an unverified proposal (continuing the first `position` tokens) to score it later,
         with the outcome it followed and the tokens matched so far."""
         if st.shadow is None:
-            st.shadow = (position, [br[:budget] for br in branches], st.lookup_outcome, 0)
+            st.shadow = ShadowProposal(position, [br[:budget] for br in branches], st.lookup_outcome)
 
-    def score_shadow(self, st: DraftState, token_ids: list[int]) -> None:
+    def score_shadow(self, st: HybridState, token_ids: list[int]) -> None:
         """Score the kept proposal once the tokens that followed it settle every branch. While they
         still follow one, copying has resumed: the request counts as mid-copy ("partial") at once,
         and the proposal settles when it breaks, completes, or lookup is verified again."""
         if st.shadow is None:
             return
-        position, branches, before, _ = st.shadow
-        generated = token_ids[position:]
+        sh = st.shadow
+        generated = token_ids[sh.position:]
         best, complete = 0, False
-        for br in branches:
+        for br in sh.branches:
             n = 0
             while n < min(len(br), len(generated)) and br[n] == generated[n]:
                 n += 1
             if n == len(generated) and n < len(br):            # still matching: not settled yet
                 if n:
-                    st.shadow = (position, branches, before, n)
+                    sh.matched = n
                     st.lookup_outcome = "partial"
                 return
             if n > best or (n == best and n == len(br)):
                 best, complete = n, n == len(br)
         st.shadow = None
-        self._learn(before, best)
+        self._learn(sh.outcome_before, best)
         st.lookup_outcome = lookup_outcome(best, complete)
 
-    def observe(self, batch_size: int, mode: str, seconds: float) -> None:
+    def observe(self, batch_size: int, mode: StepMode | str, seconds: float) -> None:
         """Seconds of one pure-decode step whose trees were drafted in `mode`."""
-        self.steps.observe((bucket(batch_size), mode), seconds)
+        self.steps.observe((bucket(batch_size), StepMode(mode)), seconds)

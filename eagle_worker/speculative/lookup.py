@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from eagle_worker.speculative.draft_tree import DraftTree
+
 
 class NgramIndex:
     def __init__(self, n_min: int = 2, n_max: int = 5, max_positions: int = 4):
@@ -47,16 +49,14 @@ class NgramIndex:
         return branches
 
 
-def merge_branches(parents: list[int], tokens: list[int], depth: list[int], branches: list[list[int]],
-                   budget: int) -> tuple[list[int], list[int], list[int], list[bool], list[bool]]:
-    """Insert lookup branches (each starting below the root) into a tree, at most `budget` new nodes.
+def merge_branches(tree: DraftTree, branches: list[list[int]], budget: int) -> DraftTree:
+    """Insert lookup branches (each starting below the root) into `tree`, at most `budget` new nodes.
 
-    Returns the grown (parents, tokens, depth) and per node whether EAGLE proposed it and whether
-    lookup did. New nodes are appended, so parents still come before children.
+    New nodes are appended, so parents still come before children; nodes a branch passes through
+    are marked as lookup's.
     """
-    parents, tokens, depth = list(parents), list(tokens), list(depth)
-    from_head = [i > 0 for i in range(len(tokens))]
-    from_lookup = [False] * len(tokens)
+    parents, tokens, depth = list(tree.parents), list(tree.tokens), list(tree.depth)
+    from_head, from_lookup = list(tree.from_head), list(tree.from_lookup)
     child = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens)) if i > 0}
     added = 0
     for branch in branches:
@@ -76,7 +76,7 @@ def merge_branches(parents: list[int], tokens: list[int], depth: list[int], bran
                 added += 1
             from_lookup[node] = True
             cur = node
-    return parents, tokens, depth, from_head, from_lookup
+    return DraftTree(parents, tokens, depth, from_head, from_lookup)
 
 
 def prune_to_best(parents: list[int], tokens: list[int], depth: list[int], logprobs: list[float],

@@ -2,11 +2,12 @@
 forward as every other sequence's prefill chunk or plain decode, accept losslessly, keep the KV
 of the accepted path only.
 
-Per step: (1) the policy picks a tree budget for this batch size; (2) decoding sequences that get
-a tree reserve uncommitted KV slots and the head drafts all trees together; (3) one target forward
-over prefill chunks, plain decodes and tree tokens (tree-shaped attention masks); (4) greedy or
-sampling acceptance per tree, the accepted path's KV is compacted in place and the rest dropped;
-(5) the target's features of every newly committed token become the head's pending input.
+Per step: (1) the policy picks a tree budget for this batch size; (2) each decoding sequence
+drafts within the lookahead KV slots the scheduler reserved for it (fewer slots, a smaller tree)
+and the head drafts all trees together; (3) one target forward over prefill chunks, plain
+decodes and tree tokens (tree-shaped attention masks); (4) greedy or sampling acceptance per tree,
+the accepted path's KV is compacted in place and the rest dropped; (5) the target's features of
+every newly committed token become the head's pending input.
 
 With `lookup=True`, prompt-lookup branches (continuations of earlier occurrences of the context's
 suffix) are merged into each tree under the same node budget, split per request by each source's
@@ -15,24 +16,49 @@ recent acceptance; without a head the tree is the lookup trie alone (pure prompt
 from __future__ import annotations
 
 import time
+from collections import defaultdict
+from dataclasses import dataclass, field
 
 import torch
 
 from eagle_worker.block_manager import BlockManager
-from eagle_worker.model_runner import ForwardItem, ModelRunner
+from eagle_worker.decode_worker import forward_item
+from eagle_worker.model_runner import ForwardItem, ForwardResult, ModelRunner
 from eagle_worker.sampler import argmax_suffices, sample, target_probs
 from eagle_worker.scheduler import ScheduledSeq
 from eagle_worker.sequence import Sequence
 from eagle_worker.speculative.acceptance import accept_greedy, accept_sampling
 from eagle_worker.speculative.config import SpecConfig
+from eagle_worker.speculative.draft_tree import DraftTree, StepMode
 from eagle_worker.speculative.drafter import Drafter, DraftSeq, DraftState
 from eagle_worker.speculative.head_loader import load_draft_head
 from eagle_worker.speculative.heads import DraftHead
-from eagle_worker.speculative.hybrid import MODES, HybridSplit, step_mode
+from eagle_worker.speculative.hybrid import HybridSplit, HybridState
 from eagle_worker.speculative.lookup import NgramIndex, merge_branches, prune_to_best
 from eagle_worker.speculative.policy import SpecPolicy
 from eagle_worker.speculative.tree import MC_SIM_7B_63, ancestor_mask, chain, static_tree
-from eagle_worker.decode_worker import forward_item
+
+NewTokens = dict[str, list[tuple[int, float | None]]]
+
+
+@dataclass
+class RequestState:
+    """What the worker keeps about one request between steps."""
+
+    draft: DraftState                          # the head's pending inputs
+    index: NgramIndex | None = None            # prompt lookup's n-grams of the request
+    hybrid: HybridState = field(default_factory=HybridState)
+
+
+@dataclass
+class Candidate:
+    """A decoding sequence that drafts this step."""
+
+    seq: Sequence
+    draft: DraftSeq
+    budget: int                                # draft nodes its lookahead slots allow
+    branches: list[list[int]] = field(default_factory=list)   # lookup's proposal
+    head_nodes: int = 0                        # nodes the head drafts and keeps (0: it sits out)
 
 
 class EagleWorker:
@@ -59,18 +85,33 @@ class EagleWorker:
         if self.shape is not None and self.head is not None and not spec.lookup:
             full = min(full, self.shape.num_nodes - 1)
         self.policy = SpecPolicy(full, spec.adaptive)
+        self.num_lookahead_slots = self._slots_needed(full) - 1   # the scheduler reserves these per decode
         self.hybrid = HybridSplit()
         self.stretch_s = 0.0               # this step's seconds catching the head up on a stretch
-        self.states: dict[str, DraftState] = {}
+        self.states: dict[str, RequestState] = {}
         depth = max(spec.depth if self.shape is None else self.shape.max_depth, spec.lookup_max_tokens if spec.lookup else 0)
-        self.totals = {"draft_s": 0.0, "verify_s": 0.0, "spec_steps": 0, "plain_steps": 0,
+        self.totals = {"draft_s": 0.0, "verify_s": 0.0, "spec_steps": 0, "plain_steps": 0, "trees_shrunk_for_memory": 0,
                        "drafted_at_depth": [0] * depth, "accepted_at_depth": [0] * depth}
 
     def release(self, seq: Sequence) -> None:
         self.states.pop(seq.request_id, None)
 
+    def _slots_needed(self, budget: int) -> int:
+        """KV slots (root included) a tree of `budget` draft nodes uses while drafting: a dynamic head
+        tree writes every node it forwards (top_k per level), more than the nodes it keeps."""
+        slots = budget + 1
+        if self.head is not None and self.shape is None and budget:
+            slots = max(slots, 1 + (min(self.spec.depth, budget) - 1) * min(self.spec.top_k, budget))
+        return slots
+
+    def _fit(self, budget: int, lookahead: int) -> int:
+        """The largest budget up to `budget` whose tree fits in `lookahead` slots past the root."""
+        while budget and self._slots_needed(budget) > lookahead + 1:
+            budget -= 1
+        return budget
+
     # ---- one step ---------------------------------------------------------------------------
-    def execute(self, batch: list[ScheduledSeq]) -> dict[str, list[tuple[int, float | None]]]:
+    def execute(self, batch: list[ScheduledSeq]) -> NewTokens:
         t0 = time.perf_counter()
         self.stretch_s = 0.0
         decodes = [it for it in batch if it.num_tokens == 1 and it.completes and self._ready(it.seq)]
@@ -82,92 +123,106 @@ class EagleWorker:
         result = self.runner.forward(items, aux_layers=self.head.aux_layers if self.head else (),
                                      argmax_only=argmax_suffices([it.seq.params for it in batch if it.completes]))
         features = self.head.target_features((result.hidden, result.aux_hidden)) if self.head else None
-        new_tokens = self._accept(batch, items, trees, result, features)
+        new_tokens = self._verify(batch, items, trees, result, features)
         t2 = time.perf_counter()
         self._account(batch, decodes, budget if trees else 0, new_tokens, t0, t1, t2, trees)
         return new_tokens
 
     def _ready(self, seq: Sequence) -> bool:
-        st = self.states.get(seq.request_id)
-        if st is None or self.head is None:
-            return st is not None
+        rs = self.states.get(seq.request_id)
+        if rs is None or self.head is None:
+            return rs is not None
+        st = rs.draft
         return len(st.tokens) > 0 and st.start + len(st.tokens) == seq.num_computed_tokens
 
-    def _draft(self, decodes: list[ScheduledSeq], budget: int) -> dict[str, tuple]:
-        """Reserve slots and draft a tree of at most `budget` nodes for each decoding sequence that fits.
+    # ---- drafting ---------------------------------------------------------------------------
+    def _draft(self, decodes: list[ScheduledSeq], budget: int) -> dict[str, DraftTree]:
+        """A tree of at most `budget` nodes (fewer where the sequence's lookahead slots are short)
+        for each decoding sequence."""
+        cands = self._candidates(decodes, budget)
+        if not cands:
+            return {}
+        if self.spec.lookup:
+            for c in cands:
+                index = self.states[c.seq.request_id].index
+                index.extend(c.seq.token_ids)
+                c.branches = index.propose(self.spec.lookup_max_tokens, self.spec.lookup_max_branches)
+        self._choose_sources(cands, budget)
+        head_trees = self._draft_head([c for c in cands if c.head_nodes], budget)
+        trees = {}
+        for c in cands:
+            head = head_trees.get(c.seq.request_id) or DraftTree.root_only(c.seq.token_ids[-1])
+            trees[c.seq.request_id] = merge_branches(head, c.branches, c.budget - head.num_draft_nodes)
+        return trees
 
-        Returns per request (parents, tokens, depth, from_head, from_lookup)."""
-        spec = self.spec
-        top_k = min(spec.top_k, budget)
-        levels = min(spec.depth, budget)      # a tree of n nodes is at most n deep: small budgets draft less
-        reserve = budget + 1
-        if self.head is not None and self.shape is None:
-            reserve = max(reserve, 1 + (levels - 1) * top_k)
-        batch: list[DraftSeq] = []
-        included: list[Sequence] = []
+    def _candidates(self, decodes: list[ScheduledSeq], budget: int) -> list[Candidate]:
+        """Each decode's budget within its reserved slots; counts trees memory made smaller."""
+        cands = []
         for it in decodes:
             seq = it.seq
             c = seq.num_computed_tokens
-            if c + reserve > self.runner.max_model_len or not self.block_manager.can_append(seq, reserve):
-                continue
-            self.block_manager.append_slots(seq, reserve)
-            batch.append(DraftSeq(c, self.block_manager.slots(seq, 0, c + reserve), seq.token_ids[-1],
-                                  self.states[seq.request_id]))
-            included.append(seq)
-        if not batch:
-            return {}
-        proposals = {}
-        if spec.lookup:
-            for d, seq in zip(batch, included):
-                d.state.index.extend(seq.token_ids)
-                proposals[seq.request_id] = d.state.index.propose(spec.lookup_max_tokens, spec.lookup_max_branches)
-        hybrid = self.head is not None and spec.lookup
-        use_head = []
-        for d, seq in zip(batch, included):
-            if not hybrid:
-                use_head.append(self.head is not None)
-                continue
-            self.hybrid.score_shadow(d.state, seq.token_ids)
-            branches = proposals[seq.request_id]
-            mode = self.hybrid.choose(d.state, branches, len(batch),
-                                      remaining=seq.params.max_tokens - seq.num_output_tokens,
-                                      stretch=max(0, len(d.state.tokens) - (budget + 1)), budget=budget)
-            if branches and mode in ("plain", "head"):        # lookup sits out: score its proposal later
-                self.hybrid.shadow(d.state, len(seq.token_ids), branches, budget)
-                proposals[seq.request_id] = []
-            use_head.append(mode in ("head", "merged"))
-        # the head drafts only the nodes this step keeps: beside lookup its share of the budget, alone
-        # a small tree (a tree of n nodes is at most n deep and needs at most n candidates per level)
-        keep = {seq.request_id: (self.hybrid.head_nodes(d.state, budget) if proposals.get(seq.request_id)
-                                 else self.hybrid.alone_nodes(budget)) if hybrid else budget
-                for d, seq, u in zip(batch, included, use_head) if u}
-        head_budget = max(keep.values(), default=budget)
-        top_k, levels = min(top_k, head_budget), min(levels, head_budget)
-        drafted = iter(self._head_trees([d for d, u in zip(batch, use_head) if u], head_budget, top_k, levels,
-                                        stretch_after=budget + 1) if keep else [])
-        out = {}
-        for b, seq in enumerate(included):
-            head = use_head[b]
-            parents, tokens, depth, logprobs = next(drafted) if head else ([-1], [seq.token_ids[-1]], [0], [0.0])
-            if head and len(tokens) - 1 > keep[seq.request_id]:
-                n = keep[seq.request_id]
-                if logprobs is None:
-                    parents, tokens, depth = parents[:n + 1], tokens[:n + 1], depth[:n + 1]
-                else:
-                    parents, tokens, depth = prune_to_best(parents, tokens, depth, logprobs, n)
-            branches = proposals.get(seq.request_id) or []
-            out[seq.request_id] = merge_branches(parents, tokens, depth, branches, budget - (len(tokens) - 1))
-        return out
+            fits = self._fit(budget, it.num_lookahead)
+            if fits < self._fit(budget, self.runner.max_model_len - c - 1):     # short of KV, not of context
+                self.totals["trees_shrunk_for_memory"] += 1
+                seq.metrics.num_trees_shrunk_for_memory += 1
+            if fits:
+                slots = self.block_manager.slots(seq, 0, c + 1 + it.num_lookahead)
+                cands.append(Candidate(seq, DraftSeq(c, slots, seq.token_ids[-1], self.states[seq.request_id].draft), fits))
+        return cands
+
+    def _choose_sources(self, cands: list[Candidate], budget: int) -> None:
+        """Who drafts for each candidate: the head alone, lookup alone, both or neither (the hybrid
+        decides per request); the head drafts only the nodes it keeps: beside lookup its share of
+        the budget, alone a small tree."""
+        if self.head is None or not self.spec.lookup:
+            for c in cands:
+                c.head_nodes = c.budget if self.head is not None else 0
+            return
+        for c in cands:
+            seq, hs = c.seq, self.states[c.seq.request_id].hybrid
+            self.hybrid.score_shadow(hs, seq.token_ids)
+            mode = self.hybrid.choose(hs, c.branches, len(cands), remaining=seq.params.max_tokens - seq.num_output_tokens,
+                                      stretch=max(0, len(c.draft.state.tokens) - (budget + 1)), budget=c.budget)
+            if c.branches and mode in (StepMode.PLAIN, StepMode.HEAD):   # lookup sits out: score its proposal later
+                self.hybrid.shadow(hs, len(seq.token_ids), c.branches, c.budget)
+                c.branches = []
+            if mode in (StepMode.HEAD, StepMode.MERGED):
+                c.head_nodes = (self.hybrid.head_nodes(hs, c.budget) if c.branches
+                                else self.hybrid.alone_nodes(c.budget))
+
+    def _draft_head(self, cands: list[Candidate], budget: int) -> dict[str, DraftTree]:
+        """The head's trees, one batched draft per tree budget (one unless memory shrank some),
+        each pruned to the nodes its candidate keeps."""
+        groups: dict[int, list[Candidate]] = defaultdict(list)
+        for c in cands:
+            groups[c.budget].append(c)
+        trees = {}
+        for seq_budget, group in groups.items():
+            head_budget = max(c.head_nodes for c in group)
+            top_k = min(self.spec.top_k, seq_budget, head_budget)
+            levels = min(self.spec.depth, seq_budget, head_budget)
+            drafted = self._head_trees([c.draft for c in group], head_budget, top_k, levels, stretch_after=budget + 1)
+            for c, (parents, tokens, depth, logprobs) in zip(group, drafted):
+                if len(tokens) - 1 > c.head_nodes:
+                    if logprobs is None:
+                        parents, tokens, depth = parents[:c.head_nodes + 1], tokens[:c.head_nodes + 1], depth[:c.head_nodes + 1]
+                    else:
+                        parents, tokens, depth = prune_to_best(parents, tokens, depth, logprobs, c.head_nodes)
+                n = len(tokens)
+                trees[c.seq.request_id] = DraftTree(parents, tokens, depth, [i > 0 for i in range(n)], [False] * n)
+        return trees
 
     def _head_trees(self, batch: list[DraftSeq], budget: int, top_k: int, levels: int,
                     stretch_after: int) -> list[tuple]:
+        """(parents, tokens, depth, log-probs or None) of each sequence's head tree."""
         pending = sum(len(d.state.tokens) for d in batch)
         stretch = max(len(d.state.tokens) for d in batch) > stretch_after     # more than one step's worth
         t = time.perf_counter()
         root_hidden, root_lp = self.drafter.catch_up(batch)
-        self.stretch_s = time.perf_counter() - t if stretch else 0.0
         if stretch:
-            self.hybrid.observe_catch_up(pending, self.stretch_s)
+            seconds = time.perf_counter() - t
+            self.stretch_s += seconds
+            self.hybrid.observe_catch_up(pending, seconds)
         if self.shape is None:
             tree = self.drafter.grow_dynamic(batch, root_hidden, root_lp, budget, top_k, levels)
         else:
@@ -182,102 +237,110 @@ class EagleWorker:
             trees.append((tree.parents[b, :n].tolist(), tree.tokens[b, :n].tolist(), tree.depth[b, :n].tolist(), lp))
         return trees
 
-    def _tree_item(self, seq: Sequence, tree: tuple) -> ForwardItem:
-        parents, tokens, depth = tree[:3]
-        c, n = seq.num_computed_tokens, len(tokens)
+    def _tree_item(self, seq: Sequence, tree: DraftTree) -> ForwardItem:
+        c, n = seq.num_computed_tokens, len(tree.tokens)
         slots = self.block_manager.slots(seq, 0, c + n)
-        mask = ancestor_mask(torch.tensor([parents]))[0]
-        return ForwardItem(token_ids=tokens, positions=c + torch.tensor(depth), new_slots=slots[c:],
+        mask = ancestor_mask(torch.tensor([tree.parents]))[0]
+        return ForwardItem(token_ids=tree.tokens, positions=c + torch.tensor(tree.depth), new_slots=slots[c:],
                            ctx_slots=slots[:c], logit_rows=list(range(n)), new_token_mask=mask)
 
-    # ---- acceptance and bookkeeping ---------------------------------------------------------
-    def _accept(self, batch, items, trees, result, features) -> dict[str, list[tuple[int, float | None]]]:
-        new_tokens: dict[str, list[tuple[int, float | None]]] = {}
-        plain = [(it, item, off) for it, item, off in zip(batch, items, result.row_offsets)
-                 if it.seq.request_id not in trees]
-        sampled = {}
-        rows = [sum(len(x.logit_rows) for x in items[:i]) for i in range(len(items))]
-        row_of = {id(item): r for item, r in zip(items, rows)}
-        want = [(it, item) for it, item, _ in plain if it.completes]
-        if want and result.logits is None:
-            toks = result.argmax[torch.tensor([row_of[id(item)] for _, item in want])].tolist()
-            sampled = {it.seq.request_id: (toks[i], None) for i, (it, _) in enumerate(want)}
-        elif want:
-            logits = result.logits[torch.tensor([row_of[id(item)] for _, item in want])]
-            toks, lps = sample(logits, [it.seq.params for it, _ in want], [it.seq.generator for it, _ in want])
-            sampled = {it.seq.request_id: (toks[i], lps[i] if lps else None) for i, (it, _) in enumerate(want)}
-        for it, item, off in plain:
-            seq, n, completes = it.seq, it.num_tokens, it.completes
-            start = seq.num_computed_tokens
-            st = self._state(seq.request_id, start)
-            if start == 0:
-                st.reset()
-            self.block_manager.commit(seq, n)
-            nxt = seq.token_ids[start + 1:start + n]
-            if completes:
-                tok, lp = sampled[seq.request_id]
-                new_tokens[seq.request_id] = [(tok, lp)]
-                nxt = nxt + [tok]
-                if n == 1:
-                    seq.metrics.num_target_forwards += 1
-                    seq.metrics.num_decode_tokens += 1
-            else:
-                nxt = nxt + [seq.token_ids[start + n]]
-            if features is not None:
-                st.add(features[off:off + n], nxt)
-        for it, item, off in zip(batch, items, result.row_offsets):
-            seq = it.seq
-            if seq.request_id not in trees:
-                continue
-            parents, tokens, depth, from_head, from_lookup = trees[seq.request_id]
-            r = row_of[id(item)]
-            logits = (result.logits if result.logits is not None else result.argmax)[r:r + len(tokens)]
-            p = seq.params
-            if p.greedy:
-                acc = accept_greedy(parents, tokens, logits)
-            else:
-                acc = accept_sampling(parents, tokens, lambda rows, _idx, p=p: target_probs(rows, p),
-                                      seq.generator, target_logits=logits)
-            src, dst = self.block_manager.keep_subset(seq, acc.path)
-            self.runner.copy_kv(src, dst)
-            st = self.states[seq.request_id]
-            if features is not None:
-                st.add(features[off + torch.tensor(acc.path)], acc.tokens)
-            self._count_sources(seq, st, acc.path[1:], parents, from_head, from_lookup)
-            lps = torch.log_softmax(logits[torch.tensor(acc.path)].float(), -1) if p.logprobs else None
-            new_tokens[seq.request_id] = [(t, lps[i, t].item() if lps is not None else None) for i, t in enumerate(acc.tokens)]
-            seq.metrics.num_target_forwards += 1
-            seq.metrics.num_decode_tokens += len(acc.tokens)
-            self._count_depths(seq, depth, acc.num_accepted)
+    # ---- verification -----------------------------------------------------------------------
+    def _verify(self, batch: list[ScheduledSeq], items: list[ForwardItem], trees: dict[str, DraftTree],
+                result: ForwardResult, features: torch.Tensor | None) -> NewTokens:
+        """Sample the plain rows, commit them, then accept each tree: every sequence's new tokens."""
+        first_row = [sum(len(x.logit_rows) for x in items[:i]) for i in range(len(items))]
+        plain = [i for i, it in enumerate(batch) if it.seq.request_id not in trees]
+        sampled = self._sample_plain([(batch[i], first_row[i]) for i in plain if batch[i].completes], result)
+        new_tokens: NewTokens = {}
+        for i in plain:
+            token = self._commit_plain(batch[i], sampled.get(batch[i].seq.request_id), result.row_offsets[i], features)
+            if token is not None:
+                new_tokens[batch[i].seq.request_id] = [token]
+        for i, it in enumerate(batch):
+            tree = trees.get(it.seq.request_id)
+            if tree is not None:
+                rows = (result.logits if result.logits is not None else result.argmax)[first_row[i]:first_row[i] + len(tree.tokens)]
+                new_tokens[it.seq.request_id] = self._accept_tree(it.seq, tree, rows, result.row_offsets[i], features)
         return new_tokens
 
-    def _state(self, request_id: str, start: int) -> DraftState:
-        st = self.states.get(request_id)
-        if st is None:
-            st = self.states[request_id] = DraftState(start=start)
-            if self.spec.lookup:
-                st.index = NgramIndex(*self.spec.lookup_ngram)
-        return st
+    def _sample_plain(self, wanted: list[tuple[ScheduledSeq, int]], result: ForwardResult) -> dict[str, tuple]:
+        """(token, logprob) for each sequence whose chunk ended this step, from its logit row."""
+        if not wanted:
+            return {}
+        rows = torch.tensor([row for _, row in wanted])
+        if result.logits is None:
+            return {it.seq.request_id: (t, None) for (it, _), t in zip(wanted, result.argmax[rows].tolist())}
+        toks, lps = sample(result.logits[rows], [it.seq.params for it, _ in wanted], [it.seq.generator for it, _ in wanted])
+        return {it.seq.request_id: (toks[i], lps[i] if lps else None) for i, (it, _) in enumerate(wanted)}
 
-    def _count_sources(self, seq: Sequence, st: DraftState, accepted: list[int], parents: list[int],
-                       from_head, from_lookup) -> None:
+    def _commit_plain(self, it: ScheduledSeq, sampled: tuple | None, offset: int,
+                      features: torch.Tensor | None) -> tuple | None:
+        """Commit a prefill chunk or plain decode; its features (paired with the tokens that follow
+        them) become the head's pending input. Returns the sampled token, if the chunk ended."""
+        seq, n, completes = it.seq, it.num_tokens, it.completes
+        start = seq.num_computed_tokens
+        rs = self._request_state(seq.request_id, start)
+        if start == 0:
+            rs.draft.reset()
+        self.block_manager.commit(seq, n)
+        following = seq.token_ids[start + 1:start + n]
+        if completes:
+            following.append(sampled[0])
+            if n == 1:
+                seq.metrics.num_target_forwards += 1
+                seq.metrics.num_decode_tokens += 1
+        else:
+            following.append(seq.token_ids[start + n])
+        if features is not None:
+            rs.draft.add(features[offset:offset + n], following)
+        return sampled if completes else None
+
+    def _accept_tree(self, seq: Sequence, tree: DraftTree, rows: torch.Tensor, offset: int,
+                     features: torch.Tensor | None) -> list[tuple[int, float | None]]:
+        """Accept the longest correct path (losslessly), keep its KV and features, drop the rest."""
+        p = seq.params
+        if p.greedy:
+            acc = accept_greedy(tree.parents, tree.tokens, rows)
+        else:
+            acc = accept_sampling(tree.parents, tree.tokens, lambda r, _idx, p=p: target_probs(r, p),
+                                  seq.generator, target_logits=rows)
+        src, dst = self.block_manager.keep_subset(seq, acc.path)
+        self.runner.copy_kv(src, dst)
+        rs = self.states[seq.request_id]
+        if features is not None:
+            rs.draft.add(features[offset + torch.tensor(acc.path)], acc.tokens)
+        self._count_sources(seq, rs.hybrid, acc.path[1:], tree)
+        lps = torch.log_softmax(rows[torch.tensor(acc.path)].float(), -1) if p.logprobs else None
+        seq.metrics.num_target_forwards += 1
+        seq.metrics.num_decode_tokens += len(acc.tokens)
+        self._count_depths(seq, tree.depth, acc.num_accepted)
+        return [(t, lps[i, t].item() if lps is not None else None) for i, t in enumerate(acc.tokens)]
+
+    def _request_state(self, request_id: str, start: int) -> RequestState:
+        rs = self.states.get(request_id)
+        if rs is None:
+            index = NgramIndex(*self.spec.lookup_ngram) if self.spec.lookup else None
+            rs = self.states[request_id] = RequestState(DraftState(start=start), index)
+        return rs
+
+    # ---- bookkeeping ------------------------------------------------------------------------
+    def _count_sources(self, seq: Sequence, hs: HybridState, accepted: list[int], tree: DraftTree) -> None:
         """Per-source acceptance: the request's metrics and the moving averages that split the budget."""
-        h = sum(1 for i in accepted if from_head[i])
-        lk = sum(1 for i in accepted if from_lookup[i])
+        h = sum(1 for i in accepted if tree.from_head[i])
+        lk = sum(1 for i in accepted if tree.from_lookup[i])
         m = seq.metrics
         m.accepted_from_head += h
         m.accepted_from_lookup += lk
-        if any(from_head[1:]):          # only steps the head drafted say how well it does
-            st.ema_head = 0.7 * st.ema_head + 0.3 * h
-        st.ema_lookup = 0.7 * st.ema_lookup + 0.3 * lk
+        mode = tree.mode
+        if mode in (StepMode.HEAD, StepMode.MERGED):     # only steps the head drafted say how well it does
+            hs.ema_head = 0.7 * hs.ema_head + 0.3 * h
+        hs.ema_lookup = 0.7 * hs.ema_lookup + 0.3 * lk
         if self.head is not None and self.spec.lookup:
-            mode = step_mode(any(from_head[1:]), any(from_lookup[1:]))
-            m.steps_by_source[mode] = m.steps_by_source.get(mode, 0) + 1
-            head_only = sum(1 for i in accepted if from_head[i] and not from_lookup[i])
-            self.hybrid.observe_accepted(st, mode, head_only, len(accepted) + 1)
-            if any(from_lookup[1:]):      # a whole branch accepted: the path ends on a lookup leaf
-                inner = {parents[i] for i in range(1, len(parents)) if from_lookup[i]}
-                self.hybrid.observe_lookup(st, lk, bool(lk) and from_lookup[accepted[-1]] and accepted[-1] not in inner)
+            m.steps_by_source[mode.value] = m.steps_by_source.get(mode.value, 0) + 1
+            head_only = sum(1 for i in accepted if tree.from_head[i] and not tree.from_lookup[i])
+            self.hybrid.observe_accepted(hs, mode, head_only, len(accepted) + 1)
+            if mode in (StepMode.LOOKUP, StepMode.MERGED):   # a whole branch accepted: the path ends on a lookup leaf
+                self.hybrid.observe_lookup(hs, lk, bool(lk) and tree.lookup_leaf(accepted[-1]))
 
     def _count_depths(self, seq: Sequence, depth: list[int], accepted: int) -> None:
         max_d = max(depth)
@@ -300,11 +363,12 @@ class EagleWorker:
             produced = sum(len(new_tokens.get(it.seq.request_id, ())) for it in decodes)
             self.policy.observe(len(decodes), budget, produced, step_s)
             if self.head is not None and self.spec.lookup and trees:   # the hybrid times each mode
-                modes = {step_mode(any(t[3][1:]), any(t[4][1:])) for t in trees.values()}
-                self.hybrid.observe(len(decodes), max(modes, key=MODES.index), step_s)
+                order = list(StepMode)
+                self.hybrid.observe(len(decodes), max((t.mode for t in trees.values()), key=order.index), step_s)
 
     def stats(self) -> dict:
         t = self.totals
         rates = [a / d if d else 0.0 for a, d in zip(t["accepted_at_depth"], t["drafted_at_depth"])]
         return {"spec_draft_s": t["draft_s"], "spec_verify_s": t["verify_s"], "spec_steps": t["spec_steps"],
-                "plain_steps": t["plain_steps"], "acceptance_rate_per_depth": rates, "policy": self.policy.snapshot()}
+                "plain_steps": t["plain_steps"], "spec_trees_shrunk_for_memory": t["trees_shrunk_for_memory"],
+                "acceptance_rate_per_depth": rates, "policy": self.policy.snapshot()}

@@ -1,8 +1,8 @@
 """The hybrid's per-request choice of sources: the mode with the most expected tokens per second."""
 from __future__ import annotations
 
-from eagle_worker.speculative.drafter import DraftState
-from eagle_worker.speculative.hybrid import HybridSplit, step_mode
+from eagle_worker.speculative.draft_tree import StepMode
+from eagle_worker.speculative.hybrid import HybridSplit, HybridState
 
 
 def _measured(**seconds: float) -> HybridSplit:
@@ -13,8 +13,8 @@ def _measured(**seconds: float) -> HybridSplit:
     return split
 
 
-def _state(outcome: str = "new", **gains: float) -> DraftState:
-    return DraftState(gains={"extra": 1.0, "head": 1.0, **gains}, lookup_outcome=outcome)
+def _state(outcome: str = "new", **gains: float) -> HybridState:
+    return HybridState(gains={"extra": 1.0, "head": 1.0, **gains}, lookup_outcome=outcome)
 
 
 def _expect(split: HybridSplit, **means: float) -> None:
@@ -76,7 +76,7 @@ def test_lookup_sits_out_after_a_miss_and_its_proposals_are_still_scored():
 
 def test_unmeasured_modes_are_tried_and_new_requests_start_from_the_worker_average():
     split = HybridSplit()
-    fresh = DraftState()
+    fresh = HybridState()
     assert split.choose(fresh, None, 1) == "head"              # nothing measured yet: draft
     split.observe(1, "head", 0.50)                             # the first step of a mode runs cold: ignored
     split.observe(1, "head", 0.09)
@@ -88,10 +88,10 @@ def test_unmeasured_modes_are_tried_and_new_requests_start_from_the_worker_avera
         split.observe(1, "plain", 0.04)
     assert split.steps.means[(1, "head")] == (0.09,)
     for _ in range(200):                                       # earlier requests: the head's trees paid
-        split.observe_accepted(DraftState(), "head", 2, 3)
+        split.observe_accepted(HybridState(), "head", 2, 3)
     assert split.new_gains()["head"] > 1.9
-    assert split.choose(DraftState(), None, 1) == "head"       # a new request trusts that at once
-    st = DraftState()
+    assert split.choose(HybridState(), None, 1) == "head"       # a new request trusts that at once
+    st = HybridState()
     for _ in range(10):                                        # ... until its own head steps say otherwise
         split.observe_accepted(st, "head", 0, 1)
     assert split.choose(st, None, 1) == "plain"
@@ -173,7 +173,7 @@ def test_the_share_lookup_leaves_counts_tokens_not_steps():
 
 
 def test_step_modes():
-    assert [step_mode(h, lk) for h in (False, True) for lk in (False, True)] == ["plain", "lookup", "head", "merged"]
+    assert [StepMode.of(h, lk) for h in (False, True) for lk in (False, True)] == ["plain", "lookup", "head", "merged"]
 
 
 def test_a_skipped_proposal_that_copying_resumed_on_counts_for_the_outcome_it_followed():

@@ -12,7 +12,8 @@ from eagle_worker.speculative import acceptance
 from eagle_worker.speculative.config import SpecConfig
 from eagle_worker.speculative.head_init import new_head
 from eagle_worker.speculative.head_loader import save_draft_head
-from eagle_worker.speculative.hybrid import MODES, HybridSplit
+from eagle_worker.speculative.draft_tree import DraftTree, StepMode
+from eagle_worker.speculative.hybrid import HybridSplit
 from eagle_worker.speculative.lookup import NgramIndex, merge_branches, prune_to_best
 from tests.eagle_worker.speculative.test_eagle_engine import _chi2_pvalue, _joint_counts
 
@@ -35,11 +36,14 @@ def test_index_is_incremental_and_matches_longest_suffix_first():
 
 def test_merge_shares_prefixes_and_respects_the_budget():
     parents, tokens, depth = [-1, 0, 0, 1], [7, 10, 11, 12], [0, 1, 1, 2]
-    p, t, d, head, look = merge_branches(parents, tokens, depth, [[10, 12, 13], [11, 20], [30, 31]], budget=2)
+    head_tree = DraftTree(parents, tokens, depth, [False, True, True, True], [False] * 4)
+    tree = merge_branches(head_tree, [[10, 12, 13], [11, 20], [30, 31]], budget=2)
+    p, t, d, head, look = tree.parents, tree.tokens, tree.depth, tree.from_head, tree.from_lookup
     assert t[:4] == tokens and p[:4] == parents           # existing nodes untouched
     assert t[4:] == [13, 20] and p[4:] == [3, 2] and d[4:] == [3, 2]   # only new nodes cost budget
     assert look == [False, True, True, True, True, True] and head == [False, True, True, True, False, False]
     assert all(pp < i for i, pp in enumerate(p) if i)
+    assert tree.mode == StepMode.MERGED and tree.lookup_leaf(4) and tree.lookup_leaf(5) and not tree.lookup_leaf(3)
 
 
 def test_prune_keeps_best_cumulative_nodes_closed_under_ancestors():
@@ -90,7 +94,7 @@ def test_hybrid_skips_the_head_while_lookup_carries_the_request():
     assert out.metrics["accepted_share_lookup"] > 0.8, out.metrics
     assert 0 < len(grown) <= steps // 2 + 1, (len(grown), steps)
     by_source = out.metrics["steps_by_source"]       # every decode step counted once, by who drafted
-    assert sum(by_source.values()) == out.metrics["num_target_forwards"] and set(by_source) <= set(MODES)
+    assert sum(by_source.values()) == out.metrics["num_target_forwards"] and set(by_source) <= {m.value for m in StepMode}
     assert by_source.get("head", 0) + by_source.get("merged", 0) == len(grown)
     assert by_source["lookup"] > by_source.get("plain", 0)
 
