@@ -33,6 +33,7 @@ from pathlib import Path
 import requests
 
 from bench.prompts import load_questions, render
+from cluster.local_ray import StartedRay
 
 STAT_KEYS = ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")
 
@@ -150,25 +151,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-_STARTED_RAY: list[bool] = []
+_RAY = StartedRay()  # the Ray this benchmark started, if any: it goes when the run ends
 
 
 def _start_local(model: str, draft: str | None, name: str, port: int, max_num_seqs: int, max_tokens: int,
                  dtype: str) -> str:
     """Deploy the app on this machine's Ray (started here if needed); its base URL."""
-    import ray
-
     from cluster.config import ServeConfig
     from cluster.serve_app import run_serve
 
     cpus = os.cpu_count() or 1
-    if not ray.is_initialized():
-        _STARTED_RAY.append(True)
-        address = os.environ.get("RAY_ADDRESS")
-        # one logical CPU more than there are cores: the replica computes on every core and the
-        # HTTP ingress still fits next to it
-        ray.init(address=address, num_cpus=None if address else cpus + 1, include_dashboard=False,
-                 namespace="eagle-bench", log_to_driver=False, logging_level="WARNING")
+    address = os.environ.get("RAY_ADDRESS")
+    # one logical CPU more than there are cores: the replica computes on every core and the
+    # HTTP ingress still fits next to it
+    _RAY.start(address=address, num_cpus=None if address else cpus + 1, include_dashboard=False,
+               namespace="eagle-bench", log_to_driver=False, logging_level="WARNING")
     cfg = ServeConfig(model=model, draft=draft, dtype=dtype, app_name=name, port=port, num_replicas=1,
                       resources_per_rank={"cpu": cpus},
                       limits={"max_num_seqs": max_num_seqs, "max_queued_requests": max_num_seqs,
@@ -183,17 +180,6 @@ def _stop_local(name: str) -> None:
         serve.delete(name)
     except Exception:  # noqa: BLE001 - already gone
         pass
-
-
-def _shutdown_started_ray() -> None:
-    """A Ray we started for the benchmark goes with it."""
-    if _STARTED_RAY:
-        import ray
-        from ray import serve
-
-        _STARTED_RAY.clear()
-        serve.shutdown()
-        ray.shutdown()
 
 
 def _served_model(url: str) -> str:
@@ -272,7 +258,7 @@ def run(url: str | None = None, model: str = "gemma-3-270m", concurrencies: tupl
                 if url is None:
                     _stop_local(app)
     finally:
-        _shutdown_started_ray()
+        _RAY.shutdown()
     report = {"meta": {"model": model, "url": url, "draft": head, "concurrencies": list(concurrencies),
                        "num_prompts": num_prompts, "max_tokens": max_tokens, "dtype": dtype,
                        "cpus": os.cpu_count(), "machine": platform.machine(), "notes": notes,

@@ -65,6 +65,17 @@ def save_tiny_model(family: str, path: Path, seed: int = 0) -> Path:
     return path
 
 
+def assert_no_leaks(engine) -> None:
+    """Nothing of a finished request is left in an LLMEngine: every KV block is free, the scheduler
+    queues and the request table are empty, and so is a speculative worker's per-request state."""
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert not engine.scheduler.running and not engine.scheduler.waiting and not engine.requests
+    from eagle_worker.speculative.worker import EagleWorker
+
+    if isinstance(engine.worker, EagleWorker):  # the only worker that keeps per-request state
+        assert not engine.worker.states
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A factory: tiny_model_dir("llama") -> folder with config, safetensors and tokenizer."""

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from cluster.local_ray import StartedRay
+
 REPO = Path(__file__).resolve().parents[2]
 FAKE = "tests.cluster.fake_engine"
 
@@ -29,25 +31,18 @@ def ray_cluster():
 
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if not ray.is_initialized():  # logical CPUs: test replicas reserve fractions of the 2 real cores
-        ray.init(num_cpus=8, include_dashboard=False, namespace="eagle-tests", log_to_driver=False)
-        _STARTED.append(True)
+    # logical CPUs: test replicas reserve fractions of the 2 real cores
+    _RAY.start(num_cpus=8, include_dashboard=False, namespace="eagle-tests", log_to_driver=False)
     yield ray
     _shutdown()
 
 
-_STARTED: list[bool] = []
+_RAY = StartedRay()
 
 
 def _shutdown() -> None:
     """Stop the cluster we started (other test folders start their own Ray with other settings)."""
-    if _STARTED:
-        import ray
-        from ray import serve
-
-        _STARTED.clear()
-        serve.shutdown()
-        ray.shutdown()
+    _RAY.shutdown()
 
 
 @pytest.hookimpl(wrapper=True)

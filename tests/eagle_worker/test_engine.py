@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM
 from eagle_worker import LLM, SamplingParams
 from eagle_worker.config import EngineConfig
 from eagle_worker.engine import LLMEngine
+from tests.conftest import assert_no_leaks
 
 PROMPTS = ["The quick brown fox", "Question: what is two plus two?\nAnswer:", "def add(a, b):\n",
            "Bonjour", "Speculative decoding drafts tokens and verifies them in one pass. The quick",
@@ -21,11 +22,6 @@ def hf_greedy(model, tokenizer, prompt: str, n: int) -> list[int]:
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
                          eos_token_id=None, pad_token_id=0)
     return out[0, ids.shape[1]:].tolist()
-
-
-def assert_no_leaks(engine: LLMEngine) -> None:
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    assert not engine.scheduler.running and not engine.scheduler.waiting and not engine.requests
 
 
 @pytest.fixture(scope="module", params=["llama", "gemma3"])

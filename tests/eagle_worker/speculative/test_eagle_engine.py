@@ -18,6 +18,7 @@ from eagle_worker.speculative.config import SpecConfig
 from eagle_worker.speculative.head_init import new_head
 from eagle_worker.speculative.head_loader import save_draft_head
 from eagle_worker.speculative.policy import SpecPolicy
+from tests.conftest import assert_no_leaks
 
 PROMPTS = ["The quick brown fox", "Question: what is two plus two?\nAnswer:", "def add(a, b):\n", "x",
            "Speculative decoding drafts tokens and verifies them in one pass.", "Bonjour"]
@@ -28,11 +29,6 @@ def random_head(llm: LLM, kind: str, path: Path) -> Path:
     vocab = torch.arange(0, runner.model.vocab_size, 2) if kind == "eagle3" else None
     save_draft_head(new_head(kind, runner.model, runner.hf_config, vocab, std=0.2), path)
     return path
-
-
-def assert_no_leaks(engine: LLMEngine) -> None:
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    assert not engine.requests and not engine.worker.states
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma3"])
