@@ -174,10 +174,10 @@ class Attention(nn.Module):
         for g in ctx.groups:
             B, Q = g.token_index.shape
             K = g.kv_slots.shape[1]
-            # CPU SDPA in bf16/fp16 is 3-6x slower than in float32 for one query per sequence (decode:
-            # 0.9 against 0.15 ms for 8 sequences at 120 keys, measured); more queries break even
+            # CPU SDPA in bf16/fp16 is several times slower than in float32 for one query per sequence
+            # (decode), so decode groups are upcast; with more queries per sequence the two break even
             dt = torch.float32 if Q == 1 and q.device.type == "cpu" else q.dtype
-            # index_select on flat indices: half the time of advanced indexing for these gathers (measured)
+            # index_select on flat indices: cheaper than advanced indexing for these gathers
             qg = q.index_select(0, g.token_index.flatten()).to(dt).view(B, Q, self.num_heads, self.head_dim).transpose(1, 2)
             slots = g.kv_slots.flatten()
             kg = k_src.index_select(0, slots).to(dt).view(B, K, self.num_kv_heads, self.head_dim).transpose(1, 2)

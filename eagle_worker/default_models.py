@@ -336,7 +336,7 @@ def _current_umask() -> int:
 def _shared_gguf_reader(gguf_path: Path, reader=None):
     """Parse the GGUF once for the whole build. Building the config, the tokenizer and the weights
     each calls `gguf.GGUFReader(path)` (via transformers' `load_gguf_checkpoint`), and parsing the
-    262k-entry vocabulary costs ~15 s a time; in this block, readers of our file are shared
+    262k-entry vocabulary is slow every time; in this block, readers of our file are shared
     (`reader`, if given, is an already parsed reader of it)."""
     import gguf
 

@@ -19,7 +19,7 @@ _int_mm = getattr(torch, "_int_mm", None)
 class Int8ArgmaxScreen:
     """Built once from an LM-head weight [V, H]; `argmax(hidden [M, H], weight)` -> [M] token ids."""
 
-    MAX_ROWS = 12          # the integer GEMM and the bound grow with rows; at 16 a float GEMM is as fast (measured)
+    MAX_ROWS = 12          # the integer GEMM and the bound grow with rows until a float GEMM is as fast: stay below that
 
     def __init__(self, weight: torch.Tensor):
         w = weight.detach().float()

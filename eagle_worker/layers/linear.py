@@ -27,12 +27,11 @@ def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shar
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias). On CPU in float32 (inference) through oneDNN: MKL's float32 GEMM
-    takes slow paths on this class of CPU (AMD EPYC) at every row count the engine uses, while
-    oneDNN on the same row-major weight runs the 18 layers of Gemma 3 270M in 12 / 14 / 17 / 64 /
-    229 ms at 1 / 2 / 9 / 128 / 512 rows against MKL's 18 / 28 / 36 / 150 / 521, and its 262K-row
-    LM head in 15 ms at 1 row against 43 (2 cores, measured). At exactly 2 rows (a one-node tree,
-    two decoding sequences) MKL with the weight on the left, weight @ x.T, is faster still (the
-    layers in 11 ms against oneDNN's 15). Elsewhere (bf16, CUDA, training): `F.linear`."""
+    takes slow paths on some CPUs (seen on AMD EPYC) at every row count the engine uses, while
+    oneDNN on the same row-major weight is faster at all of them, for the decoder layers and the
+    wide LM head alike (figures: the README's benchmarks). At exactly 2 rows (a one-node tree, two
+    decoding sequences) MKL with the weight on the left, weight @ x.T, is faster still.
+    Elsewhere (bf16, CUDA, training): `F.linear`."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if (rows and _onednn_linear is not None and x.device.type == "cpu" and x.dtype == torch.float32
             and weight.dtype == torch.float32 and not torch.is_grad_enabled()):

@@ -19,7 +19,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(init(hidden_size), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # one call instead of six Python-level ops (about 15 us less each): a decode step runs ~100 of these
+        # one fused call instead of six Python-level ops: on CPU decode the per-op overhead adds up, and a
+        # step runs several of these per layer
         shape = (x.shape[-1],)
         if self.offset:
             return F.rms_norm(x.float(), shape, self.weight.float() + self.offset, self.eps).to(x.dtype)

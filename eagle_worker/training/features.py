@@ -7,7 +7,7 @@ softmax would not fit on disk), and whether predicting p+1 is trained (response 
 
 Why prefill over fixed text works as distillation: the label at every position is the target's
 own prediction, not the text's next token, so a cache-free forward over any text yields
-self-distilled labels at ~3x the speed of generating. Shards are written atomically and the
+self-distilled labels several times faster than generating. Shards are written atomically and the
 manifest names the examples each covers, so a crashed extraction resumes where it stopped.
 """
 from __future__ import annotations

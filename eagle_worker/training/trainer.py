@@ -35,8 +35,8 @@ class TrainConfig:
     ttt_steps: int = 3                # unrolled draft steps (EAGLE-3 uses 7; 1 is plain EAGLE-1)
     step_decay: float = 0.8           # loss weight of step k: decay ** k
     feature_noise: float = 0.0
-    bf16: str = "auto"                # "auto": autocast on CUDA with bf16; "on"/"off". On our 2-core
-                                      # AVX512-BF16 CPU, autocast made training 1.8x *slower* (measured)
+    bf16: str = "auto"                # "auto": autocast on CUDA with bf16; "on"/"off". Not on CPU by
+                                      # default: even with AVX512-BF16, autocast made training slower there
     checkpoint_every: int = 200
     eval_every: int = 200
     keep_checkpoints: int = 2

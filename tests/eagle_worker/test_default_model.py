@@ -1,8 +1,8 @@
 """The built-in `gemma-3-270m`: materialised from the packaged GGUF into an HF folder.
 
-The first run builds the cache (about a minute on 2 cores; the concurrency test builds a second
-copy into a temp dir), loads the GGUF directly once more for the reference logits (~40 s), and
-runs a short greedy generation: ~3 min cold, ~1.5 min with a warm cache.
+The first run builds the cache (the concurrency test builds a second copy into a temp dir), loads
+the GGUF directly once more for the reference logits, and runs a short greedy generation: minutes
+on a small CPU, less with a warm cache (the slow tier; the fixtures print how long each part took).
 """
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ def gguf_file(tmp_path_factory) -> Path:
 def gguf_reader(gguf_file):
     from gguf import GGUFReader
 
-    return GGUFReader(str(gguf_file))  # parsing the 262k-token vocabulary takes ~15 s
+    return GGUFReader(str(gguf_file))  # parsing the 262k-token vocabulary is slow: once a session
 
 
 @pytest.fixture(scope="session")
