@@ -97,6 +97,7 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None
     metrics: dict = field(default_factory=dict)
+    logprobs: list[float] | None = None  # as eagle_worker's; the fake never fills it
 
 
 @dataclass
