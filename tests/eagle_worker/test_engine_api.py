@@ -6,8 +6,15 @@ import inspect
 
 import pytest
 
-from eagle_worker.engine_api import (ENGINE_ATTRS, ENGINE_METHODS, MODULE_NAMES, STATS_KEYS, Engine,
-                                     load_engine_module, signature_mismatches)
+from eagle_worker.engine_api import (
+    ENGINE_ATTRS,
+    ENGINE_METHODS,
+    MODULE_NAMES,
+    STATS_KEYS,
+    Engine,
+    load_engine_module,
+    signature_mismatches,
+)
 
 MODULES = ["eagle_worker", "tests.cluster.fake_engine"]
 
