@@ -277,8 +277,9 @@ class ServeConfig(_Strict):
 
     # ---- loading ---------------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, data: dict[str, Any] | None, source: str = "config") -> "ServeConfig":
-        """Validate a plain dict (YAML document, Serve `args`), raising ConfigError on failure."""
+    def from_dict(cls, data: dict[str, Any] | None, source: str = "config", at: str = "") -> "ServeConfig":
+        """Validate a plain dict (YAML document, Serve `args`), raising ConfigError on failure;
+        `at` is the section the dict came from (`serve` in a deploy file), for the error's field paths."""
         if data is None:
             data = {}
         if not isinstance(data, dict):
@@ -286,30 +287,51 @@ class ServeConfig(_Strict):
         try:
             return cls.model_validate(data)
         except ValidationError as e:
-            raise ConfigError(format_validation_error(e, source)) from None
+            raise ConfigError(format_validation_error(e, source, at=at)) from None
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike) -> "ServeConfig":
-        path = Path(path)
-        try:
-            data = yaml.safe_load(path.read_text())
-        except OSError as e:
-            raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: invalid YAML: {e}") from None
+        """The one loader of serve config files: a plain ServeConfig file, or a deploy file
+        (deploy/kuberay.py) whose `serve:` section is one (its `kubernetes:` section is the renderer's)."""
+        data = read_yaml(path, empty_ok=True)
+        if data.keys() & DEPLOY_SECTIONS:
+            return cls.from_dict(data.get("serve"), source=str(path), at="serve")
         return cls.from_dict(data, source=str(path))
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json", exclude_none=True), sort_keys=False)
 
 
-def format_validation_error(err: ValidationError, source: str = "config") -> str:
-    """One line per problem, with a dotted field path: `config: limits.max_tokens: ...`."""
+DEPLOY_SECTIONS = frozenset({"serve", "kubernetes"})   # the top-level keys of a deploy file
+
+
+def read_yaml(path: str | os.PathLike, empty_ok: bool = False) -> dict[str, Any]:
+    """The one reader of YAML config files (serve, deploy, RayJob): the top-level mapping, or
+    ConfigError naming the file. An empty file is {} when `empty_ok`."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML: {e}") from None
+    if data is None and empty_ok:
+        return {}
+    if not isinstance(data, dict):
+        got = "an empty file" if data is None else type(data).__name__
+        raise ConfigError(f"{path}: expected a mapping at the top level, got {got}")
+    return data
+
+
+def format_validation_error(err: ValidationError, source: str = "config", what: str = "serve config",
+                            at: str = "") -> str:
+    """One line per problem, with a dotted field path: `config: limits.max_tokens: ...`; `at`
+    prefixes the paths with the section the data came from."""
     lines = []
     for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        loc = ".".join(str(p) for p in ((at,) if at else ()) + tuple(e["loc"])) or "(top level)"
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             msg = "unknown field"
         lines.append(f"{loc}: {msg}")
-    return f"{source}: invalid serve config:\n  " + "\n  ".join(lines)
+    return f"{source}: invalid {what}:\n  " + "\n  ".join(lines)

@@ -13,7 +13,6 @@ KubeRay RayService specs; args are a ServeConfig dict), `build_app(config)` and
 import asyncio
 import json
 import logging
-import signal
 import threading
 import time
 from typing import Any, AsyncIterator
@@ -29,6 +28,7 @@ from cluster.config import ServeConfig
 from cluster.metrics import ServeMetrics
 from cluster.replica import EngineReplica, Rejected
 from cluster.router import OverloadedError, ReplicaLostError, router_config, stream_outputs
+from cluster.signals import on_stop_signals, restore_signals
 
 logger = logging.getLogger(__name__)
 api = FastAPI(title="eagle-serve", docs_url=None, redoc_url=None)
@@ -380,21 +380,18 @@ def run_serve(config: ServeConfig, address: str | None = None, blocking: bool = 
     finally:
         if blocking and ray.is_initialized():
             _delete_app(config.app_name)
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        restore_signals(previous)
     return url
 
 
 def _stop_on_signals() -> dict:
     """SIGINT and SIGTERM raise KeyboardInterrupt in the main thread, whatever handler (or ignore)
     the process inherited or a library installed; returns the handlers replaced."""
-    if threading.current_thread() is not threading.main_thread():
-        return {}
+    return on_stop_signals(_interrupt)
 
-    def stop(signum, frame):
-        raise KeyboardInterrupt(signal.Signals(signum).name)
 
-    return {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+def _interrupt(name: str) -> None:
+    raise KeyboardInterrupt(name)
 
 
 def _delete_app(name: str, timeout_s: float = 60.0) -> None:

@@ -5,7 +5,8 @@ batch RayJob must agree on model, TP size, GPUs per node and replica bounds. The
 here from one file whose `serve:` section is the `ServeConfig` that `eaglectl serve` reads and whose
 `kubernetes:` section (`KubeConfig`) holds what only a cluster needs (image, GPU type, pod sizes,
 volumes, secrets). A plain ServeConfig file works too (all-default `kubernetes:`).
-`eaglectl deploy render --config serve.yaml [--job job.yaml] --out DIR` writes one manifest a file.
+`eaglectl deploy render --config serve.yaml [--job job.yaml] --out DIR` (eaglectl/deploy.py) writes
+one manifest a file. No click here: the command line is eaglectl's.
 """
 from __future__ import annotations
 
@@ -14,11 +15,12 @@ import shlex
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import click
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
 
-from cluster.config import ConfigError, PlacementStrategy, ServeConfig, format_validation_error
+from cluster.config import (DEPLOY_SECTIONS, ConfigError, PlacementStrategy, ServeConfig, format_validation_error,
+                            read_yaml)
+from jobs.job_config import submit_job_args_error
 
 RAY_VERSION = "2.60.0"          # must equal the Ray in the image (deploy/Dockerfile.* ARG RAY_VERSION)
 IMAGE_VERSION = "0.1.0"         # tag of the images the README builds
@@ -48,11 +50,11 @@ class PodResources(_Strict):
     ephemeral_storage: Quantity | None = None
 
 
-class HeadConfig(_Strict):
+class HeadPodConfig(_Strict):
     resources: PodResources = PodResources(cpu="2", memory="8Gi")
 
 
-class WorkerConfig(_Strict):
+class WorkerPodConfig(_Strict):
     """Worker pods. Serving replicas live only here (the head advertises 0 CPUs)."""
     gpus_per_node: int = Field(0, ge=0, le=16)
     gpu_product: str | None = Field(None, description=f"node label {GPU_PRODUCT_LABEL}, e.g. NVIDIA-L4")
@@ -79,8 +81,8 @@ class KubeConfig(_Strict):
     image_pull_policy: Literal["IfNotPresent", "Always", "Never"] = "IfNotPresent"
     image_pull_secrets: list[Ref] = Field(default_factory=list)
     ray_version: str = RAY_VERSION
-    head: HeadConfig = HeadConfig()
-    workers: WorkerConfig = WorkerConfig()
+    head: HeadPodConfig = HeadPodConfig()
+    workers: WorkerPodConfig = WorkerPodConfig()
     storage: StorageConfig = StorageConfig()
     api_keys_secret: SecretRef | None = None  # fills the env var named by serve.api_keys_env
     service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
@@ -164,15 +166,10 @@ class DeployConfig(_Strict):
     @classmethod
     def from_yaml(cls, path: str | Path) -> "DeployConfig":
         """`serve:` + `kubernetes:` sections, or a plain ServeConfig file (default `kubernetes:`)."""
-        data = _load_yaml(path)
-        if not (data.keys() & {"serve", "kubernetes"}):
+        data = read_yaml(path)
+        if not (data.keys() & DEPLOY_SECTIONS):
             data = {"serve": data}
         return _validate(cls, data, str(path))
-
-
-def load_serve_config(path: str | Path) -> ServeConfig:
-    """The ServeConfig of a deploy file or of a plain serve file: lets `eaglectl serve` read either."""
-    return DeployConfig.from_yaml(path).serve
 
 
 class DataVolume(_Strict):
@@ -180,7 +177,7 @@ class DataVolume(_Strict):
     path: str = "/data"
 
 
-class JobConfig(_Strict):
+class RayJobConfig(_Strict):
     """A batch RayJob: `eaglectl submit-job` over a Parquet dataset on a shared volume.
 
     Paths, not object-store URLs: `eaglectl submit-job` reads and writes local paths, so the dataset
@@ -203,7 +200,7 @@ class JobConfig(_Strict):
     backoff_limit: int = Field(0, ge=0)
 
     @model_validator(mode="after")
-    def _on_the_volume(self) -> "JobConfig":
+    def _on_the_volume(self) -> "RayJobConfig":
         root = self.data_volume.path.rstrip("/") + "/"
         for field in ("input", "output"):
             if not getattr(self, field).startswith(root):
@@ -212,27 +209,15 @@ class JobConfig(_Strict):
         return self
 
     @classmethod
-    def from_yaml(cls, path: str | Path) -> "JobConfig":
-        return _validate(cls, _load_yaml(path), str(path))
-
-
-def _load_yaml(path: str | Path) -> dict:
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: invalid YAML: {e}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping at the top level")
-    return data
+    def from_yaml(cls, path: str | Path) -> "RayJobConfig":
+        return _validate(cls, read_yaml(path), str(path))
 
 
 def _validate(cls, data: dict, source: str):
     try:
         return cls.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(format_validation_error(e, source).replace("invalid serve config", "invalid config")) from None
+        raise ConfigError(format_validation_error(e, source, what="config")) from None
 
 
 def cpu_cores(q: str) -> float:
@@ -267,7 +252,7 @@ def _probe(port: int, path: str, delay: int, failures: int) -> dict[str, Any]:
             "timeoutSeconds": 2, "failureThreshold": failures}
 
 
-def _env(cfg: DeployConfig, job: JobConfig | None = None) -> list[dict[str, Any]]:
+def _env(cfg: DeployConfig, job: RayJobConfig | None = None) -> list[dict[str, Any]]:
     k = cfg.kubernetes
     env = [{"name": "HF_HOME", "value": f"{HOME}/.cache/huggingface"},
            {"name": "EAGLE_CACHE_DIR", "value": f"{HOME}/.cache/eagle-serve/models"}]
@@ -281,7 +266,7 @@ def _env(cfg: DeployConfig, job: JobConfig | None = None) -> list[dict[str, Any]
     return env
 
 
-def _volumes(cfg: DeployConfig, job: JobConfig | None) -> tuple[list[dict], list[dict]]:
+def _volumes(cfg: DeployConfig, job: RayJobConfig | None) -> tuple[list[dict], list[dict]]:
     st = cfg.kubernetes.storage
     vols = [{"name": "dshm", "emptyDir": {"medium": "Memory"}},  # Ray's object store lives in /dev/shm
             {"name": "cache", "emptyDir": {"sizeLimit": st.cache_size}}]
@@ -295,7 +280,7 @@ def _volumes(cfg: DeployConfig, job: JobConfig | None) -> tuple[list[dict], list
     return vols, mounts
 
 
-def _pod(cfg: DeployConfig, container: dict, labels: dict, job: JobConfig | None, worker: bool) -> dict:
+def _pod(cfg: DeployConfig, container: dict, labels: dict, job: RayJobConfig | None, worker: bool) -> dict:
     k = cfg.kubernetes
     vols, mounts = _volumes(cfg, job)
     container = {"name": container["name"], "image": cfg.image, "imagePullPolicy": k.image_pull_policy, **container,
@@ -318,7 +303,7 @@ def _pod(cfg: DeployConfig, container: dict, labels: dict, job: JobConfig | None
     return {"metadata": {"labels": labels}, "spec": spec}
 
 
-def _cluster_spec(cfg: DeployConfig, component: str, job: JobConfig | None = None,
+def _cluster_spec(cfg: DeployConfig, component: str, job: RayJobConfig | None = None,
                   serving: bool = False) -> dict[str, Any]:
     """A RayCluster spec: CPU-less head (GCS, Serve controller, dashboard) + one worker group."""
     k, s = cfg.kubernetes, cfg.serve
@@ -406,11 +391,11 @@ def raycluster_http(cfg: DeployConfig) -> dict[str, Any]:
                      "selector": {"ray.io/cluster": name, "ray.io/node-type": "head"}}}
 
 
-def _job_tp(cfg: DeployConfig, job: JobConfig) -> int:
+def _job_tp(cfg: DeployConfig, job: RayJobConfig) -> int:
     return job.tp_size or cfg.serve.tp_size
 
 
-def _job_nodes(cfg: DeployConfig, job: JobConfig) -> int:
+def _job_nodes(cfg: DeployConfig, job: RayJobConfig) -> int:
     """Worker pods for the job's engine replicas, `gpus_per_node // tp` replicas a node (1 on CPU)."""
     gpus, tp = cfg.kubernetes.workers.gpus_per_node, _job_tp(cfg, job)
     if cfg.serve.device != "cuda":
@@ -420,10 +405,11 @@ def _job_nodes(cfg: DeployConfig, job: JobConfig) -> int:
     return math.ceil(job.replicas / (gpus // tp))
 
 
-def job_entrypoint(cfg: DeployConfig, job: JobConfig) -> str:
+def job_entrypoint(cfg: DeployConfig, job: RayJobConfig) -> str:
     """`eaglectl submit-job ...` with the serve section's model settings, run as the RayJob's driver
     on the head: it submits the batch to the dashboard next to it and, with --wait, exits with the
-    batch's status, which becomes the RayJob's. Checked against the real CLI when it is installed."""
+    batch's status, which becomes the RayJob's. Its flags are checked against submit-job's
+    (`jobs.job_config.SUBMIT_JOB_FLAGS`, which tests/jobs keeps equal to the CLI's)."""
     s = cfg.serve
     draft = job.draft if job.draft is not None else (s.draft or "none")
     argv = ["eaglectl", "submit-job", job.input, "--output", job.output, "--model", job.model or s.model,
@@ -434,18 +420,13 @@ def job_entrypoint(cfg: DeployConfig, job: JobConfig) -> str:
             argv += [flag, str(value)]
     argv += ["--max-num-seqs", str(s.limits.max_num_seqs), "--replicas", str(job.replicas),
              "--tp-size", str(_job_tp(cfg, job)), *job.extra_args, "--address", "http://127.0.0.1:8265", "--wait"]
-    try:
-        from eaglectl.jobs import submit_job
-    except ImportError:  # not installed: the tests parse the committed entrypoints with the real CLI
-        return shlex.join(argv)
-    try:
-        submit_job.make_context("submit-job", argv[2:])
-    except click.ClickException as e:
-        raise ConfigError(f"job: eaglectl submit-job would refuse {shlex.join(argv[2:])!r}: {e.format_message()}") from None
+    why = submit_job_args_error(argv[2:])
+    if why is not None:
+        raise ConfigError(f"job: eaglectl submit-job would refuse {shlex.join(argv[2:])!r}: {why}")
     return shlex.join(argv)
 
 
-def rayjob(cfg: DeployConfig, job: JobConfig) -> dict[str, Any]:
+def rayjob(cfg: DeployConfig, job: RayJobConfig) -> dict[str, Any]:
     spec: dict[str, Any] = {"entrypoint": job_entrypoint(cfg, job), "shutdownAfterJobFinishes": True,
                             "ttlSecondsAfterFinished": job.ttl_seconds_after_finished,
                             "backoffLimit": job.backoff_limit, "submissionMode": "K8sJobMode"}
@@ -455,7 +436,7 @@ def rayjob(cfg: DeployConfig, job: JobConfig) -> dict[str, Any]:
     return {"apiVersion": "ray.io/v1", "kind": "RayJob", "metadata": _meta(cfg, job.name, "batch"), "spec": spec}
 
 
-def render(cfg: DeployConfig, job: JobConfig | None = None) -> dict[str, dict[str, Any]]:
+def render(cfg: DeployConfig, job: RayJobConfig | None = None) -> dict[str, dict[str, Any]]:
     """File name -> manifest. Apply `rayservice.yaml` + `pdb.yaml` to serve, `rayjob.yaml` for a
     batch, `raycluster*.yaml` for an interactive cluster."""
     out = {"rayservice.yaml": rayservice(cfg), "pdb.yaml": pdb(cfg), "raycluster.yaml": raycluster(cfg),
@@ -481,38 +462,6 @@ def to_yaml(manifest: dict[str, Any], sources: str) -> str:
 def render_files(config: str | Path, job: str | Path | None = None) -> dict[str, str]:
     """File name -> YAML text, from config files (what the CLI writes and the tests compare)."""
     cfg = DeployConfig.from_yaml(config)
-    job_cfg = JobConfig.from_yaml(job) if job else None
+    job_cfg = RayJobConfig.from_yaml(job) if job else None
     sources = " + ".join(Path(p).name for p in (config, job) if p)
     return {name: to_yaml(m, sources) for name, m in render(cfg, job_cfg).items()}
-
-
-# ---- CLI ---------------------------------------------------------------------------------------
-@click.group("deploy")
-def deploy() -> None:
-    """Kubernetes (KubeRay) manifests from the serve config."""
-
-
-@deploy.command("render")
-@click.option("--config", "config", required=True, type=click.Path(exists=True, dir_okay=False),
-              help="serve.yaml: a ServeConfig, or `serve:` + `kubernetes:` sections.")
-@click.option("--job", "job", type=click.Path(exists=True, dir_okay=False), help="job.yaml: a batch RayJob.")
-@click.option("--out", "out", required=True, type=click.Path(file_okay=False), help="Folder for the manifests.")
-@click.option("--check", is_flag=True, help="Write nothing; exit 1 if --out differs from a fresh render.")
-def render_cmd(config, job, out, check) -> None:
-    """Write rayservice.yaml, pdb.yaml, raycluster.yaml, raycluster-http.yaml (and rayjob.yaml)."""
-    try:
-        files = render_files(config, job)
-    except ConfigError as e:
-        raise click.ClickException(str(e)) from None
-    out = Path(out)
-    if check:
-        stale = sorted(n for n, text in files.items() if not (out / n).is_file() or (out / n).read_text() != text)
-        extra = sorted(p.name for p in out.glob("*.yaml") if p.name not in files) if out.is_dir() else []
-        if stale or extra:
-            raise click.ClickException(f"{out} is not up to date: stale {stale}, not rendered {extra}")
-        click.echo(f"{out}: up to date")
-        return
-    out.mkdir(parents=True, exist_ok=True)
-    for name, text in files.items():
-        (out / name).write_text(text)
-        click.echo(str(out / name))

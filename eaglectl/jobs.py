@@ -1,31 +1,21 @@
 """`eaglectl submit-job` and `eaglectl job status|list|logs|cancel` (registered in eaglectl/main.py).
 
-Without `--address` and `RAY_ADDRESS` a job runs right here on an embedded Ray; with one, it is
-submitted to that cluster through the Ray Jobs API and `job ...` follows it. Exit codes: 0 the job
-completed, 1 it failed, 2 bad input or settings (nothing generated), 130 cancelled.
-Also runnable as `python -m eaglectl.jobs ...` (that is how the cluster runs the driver).
+Without `--address` and `RAY_ADDRESS` a job runs right here on an embedded Ray (jobs/driver.py);
+with one, it is submitted to that cluster through the Ray Jobs API (jobs/ray_jobs.py, whose driver
+entrypoint is `python -m jobs.driver`) and `job ...` follows it. Exit codes: 0 the job completed,
+1 it failed, 2 bad input or settings (nothing generated), 130 cancelled.
 """
 from __future__ import annotations
 
 import json
-import logging
 import os
 import sys
 from pathlib import Path
 
 import click
 
-EXIT_FAILED, EXIT_USAGE, EXIT_CANCELLED = 1, 2, 130
-
-
-def _setup_logging() -> None:
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
-    logging.getLogger("jobs").setLevel(logging.INFO)
-
-
-def _fail(msg: str, code: int = EXIT_USAGE):
-    click.echo(f"error: {msg}", err=True)
-    sys.exit(code)
+from eaglectl.common import fail
+from jobs.driver import EXIT_CANCELLED, EXIT_FAILED   # light: the driver's imports are inside drive()
 
 
 def _address(address: str | None) -> str | None:
@@ -35,25 +25,9 @@ def _address(address: str | None) -> str | None:
 
 def _run_local(cfg, ray_address: str) -> None:
     """Run the driver in this process; exits with the job's code."""
-    from jobs.input_reader import InputError
-    from jobs.job_config import JobConfigError
-    from jobs.output_writer import OutputError
-    from jobs.progress import summary
-    from jobs.replica_pool import JobFailed
-    from jobs.runner import run_job
+    from jobs.driver import drive
 
-    _setup_logging()
-    try:
-        manifest = run_job(cfg, ray_address=ray_address)
-    except (InputError, JobConfigError, OutputError) as e:
-        _fail(str(e))
-    except JobFailed as e:
-        _fail(f"job failed: {e}", EXIT_FAILED)
-    except KeyboardInterrupt:
-        _fail("interrupted; committed rows are kept, run the same command again to resume", EXIT_CANCELLED)
-    click.echo(summary(manifest))
-    if manifest["status"] == "cancelled":
-        sys.exit(EXIT_CANCELLED)
+    sys.exit(drive(cfg, ray_address))
 
 
 @click.command("submit-job")
@@ -94,7 +68,7 @@ def submit_job(input, fmt, stop, address, job_id, wait, **opts):
     try:
         cfg = JobConfig.from_options(input=input, format=fmt, stop=list(stop) or None, **opts).absolute()
     except JobConfigError as e:
-        _fail(str(e))
+        fail(str(e))
     address = _address(address)
     if address is None:
         _run_local(cfg, "local")
@@ -110,11 +84,11 @@ def _submit_remote(cfg, address: str, job_id: str | None, wait: bool) -> None:
         try:
             open_input(cfg.input, cfg.keep_columns, exclude=cfg.output)
         except InputError as e:
-            _fail(str(e))
+            fail(str(e))
     try:
         jid = ray_jobs.submit(address, cfg, job_id)
     except ConnectionError as e:
-        _fail(str(e), EXIT_FAILED)
+        fail(str(e), EXIT_FAILED)
     click.echo(f"submitted job {jid} to {ray_jobs.jobs_address(address)}; output: {cfg.output}")
     click.echo(f"follow it with: eaglectl job status {jid} --address {address} --follow")
     if not wait:
@@ -129,22 +103,11 @@ def _submit_remote(cfg, address: str, job_id: str | None, wait: bool) -> None:
     sys.exit(0 if st["status"] == "SUCCEEDED" else EXIT_FAILED)
 
 
-@click.command("run-job", hidden=True)
-@click.option("--config-json", required=True)
-@click.option("--address", default="auto", show_default=True)
-def run_job_cmd(config_json, address):
-    """The job driver on a cluster (the Ray job entrypoint)."""
-    from jobs.job_config import JobConfig
-
-    cfg = JobConfig.model_validate_json(config_json)
-    _run_local(cfg, address)
-
-
 # ---- following jobs -----------------------------------------------------------------------------
 def _need_address(address: str | None) -> str:
     a = _address(address)
     if a is None:
-        _fail("needs --address or RAY_ADDRESS (the cluster's dashboard, e.g. http://head:8265); "
+        fail("needs --address or RAY_ADDRESS (the cluster's dashboard, e.g. http://head:8265); "
               "jobs without one run in the foreground and their status is in <output>/_manifest.json")
     return a
 
@@ -182,7 +145,7 @@ def job_status(job_id, address, follow, as_json):
     if Path(job_id).is_dir() and _address(address) is None:   # a local job's output folder
         line = _manifest_line(job_id, check_lock=True)   # flock is only trusted on this machine
         if line is None:
-            _fail(f"{job_id}: no job manifest there")
+            fail(f"{job_id}: no job manifest there")
         click.echo(line)
         return
     address = _need_address(address)
@@ -199,9 +162,9 @@ def job_status(job_id, address, follow, as_json):
     try:
         st = ray_jobs.wait(address, job_id, on_change=show) if follow else ray_jobs.info(address, job_id)
     except ConnectionError as e:
-        _fail(str(e), EXIT_FAILED)
+        fail(str(e), EXIT_FAILED)
     except RuntimeError as e:
-        _fail(f"job {job_id}: {e}", EXIT_FAILED)
+        fail(f"job {job_id}: {e}", EXIT_FAILED)
     if not follow:
         show(st)
     if follow:
@@ -219,7 +182,7 @@ def job_list(address, show_all, as_json):
     try:
         jobs = ray_jobs.list_jobs(_need_address(address))
     except ConnectionError as e:
-        _fail(str(e), EXIT_FAILED)
+        fail(str(e), EXIT_FAILED)
     if not show_all:
         jobs = [j for j in jobs if j["metadata"].get("eagle_job")]
     if as_json:
@@ -245,9 +208,9 @@ def job_logs(job_id, address, follow):
         else:
             click.echo(ray_jobs.logs(address, job_id), nl=False)
     except ConnectionError as e:
-        _fail(str(e), EXIT_FAILED)
+        fail(str(e), EXIT_FAILED)
     except RuntimeError as e:
-        _fail(f"job {job_id}: {e}", EXIT_FAILED)
+        fail(f"job {job_id}: {e}", EXIT_FAILED)
 
 
 @job.command("cancel")
@@ -260,20 +223,7 @@ def job_cancel(job_id, address):
     try:
         stopped = ray_jobs.stop(_need_address(address), job_id)
     except ConnectionError as e:
-        _fail(str(e), EXIT_FAILED)
+        fail(str(e), EXIT_FAILED)
     except RuntimeError as e:
-        _fail(f"job {job_id}: {e}", EXIT_FAILED)
+        fail(f"job {job_id}: {e}", EXIT_FAILED)
     click.echo(f"{job_id}: {'stopping' if stopped else 'already finished'}")
-
-
-@click.group()
-def main() -> None:
-    """Offline generation jobs (the same commands as in eaglectl)."""
-
-
-main.add_command(submit_job)
-main.add_command(job)
-main.add_command(run_job_cmd)
-
-if __name__ == "__main__":
-    main()

@@ -139,6 +139,47 @@ class JobConfig(BaseModel):
             raise JobConfigError("invalid job settings:\n  " + "\n  ".join(lines)) from None
 
 
+# The `submit-job` command line (declared with click in eaglectl/jobs.py; tests/jobs/test_input_reader.py
+# keeps the two equal) as data: flag -> whether it takes a value. The KubeRay renderer checks the RayJob
+# entrypoints it writes against it, so deploy/ needs no CLI to know what submit-job accepts.
+SUBMIT_JOB_FLAGS: dict[str, bool] = {
+    "--output": True, "-o": True, "--format": True, "--model": True, "--draft": True, "--dtype": True,
+    "--device": True, "--max-tokens": True, "--temperature": True, "--top-p": True, "--top-k": True,
+    "--seed": True, "--stop": True, "--max-model-len": True, "--replicas": True, "--tp-size": True,
+    "--cpus-per-replica": True, "--max-num-seqs": True, "--max-in-flight": True, "--min-ready-replicas": True,
+    "--keep-columns": False, "--overwrite": False, "--rows-per-file": True, "--commit-interval": True,
+    "--engine": True, "--address": True, "--job-id": True, "--wait": False, "--no-wait": False,
+}
+
+
+def submit_job_args_error(args: list[str]) -> str | None:
+    """None when `submit-job ARGS` has one INPUT and only known flags, each with its value; else why
+    not (in click's words). Values are not checked here: the job config validates them on the cluster."""
+    positional, i, only_args = [], 0, False
+    while i < len(args):
+        a = args[i]
+        i += 1
+        if only_args or not a.startswith("-") or a == "-":
+            positional.append(a)
+        elif a == "--":
+            only_args = True
+        else:
+            name, eq, _ = a.partition("=")
+            if name not in SUBMIT_JOB_FLAGS:
+                return f"No such option: {name}"
+            if not SUBMIT_JOB_FLAGS[name] and eq:
+                return f"Option '{name}' does not take a value."
+            if SUBMIT_JOB_FLAGS[name] and not eq:
+                if i >= len(args):
+                    return f"Option '{name}' requires an argument."
+                i += 1
+    if not positional:
+        return "Missing argument 'INPUT'."
+    if len(positional) > 1:
+        return f"Got unexpected extra argument ({' '.join(positional[1:])})"
+    return None
+
+
 def _is_glob(path: str) -> bool:
     return _glob.has_magic(path)
 

@@ -28,6 +28,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from jobs.id_set import IdSet, id_digest
+from jobs.progress import RowCounts
 
 MANIFEST = "_manifest.json"
 LOCK = ".lock"
@@ -41,24 +42,6 @@ EXT = {"parquet": ".parquet", "openai-batch": ".jsonl"}
 
 class OutputError(RuntimeError):
     """The output folder cannot be used for this job; the message says why and what to do."""
-
-
-@dataclass
-class Counts:
-    rows: int = 0
-    error_rows: int = 0
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-
-    def add(self, rec: dict) -> None:
-        self.rows += 1
-        self.error_rows += rec.get("error") is not None
-        self.prompt_tokens += rec.get("prompt_tokens") or 0
-        self.completion_tokens += rec.get("completion_tokens") or 0
-
-    def merge(self, other: "Counts") -> None:
-        for k in ("rows", "error_rows", "prompt_tokens", "completion_tokens"):
-            setattr(self, k, getattr(self, k) + getattr(other, k))
 
 
 def fsync_dir(path: Path) -> None:
@@ -114,7 +97,7 @@ class OutputDir:
         self.fmt = fmt
         self._lock_fd: int | None = None
 
-    def open(self, fingerprint: dict, overwrite: bool = False) -> tuple[IdSet, Counts]:
+    def open(self, fingerprint: dict, overwrite: bool = False) -> tuple[IdSet, RowCounts]:
         """Lock the folder and return (ids already committed, their counts)."""
         self.path.mkdir(parents=True, exist_ok=True)
         self._lock_fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
@@ -130,7 +113,7 @@ class OutputDir:
             self.close()
             raise
 
-    def _prepare(self, fingerprint: dict, overwrite: bool) -> tuple[IdSet, Counts]:
+    def _prepare(self, fingerprint: dict, overwrite: bool) -> tuple[IdSet, RowCounts]:
         foreign = sorted(n for n in os.listdir(self.path) if not _is_ours(n))
         if foreign:
             raise OutputError(f"{self.path}: the output folder holds files this tool did not write "
@@ -169,9 +152,9 @@ class OutputDir:
                               "use the same --format or pass --overwrite")
         return sorted(self.path / n for n in os.listdir(self.path) if n.startswith("part-"))
 
-    def scan(self) -> tuple[IdSet, Counts]:
+    def scan(self) -> tuple[IdSet, RowCounts]:
         """Ids and counts of every committed row (the source of truth for resume)."""
-        ids, counts = IdSet(), Counts()
+        ids, counts = IdSet(), RowCounts()
         for p in self.parts():
             for rec in _read_part(p, self.fmt):
                 if not ids.add(rec["id"]):
@@ -212,12 +195,12 @@ class PartWriter:
     row_group_rows: int = 1_000
     commit_interval_s: float = 30.0
     on_commit: Callable[[], None] | None = None
-    committed: Counts = field(default_factory=Counts)
+    committed: RowCounts = field(default_factory=RowCounts)
     files_committed: int = 0
 
     def __post_init__(self) -> None:
         self._pending: list[dict] = []      # rows not yet in the temp file (parquet: one row group)
-        self._file_counts = Counts()        # rows in the open temp file
+        self._file_counts = RowCounts()        # rows in the open temp file
         self._tmp: Path | None = None
         self._pq: pq.ParquetWriter | None = None
         self._fh = None
@@ -240,7 +223,7 @@ class PartWriter:
     def due(self) -> bool:
         return self._tmp is not None and time.monotonic() - self._opened_at >= self.commit_interval_s
 
-    def commit(self) -> Counts | None:
+    def commit(self) -> RowCounts | None:
         """Make every row added so far durable and visible; returns what was committed."""
         if self._tmp is None:
             return None
@@ -256,7 +239,7 @@ class PartWriter:
         final = self.out.path / self._tmp.name[1:].removesuffix(".tmp")
         os.replace(self._tmp, final)
         fsync_dir(self.out.path)
-        counts, self._file_counts = self._file_counts, Counts()
+        counts, self._file_counts = self._file_counts, RowCounts()
         self.committed.merge(counts)
         self.files_committed += 1
         self._tmp = self._pq = self._fh = None

@@ -21,11 +21,13 @@ def fmt_duration(s: float | None) -> str:
 
 
 @dataclass
-class RunStats:
-    """What this run produced (rows counted when finished, whether committed yet or not)."""
+class RowCounts:
+    """Rows and tokens counted from finished output records: what this run produced (rows counted
+    when finished, committed yet or not), and what committed files hold (jobs/output_writer.py)."""
 
     rows: int = 0
     error_rows: int = 0
+    prompt_tokens: int = 0
     completion_tokens: int = 0
     decode_tokens: int = 0
     forwards: int = 0
@@ -33,13 +35,16 @@ class RunStats:
 
     def add(self, rec: dict) -> None:
         self.rows += 1
-        if rec.get("error") is not None:
-            self.error_rows += 1
-            return
+        self.error_rows += rec.get("error") is not None
+        self.prompt_tokens += rec.get("prompt_tokens") or 0
         self.completion_tokens += rec.get("completion_tokens") or 0
-        f = rec.get("forwards") or 0
+        f = rec.get("forwards") or 0    # error rows and committed files have none
         self.forwards += f
         self.decode_tokens += round((rec.get("accepted_tokens_per_step") or 1.0) * f)
+
+    def merge(self, other: "RowCounts") -> None:
+        for k in ("rows", "error_rows", "prompt_tokens", "completion_tokens", "decode_tokens", "forwards"):
+            setattr(self, k, getattr(self, k) + getattr(other, k))
 
     @property
     def elapsed(self) -> float:
@@ -72,7 +77,7 @@ class Progress:
             self._bar = tqdm(total=total, initial=initial, unit="row", file=self.stream, dynamic_ncols=True,
                              smoothing=0.1)
 
-    def update(self, stats: RunStats, extra: str = "", force: bool = False) -> None:
+    def update(self, stats: RowCounts, extra: str = "", force: bool = False) -> None:
         done = self.initial + stats.rows
         now = time.monotonic()
         if self._bar is not None:
@@ -88,7 +93,7 @@ class Progress:
             self._last_log = now
             print(self.line(stats) + extra, file=self.stream, flush=True)
 
-    def line(self, stats: RunStats) -> str:
+    def line(self, stats: RowCounts) -> str:
         done = self.initial + stats.rows
         pct = 100.0 * done / self.total if self.total else 100.0
         left = max(0, self.total - done)

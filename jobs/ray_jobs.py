@@ -1,10 +1,10 @@
 """Jobs on a Ray cluster through the Ray Jobs API: submit, follow, list, logs, cancel.
 
 Why the Jobs API: the driver then runs on the cluster (head node), so the job survives the client
-closing its laptop, and Ray keeps its logs and status. The entrypoint is the hidden
-`python -m eaglectl.jobs run-job --config-json ...` with the fully resolved JobConfig (absolute
-paths, which must be valid on the cluster: a shared filesystem or paths on the head node); it
-connects to the cluster with `RAY_ADDRESS`, which Ray sets for job drivers.
+closing its laptop, and Ray keeps its logs and status. The entrypoint is
+`python -m jobs.driver --config-json ...` (jobs/driver.py: the cluster needs no CLI) with the fully
+resolved JobConfig (absolute paths, which must be valid on the cluster: a shared filesystem or paths
+on the head node); it connects to the cluster with `RAY_ADDRESS`, which Ray sets for job drivers.
 
 Addresses: the Jobs API talks to the dashboard (`http://head:8265`). A GCS address
 (`head:6379`) or a Ray Client address (`ray://head:10001`) is mapped to the dashboard on the same
@@ -56,7 +56,7 @@ def client(address: str):
 
 def entrypoint(cfg: JobConfig) -> str:
     python = os.environ.get(JOB_PYTHON_ENV, "python")
-    return f"{python} -m eaglectl.jobs run-job --config-json {shlex.quote(cfg.model_dump_json(exclude_none=True))}"
+    return f"{python} -m jobs.driver --config-json {shlex.quote(cfg.model_dump_json(exclude_none=True))}"
 
 
 def submit(address: str, cfg: JobConfig, job_id: str | None = None) -> str:

@@ -17,18 +17,18 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import signal
 import socket
 import time
 from collections import deque
 
 import psutil
 
+from cluster.signals import on_stop_signals, restore_signals
 from jobs.id_set import IdSet
 from jobs.input_reader import Row, iter_rows, open_input
 from jobs.job_config import JobConfig, JobConfigError, builtin_head_error
 from jobs.output_writer import OutputDir, PartWriter, new_run_id, output_schema
-from jobs.progress import Progress, RunStats
+from jobs.progress import Progress, RowCounts
 
 logger = logging.getLogger(__name__)
 _EMPTY = {"text": None, "finish_reason": None, "prompt_tokens": None, "completion_tokens": None,
@@ -74,7 +74,7 @@ class JobRunner:
         if self.fmt == "openai-batch" and self.cfg.keep_columns:
             raise JobConfigError("--keep-columns has no place in the OpenAI Batch output format; use --format parquet")
         self.run_id = new_run_id()
-        self.stats = RunStats()
+        self.stats = RowCounts()
         self.first_ready: float | None = None   # when the first replica could take rows
         self.pool = None
         self.stopping: str | None = None
@@ -113,7 +113,7 @@ class JobRunner:
                 status, error = "failed", f"{type(e).__name__}: {e}"
                 raise
             finally:
-                self._restore_signals(old)
+                restore_signals(old)
                 if self.pool is not None:
                     self.pool.shutdown()
                 self.writer.commit()   # rows that finished are good whatever happened to the rest
@@ -216,23 +216,14 @@ class JobRunner:
             self._owns_ray = False
 
     # ---- signals -----------------------------------------------------------------------------
-    def _install_signals(self):
-        import threading
+    def _install_signals(self) -> dict:
+        return on_stop_signals(self._on_stop_signal)
 
-        if threading.current_thread() is not threading.main_thread():
-            return None
-
-        def handler(signum, frame):
-            if self.stopping:      # second signal: stop now
-                raise KeyboardInterrupt
-            self.stopping = signal.Signals(signum).name
-            logger.warning("%s: stopping; finished rows are committed, the rest is redone on resume",
-                           self.stopping)
-        return {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-
-    def _restore_signals(self, old) -> None:
-        for s, h in (old or {}).items():
-            signal.signal(s, h)
+    def _on_stop_signal(self, name: str) -> None:
+        if self.stopping:      # second signal: stop now
+            raise KeyboardInterrupt
+        self.stopping = name
+        logger.warning("%s: stopping; finished rows are committed, the rest is redone on resume", self.stopping)
 
     # ---- bookkeeping -------------------------------------------------------------------------
     progress: Progress | None = None

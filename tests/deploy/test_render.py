@@ -8,8 +8,8 @@ import yaml
 from click.testing import CliRunner
 
 from cluster.config import ConfigError, ServeConfig
-from deploy.kuberay import (RAY_VERSION, DeployConfig, JobConfig, deploy, job_entrypoint, load_serve_config,
-                          render)
+from deploy.kuberay import RAY_VERSION, DeployConfig, RayJobConfig, job_entrypoint, render
+from eaglectl.deploy import deploy
 from tests.deploy.examples import EXAMPLES, SETUPS, fresh, inputs
 
 
@@ -75,8 +75,8 @@ def test_cli_needs_config_and_out(tmp_path):
 def test_one_file_drives_serve_and_deploy():
     for setup in SETUPS:
         serve_path = inputs(setup)[0]
-        assert isinstance(load_serve_config(serve_path), ServeConfig)
-        assert load_serve_config(serve_path) == DeployConfig.from_yaml(serve_path).serve
+        assert isinstance(ServeConfig.from_yaml(serve_path), ServeConfig)
+        assert ServeConfig.from_yaml(serve_path) == DeployConfig.from_yaml(serve_path).serve
 
 
 # ---- sizing ----------------------------------------------------------------------------------------------
@@ -213,7 +213,7 @@ VOL = {"claim": "eagle-data", "path": "/data"}
 def test_rayjob_runs_submit_job_and_shuts_down():
     cfg = _cfg({**GPU, "tp_size": 2, "placement_strategy": "STRICT_PACK", "draft": "/models/head"},
                {"workers": {"gpus_per_node": 4}})
-    job = JobConfig(input="/data/in/", output="/data/out", data_volume=VOL, replicas=3, max_tokens=64)
+    job = RayJobConfig(input="/data/in/", output="/data/out", data_volume=VOL, replicas=3, max_tokens=64)
     m = render(cfg, job)["rayjob.yaml"]
     assert m["spec"]["shutdownAfterJobFinishes"] is True
     ep = m["spec"]["entrypoint"]
@@ -231,7 +231,7 @@ def test_rayjob_runs_submit_job_and_shuts_down():
 def test_rayjob_tp_must_fit_the_nodes():
     cfg = _cfg({**GPU, "tp_size": 2, "placement_strategy": "STRICT_PACK"}, {"workers": {"gpus_per_node": 2}})
     with pytest.raises(ConfigError, match="must divide"):
-        render(cfg, JobConfig(input="/data/in.parquet", output="/data/out", data_volume=VOL, tp_size=4))
+        render(cfg, RayJobConfig(input="/data/in.parquet", output="/data/out", data_volume=VOL, tp_size=4))
 
 
 @pytest.mark.parametrize("path", ["s3://bucket/in/", "/elsewhere/in.parquet", "relative/in.parquet"])
@@ -239,11 +239,11 @@ def test_job_data_must_be_on_the_volume(tmp_path, path):
     p = tmp_path / "job.yaml"
     p.write_text(yaml.safe_dump({"input": path, "output": "/data/out", "data_volume": VOL}))
     with pytest.raises(ConfigError, match="under data_volume.path"):
-        JobConfig.from_yaml(p)
+        RayJobConfig.from_yaml(p)
 
 
 def test_job_entrypoint_quotes_paths_and_the_draft_choice_is_explicit():
-    job = JobConfig(input="/data/my prompts.parquet", output="/data/out", data_volume=VOL)
+    job = RayJobConfig(input="/data/my prompts.parquet", output="/data/out", data_volume=VOL)
     ep = job_entrypoint(_cfg({}), job)
     assert "'/data/my prompts.parquet'" in ep and "--draft auto" in ep     # the serve default travels as is
     assert "--draft none" in job_entrypoint(_cfg({"draft": None}), job)
@@ -251,6 +251,6 @@ def test_job_entrypoint_quotes_paths_and_the_draft_choice_is_explicit():
 
 def test_bad_extra_args_are_refused_at_render_time():
     pytest.importorskip("eaglectl.jobs")
-    job = JobConfig(input="/data/in.parquet", output="/data/out", data_volume=VOL, extra_args=["--no-such-flag"])
+    job = RayJobConfig(input="/data/in.parquet", output="/data/out", data_volume=VOL, extra_args=["--no-such-flag"])
     with pytest.raises(ConfigError, match="would refuse"):
         job_entrypoint(_cfg({}), job)

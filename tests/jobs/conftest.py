@@ -39,13 +39,13 @@ def cli_env(**extra) -> dict:
 
 
 def cli(*args, env=None, **kw) -> subprocess.CompletedProcess:
-    """`python -m eaglectl.jobs ARGS` in a subprocess (its own embedded Ray unless --address)."""
-    return subprocess.run([sys.executable, "-m", "eaglectl.jobs", *map(str, args)], cwd=REPO, env=env or cli_env(),
+    """`python -m eaglectl.main ARGS` (= `eaglectl ARGS`) in a subprocess (its own embedded Ray unless --address)."""
+    return subprocess.run([sys.executable, "-m", "eaglectl.main", *map(str, args)], cwd=REPO, env=env or cli_env(),
                           capture_output=True, text=True, **kw)
 
 
 def cli_popen(*args, env=None, **kw) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "eaglectl.jobs", *map(str, args)], cwd=REPO,
+    return subprocess.Popen([sys.executable, "-m", "eaglectl.main", *map(str, args)], cwd=REPO,
                             env=env or cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from eaglectl.main import bench_spec
+from eaglectl.bench import bench_spec
 
 
 def test_bench_spec_needs_vanilla():

@@ -146,3 +146,20 @@ def test_cli_with_address_checks_input_before_submitting(tmp_path):
     good = write_parquet(tmp_path / "good.parquet", prompt=["hi"])
     res = CliRunner().invoke(submit_job, [str(good)], env={"RAY_ADDRESS": "http://127.0.0.1:9"})
     assert res.exit_code == 1 and "cannot reach the Ray Jobs API at http://127.0.0.1:9" in res.output
+
+
+def test_submit_job_flags_table_matches_the_cli():
+    """jobs.job_config.SUBMIT_JOB_FLAGS (what the KubeRay renderer checks RayJob entrypoints against)
+    is the click command's options, each with whether it takes a value."""
+    from jobs.job_config import SUBMIT_JOB_FLAGS, submit_job_args_error
+
+    cli_flags = {}
+    for p in submit_job.params:
+        if p.param_type_name == "option":
+            for name in [*p.opts, *p.secondary_opts]:
+                cli_flags[name] = not p.is_flag
+    assert SUBMIT_JOB_FLAGS == cli_flags
+    assert submit_job_args_error(["/in.parquet", "--keep-columns", "--max-tokens", "8", "--wait"]) is None
+    assert "No such option: --no-such-flag" in submit_job_args_error(["/in.parquet", "--no-such-flag"])
+    assert "requires an argument" in submit_job_args_error(["/in.parquet", "--model"])
+    assert "Missing argument" in submit_job_args_error(["--wait"])

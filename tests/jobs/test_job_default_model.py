@@ -1,6 +1,6 @@
 """The README's first command on the real default model: a 50-row Parquet job, end to end.
 
-`eaglectl submit-job prompts.parquet` (here `python -m eaglectl.jobs`, same command) with no model
+`eaglectl submit-job prompts.parquet` (here `python -m eaglectl.main`, same command) with no model
 flag: every id comes out once and each text equals `LLM.generate` (or `LLM.chat` for `messages`
 rows) for the same prompt and the same per-row overrides at temperature 0.
 """

@@ -1,0 +1,95 @@
+"""`eaglectl bench decode|spec|job|serve`: the benchmarks in bench/, results as a table and JSON."""
+from __future__ import annotations
+
+import click
+
+
+@click.group("bench")
+def bench() -> None:
+    """Benchmarks (results printed as a table and written as JSON)."""
+
+
+@bench.command("decode")
+@click.option("--model", default="gemma-3-270m", show_default=True)
+@click.option("--dtypes", default="float32,bfloat16", show_default=True)
+@click.option("--batch-sizes", default="1,8", show_default=True)
+@click.option("--max-tokens", default=64, show_default=True, type=int)
+@click.option("--json", "json_out", default="bench/results/decode.json", show_default=True)
+@click.option("--threads", default=None, type=int, help="torch intra-op threads for both engines [default: torch's].")
+@click.option("--rounds", default=3, show_default=True, type=click.IntRange(min=1),
+              help="Runs per measurement, the engines taking turns; the median counts.")
+def bench_decode(model, dtypes, batch_sizes, max_tokens, json_out, threads, rounds):
+    """Tokens/s of this engine vs transformers generate, same model and dtype."""
+    from bench.decode import run
+
+    run(model=model, dtypes=dtypes.split(","), batch_sizes=[int(b) for b in batch_sizes.split(",")],
+        max_tokens=max_tokens, json_out=json_out, threads=threads, rounds=rounds)
+
+
+@bench.command("spec")
+@click.option("--model", default="gemma-3-270m", show_default=True)
+@click.option("--prompts", "prompts_file", default=None, help="Spec-Bench-format JSONL [default: the bundled Spec-Bench].")
+@click.option("--per-category", default=2, show_default=True, type=int)
+@click.option("--max-tokens", default=128, show_default=True, type=int)
+@click.option("--dtype", default="bfloat16", show_default=True, type=click.Choice(["float32", "bfloat16"]))
+@click.option("--draft", default="default", show_default=True, help="Head folder, 'default', or 'random' (cost only).")
+@click.option("--methods", default="vanilla,hf,hf_lookup,lookup,chain,static,dynamic,hybrid", show_default=True)
+@click.option("--sweep", default="1,2,4,8,16,32", show_default=True, help="Batch sizes for the head/no-head sweep ('' to skip).")
+@click.option("--json", "json_out", default="bench/results/spec.json", show_default=True)
+@click.option("--threads", default=None, type=int, help="torch intra-op threads [default: torch's].")
+@click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy; > 0 samples.")
+@click.option("--num-draft-tokens", default=None, type=int, help="Node budget of the dynamic tree, the hybrid and lookup [default: SpecConfig's].")
+@click.option("--depth", default=None, type=int, help="Dynamic tree / hybrid draft levels [default: SpecConfig's].")
+@click.option("--top-k", default=None, type=int, help="Dynamic tree / hybrid expansion width [default: SpecConfig's].")
+@click.option("--rounds", default=1, show_default=True, type=click.IntRange(min=1), help="Passes over the prompts; each prompt's median time counts.")
+@click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N (every method runs there).")
+@click.option("--warmup", default=4, show_default=True, type=click.IntRange(min=0),
+              help="Prompts each engine serves first, from outside the measured set (adaptive state settles).")
+def bench_spec(model, prompts_file, per_category, max_tokens, dtype, draft, methods, sweep, json_out, threads,
+               temperature, num_draft_tokens, depth, top_k, rounds, device, warmup):
+    """Vanilla, transformers (plain, prompt lookup), our lookup, EAGLE chain/static/dynamic, hybrid."""
+    from bench.prompts import SPEC_BENCH
+    from bench.spec import MethodsError, run
+    from eagle_worker.config import check_device
+
+    try:
+        check_device(device)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--device") from None
+    try:
+        run(model=model, prompts_file=prompts_file or SPEC_BENCH, per_category=per_category, max_tokens=max_tokens,
+            dtype=dtype, draft=draft, methods=tuple(methods.split(",")),
+            sweep=tuple(int(b) for b in sweep.split(",") if b), json_out=json_out, threads=threads,
+            temperature=temperature, tree={k: v for k, v in (("num_draft_tokens", num_draft_tokens), ("depth", depth),
+                                                             ("top_k", top_k)) if v is not None},
+            rounds=rounds, device=device, warmup=warmup)
+    except MethodsError as e:
+        raise click.BadParameter(str(e), param_hint="--methods") from None
+
+
+@bench.command("job")
+@click.option("--model", default="gemma-3-270m", show_default=True)
+@click.option("--rows", default=200, show_default=True, type=int)
+@click.option("--max-tokens", default=64, show_default=True, type=int)
+@click.option("--json", "json_out", default="bench/results/job.json", show_default=True)
+def bench_job(model, rows, max_tokens, json_out):
+    """An offline job over Spec-Bench prompts, with and without the draft head."""
+    from bench.job import run
+
+    run(model=model, rows=rows, max_tokens=max_tokens, json_out=json_out)
+
+
+@bench.command("serve")
+@click.option("--url", default=None, help="An already running endpoint [default: start one on this machine].")
+@click.option("--model", default="gemma-3-270m", show_default=True)
+@click.option("--concurrencies", default="1,4,16", show_default=True)
+@click.option("--num-prompts", default=8, show_default=True, type=int)
+@click.option("--max-tokens", default=32, show_default=True, type=int)
+@click.option("--draft", default="default", show_default=True, help="Head for the with-head run: folder or 'default'.")
+@click.option("--json", "json_out", default="bench/results/serve.json", show_default=True)
+def bench_serve(url, model, concurrencies, num_prompts, max_tokens, draft, json_out):
+    """HTTP load: request throughput, output tok/s, TTFT, TPOT, ITL at several concurrencies."""
+    from bench.serve import run
+
+    run(url=url, model=model, concurrencies=tuple(int(c) for c in concurrencies.split(",")),
+        num_prompts=num_prompts, max_tokens=max_tokens, draft=draft, json_out=json_out)

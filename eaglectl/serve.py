@@ -1,0 +1,29 @@
+"""`eaglectl serve`: the OpenAI-compatible HTTP API on Ray Serve (cluster/serve_app.py)."""
+from __future__ import annotations
+
+import click
+
+from eaglectl.common import fail
+
+
+@click.command("serve")
+@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False),
+              help="serve.yaml (a ServeConfig, or a deploy file with a `serve:` section).")
+@click.option("--host", default=None, help="Bind address [default: the config's, 127.0.0.1].")
+@click.option("--port", default=None, type=int, help="HTTP port [default: the config's, 8000].")
+@click.option("--address", default=None, help="Ray cluster to join [default: RAY_ADDRESS, else a local Ray].")
+def serve(config_path, host, port, address):
+    """Serve the OpenAI-compatible HTTP API on Ray Serve (default model when no config)."""
+    import os
+
+    from cluster.config import ServeConfig
+    from cluster.serve_app import run_serve
+
+    try:
+        cfg = ServeConfig.from_yaml(config_path) if config_path else ServeConfig()
+        overrides = {k: v for k, v in (("host", host), ("port", port)) if v is not None}
+        if overrides:
+            cfg = cfg.model_copy(update=overrides)
+    except ValueError as e:
+        fail(str(e))
+    run_serve(cfg, address=address or os.environ.get("RAY_ADDRESS"), blocking=True)

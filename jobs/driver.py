@@ -1,0 +1,61 @@
+"""The job driver as a process: run one job here and exit with its code.
+
+`eaglectl submit-job` without a cluster calls `drive` in its own process; on a cluster the Ray job's
+entrypoint is `python -m jobs.driver --config-json JSON [--address auto]` (jobs/ray_jobs.py), so
+the cluster runs the driver without the CLI. Exit codes: 0 the job completed, 1 it failed, 2 bad
+input or settings (nothing generated), 130 cancelled.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_CANCELLED = 0, 1, 2, 130
+
+
+def setup_logging() -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
+    logging.getLogger("jobs").setLevel(logging.INFO)
+
+
+def _error(msg: str, code: int) -> int:
+    print(f"error: {msg}", file=sys.stderr, flush=True)
+    return code
+
+
+def drive(cfg, ray_address: str) -> int:
+    """Run the job `cfg` (a JobConfig) in this process; prints the summary, returns the exit code."""
+    from jobs.input_reader import InputError
+    from jobs.job_config import JobConfigError
+    from jobs.output_writer import OutputError
+    from jobs.progress import summary
+    from jobs.replica_pool import JobFailed
+    from jobs.runner import run_job
+
+    setup_logging()
+    try:
+        manifest = run_job(cfg, ray_address=ray_address)
+    except (InputError, JobConfigError, OutputError) as e:
+        return _error(str(e), EXIT_USAGE)
+    except JobFailed as e:
+        return _error(f"job failed: {e}", EXIT_FAILED)
+    except KeyboardInterrupt:
+        return _error("interrupted; committed rows are kept, run the same command again to resume", EXIT_CANCELLED)
+    print(summary(manifest), flush=True)
+    return EXIT_CANCELLED if manifest["status"] == "cancelled" else EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> None:
+    from jobs.job_config import JobConfig
+
+    p = argparse.ArgumentParser(prog="python -m jobs.driver", description="The job driver on a cluster "
+                                "(the Ray job entrypoint that `eaglectl submit-job --address ...` submits).")
+    p.add_argument("--config-json", required=True, help="The job's resolved JobConfig as JSON.")
+    p.add_argument("--address", default="auto", help="Ray cluster to join (default: %(default)s).")
+    args = p.parse_args(argv)
+    sys.exit(drive(JobConfig.model_validate_json(args.config_json), args.address))
+
+
+if __name__ == "__main__":
+    main()
