@@ -2,8 +2,9 @@
 
 The same model feeds `eaglectl serve`, the Ray Serve `app_builder` entry point (Serve config files,
 KubeRay `RayService`) and the KubeRay manifest renderer, so it is self-contained: it imports nothing
-from the engine or from Ray. Load it from YAML with `ServeConfig.from_yaml(path)`; a bad file raises
-`ConfigError` listing every offending field as a dotted path (`limits.max_tokens: ...`).
+from the engine or from Ray. Load it from YAML with `ServeConfig.from_yaml(path)` (a plain serve file,
+or a deploy file's `serve:` section); a bad file raises `ConfigError` listing every offending field
+as a dotted path (`limits.max_tokens: ...`). `read_yaml` is the one YAML reader of config files.
 
 Example YAML (every key optional)::
 
