@@ -327,7 +327,7 @@ def save_draft_head(head: DraftHead, out_dir: str | Path, format: str | None = N
             c["attention_bias"] = True
         c.pop("eagle_aux_hidden_state_layer_ids", None)
         c.pop("eagle_config", None)
-        L = int(head._target.num_layers)
+        L = int(head.target.num_layers)
         if tuple(cfg.aux_layers) != (2, L // 2, L - 3):   # both engines' spellings
             c["eagle_aux_hidden_state_layer_ids"] = list(cfg.aux_layers)
             c["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in cfg.aux_layers]}

@@ -149,6 +149,11 @@ class DraftHead(nn.Module):
             object.__setattr__(self, "_target_embed", _raw_embedding(target))
 
     @property
+    def target(self) -> nn.Module:
+        """The frozen target model the head drafts for (kept out of the head's own parameters)."""
+        return self._target
+
+    @property
     def aux_layers(self) -> tuple[int, ...]:
         """Target layers whose input the first step needs (pass to target.forward); () = none."""
         return self.config.aux_layers

@@ -130,7 +130,7 @@ def unrolled_forward(head: DraftHead, rows: Rows, steps: int, target_to_draft: t
         if eagle3:
             logits = head.logits(hv).float()
         else:   # the target's own LM head (frozen, maybe bf16)
-            logits = head._target.compute_logits(hv.to(head._target.lm_head.weight.dtype)).float()
+            logits = head.target.compute_logits(hv.to(head.target.lm_head.weight.dtype)).float()
         logp = torch.log_softmax(logits, -1)
         dv, lpv = d_ids[idx], t_lp[idx].float()
         lpv = lpv.masked_fill(dv < 0, float("-inf"))

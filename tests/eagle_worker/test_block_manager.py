@@ -111,3 +111,35 @@ def test_full_cache_preempts_least_urgent_then_recomputes_without_leaks():
     assert [(b.seq.request_id, b.num_tokens) for b in batch] == [("offline", 9)]
     sch.remove(offline)
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_lookahead_slots_come_from_what_real_tokens_leave_and_are_freed_on_commit():
+    """The scheduler reserves draft-tree slots after each decode, most urgent first, never by
+    preempting or by holding back a waiting request, capped by the context; commit frees them."""
+    cfg = EngineConfig(max_num_batched_tokens=64, block_size=4)
+    bm = BlockManager(num_blocks=6, block_size=4)
+    sch = Scheduler(cfg, bm, num_lookahead_slots=8, max_model_len=14)
+    a, b = make_seq("a", 3, priority=0), make_seq("b", 3, priority=1)
+    sch.add(a)
+    sch.add(b)
+    for item in sch.schedule():                  # prefills: no lookahead
+        assert item.num_lookahead == 0
+        bm.commit(item.seq, item.num_tokens)
+        item.seq.token_ids.append(5)
+    assert bm.num_free_blocks == 4
+    late = make_seq("late", 8)
+    sch.add(late)
+    batch = sch.schedule()                       # decodes at position 3; late takes 2 blocks first
+    assert [(i.seq.request_id, i.num_tokens) for i in batch] == [("a", 1), ("b", 1), ("late", 8)]
+    assert [i.num_lookahead for i in batch] == [8, 0, 0]    # a: 2 more blocks; none left for b
+    assert bm.num_free_blocks == 0 and not any(s.metrics.num_preemptions for s in (a, b, late))
+    for item in batch:
+        bm.commit(item.seq, item.num_tokens)     # nothing kept past the committed tokens
+    assert len(a.block_table) == 1 and bm.num_free_blocks == 2
+    near_end = Scheduler(cfg, BlockManager(num_blocks=8, block_size=4), num_lookahead_slots=8, max_model_len=12)
+    c = make_seq("c", 10)
+    near_end.add(c)
+    for item in near_end.schedule():
+        near_end.block_manager.commit(item.seq, item.num_tokens)
+    c.token_ids.append(5)                        # 11 tokens: the 12-token context leaves 1 draft slot
+    assert [i.num_lookahead for i in near_end.schedule()] == [1]

@@ -64,15 +64,27 @@ def test_accepting_head_is_lossless_and_fast_in_mixed_batches(tree, copying_targ
     assert_no_leaks(spec.engine)
 
 
-def test_tight_kv_falls_back_to_plain_decoding_and_stays_exact(copying_target):
+@pytest.mark.parametrize("lookup", [False, True])
+def test_tight_kv_shrinks_trees_and_stays_exact(lookup, copying_target):
+    """A KV budget too small for every sequence's tree: the scheduler gives each decode only the
+    draft slots memory leaves, the worker drafts smaller trees (or none) inside them, the output is
+    plain greedy decoding's, and the metrics say how often memory shrank a tree."""
     target, head = copying_target
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     expected = [o.token_ids for o in LLM(model=str(target), block_size=4, num_kv_blocks=512).generate(PROMPTS, params)]
     spec = LLM(model=str(target), block_size=4, num_kv_blocks=40,
-               spec=SpecConfig(draft=str(head), adaptive=False))
-    assert [o.token_ids for o in spec.generate(PROMPTS, params)] == expected
-    assert spec.engine.stats()["plain_steps"] > 0 or spec.engine.stats()["spec_steps"] > 0
+               spec=SpecConfig(draft=str(head), lookup=lookup, adaptive=False))
+    assert spec.engine.worker.num_lookahead_slots == 32     # 16 nodes, a 5-level dynamic tree forwards 1 + 4 x 8
+    outs = spec.generate(PROMPTS, params)
+    assert [o.token_ids for o in outs] == expected
+    stats = spec.engine.stats()
+    assert stats["spec_trees_shrunk_for_memory"] > 0 and stats["spec_steps"] > 0
+    assert sum(o.metrics["num_trees_shrunk_for_memory"] for o in outs) == stats["spec_trees_shrunk_for_memory"]
+    assert max(o.metrics["mean_accepted_tokens"] for o in outs) > 1.5        # trees still drafted and accepted
     assert_no_leaks(spec.engine)
+    roomy = LLM(model=str(target), block_size=4, num_kv_blocks=512, spec=SpecConfig(draft=str(head), adaptive=False))
+    roomy.generate(PROMPTS, params)
+    assert roomy.engine.stats()["spec_trees_shrunk_for_memory"] == 0
 
 
 def test_kv_cache_holds_exactly_the_committed_tokens(copying_target):
