@@ -84,6 +84,7 @@ def test_bench_spec_rotates_the_order_and_takes_each_prompts_median_time(monkeyp
     assert rep["paired"]["hybrid/vanilla"]["overall"]["ratio"] == 2.0
 
 
+@pytest.mark.slow  # the whole GPU check end to end on CPU: engines, a head training, decode benches
 def test_cuda_check_dry_runs_on_cpu(tmp_path):
     """The prepared GPU check (`python -m bench.cuda_check`) runs end to end with --device cpu, so it
     works the day a GPU machine is lent; every check it reports holds."""

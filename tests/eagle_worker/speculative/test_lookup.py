@@ -78,6 +78,7 @@ def test_lookup_and_hybrid_are_exact_and_lookup_is_used(copying_target, tmp_path
 
 
 @pytest.mark.slow
+@pytest.mark.slow  # the real gemma-3-270m and its shipped head
 def test_hybrid_skips_the_head_while_lookup_carries_the_request():
     """gemma-3-270m with its shipped head on a prompt it continues by repeating itself: once lookup
     carries the request the head drafts only on probe steps (without the rule it drafts on every
