@@ -18,8 +18,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
 
-from cluster.config import (DEPLOY_SECTIONS, ConfigError, PlacementStrategy, ServeConfig, format_validation_error,
-                            read_yaml)
+from cluster.config import DEPLOY_SECTIONS, ConfigError, PlacementStrategy, ServeConfig, format_validation_error, read_yaml
 from jobs.job_config import submit_job_args_error
 
 RAY_VERSION = "2.60.0"          # must equal the Ray in the image (deploy/Dockerfile.* ARG RAY_VERSION)

@@ -15,7 +15,7 @@ from pathlib import Path
 import click
 
 from eaglectl.common import fail
-from jobs.driver import EXIT_CANCELLED, EXIT_FAILED   # light: the driver's imports are inside drive()
+from jobs.driver import EXIT_CANCELLED, EXIT_FAILED  # light: the driver's imports are inside drive()
 
 
 def _address(address: str | None) -> str | None:

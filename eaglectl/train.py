@@ -91,5 +91,5 @@ def train_head(target, fmt, data, out, work_dir, prompt_format, init_head, draft
     click.echo(json.dumps({k: record.get(k) for k in ("steps", "train_tokens", "metrics", "engine")}, default=str))
 
 
-if __name__ == "__main__":     # `python -m eaglectl.train ...` until `eaglectl` registers it
+if __name__ == "__main__":     # `python -m eaglectl.train ...` = `eaglectl train-head ...`
     train_head()

@@ -8,8 +8,8 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-from jobs.input_reader import InputError, iter_rows, open_input
 from eaglectl.jobs import submit_job
+from jobs.input_reader import InputError, iter_rows, open_input
 from jobs.job_config import JobConfig, default_output
 
 from .conftest import write_parquet
