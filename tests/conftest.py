@@ -51,10 +51,14 @@ def tiny_config(family: str, vocab_size: int = 320):
 
 
 def save_tiny_model(family: str, path: Path, seed: int = 0) -> Path:
+    torch.manual_seed(seed)
+    return save_random_model(tiny_config(family), path)
+
+
+def save_random_model(cfg, path: Path) -> Path:
+    """A model of `cfg` with sharp random weights (seed the RNG first) and the tiny tokenizer, saved to `path`."""
     from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(seed)
-    cfg = tiny_config(family)
     model = AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():   # sharper logits than the default init, so greedy paths are not all ties
         for p in model.parameters():

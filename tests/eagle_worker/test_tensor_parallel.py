@@ -33,20 +33,12 @@ def _rank(rank: int, world: int, port: int, model: str, out):
 
 
 def test_tp2_greedy_equals_tp1(tmp_path):
-    from transformers import AutoModelForCausalLM
-
-    from tests.conftest import make_tokenizer, tiny_config
+    from tests.conftest import save_random_model, tiny_config
 
     torch.manual_seed(0)
     cfg = tiny_config("gemma3", vocab_size=321)
     cfg.num_key_value_heads = 1
-    model = AutoModelForCausalLM.from_config(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.2)
-    model.save_pretrained(tmp_path)
-    make_tokenizer(321).save_pretrained(tmp_path)
+    save_random_model(cfg, tmp_path)
     expected = [o.token_ids for o in LLM(model=str(tmp_path), block_size=4, num_kv_blocks=128).generate(
         PROMPTS, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))]
     with socket.socket() as s:
