@@ -13,13 +13,13 @@ import torch
 from eagle_worker.block_manager import BlockManager
 from eagle_worker.chat_template import render_chat, resolve_chat_template
 from eagle_worker.config import EngineConfig
+from eagle_worker.decode_worker import DecodeWorker
 from eagle_worker.detokenizer import detokenize_incrementally, finalize_text
 from eagle_worker.model_runner import ModelRunner
 from eagle_worker.outputs import RequestOutput
 from eagle_worker.sampling_params import SamplingParams
 from eagle_worker.scheduler import Scheduler
 from eagle_worker.sequence import Sequence, SequenceStatus
-from eagle_worker.decode_worker import DecodeWorker
 
 
 class LLMEngine:

@@ -19,8 +19,14 @@ import torch
 
 from eagle_worker.attention import SeqAttention, attention_context, build_context
 from eagle_worker.speculative.heads import DraftHead
-from eagle_worker.speculative.tree import (TreeBatch, TreeShape, dynamic_tree_finish, dynamic_tree_start,
-                                    dynamic_tree_step, static_tree_level_tokens)
+from eagle_worker.speculative.tree import (
+    TreeBatch,
+    TreeShape,
+    dynamic_tree_finish,
+    dynamic_tree_start,
+    dynamic_tree_step,
+    static_tree_level_tokens,
+)
 
 
 @dataclass
@@ -115,7 +121,6 @@ class Drafter:
     def grow_dynamic(self, batch: list[DraftSeq], root_hidden: torch.Tensor, root_logprobs: torch.Tensor,
                      num_nodes: int, top_k: int, levels: int) -> TreeBatch:
         """EAGLE-2: expand the top-k frontier by cumulative log-prob, keep the best `num_nodes`."""
-        S = len(batch)
         roots = torch.tensor([d.root_token for d in batch], device=root_logprobs.device)
         state = dynamic_tree_start(roots, root_logprobs, top_k)
         prev_hidden = root_hidden[:, None]
@@ -125,7 +130,8 @@ class Drafter:
             level_offsets = 1 + (level - 1) * top_k + torch.arange(K)
             offsets.append(level_offsets)
             depths.append(torch.full((K,), level))
-            parent_hidden = torch.gather(prev_hidden, 1, state.frontier_parent_slot[..., None].expand(-1, -1, prev_hidden.shape[-1]))
+            parent_slot = state.frontier_parent_slot[..., None].expand(-1, -1, prev_hidden.shape[-1])
+            parent_hidden = torch.gather(prev_hidden, 1, parent_slot)
             tokens = self.head.to_target_ids(state.frontier_tokens)
             prev_hidden, logprobs = self._level(batch, parent_hidden, tokens, level_offsets, torch.cat(offsets),
                                                 torch.cat(depths), state.frontier_mask, level)

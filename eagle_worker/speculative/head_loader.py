@@ -149,7 +149,7 @@ def _same_as_target_embedding(emb: torch.Tensor, target: nn.Module) -> bool:
 
 def expected_shapes(cfg: HeadConfig) -> dict[str, tuple[int, ...]]:
     """Full (unsharded) checkpoint shapes a head with this config needs, in published names."""
-    H, I, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    H, inter, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
     eagle3 = cfg.kind == "eagle3"
     pre = "midlayer." if eagle3 else "layers.0."
@@ -163,9 +163,9 @@ def expected_shapes(cfg: HeadConfig) -> dict[str, tuple[int, ...]]:
         if cfg.qkv_bias:
             s[f"{pre}self_attn.{n}.bias"] = (rows,)
     s[f"{pre}self_attn.o_proj.weight"] = (H, q)
-    s[f"{pre}mlp.gate_proj.weight"] = (I, H)
-    s[f"{pre}mlp.up_proj.weight"] = (I, H)
-    s[f"{pre}mlp.down_proj.weight"] = (H, I)
+    s[f"{pre}mlp.gate_proj.weight"] = (inter, H)
+    s[f"{pre}mlp.up_proj.weight"] = (inter, H)
+    s[f"{pre}mlp.down_proj.weight"] = (H, inter)
     s[f"{pre}post_attention_layernorm.weight"] = (H,)
     if eagle3:
         s[f"{pre}input_layernorm.weight"] = (H,)

@@ -256,10 +256,11 @@ class EagleWorker:
             token = self._commit_plain(batch[i], sampled.get(batch[i].seq.request_id), result.row_offsets[i], features)
             if token is not None:
                 new_tokens[batch[i].seq.request_id] = [token]
+        scores = result.logits if result.logits is not None else result.argmax
         for i, it in enumerate(batch):
             tree = trees.get(it.seq.request_id)
             if tree is not None:
-                rows = (result.logits if result.logits is not None else result.argmax)[first_row[i]:first_row[i] + len(tree.tokens)]
+                rows = scores[first_row[i]:first_row[i] + len(tree.tokens)]
                 new_tokens[it.seq.request_id] = self._accept_tree(it.seq, tree, rows, result.row_offsets[i], features)
         return new_tokens
 

@@ -137,7 +137,8 @@ def test_hybrid_head_trees_are_small_where_lookup_has_nothing(copying_target):
     worker = llm.engine.worker
     calls, shares = [], []
     grow = worker.drafter.grow_dynamic
-    worker.drafter.grow_dynamic = lambda batch, h, lp, n, k, levels: calls.append((n, k, levels)) or grow(batch, h, lp, n, k, levels)
+    worker.drafter.grow_dynamic = (lambda batch, h, lp, n, k, levels:
+                                   calls.append((n, k, levels)) or grow(batch, h, lp, n, k, levels))
     head_nodes = worker.hybrid.head_nodes
     worker.hybrid.head_nodes = lambda st, budget: shares.append(head_nodes(st, budget)) or shares[-1]
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected

@@ -7,8 +7,18 @@ import pytest
 import torch
 
 from eagle_worker.speculative.tree import (
-    MC_SIM_7B_63, TreeBatch, ancestor_mask, chain, children_index, dynamic_tree_finish, dynamic_tree_start,
-    dynamic_tree_step, position_offsets, root_to_leaf_paths, static_tree, static_tree_level_tokens,
+    MC_SIM_7B_63,
+    TreeBatch,
+    ancestor_mask,
+    chain,
+    children_index,
+    dynamic_tree_finish,
+    dynamic_tree_start,
+    dynamic_tree_step,
+    position_offsets,
+    root_to_leaf_paths,
+    static_tree,
+    static_tree_level_tokens,
 )
 
 
