@@ -70,7 +70,7 @@ class _CompletionRender:
 
     def full(self, rid, out) -> oa.CompletionResponse:
         choice = oa.CompletionChoice(text=out.text, finish_reason=oa.finish_reason(out.finish_reason),
-                                     logprobs=oa.logprobs_block(out.token_ids, getattr(out, "logprobs", None)))
+                                     logprobs=oa.logprobs_block(out.token_ids, out.logprobs))
         return oa.CompletionResponse(id=rid, model=self.model, choices=[choice],
                                      usage=oa.usage(len(out.prompt_token_ids), len(out.token_ids)))
 
@@ -93,7 +93,7 @@ class _ChatRender:
         self.model = model
 
     def full(self, rid, out) -> oa.ChatCompletionResponse:
-        lp = getattr(out, "logprobs", None)
+        lp = out.logprobs
         logprobs = None if lp is None else {"content": [
             {"token": str(t), "logprob": p, "bytes": None, "top_logprobs": []} for t, p in zip(out.token_ids, lp)]}
         choice = oa.ChatChoice(message=oa.ChatCompletionMessage(content=out.text), logprobs=logprobs,

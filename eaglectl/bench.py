@@ -38,10 +38,12 @@ def bench_decode(model, dtypes, batch_sizes, max_tokens, json_out, threads, roun
 @click.option("--json", "json_out", default="bench/results/spec.json", show_default=True)
 @click.option("--threads", default=None, type=int, help="torch intra-op threads [default: torch's].")
 @click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy; > 0 samples.")
-@click.option("--num-draft-tokens", default=None, type=int, help="Node budget of the dynamic tree, the hybrid and lookup [default: SpecConfig's].")
+@click.option("--num-draft-tokens", default=None, type=int,
+              help="Node budget of the dynamic tree, the hybrid and lookup [default: SpecConfig's].")
 @click.option("--depth", default=None, type=int, help="Dynamic tree / hybrid draft levels [default: SpecConfig's].")
 @click.option("--top-k", default=None, type=int, help="Dynamic tree / hybrid expansion width [default: SpecConfig's].")
-@click.option("--rounds", default=1, show_default=True, type=click.IntRange(min=1), help="Passes over the prompts; each prompt's median time counts.")
+@click.option("--rounds", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Passes over the prompts; each prompt's median time counts.")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N (every method runs there).")
 @click.option("--warmup", default=4, show_default=True, type=click.IntRange(min=0),
               help="Prompts each engine serves first, from outside the measured set (adaptive state settles).")

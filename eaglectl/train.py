@@ -47,7 +47,8 @@ def _command_line() -> str:
 @click.option("--heldout", default=16, show_default=True, type=int, help="Held-out samples for acceptance reporting.")
 @click.option("--checkpoint-every", default=200, show_default=True, type=int)
 @click.option("--eval-every", default=200, show_default=True, type=int)
-@click.option("--eval-prompts", default=8, show_default=True, type=int, help="Held-out prompts for the final engine tau (0: skip).")
+@click.option("--eval-prompts", default=8, show_default=True, type=int,
+              help="Held-out prompts for the final engine tau (0: skip).")
 @click.option("--online", is_flag=True, help="Compute training features on the fly, store none (targets too large to store).")
 @click.option("--full-vocab-labels", is_flag=True, help="Score the full vocabulary when extracting (exact argmax mask; slower).")
 @click.option("--dtype", default="float32", show_default=True, type=click.Choice(["bfloat16", "float32"]),
