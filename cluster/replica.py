@@ -100,9 +100,13 @@ class EngineReplica:
             from cluster.tp_group import TPGroup
 
             self.tp = TPGroup.create(self.config)  # rank 0 joins the process group here
-        self.engine: Engine = backend.LLMEngine(engine_config(self.config))
-        if self.tp is not None:
-            self.tp.start_workers()
+            self.tp.start_workers()   # ranks 1..n-1 build their shards and wait for rank 0's commands
+        try:
+            self.engine: Engine = backend.LLMEngine(engine_config(self.config))
+        except BaseException:
+            if self.tp is not None:
+                self.tp.shutdown()
+            raise
         self.max_model_len = self.engine.max_model_len
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}

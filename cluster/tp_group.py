@@ -151,7 +151,8 @@ class TPGroup:
         return [mine] + ray.get(refs, timeout=60)
 
     def start_workers(self) -> None:
-        """Start the engine worker loop on ranks 1..n-1 (after rank 0 built its engine)."""
+        """Start the engine worker loop on ranks 1..n-1: each builds its shard, then follows rank 0's
+        commands (rank 0's engine may send some while it starts, e.g. a draft head's vocab gather)."""
         self._loops = [w.run.remote() for w in self.workers]
 
     def check_health(self) -> None:

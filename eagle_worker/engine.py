@@ -41,9 +41,6 @@ class LLMEngine:
     def _make_worker(self, config: EngineConfig):
         if config.spec is None:
             return DecodeWorker(self.runner, self.block_manager)
-        if config.tp_size > 1:
-            raise ValueError("speculative decoding with tp_size > 1 is not supported yet: the draft head "
-                             "needs the full vocabulary; serve with draft=None or tp_size=1")
         from eagle_worker.speculative.config import resolve_draft
         from eagle_worker.speculative.worker import EagleWorker
 

@@ -12,7 +12,7 @@ from eagle_worker.attention import SeqAttention, attention_context, build_contex
 from eagle_worker.config import EngineConfig
 from eagle_worker.loader import load_weights, resolve_model_path
 from eagle_worker.models.registry import model_class_for
-from eagle_worker.parallel import broadcast_from_rank0, tp_rank, tp_size
+from eagle_worker.parallel import all_gather_rows, broadcast_from_rank0, tp_rank, tp_size
 
 
 @dataclass
@@ -157,6 +157,21 @@ class ModelRunner:
         if len(src):
             src, dst = src.to(self.device), dst.to(self.device)
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
+    def gather_vocab(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Full copies of the target's token table and LM head (vocab-sharded under TP), for a draft
+        head that runs on rank 0 alone; every rank joins the gather."""
+        self._drive("gather_vocab")
+        return self.gather_vocab_local()
+
+    @torch.inference_mode()
+    def gather_vocab_local(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's share of `gather_vocab` (tp_worker.py calls it; the result is dropped there)."""
+        embed, head = self.model.model.embed_tokens, self.model.lm_head
+        table = all_gather_rows(embed.weight)[:embed.num_embeddings]
+        if head.weight is embed.weight:
+            return table, table
+        return table, all_gather_rows(head.weight)[:head.num_embeddings]
 
     def shutdown(self) -> None:
         self._drive("stop")

@@ -6,6 +6,8 @@ every rank of a TP group before building the model.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -26,6 +28,19 @@ def tp_size() -> int:
     return _TP_SIZE
 
 
+@contextlib.contextmanager
+def single_rank():
+    """Build modules that live on this rank alone (the draft head under TP): layers made inside
+    hold full, unsharded weights and never communicate."""
+    global _TP_RANK, _TP_SIZE
+    saved = _TP_RANK, _TP_SIZE
+    _TP_RANK, _TP_SIZE = 0, 1
+    try:
+        yield
+    finally:
+        _TP_RANK, _TP_SIZE = saved
+
+
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     if _TP_SIZE > 1:
         dist.all_reduce(x)
@@ -39,6 +54,15 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(_TP_SIZE)]
     dist.all_gather(parts, x.contiguous())
     return torch.cat(parts, dim=-1)
+
+
+def all_gather_rows(x: torch.Tensor) -> torch.Tensor:
+    """Concatenate each rank's shard along the first dimension (vocab-sharded tables)."""
+    if _TP_SIZE == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(_TP_SIZE)]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=0)
 
 
 def broadcast_from_rank0(obj=None):

@@ -24,8 +24,8 @@ from torch import nn
 
 from eagle_worker.layers.linear import default_weight_loader
 from eagle_worker.layers.rotary import rope_config
-from eagle_worker.parallel import tp_size
-from eagle_worker.speculative.heads import DraftHead, HeadConfig, build_head
+from eagle_worker.parallel import single_rank
+from eagle_worker.speculative.heads import DraftHead, HeadConfig, TargetVocab, build_head
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _PACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
@@ -101,7 +101,8 @@ def _aux_layers(raw: dict, num_target_layers: int) -> tuple[int, ...]:
     return (2, L // 2, L - 3)
 
 
-def head_config(raw: dict, sd: dict[str, torch.Tensor], target: nn.Module, target_hf_config) -> HeadConfig:
+def head_config(raw: dict, sd: dict[str, torch.Tensor], target: nn.Module, target_hf_config,
+                vocab: TargetVocab | None = None) -> HeadConfig:
     kind = detect_kind(raw, sd)
     H, V = int(target.hidden_size), int(target.vocab_size)
     nh = int(raw.get("num_attention_heads", 32))
@@ -113,7 +114,7 @@ def head_config(raw: dict, sd: dict[str, torch.Tensor], target: nn.Module, targe
     max_pos = max(int(raw.get("max_position_embeddings") or 2048), int(target_ctx), 2048)
     pre = "midlayer." if kind == "eagle3" else "layers.0."
     emb = sd.get("embed_tokens.weight")
-    own_emb = emb is not None and not _same_as_target_embedding(emb, target)
+    own_emb = emb is not None and not _same_as_target_embedding(emb, (vocab or TargetVocab(target)).embedding_weight)
     draft_vocab = int(raw.get("draft_vocab_size") or V) if kind == "eagle3" else V
     return HeadConfig(
         kind=kind, hidden_size=H, intermediate_size=int(raw.get("intermediate_size", 4 * H)),
@@ -130,15 +131,11 @@ def head_config(raw: dict, sd: dict[str, torch.Tensor], target: nn.Module, targe
         norm_before_residual=bool(raw.get("norm_before_residual", False)), raw=dict(raw))
 
 
-def _same_as_target_embedding(emb: torch.Tensor, target: nn.Module) -> bool:
-    """Published EAGLE-1 heads store a frozen copy of the target's table (often in another
+def _same_as_target_embedding(emb: torch.Tensor, w: torch.Tensor) -> bool:
+    """Published EAGLE-1 heads store a frozen copy of the target's table `w` (often in another
     dtype): share the target's instead of holding a second V x H table. The tolerance covers
     bf16/fp16 rounding of the same table; a head whose table really differs keeps its own."""
-    try:
-        w = target.model.embed_tokens.weight
-    except AttributeError:
-        return False
-    if tp_size() > 1 or tuple(w.shape) != tuple(emb.shape):
+    if tuple(w.shape) != tuple(emb.shape):
         return False
     for start in range(0, w.shape[0], 8192):   # chunked: a 128k x 4096 table is 2 GiB in fp32
         a = w[start:start + 8192].detach().float().cpu()
@@ -230,9 +227,12 @@ def _load_into(head: DraftHead, sd: dict[str, torch.Tensor]) -> None:
             head.d2t.zero_()
 
 
-def load_draft_head(path: str | Path, target_model: nn.Module, target_hf_config) -> DraftHead:
+def load_draft_head(path: str | Path, target_model: nn.Module, target_hf_config,
+                    vocab: TargetVocab | None = None) -> DraftHead:
     """Build the head for `target_model` from an EAGLE-1/2 or EAGLE-3 checkpoint folder, on the
-    target's device and dtype. Raises ValueError (naming tensors and shapes) if it does not fit."""
+    target's device and dtype. Raises ValueError (naming tensors and shapes) if it does not fit.
+    The head is never sharded: under tensor parallelism it runs on rank 0 alone, borrowing the
+    target's vocabulary through `vocab` (full copies of the sharded tables)."""
     path = Path(path)
     cfg_file = path / "config.json"
     if not cfg_file.exists():
@@ -243,23 +243,23 @@ def load_draft_head(path: str | Path, target_model: nn.Module, target_hf_config)
         sd = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in sd.items()}
     if raw.get("hidden_act", "silu") not in ("silu", "swish"):
         raise ValueError(f"draft head {path}: hidden_act {raw['hidden_act']!r} is not supported (silu only)")
-    cfg = head_config(raw, sd, target_model, target_hf_config)
+    cfg = head_config(raw, sd, target_model, target_hf_config, vocab)
     desc = (f"{type(target_model).__name__}, hidden_size={cfg.hidden_size}, vocab_size={cfg.vocab_size}, "
             f"num_layers={target_model.num_layers}")
     _check(cfg, sd, path, desc)
-    head = build_head_like_target(cfg, target_model)
+    head = build_head_like_target(cfg, target_model, vocab)
     _load_into(head, sd)
     return head.eval()
 
 
-def build_head_like_target(cfg: HeadConfig, target: nn.Module) -> DraftHead:
-    """An (uninitialised) head on the target's device, in the target's dtype."""
+def build_head_like_target(cfg: HeadConfig, target: nn.Module, vocab: TargetVocab | None = None) -> DraftHead:
+    """An (uninitialised, unsharded) head on the target's device, in the target's dtype."""
     ref = next(target.parameters())
     prev = torch.get_default_dtype()
     torch.set_default_dtype(ref.dtype)
     try:
-        with torch.device(ref.device):
-            return build_head(cfg, target)
+        with torch.device(ref.device), single_rank():
+            return build_head(cfg, target, vocab)
     finally:
         torch.set_default_dtype(prev)
 
@@ -294,8 +294,6 @@ def save_draft_head(head: DraftHead, out_dir: str | Path, format: str | None = N
         raise ValueError(f"unknown draft head format {fmt!r} (eagle, eagle3)")
     if fmt != head.kind:
         raise ValueError(f"a {head.kind} head cannot be saved as {fmt}: the architectures differ")
-    if tp_size() > 1:
-        raise ValueError("save_draft_head needs unsharded weights (tensor-parallel size 1)")
     from safetensors.torch import save_file
 
     cfg = head.config

@@ -30,12 +30,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from eagle_worker.attention import Attention
 from eagle_worker.layers.activation import SiluAndMul
 from eagle_worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from eagle_worker.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
+from eagle_worker.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear,
+                                        linear)
 from eagle_worker.layers.norm import RMSNorm
 from eagle_worker.layers.rotary import get_rope
 
@@ -132,6 +134,32 @@ def _raw_embedding(target: nn.Module):
     return emb if emb is not None else target.embed
 
 
+class TargetVocab:
+    """What a head borrows from its target: the raw token table and the LM head over the target's
+    vocabulary. On one rank these are the target's own modules. Under tensor parallelism the
+    target's are vocab-sharded (every call a collective all ranks must join) while the head runs
+    on rank 0 alone, so it gets full copies (`ModelRunner.gather_vocab`), gathered once."""
+
+    def __init__(self, target: nn.Module, table: torch.Tensor | None = None, lm_head: torch.Tensor | None = None):
+        self.target, self.table, self.lm_head = target, table, lm_head
+
+    @property
+    def embedding_weight(self) -> torch.Tensor:
+        return self.table if self.table is not None else _raw_embedding(self.target).weight
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.table is None:
+            return _raw_embedding(self.target)(input_ids)
+        return F.embedding(input_ids, self.table)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_head is None:
+            return self.target.compute_logits(hidden)
+        logits = linear(hidden, self.lm_head)
+        cap = getattr(self.target, "final_logit_softcapping", None)
+        return torch.tanh(logits / cap) * cap if cap else logits
+
+
 class DraftHead(nn.Module):
     """Common interface: `forward(features[T, F], input_ids[T], positions[T]) -> hidden[T, H]`,
     `logits(hidden) -> [T, draft vocab]`, `to_target_ids(draft ids)`, `attention_layers()`.
@@ -139,14 +167,13 @@ class DraftHead(nn.Module):
 
     kind = ""
 
-    def __init__(self, cfg: HeadConfig, target: nn.Module):
+    def __init__(self, cfg: HeadConfig, target: nn.Module, vocab: TargetVocab | None = None):
         super().__init__()
         self.config = cfg
         object.__setattr__(self, "_target", target)   # not a submodule
+        object.__setattr__(self, "vocab", vocab or TargetVocab(target))
         if cfg.own_embedding:
             self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        else:
-            object.__setattr__(self, "_target_embed", _raw_embedding(target))
 
     @property
     def target(self) -> nn.Module:
@@ -171,7 +198,7 @@ class DraftHead(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.config.own_embedding:
             return self.embed_tokens(input_ids)
-        return self._target_embed(input_ids)
+        return self.vocab.embed(input_ids)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids
@@ -183,8 +210,8 @@ class DraftHead(nn.Module):
 class Eagle1Head(DraftHead):
     kind = "eagle"
 
-    def __init__(self, cfg: HeadConfig, target: nn.Module):
-        super().__init__(cfg, target)
+    def __init__(self, cfg: HeadConfig, target: nn.Module, vocab: TargetVocab | None = None):
+        super().__init__(cfg, target, vocab)
         self.fc = ReplicatedLinear(2 * cfg.hidden_size, cfg.hidden_size, bias=cfg.fc_bias)
         self.layers = nn.ModuleList([Eagle1Layer(cfg)])
 
@@ -198,7 +225,7 @@ class Eagle1Head(DraftHead):
         return self.layers[0](positions, h)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self._target.compute_logits(hidden)
+        return self.vocab.logits(hidden)
 
     def attention_layers(self) -> list[Attention]:
         return [self.layers[0].self_attn.attn]
@@ -207,8 +234,8 @@ class Eagle1Head(DraftHead):
 class Eagle3Head(DraftHead):
     kind = "eagle3"
 
-    def __init__(self, cfg: HeadConfig, target: nn.Module):
-        super().__init__(cfg, target)
+    def __init__(self, cfg: HeadConfig, target: nn.Module, vocab: TargetVocab | None = None):
+        super().__init__(cfg, target, vocab)
         n_aux = max(1, len(cfg.aux_layers))
         self.fc = ReplicatedLinear(n_aux * cfg.hidden_size, cfg.hidden_size, bias=cfg.fc_bias)
         self.midlayer = Eagle3Layer(cfg)
@@ -232,7 +259,7 @@ class Eagle3Head(DraftHead):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         h = self.norm(hidden)
         if self.config.lm_head_from_target:
-            return self._target.compute_logits(h)
+            return self.vocab.logits(h)
         return self.lm_head(h)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
@@ -242,5 +269,5 @@ class Eagle3Head(DraftHead):
         return [self.midlayer.self_attn.attn]
 
 
-def build_head(cfg: HeadConfig, target: nn.Module) -> DraftHead:
-    return {"eagle": Eagle1Head, "eagle3": Eagle3Head}[cfg.kind](cfg, target)
+def build_head(cfg: HeadConfig, target: nn.Module, vocab: TargetVocab | None = None) -> DraftHead:
+    return {"eagle": Eagle1Head, "eagle3": Eagle3Head}[cfg.kind](cfg, target, vocab)

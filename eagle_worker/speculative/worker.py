@@ -24,6 +24,7 @@ import torch
 from eagle_worker.block_manager import BlockManager
 from eagle_worker.decode_worker import forward_item
 from eagle_worker.model_runner import ForwardItem, ForwardResult, ModelRunner
+from eagle_worker.parallel import tp_size
 from eagle_worker.sampler import argmax_suffices, sample, target_probs
 from eagle_worker.scheduler import ScheduledSeq
 from eagle_worker.sequence import Sequence
@@ -32,7 +33,7 @@ from eagle_worker.speculative.config import SpecConfig
 from eagle_worker.speculative.draft_tree import DraftTree, StepMode
 from eagle_worker.speculative.drafter import Drafter, DraftSeq, DraftState
 from eagle_worker.speculative.head_loader import load_draft_head
-from eagle_worker.speculative.heads import DraftHead
+from eagle_worker.speculative.heads import DraftHead, TargetVocab
 from eagle_worker.speculative.hybrid import HybridSplit, HybridState
 from eagle_worker.speculative.lookup import NgramIndex, merge_branches, prune_to_best
 from eagle_worker.speculative.policy import SpecPolicy
@@ -67,7 +68,11 @@ class EagleWorker:
         self.runner = runner
         self.block_manager = block_manager
         self.spec = spec
-        self.head = head or (load_draft_head(spec.draft, runner.model, runner.hf_config) if spec.draft else None)
+        if head is None and spec.draft:
+            # the head runs on rank 0 alone; under TP it borrows full copies of the sharded vocab tables
+            vocab = TargetVocab(runner.model, *runner.gather_vocab()) if tp_size() > 1 else None
+            head = load_draft_head(spec.draft, runner.model, runner.hf_config, vocab)
+        self.head = head
         if self.head is not None and spec.method and spec.method != self.head.kind:
             raise ValueError(f"SpecConfig.method={spec.method!r} but the head at {spec.draft} is {self.head.kind!r}")
         for layer in self.head.attention_layers() if self.head else []:   # one layer of KV, target's slot numbering
