@@ -12,6 +12,8 @@ _EXPORTS = {
     "EngineConfig": "eagle_worker.config",
     "SamplingParams": "eagle_worker.sampling_params",
     "SpecConfig": "eagle_worker.speculative.config",
+    "choose_draft": "eagle_worker.speculative.config",
+    "resolve_draft": "eagle_worker.speculative.config",
     "RequestOutput": "eagle_worker.outputs",
     "run_tp_worker": "eagle_worker.tp_worker",
     "init_tensor_parallel": "eagle_worker.parallel",

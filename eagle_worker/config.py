@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eagle_worker.speculative.config import SpecConfig
+from eagle_worker.speculative.config import SpecConfig, choose_draft
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -38,11 +38,7 @@ class EngineConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"EngineConfig.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         check_device(self.device)
-        if self.draft == "auto":
-            from eagle_worker.speculative.config import has_builtin_head
-            self.draft = "default" if has_builtin_head(self.model) else None
-        if self.draft in ("none", ""):
-            self.draft = None
+        self.draft = choose_draft(self.draft, self.model)
         if self.spec is None and self.draft is not None:
             self.spec = SpecConfig(draft=self.draft)
         if self.block_size <= 0 or self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:

@@ -47,6 +47,18 @@ def has_builtin_head(model: str) -> bool:
     return (HEADS_DIR / model / "config.json").exists()
 
 
+def choose_draft(draft: str | None, model: str) -> str | None:
+    """The one rule for a `draft` setting, whatever reads it (the engine, the serve and job configs,
+    the KubeRay renderer): None, "" and "none" mean no head; "auto" means the model's built-in head
+    ("default") when it ships one, else none; anything else stays as given. The same on every
+    tensor-parallel size: the head runs beside a TP target too."""
+    if draft in (None, "", "none"):
+        return None
+    if draft == "auto":
+        return "default" if has_builtin_head(model) else None
+    return draft
+
+
 def resolve_draft(draft: str | None, model: str) -> str | None:
     """A head folder for `draft`: a path as is, or "default": the head shipped for a built-in model."""
     if draft is None:

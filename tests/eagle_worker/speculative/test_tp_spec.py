@@ -5,7 +5,9 @@ same KV (a single KV head is replicated, so the two ranks' caches must match bit
 from __future__ import annotations
 
 import functools
+import queue
 import socket
+import time
 
 import pytest
 import torch
@@ -46,7 +48,7 @@ def _run_rank(rank: int, port: int, model: str, jobs: list[dict], out) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     init_tensor_parallel(rank, 2)
     for job in jobs:
-        kw = dict(model=model, tp_size=2, **KV, **job.get("engine", {}))
+        kw = {"model": model, "tp_size": 2, **KV, **job.get("engine", {})}
         if rank:
             runner = run_tp_worker(EngineConfig(**kw))
             out.put(("kv", runner.kv_cache.numpy().copy()))      # by value: this process exits first
@@ -73,8 +75,15 @@ def run_tp2(model: str, jobs: list[dict]) -> dict[str, tuple]:
     for p in procs:
         p.start()
     results, kvs = {}, []
+    deadline = time.monotonic() + 900
     for _ in range(2 * len(jobs)):
-        msg = out.get(timeout=600)
+        while True:                      # a rank that crashed fails the test at once, not at the deadline
+            try:
+                msg = out.get(timeout=2)
+                break
+            except queue.Empty:
+                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                assert not dead and time.monotonic() < deadline, f"a rank exited with {dead} (see its stderr)"
         if msg[0] == "kv":
             kvs.append(msg[1])
         else:
@@ -151,5 +160,4 @@ def test_tp2_hybrid_on_a_copying_target_accepts_and_stays_exact(copying_target):
     results = run_tp2(str(target), jobs)
     tokens, stats, kv0, kv1 = results["hybrid"]
     assert tokens == expected
-    assert stats["spec_steps"] > 0 and stats["acceptance_rate_per_depth"][0] > 0.5
-    assert (kv0 == kv1).all()
+    assert stats["spec_steps"] > 0 and stats["acceptance_rate_per_depth"][0] > 0.5   # (two KV heads: sharded)
