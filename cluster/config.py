@@ -1,8 +1,9 @@
 """ServeConfig: everything needed to stand up the serving cluster, validated once at the edge.
 
 The same model feeds `eaglectl serve`, the Ray Serve `app_builder` entry point (Serve config files,
-KubeRay `RayService`) and the KubeRay manifest renderer, so it is self-contained: it imports nothing
-from the engine or from Ray. Load it from YAML with `ServeConfig.from_yaml(path)` (a plain serve file,
+KubeRay `RayService`) and the KubeRay manifest renderer, so it is light: it imports nothing from Ray,
+and of the engine only its rule for `draft` settings (through the engine contract), so every reader
+means the same head by `auto`. Load it from YAML with `ServeConfig.from_yaml(path)` (a plain serve file,
 or a deploy file's `serve:` section); a bad file raises `ConfigError` listing every offending field
 as a dotted path (`limits.max_tokens: ...`). `read_yaml` is the one YAML reader of config files.
 
@@ -41,6 +42,8 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from eagle_worker.engine_api import draft_rules
 
 
 class ConfigError(ValueError):
@@ -202,6 +205,12 @@ class ServeConfig(_Strict):
             raise ValueError("device: cpu must not reserve GPUs (resources_per_rank.gpu: 0)")
         if self.speculation is not None and self.draft is None and not self.speculation.lookup:
             raise ValueError("speculation needs a draft head (draft: auto, default or a folder) or speculation.lookup: true")
+        choose, resolve = draft_rules(self.engine)
+        if choose(self.draft, self.model) == "default":   # a folder may live only where replicas run
+            try:
+                resolve("default", self.model)
+            except ValueError as e:
+                raise ValueError(f"draft: {e}") from None
         if any(not k.strip() for k in self.api_keys):
             raise ValueError("api_keys must not contain empty keys")
         return self
@@ -223,12 +232,10 @@ class ServeConfig(_Strict):
 
     @property
     def resolved_draft(self) -> str | None:
-        """`auto` only ever means a built-in model's shipped head; built-in models are bare names, so
-        a folder or hub id ("a/b") with `auto` decodes plainly (the engine resolves the rest). The
-        engine cannot speculate with tp_size > 1 yet, so there `auto` decodes plainly too."""
-        if self.draft == "auto" and ("/" in self.model or "\\" in self.model or self.tp_size > 1):
-            return None
-        return self.draft
+        """What `draft` means for this model, by the engine's one rule (`auto`: the model's built-in
+        head if it ships one, else none), on every tensor-parallel size."""
+        choose, _ = draft_rules(self.engine)
+        return choose(self.draft, self.model)
 
     def replica_count_options(self) -> dict[str, Any]:
         """`num_replicas` or `autoscaling_config` for the engine deployment."""

@@ -63,6 +63,13 @@ class EngineModule(Protocol):
     SpecConfig: Callable[..., Any]
     """Speculation settings: `draft` plus the fields of the config's `speculation` section."""
 
+    choose_draft: Callable[[str | None, str], str | None]
+    """`(draft setting, model)`: what the setting means (None: no head; "auto": the model's built-in
+    head or none); the one rule the engine and every config that names a draft use."""
+
+    resolve_draft: Callable[[str | None, str], str | None]
+    """`(chosen draft, model)`: the head folder to load, or ValueError saying why there is none."""
+
     init_tensor_parallel: Callable[[int, int], None]
     """`(rank, world_size)`: every rank of a TP group calls it once torch.distributed is up."""
 
@@ -101,6 +108,13 @@ def signature_mismatches(impl: Any, proto: type) -> list[str]:
         problems += [f"{name}: extra parameter {q} needs a default" for q in have[len(want):]
                      if q.default is inspect.Parameter.empty and q.kind not in (q.VAR_POSITIONAL, q.VAR_KEYWORD)]
     return problems
+
+
+def draft_rules(path: str) -> tuple[Callable, Callable]:
+    """The engine module's `choose_draft` and `resolve_draft`, for configs that read a `draft`
+    setting (light: the rest of the engine is not imported)."""
+    module = importlib.import_module(path)
+    return module.choose_draft, module.resolve_draft
 
 
 def load_engine_module(path: str) -> EngineModule:

@@ -9,12 +9,13 @@ resume never mixes two different jobs' rows in one dataset.
 from __future__ import annotations
 
 import glob as _glob
-import importlib
 import os
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from eagle_worker.engine_api import draft_rules
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 
@@ -105,12 +106,10 @@ class JobConfig(BaseModel):
         return "openai-batch" if self.input_is_jsonl() else "parquet"
 
     def resolved_draft(self) -> str | None:
-        """None (plain decoding), or what the engine's `EngineConfig.draft` gets."""
-        if self.draft == "none":
-            return None
-        if self.draft == "auto":
-            return "default" if builtin_head_error(self.engine, self.model) is None else None
-        return self.draft
+        """None (plain decoding), or what the engine's `EngineConfig.draft` gets: the engine's one
+        rule for draft settings (`auto`: the model's built-in head if it ships one)."""
+        choose, _ = draft_rules(self.engine)
+        return choose(self.draft, self.model)
 
     def generation_fingerprint(self) -> dict:
         """Settings that change what a row's output is; a resume must match them."""
@@ -208,14 +207,11 @@ def default_output(input_path: str) -> str:
 def builtin_head_error(engine_module: str, model: str, draft: str = "default") -> str | None:
     """None when the engine can use `draft` ("default": the head shipped for a built-in model) with
     `model`, else why not. Asks the engine's own resolver (light: no torch import)."""
-    if draft == "default" and (os.sep in model or Path(model).expanduser().exists()):
-        # built-in heads belong to built-in model names (the engine's resolver would join the path)
-        return f"model {model!r} is a path; built-in draft heads exist only for built-in model names"
     try:
-        spec_config = importlib.import_module(f"{engine_module}.speculative.config")
-        spec_config.resolve_draft(draft, model)
-    except ImportError:
-        return f"the engine `{engine_module}` has no speculative decoding"
-    except (ValueError, AttributeError) as e:
+        _, resolve = draft_rules(engine_module)
+        resolve(draft, model)
+    except ImportError as e:
+        return f"the engine `{engine_module}` cannot be imported: {e}"
+    except ValueError as e:
         return str(e)
     return None

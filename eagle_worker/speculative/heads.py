@@ -36,8 +36,7 @@ from torch import nn
 from eagle_worker.attention import Attention
 from eagle_worker.layers.activation import SiluAndMul
 from eagle_worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from eagle_worker.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear,
-                                        linear)
+from eagle_worker.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear, linear
 from eagle_worker.layers.norm import RMSNorm
 from eagle_worker.layers.rotary import get_rope
 

@@ -57,6 +57,15 @@ class SpecConfig:
         self.draft, self.settings = draft, settings
 
 
+def choose_draft(draft: str | None, model: str) -> str | None:
+    """No built-in heads: "auto" means none."""
+    return None if draft in (None, "", "none", "auto") else draft
+
+
+def resolve_draft(draft: str | None, model: str) -> str | None:
+    return draft
+
+
 def init_tensor_parallel(rank: int, world_size: int) -> None:
     """Nothing to shard; the TP group's own collectives are tested with this engine."""
 

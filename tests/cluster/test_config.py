@@ -10,7 +10,7 @@ from cluster.serve_app import app_builder, engine_deployment_options
 def test_defaults_are_servable():
     cfg = ServeConfig()
     assert cfg.model_name == "gemma-3-270m" and cfg.replica_count_options() == {"num_replicas": 1}
-    assert cfg.engine_kwargs() == dict(model="gemma-3-270m", dtype="float32", device="cpu", draft="auto",
+    assert cfg.engine_kwargs() == dict(model="gemma-3-270m", dtype="float32", device="cpu", draft="default",
                                        tp_size=1, max_num_seqs=64)
     assert not cfg.auth_enabled and cfg.resolve_api_keys() == frozenset()
 
@@ -147,8 +147,22 @@ def test_speculation_with_auto_draft_on_a_model_without_head(tiny_model_dir):
 
 
 def test_auto_draft_resolution():
-    assert ServeConfig().resolved_draft == "auto"  # the engine picks the built-in head when it ships one
+    """One rule (the engine's `choose_draft`) on every path: the serve config, the job config, the
+    engine itself; `auto` is the built-in head on every tensor-parallel size."""
+    from eagle_worker.config import EngineConfig
+    from jobs.job_config import JobConfig
+
+    assert ServeConfig().resolved_draft == "default"
+    assert ServeConfig(tp_size=2).resolved_draft == "default"      # the head runs beside a TP target
     assert ServeConfig(model="/models/x").resolved_draft is None
     assert ServeConfig(model="org/name").resolved_draft is None
-    assert ServeConfig(tp_size=2).resolved_draft is None
-    assert ServeConfig(tp_size=2, draft="default").resolved_draft == "default"  # explicit: the engine decides
+    assert ServeConfig(draft="none").resolved_draft is None
+    for model, tp in (("gemma-3-270m", 1), ("gemma-3-270m", 2), ("org/name", 2)):
+        serve = ServeConfig(model=model, tp_size=tp).resolved_draft
+        job = JobConfig(input="x.parquet", model=model, tp_size=tp).resolved_draft()
+        assert serve == job == EngineConfig(model=model).draft, (model, tp)
+
+
+def test_a_default_draft_for_a_model_without_one_is_refused_when_read():
+    with pytest.raises(ValueError, match="draft: model 'org/name' has no built-in draft head"):
+        ServeConfig(model="org/name", draft="default")

@@ -23,8 +23,8 @@ def test_contract_lists_what_the_fleet_calls():
     assert set(ENGINE_METHODS) == {"add_request", "abort", "step", "has_unfinished_requests", "stats",
                                    "apply_chat_template", "shutdown"}
     assert ENGINE_ATTRS == ("max_model_len",)
-    assert set(MODULE_NAMES) == {"LLMEngine", "EngineConfig", "SamplingParams", "SpecConfig",
-                                 "init_tensor_parallel", "run_tp_worker"}
+    assert set(MODULE_NAMES) == {"LLMEngine", "EngineConfig", "SamplingParams", "SpecConfig", "choose_draft",
+                                 "resolve_draft", "init_tensor_parallel", "run_tp_worker"}
 
 
 @pytest.mark.parametrize("path", MODULES)
