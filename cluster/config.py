@@ -237,6 +237,15 @@ class ServeConfig(_Strict):
         choose, _ = draft_rules(self.engine)
         return choose(self.draft, self.model)
 
+    def check_draft_here(self) -> None:
+        """ConfigError when the head `draft` names is not on this machine. For commands whose
+        replicas run here (a local `eaglectl serve`); elsewhere the replica's engine checks it."""
+        _, resolve = draft_rules(self.engine)
+        try:
+            resolve(self.resolved_draft, self.model)
+        except ValueError as e:
+            raise ConfigError(f"invalid serve config: draft: {e}") from None
+
     def replica_count_options(self) -> dict[str, Any]:
         """`num_replicas` or `autoscaling_config` for the engine deployment."""
         if self.autoscaling is not None:

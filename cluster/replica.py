@@ -55,6 +55,12 @@ class EngineDiedError(RuntimeError):
     """The replica's engine loop crashed; the request may be retried on another replica."""
 
 
+class ReplicaConfigError(ValueError):
+    """The engine refused the replica's settings (a model or head that is not there or does not
+    fit, a TP size the model cannot split into): a restart cannot fix it, so callers fail the
+    deployment or job at once with this message instead of starting replicas again."""
+
+
 def guess_param(message: str) -> str | None:
     """The request field an engine error message talks about, if any."""
     lead = re.match(r"\s*(?:SamplingParams\.)?(\w+)", message)
@@ -103,9 +109,11 @@ class EngineReplica:
             self.tp.start_workers()   # ranks 1..n-1 build their shards and wait for rank 0's commands
         try:
             self.engine: Engine = backend.LLMEngine(engine_config(self.config))
-        except BaseException:
+        except BaseException as e:
             if self.tp is not None:
                 self.tp.shutdown()
+            if isinstance(e, ValueError):
+                raise ReplicaConfigError(f"the engine refused this replica's settings: {e}") from e
             raise
         self.max_model_len = self.engine.max_model_len
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()

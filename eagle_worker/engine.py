@@ -20,11 +20,14 @@ from eagle_worker.outputs import RequestOutput
 from eagle_worker.sampling_params import SamplingParams
 from eagle_worker.scheduler import Scheduler
 from eagle_worker.sequence import Sequence, SequenceStatus
+from eagle_worker.speculative.config import resolve_draft
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
+        if config.spec is not None:      # a head that is not there fails before the model loads
+            config.spec.draft = resolve_draft(config.spec.draft, config.model)
         self.runner = ModelRunner(config)
         self.tokenizer = self.runner.tokenizer
         self.max_model_len = self.runner.max_model_len
@@ -41,10 +44,8 @@ class LLMEngine:
     def _make_worker(self, config: EngineConfig):
         if config.spec is None:
             return DecodeWorker(self.runner, self.block_manager)
-        from eagle_worker.speculative.config import resolve_draft
         from eagle_worker.speculative.worker import EagleWorker
 
-        config.spec.draft = resolve_draft(config.spec.draft, config.model)
         return EagleWorker(self.runner, self.block_manager, config.spec)
 
     # ---- requests -------------------------------------------------------------------------

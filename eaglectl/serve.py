@@ -24,6 +24,9 @@ def serve(config_path, host, port, address):
         overrides = {k: v for k, v in (("host", host), ("port", port)) if v is not None}
         if overrides:
             cfg = cfg.model_copy(update=overrides)
+        address = address or os.environ.get("RAY_ADDRESS")
+        if not address:              # the replicas run on this machine: their head must be here
+            cfg.check_draft_here()
     except ValueError as e:
         fail(str(e))
-    run_serve(cfg, address=address or os.environ.get("RAY_ADDRESS"), blocking=True)
+    run_serve(cfg, address=address, blocking=True)

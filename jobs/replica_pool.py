@@ -26,7 +26,7 @@ import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from cluster.config import Limits, RankResources, ServeConfig
-from cluster.replica import EngineDiedError, EngineReplica, Rejected
+from cluster.replica import EngineDiedError, EngineReplica, Rejected, ReplicaConfigError
 from jobs.input_reader import Row
 from jobs.job_config import JobConfig
 
@@ -39,7 +39,16 @@ class JobFailed(RuntimeError):
 
 
 class JobReplica(EngineReplica):
-    """EngineReplica plus a whole-result call for batch work."""
+    """EngineReplica plus a whole-result call for batch work. Settings the engine refuses are kept
+    and reported by `info` (the actor stays up), so the pool fails the job at once instead of
+    starting replicas that can never start."""
+
+    def __init__(self, config: dict):
+        self.config_error: str | None = None
+        try:
+            super().__init__(config)
+        except ReplicaConfigError as e:
+            self.config_error = str(e)
 
     async def generate(self, request_id: str, prompt, params: dict, messages: list[dict] | None = None,
                        priority: int = OFFLINE_PRIORITY) -> dict[str, Any]:
@@ -55,6 +64,8 @@ class JobReplica(EngineReplica):
                 "latency_s": m.get("latency_s"), "forwards": int(m.get("num_target_forwards", 0))}
 
     def info(self) -> dict[str, Any]:
+        if self.config_error is not None:
+            return {"config_error": self.config_error}
         return {"replica_id": self.replica_id, "node_ip": ray.util.get_node_ip_address(),
                 "node_id": ray.get_runtime_context().get_node_id(), "max_model_len": self.max_model_len}
 
@@ -214,10 +225,16 @@ class ReplicaPool:
     def _on_started(self, r: _Replica, ref) -> None:
         try:
             r.info = ray.get(ref)
+            if "config_error" in r.info:
+                self._kill(r)
+                raise JobFailed(f"replica {r.index} cannot start: {r.info['config_error']} (a restart cannot fix "
+                                "this: change the job's settings); committed output is kept")
             r.ready_ref = None
             self.rows_by_node.setdefault(r.info["node_id"], 0)
             logger.info("replica %d ready on node %s (%s, %s CPUs)", r.index, r.info["node_id"][:8],
                         r.info.get("node_ip"), self.cpus)
+        except JobFailed:
+            raise
         except Exception as e:
             self.last_error = f"replica {r.index} failed to start: {_first_line(e)}"
             logger.error("%s", self.last_error)

@@ -166,3 +166,16 @@ def test_auto_draft_resolution():
 def test_a_default_draft_for_a_model_without_one_is_refused_when_read():
     with pytest.raises(ValueError, match="draft: model 'org/name' has no built-in draft head"):
         ServeConfig(model="org/name", draft="default")
+
+
+def test_local_serve_refuses_a_head_that_is_not_here(tmp_path):
+    """`eaglectl serve` whose replicas run on this machine checks the head before starting Ray."""
+    from click.testing import CliRunner
+
+    from eaglectl.main import main
+
+    path = tmp_path / "serve.yaml"
+    path.write_text(f"draft: {tmp_path / 'no-such-head'}\n")
+    result = CliRunner().invoke(main, ["serve", "--config", str(path)], env={"RAY_ADDRESS": ""})
+    assert result.exit_code == 2, result.output
+    assert "draft: draft head" in result.output and "no-such-head" in result.output and "is not a folder" in result.output

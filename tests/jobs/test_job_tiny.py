@@ -180,3 +180,19 @@ def test_engine_crash_and_process_death_are_retried_once(tmp_path, local_ray):
     assert sorted(ids) == sorted(f"in.parquet:{i}" for i in range(n))
     assert m["complete"] and m["error_rows"] == 0
     assert runner.pool is not None and runner.pool.restarts_left == cfg.replica_restarts - 2
+
+
+def test_a_replica_the_engine_refuses_fails_the_job_at_once(tmp_path, local_ray):
+    """Settings the engine refuses (here a TP size the model's 4 heads cannot be split into) fail the
+    job at the first replica's start, with the engine's reason, instead of restarting replicas."""
+    inp = write_parquet(tmp_path / "in.parquet", prompt=["a", "b"])
+    from tests.conftest import save_tiny_model
+
+    model = save_tiny_model("llama", tmp_path / "tiny")
+    cfg = JobConfig(input=str(inp), model=str(model), draft="none", tp_size=3, cpus_per_replica=0.5)
+    started = time.monotonic()
+    with pytest.raises(JobFailed, match="a restart cannot fix this") as failure:
+        run_job(cfg)
+    assert "tensor-parallel size 3" in str(failure.value) and time.monotonic() - started < 120
+    m = read_manifest(tmp_path / "in.out")
+    assert m["status"] == "failed" and "a restart cannot fix this" in m["error"]
