@@ -13,6 +13,25 @@ Formats (key names after stripping an optional "model." prefix):
              architectures "LlamaForCausalLMEagle3"/"Eagle3LlamaForCausalLM".
 Rope: the head's own config (rope_theta 10000 when absent — EAGLE-3's published Llama-3.1 head
 has none); positions up to the target's context length.
+
+Layouts read (all mapped onto the names above before anything is checked):
+  * EAGLE official (SafeAILab/EAGLE, yuhuili/* heads): the formats above, config.json flat.
+  * vLLM: "layers.0." for "midlayer.", "draft_id_to_target_id", an optional "model." prefix,
+    top-level `eagle_aux_hidden_state_layer_ids` (input-of-layer ids).
+  * SGLang: nested `eagle_config.eagle_aux_hidden_state_layer_ids` (layer-output ids, +1).
+  * speculators (Red Hat / Neural Magic, e.g. RedHatAI/*-speculator.eagle3; what vLLM reads when
+    config.json has `speculators_model_type`): the Llama settings nested in
+    `transformer_layer_config` are flattened into the config our head reads, as vLLM does.
+    "eagle3" (Eagle3Speculator / Eagle3DraftModel): tensors fc, layers.0.*, norm, lm_head, d2t,
+    t2d, embed_tokens as above; `eagle_aux_hidden_state_layer_ids` in vLLM's convention;
+    `norm_before_residual` true when absent (vLLM's reading); the training-only copies
+    verifier_norm / verifier_lm_head are dropped. "eagle" (EagleSpeculator, EAGLE-1/2/HASS):
+    fusion_fc.{weight,bias} -> fc (bias per `fusion_bias`), transformer.* -> layers.0.*.
+    Refused, naming what is unsupported: other speculators_model_type values, `layernorms: true`
+    HASS heads (embedding_layernorm / pre_lm_head_layernorm / the layer's input_layernorm),
+    `norm_before_fc` (input_norm), target_hidden_size != hidden_size, q_norm/k_norm layers
+    (Qwen3-style), and an EAGLE-1 lm_head that differs from the target's.
+Refused in every layout: multi-layer heads (num_hidden_layers > 1 or layers.1.* tensors), yarn rope.
 """
 from __future__ import annotations
 
@@ -80,6 +99,94 @@ def _normalise_names(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             name = "d2t"
         out[name] = t
     return out
+
+
+_HASS_NORMS = ("embedding_layernorm.weight", "pre_lm_head_layernorm.weight", "layers.0.input_layernorm.weight")
+
+
+def _from_speculators(raw: dict, sd: dict[str, torch.Tensor], path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """A speculators-format head (config with `speculators_model_type`) as the flat config and
+    tensor names of the EAGLE-official layout, or ValueError naming what our heads cannot run."""
+    stype = raw.get("speculators_model_type")
+    where = f"draft head {path} (speculators {stype!r})"
+    if stype not in ("eagle", "eagle3"):
+        raise ValueError(f"draft head {path}: speculators_model_type {stype!r} is not supported (eagle, eagle3)")
+    layer = raw.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        raise ValueError(f"{where}: config.json has no transformer_layer_config dict")
+    arch = raw.get("transformer_layer_architecture", "LlamaDecoderLayer")
+    if stype == "eagle" and arch != "LlamaDecoderLayer":
+        raise ValueError(f"{where}: transformer_layer_architecture {arch!r} is not supported (LlamaDecoderLayer)")
+    sd = {k: v for k, v in sd.items() if not k.startswith(("verifier_", "verifier."))}   # training-only copies
+    if stype == "eagle":
+        renamed = {}
+        for k, v in sd.items():
+            if k.startswith("fusion_fc."):
+                k = "fc." + k[len("fusion_fc."):]
+            elif k.startswith("transformer."):
+                k = "layers.0." + k[len("transformer."):]
+            renamed[k] = v
+        sd = renamed
+        norms = [n for n in _HASS_NORMS if n in sd]
+        if raw.get("layernorms") or norms:
+            raise ValueError(f"{where}: `layernorms: true` (HASS extra norms embedding_layernorm, "
+                             f"pre_lm_head_layernorm and the layer's input_layernorm; found {norms}) is not "
+                             "supported: our EAGLE-1 head has no such norms")
+    _refuse_multilayer(layer, sd, where)
+    if raw.get("norm_before_fc") or "input_norm.weight" in sd:
+        raise ValueError(f"{where}: norm_before_fc (an RMSNorm 'input_norm' over the fused target "
+                         "hidden states before fc) is not supported")
+    qk_norms = [k for k in sd if ".q_norm." in k or ".k_norm." in k]
+    if qk_norms:
+        raise ValueError(f"{where}: per-head q_norm/k_norm ({layer.get('model_type')!r} decoder layer) "
+                         f"is not supported: {qk_norms[:2]}")
+    tgt_h = raw.get("target_hidden_size")
+    if tgt_h is not None and int(tgt_h) != int(layer.get("hidden_size", tgt_h)):
+        raise ValueError(f"{where}: target_hidden_size {tgt_h} != the head's hidden_size "
+                         f"{layer.get('hidden_size')} is not supported (the head works in the target's width)")
+    flat = {k: v for k, v in layer.items() if k not in ("architectures", "auto_map", "eagle_config")}
+    flat["num_hidden_layers"] = 1
+    if stype == "eagle3":
+        flat["architectures"] = ["Eagle3LlamaForCausalLM"]
+        flat["draft_vocab_size"] = raw.get("draft_vocab_size") or layer.get("vocab_size")
+        flat["norm_before_residual"] = bool(raw.get("norm_before_residual", True))   # vLLM's default
+        if raw.get("eagle_aux_hidden_state_layer_ids"):   # vLLM's (input-of-layer) convention
+            flat["eagle_aux_hidden_state_layer_ids"] = list(raw["eagle_aux_hidden_state_layer_ids"])
+    else:
+        flat["architectures"] = ["LlamaForCausalLM"]
+        flat["bias"] = bool(raw.get("fusion_bias", False)) or "fc.bias" in sd
+    return flat, sd
+
+
+def _drop_target_lm_head(sd: dict[str, torch.Tensor], target: nn.Module, vocab: TargetVocab | None,
+                         path: Path) -> dict[str, torch.Tensor]:
+    """An EAGLE-1 head logits through the target's LM head; a stored copy of it is dropped, a
+    different one refused."""
+    w = sd.get("lm_head.weight")
+    if w is None:
+        return sd
+    ref = vocab.lm_head if vocab is not None and vocab.lm_head is not None else None
+    if ref is None:
+        ref = getattr(getattr(target, "lm_head", None), "weight", None)
+    if ref is None or not _same_as_target_embedding(w, ref):
+        raise ValueError(f"draft head {path}: an EAGLE-1 head with its own lm_head (different from the "
+                         "target's) is not supported")
+    return {k: v for k, v in sd.items() if k != "lm_head.weight"}
+
+
+def _refuse_multilayer(raw: dict, sd: dict[str, torch.Tensor], where: str) -> None:
+    n_layers = int(raw.get("num_hidden_layers") or 1)
+    deeper = sorted({k.split(".")[1] for k in sd if k.startswith("layers.") and k.split(".")[1] != "0"})
+    if n_layers > 1 or deeper:
+        raise ValueError(f"{where}: multi-layer heads are not supported (num_hidden_layers={n_layers}"
+                         + (f", tensors for layers {deeper}" if deeper else "") + "); one decoder layer only")
+
+
+def _refuse_yarn(raw: dict, path: Path) -> None:
+    _, scaling = rope_config(_NS(raw))
+    kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type")
+    if kind == "yarn":
+        raise ValueError(f"draft head {path}: yarn rope scaling is not supported for draft heads")
 
 
 def detect_kind(raw: dict, sd: dict[str, torch.Tensor]) -> str:
@@ -239,6 +346,12 @@ def load_draft_head(path: str | Path, target_model: nn.Module, target_hf_config,
         raise ValueError(f"draft head {path}: no config.json")
     raw = json.loads(cfg_file.read_text())
     sd = _normalise_names(read_state_dict(path))
+    if raw.get("speculators_model_type") is not None:
+        raw, sd = _from_speculators(raw, sd, path)
+        if detect_kind(raw, sd) == "eagle":
+            sd = _drop_target_lm_head(sd, target_model, vocab, path)
+    _refuse_multilayer(raw, sd, f"draft head {path}")
+    _refuse_yarn(raw, path)
     if detect_kind(raw, sd) == "eagle3":
         sd = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in sd.items()}
     if raw.get("hidden_act", "silu") not in ("silu", "swish"):
