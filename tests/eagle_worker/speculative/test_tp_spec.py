@@ -161,3 +161,21 @@ def test_tp2_hybrid_on_a_copying_target_accepts_and_stays_exact(copying_target):
     tokens, stats, kv0, kv1 = results["hybrid"]
     assert tokens == expected
     assert stats["spec_steps"] > 0 and stats["acceptance_rate_per_depth"][0] > 0.5   # (two KV heads: sharded)
+
+
+def test_tp2_default_model_with_its_head_equals_tp1_plain(default_model_dir):
+    """gemma-3-270m (262K vocabulary split over 2 ranks, one KV head replicated) with its shipped
+    EAGLE-3 head (fusing three layers' inputs, taken from the complete residual stream) and the
+    hybrid, 2 ranks x 1 core: TP 1's greedy tokens without a head."""
+    prompts = PROMPTS[:3]
+    base = LLM(model="gemma-3-270m", draft=None, **KV)
+    expected = [o.token_ids for o in base.generate(prompts, SamplingParams(**GREEDY))]
+    del base
+    jobs = [{"name": name, "prompts": prompts, "spec": dict(draft="default", adaptive=False, lookup=lookup)}
+            for name, lookup in (("head", False), ("hybrid", True))]
+    results = run_tp2("gemma-3-270m", jobs)
+    for name in ("head", "hybrid"):
+        tokens, stats, kv0, kv1 = results[name]
+        assert tokens == expected, name
+        assert stats["spec_steps"] > 0 and stats["acceptance_rate_per_depth"][0] > 0.2, (name, stats)
+        assert (kv0 == kv1).all(), name
