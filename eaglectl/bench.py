@@ -35,8 +35,10 @@ def bench_decode(model, dtypes, batch_sizes, max_tokens, json_out, threads, roun
 @click.option("--draft", default="default", show_default=True, help="Head folder, 'default', or 'random' (cost only).")
 @click.option("--methods", default="vanilla,hf,hf_lookup,lookup,chain,static,dynamic,hybrid", show_default=True)
 @click.option("--sweep", default="1,2,4,8,16,32", show_default=True, help="Batch sizes for the head/no-head sweep ('' to skip).")
-@click.option("--json", "json_out", default="bench/results/spec.json", show_default=True)
-@click.option("--threads", default=None, type=int, help="torch intra-op threads [default: torch's].")
+@click.option("--json", "json_out", default=None,
+              help="[default: bench/results/spec.json; with --tp-size 2 bench/results/spec_tp.json]")
+@click.option("--threads", default=None, type=int,
+              help="torch intra-op threads [default: torch's; with --tp-size 2 always 1 per rank].")
 @click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy; > 0 samples.")
 @click.option("--num-draft-tokens", default=None, type=int,
               help="Node budget of the dynamic tree, the hybrid and lookup [default: SpecConfig's].")
@@ -47,12 +49,37 @@ def bench_decode(model, dtypes, batch_sizes, max_tokens, json_out, threads, roun
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N (every method runs there).")
 @click.option("--warmup", default=4, show_default=True, type=click.IntRange(min=0),
               help="Prompts each engine serves first, from outside the measured set (adaptive state settles).")
+@click.option("--tp-size", default=1, show_default=True, type=click.Choice(["1", "2"]),
+              help="2: vanilla TP 1 (1 and 2 threads), vanilla/head/hybrid TP 2 on CPU (gloo), greedy, with the "
+                   "collectives' share of a step (bench/spec_tp.py; --methods, --sweep, --draft, --temperature, "
+                   "tree and --warmup options do not apply).")
+@click.option("--batch-sizes", default="1,8", show_default=True, help="With --tp-size 2: batch sizes measured.")
 def bench_spec(model, prompts_file, per_category, max_tokens, dtype, draft, methods, sweep, json_out, threads,
-               temperature, num_draft_tokens, depth, top_k, rounds, device, warmup):
+               temperature, num_draft_tokens, depth, top_k, rounds, device, warmup, tp_size, batch_sizes):
     """Vanilla, transformers (plain, prompt lookup), our lookup, EAGLE chain/static/dynamic, hybrid."""
     from bench.prompts import SPEC_BENCH
     from bench.spec import MethodsError, run
     from eagle_worker.config import check_device
+
+    if tp_size == "2":
+        from bench.spec_tp import run as run_tp
+
+        if threads not in (None, 1):
+            raise click.BadParameter("TP 2 runs 1 torch thread per rank (and TP 1 at 1 and 2 threads)",
+                                     param_hint="--threads")
+        if device != "cpu":
+            raise click.BadParameter("the TP benchmark runs on CPU (gloo); bench/cuda_check.py checks TP 2 on GPUs",
+                                     param_hint="--device")
+        try:
+            sizes = tuple(int(b) for b in batch_sizes.split(",") if b)
+        except ValueError:
+            raise click.BadParameter(f"not a list of integers: {batch_sizes!r}", param_hint="--batch-sizes") from None
+        if not sizes or min(sizes) < 1:
+            raise click.BadParameter("batch sizes must be positive integers", param_hint="--batch-sizes")
+        run_tp(model=model, prompts_file=prompts_file or SPEC_BENCH, per_category=per_category, max_tokens=max_tokens,
+               dtype=dtype, batch_sizes=sizes, json_out=json_out or "bench/results/spec_tp.json", rounds=rounds)
+        return
+    json_out = json_out or "bench/results/spec.json"
 
     try:
         check_device(device)

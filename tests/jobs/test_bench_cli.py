@@ -97,5 +97,79 @@ def test_cuda_check_dry_runs_on_cpu(tmp_path):
     report = json.loads((tmp_path / "cuda_check.json").read_text())
     for family in ("llama", "qwen2", "gemma3"):
         assert set(report[f"engine_{family}"].values()) == {True}
+    tp2 = report["tp2_spec"]                                 # TP 2 on gloo here, NCCL on 2 GPUs
+    assert tp2.pop("backend") == "gloo" and len(tp2) == 6 and set(tp2.values()) == {True}
     assert report["train_head"]["trained_head_lossless"] and report["train_head"]["train_head_steps"] == 24
     assert [r["batch"] for r in report["decode_tok_s"]] == [1, 16, 64]
+
+
+def test_comm_stats_count_each_collective_only_while_on(monkeypatch):
+    """eagle_worker/parallel.py's counters: off, nothing is kept; on, calls and seconds per collective
+    (the command broadcast included); reset starts over. dist is faked: no process group here."""
+    import time
+
+    from eagle_worker import parallel
+
+    class FakeDist:
+        def all_reduce(self, x):
+            time.sleep(0.002)
+
+        def all_gather(self, parts, x):
+            for p in parts:
+                p.copy_(x)
+
+        def broadcast_object_list(self, box, src):
+            assert src == 0
+
+    monkeypatch.setattr(parallel, "dist", FakeDist())
+    monkeypatch.setattr(parallel, "_TP_SIZE", 2)
+    x = torch.ones(2, 3)
+    parallel.all_reduce(x)
+    assert parallel.comm_stats() == {}                          # off by default
+    parallel.enable_comm_stats()
+    try:
+        for _ in range(3):
+            parallel.all_reduce(x)
+        assert parallel.all_gather_last_dim(x).shape == (2, 6)
+        assert parallel.all_gather_rows(x).shape == (4, 3)
+        assert parallel.broadcast_from_rank0(("forward", 1)) == ("forward", 1)
+        stats = parallel.comm_stats(reset=True)
+        assert {k: v["calls"] for k, v in stats.items()} == {"all_reduce": 3, "all_gather_last_dim": 1,
+                                                             "all_gather_rows": 1, "broadcast_from_rank0": 1}
+        assert stats["all_reduce"]["seconds"] >= 0.006
+        assert parallel.comm_stats() == {}                      # reset
+    finally:
+        parallel.enable_comm_stats(False)
+    parallel.all_reduce(x)
+    assert parallel.comm_stats() == {}
+
+
+def test_spec_tp_summary_table_and_output_check_from_fake_runs():
+    from bench.spec_tp import OutputsDiffer, compare_outputs, summarise, table
+
+    def r(secs, coll, bcast):
+        return {"seconds": secs, "tokens": 20, "forwards": 10, "steps": 10,
+                "comm": {"all_reduce": {"calls": 36, "seconds": coll}, "broadcast_from_rank0": {"calls": 10, "seconds": bcast}}}
+
+    runs = {("vanilla-tp1", 1, 0): [{"seconds": 1.0, "tokens": 20, "forwards": 20, "steps": 20, "comm": {}}] * 3,
+            ("head-tp2", 1, 0): [r(2.0, 0.5, 0.1), r(9.0, 0.5, 0.1), r(2.0, 0.5, 0.1)]}   # a slow round: median 2 s
+    rows = summarise(runs, {"head-tp2": {"broadcast_from_rank0": {"calls": 30, "seconds": 0.4}}})
+    assert [x["method"] for x in rows] == ["vanilla-tp1", "head-tp2"]
+    head = rows[1]
+    assert head["tok_s"] == 10.0 and head["tau"] == 2.0 and head["step_ms"] == 200.0
+    assert head["collective_ms"] == 50.0 and abs(head["collective_calls"] - 3.6) < 1e-9 and head["broadcast_calls"] == 1
+    assert abs(head["broadcast_ms"] - 10.0) < 1e-9 and abs(head["comm_share"] - 0.3) < 1e-9
+    assert head["rank1_seconds_by_name"] == {"broadcast_from_rank0": 0.4}
+    text = table(rows)
+    assert "| 1 | head-tp2 | 2 x 1 | 10.0 | 2.00 | 200.0 | 50.00 (3.6) | 10.00 | 30% |" in text
+    assert "| 1 | vanilla-tp1 | 1 x 1 | 20.0 | 1.00 | 50.0 | - | - | - |" in text
+    same = {"vanilla-tp1@1": [[1, 2]], "head-tp2@1": [[1, 2]], "vanilla-tp1@8": [[1], [2]], "hybrid-tp2@8": [[1], [3]]}
+    assert compare_outputs(same) == ["hybrid-tp2@8"]
+    assert issubclass(OutputsDiffer, RuntimeError)
+
+
+def test_bench_spec_tp_refuses_options_it_cannot_honour():
+    for args, hint in ((["--threads", "2"], "--threads"), (["--batch-sizes", "1,x"], "--batch-sizes"),
+                       (["--batch-sizes", "0"], "--batch-sizes")):
+        res = CliRunner().invoke(bench_spec, ["--tp-size", "2", *args])
+        assert res.exit_code == 2 and hint in res.output, res.output
