@@ -4,13 +4,17 @@
 then on the device: greedy output equals the CPU's; every draft method (chain, static and dynamic
 trees with a random head, prompt lookup, the hybrid) reproduces plain greedy decoding; seeded
 sampling runs; bfloat16 runs; `train-head` trains a head there that reloads and speculates
-losslessly. It times decoding at a few batch sizes, and with `--spec-bench` also runs
+losslessly; with 2 GPUs, speculation under tensor parallelism (two NCCL processes on cuda:0 and
+cuda:1, the head and the hybrid) reproduces TP 1 plain greedy output (skipped, saying why, with
+fewer; `--device cpu` runs it on gloo). It times decoding at a few batch sizes, and with `--spec-bench` also runs
 `bench spec` on the default model when its weights are on the machine. Writes DIR/cuda_check.json;
 exits 1 if any check failed. `--device cpu` dry-runs the same checks here.
 """
 from __future__ import annotations
 
 import json
+import queue
+import socket
 import sys
 import tempfile
 import time
@@ -66,6 +70,89 @@ def check_engine(target: Path, head: Path, device: str) -> dict:
     out["bf16_runs"] = all(len(t) == 24 for t in _greedy(LLM(model=str(target), device=device, dtype="bfloat16",
                                                              spec=methods["hybrid"]), PROMPTS))
     return out
+
+
+def _tp2_rank(rank: int, port: int, backend: str, jobs: list[dict], out) -> None:
+    """One rank of a TP 2 replica: rank 0 runs each job's engine and reports its greedy tokens, rank 1
+    follows in the worker loop (eagle_worker/tp_worker.py). Each rank's engine device is its own
+    GPU (`EngineConfig.device`, cuda:{rank}) under NCCL, the CPU under gloo."""
+    import torch.distributed as dist
+
+    from eagle_worker import LLM, init_tensor_parallel
+    from eagle_worker.config import EngineConfig
+    from eagle_worker.speculative.config import SpecConfig
+    from eagle_worker.tp_worker import run_tp_worker
+
+    torch.set_num_threads(1)
+    device = f"cuda:{rank}" if backend == "nccl" else "cpu"
+    if backend == "nccl":
+        torch.cuda.set_device(rank)          # broadcast_object_list stages through the current device
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    init_tensor_parallel(rank, 2)
+    try:
+        for job in jobs:
+            kw = {"model": job["target"], "device": device, "tp_size": 2, "draft": None}
+            if rank:
+                run_tp_worker(EngineConfig(**kw))
+                continue
+            llm = LLM(spec=SpecConfig(**job["spec"]) if job["spec"] else None, **kw)
+            out.put((job["name"], _greedy(llm, PROMPTS)))
+            llm.engine.shutdown()
+    finally:
+        dist.destroy_process_group()
+
+
+def check_tp2(targets: dict[str, Path], heads: dict[str, Path], device: str) -> dict:
+    """TP 2 (plain, head with the dynamic tree, hybrid) greedy output equals TP 1 plain on `device`."""
+    import torch.multiprocessing as mp
+
+    from eagle_worker import LLM
+
+    if device.startswith("cuda"):
+        if torch.cuda.device_count() < 2:
+            reason = f"needs 2 GPUs for TP 2 over NCCL, this machine has {torch.cuda.device_count()}"
+            print(f"tp2_spec: skipped ({reason})", flush=True)
+            return {"skipped": reason}
+        backend = "nccl"
+    else:
+        backend = "gloo"
+    jobs, expected = [], {}
+    for family in ("llama", "gemma3"):
+        target, head = str(targets[family]), str(heads[family])
+        expected[family] = _greedy(LLM(model=target, device=device, draft=None), PROMPTS)
+        for name, spec in (("plain", None), ("head", dict(draft=head, tree="dynamic", adaptive=False)),
+                           ("hybrid", dict(draft=head, tree="dynamic", lookup=True, adaptive=False))):
+            jobs.append({"name": f"{family}_{name}", "target": target, "spec": spec})
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_tp2_rank, args=(r, port, backend, jobs, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results, deadline = {}, time.monotonic() + 600
+    try:
+        while len(results) < len(jobs):
+            try:
+                name, tokens = out.get(timeout=2)
+                results[name] = tokens
+            except queue.Empty:
+                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if dead or time.monotonic() > deadline:
+                    raise RuntimeError(f"TP 2 ranks: exit codes {dead}, {len(results)}/{len(jobs)} jobs done "
+                                       "(see their stderr)") from None
+        for p in procs:
+            p.join(timeout=60)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+    report = {"backend": backend}
+    for job in jobs:
+        family = job["name"].split("_")[0]
+        report[f"tp2_{job['name'].split('_', 1)[1]}_equals_tp1_{family}"] = results[job["name"]] == expected[family]
+    return report
 
 
 def time_decoding(target: Path, head: Path, device: str, sizes=(1, 16, 64)) -> list[dict]:
@@ -130,7 +217,8 @@ def main(out, device, spec_bench):
     targets = _tiny_targets(root)
     heads = {f: _random_head(t, root / f"head-{f}") for f, t in targets.items()}
     steps = [(f"engine_{f}", lambda f=f: check_engine(targets[f], heads[f], device)) for f in targets]
-    steps += [("decode_tok_s", lambda: time_decoding(targets["llama"], heads["llama"], device)),
+    steps += [("tp2_spec", lambda: check_tp2(targets, heads, device)),
+              ("decode_tok_s", lambda: time_decoding(targets["llama"], heads["llama"], device)),
               ("train_head", lambda: check_training(targets["llama"], root / "train", device))]
     if spec_bench:
         from bench.spec import run as bench_spec
