@@ -196,3 +196,22 @@ def test_a_replica_the_engine_refuses_fails_the_job_at_once(tmp_path, local_ray)
     assert "tensor-parallel size 3" in str(failure.value) and time.monotonic() - started < 120
     m = read_manifest(tmp_path / "in.out")
     assert m["status"] == "failed" and "a restart cannot fix this" in m["error"]
+
+
+def test_a_tp2_job_with_a_head_speculates_and_matches_llm_generate(tmp_path, copying_target, local_ray):
+    """`submit-job --tp-size 2` with a draft head: each replica is a TP group speculating; the rows are
+    `LLM.generate`'s greedy texts and accept more than one token per target step."""
+    from eagle_worker import LLM, SamplingParams
+
+    target, head = copying_target
+    prompts = [prompt(i) for i in range(6)]
+    want = [o.text for o in LLM(model=str(target), draft=None).generate(
+        prompts, SamplingParams(max_tokens=24, temperature=0.0))]
+    inp = write_parquet(tmp_path / "in.parquet", prompt=prompts)
+    cfg = JobConfig(input=str(inp), model=str(target), draft=str(head), tp_size=2, cpus_per_replica=0.5,
+                    max_tokens=24, temperature=0.0)
+    m = run_job(cfg)
+    assert m["status"] == "completed" and m["error_rows"] == 0
+    rows = sorted(read_rows(tmp_path / "in.out"), key=lambda r: int(r["id"].rsplit(":", 1)[1]))
+    assert [r["text"] for r in rows] == want
+    assert sum(r["accepted_tokens_per_step"] for r in rows) / len(rows) > 1.5
