@@ -63,5 +63,19 @@ class ParallelLMHead(VocabParallelEmbedding):
             if self._screen is None or self._screen.source is not self.weight:
                 self._screen = Int8ArgmaxScreen(self.weight)
             return self._screen.argmax(hidden, self.weight, post)
+        if self.tp_size > 1 and len(hidden):
+            return self._sharded_argmax(hidden, post)
         logits = self(hidden)
         return (post(logits) if post is not None else logits).argmax(-1)
+
+    def _sharded_argmax(self, hidden: torch.Tensor, post) -> torch.Tensor:
+        """Each rank's best token of its own vocabulary slice, then the best of those: two numbers a
+        row cross the group instead of the full logits. `post` is elementwise (softcapping), so it is
+        applied to the slice exactly as to the full logits; ties go to the lowest id, as argmax's."""
+        logits = linear(hidden, self.weight)[:, : self.vocab_end - self.vocab_start]
+        if post is not None:
+            logits = post(logits)
+        local = logits.argmax(-1, keepdim=True)
+        best = all_gather_last_dim(logits.gather(-1, local).float())        # [rows, tp]
+        ids = all_gather_last_dim(local + self.vocab_start)
+        return ids.gather(-1, best.argmax(-1, keepdim=True))[:, 0]
