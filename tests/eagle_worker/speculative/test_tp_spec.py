@@ -125,7 +125,13 @@ def test_tp2_speculation_greedy_equals_tp1_plain(family, tmp_path):
     expected = [o.token_ids for o in LLM(model=str(target), **KV, draft=None).generate(PROMPTS, SamplingParams(**GREEDY))]
     heads = heads_for(target, tmp_path)
     names = list(METHODS) if family == "llama" else ["eagle3-dynamic", "eagle-static", "hybrid"]
-    results = run_tp2(str(target), [spec_job(n, heads, max_num_batched_tokens=7) for n in names])
+    jobs = [spec_job(n, heads, max_num_batched_tokens=7) for n in names]
+    if family == "llama":                           # sampling too: rank 1 must keep what rank 0 accepted
+        jobs.append({**spec_job("hybrid", heads), "name": "sampled", "joint": 64})
+    results = run_tp2(str(target), jobs)
+    if family == "llama":
+        _, stats, kv0, kv1 = results.pop("sampled")
+        assert stats["spec_steps"] > 0 and (kv0 == kv1).all(), "sampling: the ranks' KV caches differ"
     for name in names:
         tokens, stats, kv0, kv1 = results[name]
         assert tokens == expected, name
