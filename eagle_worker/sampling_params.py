@@ -1,7 +1,12 @@
 """Per-request sampling parameters (the vLLM names), validated when built so bad input fails early."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# Temperatures below this sample like greedy decoding (vLLM's _SAMPLING_EPS): dividing logits by a
+# subnormal temperature overflows to inf and the probabilities to NaN.
+MIN_TEMPERATURE = 1e-5
 
 
 @dataclass
@@ -26,7 +31,8 @@ class SamplingParams:
         checks = [
             (isinstance(self.max_tokens, int) and self.max_tokens > 0, "max_tokens",
              f"must be a positive integer, got {self.max_tokens!r}"),
-            (self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature!r}"),
+            (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature >= 0,
+             "temperature", f"must be a finite number >= 0, got {self.temperature!r}"),
             (0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p!r}"),
             (isinstance(self.top_k, int) and (self.top_k >= 0 or self.top_k == -1), "top_k",
              f"must be -1 (off) or >= 0, got {self.top_k!r}"),
@@ -39,4 +45,4 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < MIN_TEMPERATURE or self.top_k == 1

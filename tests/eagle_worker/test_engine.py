@@ -182,3 +182,21 @@ def test_unknown_model_and_bad_config_are_clear_errors(tmp_path):
         LLM(model="no-such-model")
     with pytest.raises(ValueError, match="dtype"):
         EngineConfig(dtype="float8")
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 5e-324, 1e-6])
+def test_a_temperature_too_small_to_sample_at_is_greedy(tiny_model_dir, temperature):
+    """Dividing logits by a subnormal temperature gives inf and NaN probabilities: such requests
+    decode greedily (as vLLM does below 1e-5) instead of crashing the step, beside other requests."""
+    llm = LLM(model=str(tiny_model_dir("llama")), block_size=4, num_kv_blocks=64)
+    greedy = llm.generate(PROMPTS[0], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
+    tiny, other = llm.generate(PROMPTS[:2], [SamplingParams(max_tokens=8, temperature=temperature, ignore_eos=True),
+                                             SamplingParams(max_tokens=8, temperature=1.0, seed=1, ignore_eos=True)])
+    assert tiny.token_ids == greedy.token_ids and len(other.token_ids) == 8
+    assert_no_leaks(llm.engine)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1e-9])
+def test_a_temperature_that_is_not_a_finite_non_negative_number_is_refused(bad):
+    with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+        SamplingParams(temperature=bad)
