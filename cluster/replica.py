@@ -51,6 +51,14 @@ class Rejected:
     param: str | None = None
 
 
+@dataclass
+class Failed:
+    """The engine failed this request (a step that raised fails its own requests); maps to HTTP 500.
+    Not a replica death, so never resubmitted elsewhere: it would fail there too."""
+
+    message: str
+
+
 class EngineDiedError(RuntimeError):
     """The replica's engine loop crashed; the request may be retried on another replica."""
 
@@ -171,6 +179,10 @@ class EngineReplica:
                     if isinstance(item, BaseException):
                         raise item
                 out = _merge(items)
+                if out.finished and out.finish_reason == "error":
+                    finished = True
+                    yield Failed(out.error or "the engine failed this request")
+                    return
                 if out.finished:
                     finished = True
                     out = dataclasses.replace(out, metrics={

@@ -35,7 +35,7 @@ import ray.exceptions
 from ray.serve.exceptions import BackPressureError
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from cluster.replica import EngineDiedError, Rejected
+from cluster.replica import EngineDiedError, Failed, Rejected
 
 logger = logging.getLogger(__name__)
 
@@ -174,7 +174,7 @@ async def stream_outputs(
         try:  # a full router queue raises BackPressureError already from `.remote()`
             gen = handle.options(stream=True).submit.remote(rid, prompt, params, priority=priority, messages=messages)
             async for out in gen:
-                if not isinstance(out, Rejected):
+                if not isinstance(out, (Rejected, Failed)):
                     tokens_seen += len(out.new_token_ids)
                 yield out
             return

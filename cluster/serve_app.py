@@ -26,7 +26,7 @@ from ray.serve.exceptions import BackPressureError
 from cluster import openai_api as oa
 from cluster.config import ServeConfig
 from cluster.metrics import ServeMetrics
-from cluster.replica import EngineReplica, Rejected
+from cluster.replica import EngineReplica, Failed, Rejected
 from cluster.router import OverloadedError, ReplicaLostError, router_config, stream_outputs
 from cluster.signals import on_stop_signals, restore_signals
 
@@ -51,6 +51,13 @@ def _unavailable(e: Exception) -> oa.APIError:
     if isinstance(e, OverloadedError):
         return oa.APIError(503, str(e), type="overloaded_error", code="overloaded")
     return oa.APIError(503, str(e), type="server_error", code="replica_lost")
+
+
+def _unless_failed(out: Any) -> Any:
+    """An output, or the 500 of a request the engine failed (its step raised; the replica lives on)."""
+    if isinstance(out, Failed):
+        raise oa.APIError(500, out.message, type="server_error")
+    return out
 
 
 def _validation_error(e: ValidationError) -> oa.APIError:
@@ -169,7 +176,7 @@ class OpenAIIngress:
             raise _unavailable(e) from None
         if isinstance(out, Rejected):
             raise oa.APIError(400, out.message, param=out.param)
-        return out
+        return _unless_failed(out)
 
     async def _run(self, endpoint: str, req, prompt, messages, max_tokens: int, logprobs: bool, render):
         """Shared body of both endpoints; `render` builds responses/chunks for the endpoint."""
@@ -188,7 +195,7 @@ class OpenAIIngress:
                 last = first
                 try:
                     async for out in it:
-                        last = out
+                        last = _unless_failed(out)
                 except (OverloadedError, ReplicaLostError) as e:
                     raise _unavailable(e) from None
                 self._finish(last, t0, ttft)
@@ -215,7 +222,7 @@ class OpenAIIngress:
             yield oa.sse(render.chunk(rid, out))
             self.metrics.tokens(len(out.new_token_ids))
             while not out.finished:
-                out = await it.__anext__()
+                out = _unless_failed(await it.__anext__())
                 self.metrics.tokens(len(out.new_token_ids))
                 yield oa.sse(render.chunk(rid, out))
             if req.include_usage:
@@ -225,6 +232,8 @@ class OpenAIIngress:
             pass
         except (ReplicaLostError, OverloadedError) as e:
             yield oa.sse(_unavailable(e).body())
+        except oa.APIError as e:
+            yield oa.sse(e.body())
         except Exception as e:  # never end a stream silently
             logger.exception("stream %s failed", rid)
             yield oa.sse(oa.APIError(500, f"internal error: {e!r}", type="server_error").body())

@@ -2,10 +2,13 @@
 
 step() = schedule (continuous batching over the paged cache) -> worker runs the target (and, with
 a draft head, drafts and verifies) -> append the new tokens, applying stop rules token by token
--> report what changed. Everything a request can get wrong is refused in add_request.
+-> report what changed. Everything a request can get wrong is refused in add_request; a step that
+still raises fails only its own requests (finish_reason "error", with the cause), and the engine
+goes on with the rest.
 """
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -21,6 +24,8 @@ from eagle_worker.sampling_params import SamplingParams
 from eagle_worker.scheduler import Scheduler
 from eagle_worker.sequence import Sequence, SequenceStatus
 from eagle_worker.speculative.config import resolve_draft
+
+logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -39,7 +44,8 @@ class LLMEngine:
         self._aborted: list[RequestOutput] = []
         self._seed_source = torch.Generator().manual_seed(config.seed)
         self._last_step = {"batch_size": 0, "num_tokens": 0}
-        self.totals = {"steps": 0, "generated_tokens": 0, "prompt_tokens": 0, "finished_requests": 0}
+        self.totals = {"steps": 0, "generated_tokens": 0, "prompt_tokens": 0, "finished_requests": 0,
+                       "failed_steps": 0}
 
     def _make_worker(self, config: EngineConfig):
         if config.spec is None:
@@ -107,7 +113,12 @@ class LLMEngine:
         if not batch:
             return outputs
         self._last_step = {"batch_size": len(batch), "num_tokens": sum(b.num_tokens for b in batch)}
-        new_tokens = self.worker.execute(batch)
+        try:
+            new_tokens = self.worker.execute(batch)
+        except Exception as e:
+            if self.config.tp_size > 1:
+                raise                 # the other ranks may be inside a collective: the replica must go
+            return outputs + self._fail_step(batch, e)
         now = time.monotonic()
         for item in batch:
             seq = item.seq
@@ -151,8 +162,22 @@ class LLMEngine:
                 return True
         return False
 
+    def _fail_step(self, batch: list, error: Exception) -> list[RequestOutput]:
+        """A step that raised fails its own requests, not the engine: their KV blocks and draft state
+        are freed (half-updated, so not retried here) and requests outside the step go on."""
+        logger.exception("engine step failed; failing its %d requests", len(batch))
+        message = f"the engine step failed: {type(error).__name__}: {error}"
+        outputs = []
+        for item in batch:
+            seq = item.seq
+            self._finish(seq, "error", flush=False)
+            outputs.append(self._output(seq, error=message))
+            del self.requests[seq.request_id]
+        self.totals["failed_steps"] += 1
+        return outputs
+
     def _finish(self, seq: Sequence, reason: str, flush: bool = True) -> None:
-        if flush and reason != "abort":
+        if flush and reason not in ("abort", "error"):
             finalize_text(self.tokenizer, seq)
         seq.finish_reason = reason
         seq.status = SequenceStatus.FINISHED
@@ -161,7 +186,7 @@ class LLMEngine:
         self.worker.release(seq)
         self.totals["finished_requests"] += 1
 
-    def _output(self, seq: Sequence) -> RequestOutput:
+    def _output(self, seq: Sequence, error: str | None = None) -> RequestOutput:
         out_ids = seq.output_token_ids
         new_ids = out_ids[seq.num_emitted_tokens:]
         delta = seq.text[seq.num_emitted_chars:]
@@ -170,7 +195,7 @@ class LLMEngine:
             request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids, token_ids=list(out_ids),
             text=seq.text, new_token_ids=new_ids, delta_text=delta, finished=seq.is_finished,
             finish_reason=seq.finish_reason, logprobs=list(seq.logprobs) if seq.params.logprobs else None,
-            metrics=seq.metrics.as_dict(seq.num_output_tokens, seq.num_prompt_tokens))
+            error=error, metrics=seq.metrics.as_dict(seq.num_output_tokens, seq.num_prompt_tokens))
 
     def shutdown(self) -> None:
         """Release the other tensor-parallel ranks (a no-op with tp_size=1)."""

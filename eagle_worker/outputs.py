@@ -13,6 +13,7 @@ class RequestOutput:
     new_token_ids: list[int]          # generated this step
     delta_text: str                   # text that became final this step
     finished: bool
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None
     logprobs: list[float] | None = None
+    error: str | None = None          # with finish_reason "error": why the engine failed this request
     metrics: dict = field(default_factory=dict)

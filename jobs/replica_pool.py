@@ -26,7 +26,7 @@ import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from cluster.config import Limits, RankResources, ServeConfig
-from cluster.replica import EngineDiedError, EngineReplica, Rejected, ReplicaConfigError
+from cluster.replica import EngineDiedError, EngineReplica, Failed, Rejected, ReplicaConfigError
 from jobs.input_reader import Row
 from jobs.job_config import JobConfig
 
@@ -56,6 +56,8 @@ class JobReplica(EngineReplica):
         async for out in self.submit(request_id, prompt, params, priority=priority, messages=messages):
             if isinstance(out, Rejected):
                 return {"error": out.message, "error_param": out.param}
+            if isinstance(out, Failed):
+                return {"error": out.message}
             last = out
         m = last.metrics or {}
         return {"text": last.text, "finish_reason": last.finish_reason,

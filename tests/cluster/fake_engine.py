@@ -6,6 +6,8 @@ reproducible. Markers in a prompt inject faults, so each test controls its own r
   [slow:S]             every step sleeps S seconds while this request runs
   [die-once:PATH:N]    after N output tokens the whole process exits, unless PATH exists (created first)
   [crash-once:PATH:N]  same, but step() raises instead (the engine loop dies, the actor lives)
+  [fail-step:N]        after N output tokens the engine fails this request alone (finish_reason
+                       "error"), as the real engine does when a step raises
 """
 from __future__ import annotations
 
@@ -107,6 +109,7 @@ class RequestOutput:
     finish_reason: str | None = None
     metrics: dict = field(default_factory=dict)
     logprobs: list[float] | None = None  # as eagle_worker's; the fake never fills it
+    error: str | None = None
 
 
 @dataclass
@@ -121,6 +124,7 @@ class _Seq:
     first_token_t: float | None = None
     slow: float = 0.0
     fault: tuple[str, str, int] | None = None
+    fail_at: int | None = None
 
 
 class LLMEngine:
@@ -155,6 +159,8 @@ class LLMEngine:
             seq.slow = float(m.group(1))
         if m := re.search(r"\[(die|crash)-once:([^:\]]+):(\d+)\]", text):
             seq.fault = (m.group(1), m.group(2), int(m.group(3)))
+        if m := re.search(r"\[fail-step:(\d+)\]", text):
+            seq.fail_at = int(m.group(1))
         self.waiting.append(seq)
 
     def abort(self, request_id: str) -> None:
@@ -192,6 +198,10 @@ class LLMEngine:
             time.sleep(delay)
         for s in self.running:
             self._maybe_fault(s)
+        for s in [s for s in self.running if s.fail_at is not None and len(s.out) >= s.fail_at]:
+            self.running.remove(s)
+            outs.append(RequestOutput(s.rid, s.prompt, list(s.out), self.tokenizer.decode(s.out), finished=True,
+                                      finish_reason="error", error="the engine step failed: injected fault"))
         self.last_batch = len(self.running)
         for s in list(self.running):
             tok = self._next_token(s)

@@ -193,3 +193,31 @@ def test_a_broken_deployment_fails_fast_and_clearly(serve_port, bad, needle):
         assert time.monotonic() - t0 < 120
     finally:
         serve.delete("broken")
+
+
+def test_a_request_the_engine_fails_gets_a_500_and_nothing_else_is_touched(resilient):
+    """A request whose engine step failed (the engine fails only that step's requests) answers 500
+    naming the cause, streamed or not; it is not resubmitted to another replica (it would fail there
+    too); a request running beside it finishes, and no replica is replaced."""
+    def retries() -> float:
+        text = requests.get(f"{resilient.url}/metrics").text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("eagle_request_retries_total"))
+
+    before = retries()
+    with cf.ThreadPoolExecutor(2) as pool:
+        beside = pool.submit(resilient.client.completions.create, model=MODEL, prompt="[slow:0.02] beside",
+                             max_tokens=30)
+        r = requests.post(f"{resilient.url}/v1/completions",
+                          json={"model": MODEL, "prompt": "[fail-step:2] poison", "max_tokens": 20})
+        assert r.status_code == 500 and "injected fault" in r.json()["error"]["message"]
+        assert r.json()["error"]["type"] == "server_error"
+        assert beside.result(timeout=60).usage.completion_tokens == 30
+    with requests.post(f"{resilient.url}/v1/completions", stream=True, timeout=60,
+                       json={"model": MODEL, "prompt": "[slow:0.05][fail-step:3] poison", "max_tokens": 20,
+                             "stream": True}) as s:
+        status, body = s.status_code, s.text
+    # after tokens went out: an error event, then [DONE]; had it failed first: a plain 500
+    assert "injected fault" in body and (status == 500 or body.rstrip().endswith("data: [DONE]")), (status, body)
+    assert retries() == before
+    _wait_healthy(resilient)

@@ -200,3 +200,33 @@ def test_a_temperature_too_small_to_sample_at_is_greedy(tiny_model_dir, temperat
 def test_a_temperature_that_is_not_a_finite_non_negative_number_is_refused(bad):
     with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
         SamplingParams(temperature=bad)
+
+
+def test_a_step_that_raises_fails_its_requests_and_the_engine_goes_on(tiny_model_dir):
+    """The requests of a step that raised finish with "error" and the cause, their KV is freed, a
+    request that was waiting outside that step finishes normally, and the engine serves the next."""
+    llm = LLM(model=str(tiny_model_dir("llama")), block_size=4, num_kv_blocks=64, max_num_seqs=2)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    expected = llm.generate(PROMPTS[2], params)[0].token_ids
+    execute, calls = engine.worker.execute, []
+
+    def fail_second_step(batch):
+        calls.append([it.seq.request_id for it in batch])
+        if len(calls) == 2:
+            raise RuntimeError("injected step failure")
+        return execute(batch)
+
+    engine.worker.execute = fail_second_step
+    for rid, prompt in (("a", PROMPTS[0]), ("b", PROMPTS[1]), ("c", PROMPTS[2])):
+        engine.add_request(rid, prompt, params)
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    assert calls[1] == ["a", "b"]                               # max_num_seqs=2: c waited outside
+    for rid in ("a", "b"):
+        assert finals[rid].finish_reason == "error" and "injected step failure" in finals[rid].error
+    assert finals["c"].finish_reason == "length" and finals["c"].token_ids == expected and finals["c"].error is None
+    assert engine.stats()["failed_steps"] == 1
+    assert llm.generate(PROMPTS[2], params)[0].token_ids == expected
+    assert_no_leaks(engine)
