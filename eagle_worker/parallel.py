@@ -19,7 +19,7 @@ _COMM: dict[str, list] | None = None      # collective name -> [calls, seconds] 
 
 def enable_comm_stats(on: bool = True) -> None:
     """Count calls and wall seconds of this process's collectives (benchmarks: bench/spec_tp.py).
-    Off by default, and then a collective pays one `is None` test. On CUDA the counted span
+    Off by default, and then a collective enters a no-op context. On CUDA the counted span
     synchronizes the device before and after each collective (NCCL returns before it is done), so
     counting perturbs a GPU run a little; on CPU (gloo, blocking) it only reads a clock."""
     global _COMM
@@ -38,8 +38,13 @@ def comm_stats(reset: bool = False) -> dict[str, dict]:
     return out
 
 
-@contextlib.contextmanager
 def _counted(name: str, x: torch.Tensor | None = None):
+    """The collective's span, counted while counting is on (else a no-op context)."""
+    return contextlib.nullcontext() if _COMM is None else _timed(name, x)
+
+
+@contextlib.contextmanager
+def _timed(name: str, x: torch.Tensor | None):
     cuda = x is not None and x.is_cuda
     if cuda:
         torch.cuda.synchronize(x.device)
@@ -82,21 +87,15 @@ def single_rank():
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     if _TP_SIZE > 1:
-        if _COMM is None:
+        with _counted("all_reduce", x):
             dist.all_reduce(x)
-        else:
-            with _counted("all_reduce", x):
-                dist.all_reduce(x)
     return x
 
 
 def _all_gather(name: str, x: torch.Tensor) -> list[torch.Tensor]:
     parts = [torch.empty_like(x) for _ in range(_TP_SIZE)]
-    if _COMM is None:
+    with _counted(name, x):
         dist.all_gather(parts, x.contiguous())
-    else:
-        with _counted(name, x):
-            dist.all_gather(parts, x.contiguous())
     return parts
 
 
@@ -117,9 +116,6 @@ def all_gather_rows(x: torch.Tensor) -> torch.Tensor:
 def broadcast_from_rank0(obj=None):
     """Send a picklable object from rank 0 to every rank of the group; returns it on every rank."""
     box = [obj]
-    if _COMM is None:
+    with _counted("broadcast_from_rank0"):     # the object travels through CPU pickles here (gloo)
         dist.broadcast_object_list(box, src=0)
-    else:
-        with _counted("broadcast_from_rank0"):     # the object travels through CPU pickles here (gloo)
-            dist.broadcast_object_list(box, src=0)
     return box[0]

@@ -165,10 +165,7 @@ def _drop_target_lm_head(sd: dict[str, torch.Tensor], target: nn.Module, vocab: 
     w = sd.get("lm_head.weight")
     if w is None:
         return sd
-    ref = vocab.lm_head if vocab is not None and vocab.lm_head is not None else None
-    if ref is None:
-        ref = getattr(getattr(target, "lm_head", None), "weight", None)
-    if ref is None or not _same_as_target_embedding(w, ref):
+    if not _same_table(w, (vocab or TargetVocab(target)).lm_head_weight):
         raise ValueError(f"draft head {path}: an EAGLE-1 head with its own lm_head (different from the "
                          "target's) is not supported")
     return {k: v for k, v in sd.items() if k != "lm_head.weight"}
@@ -221,7 +218,7 @@ def head_config(raw: dict, sd: dict[str, torch.Tensor], target: nn.Module, targe
     max_pos = max(int(raw.get("max_position_embeddings") or 2048), int(target_ctx), 2048)
     pre = "midlayer." if kind == "eagle3" else "layers.0."
     emb = sd.get("embed_tokens.weight")
-    own_emb = emb is not None and not _same_as_target_embedding(emb, (vocab or TargetVocab(target)).embedding_weight)
+    own_emb = emb is not None and not _same_table(emb, (vocab or TargetVocab(target)).embedding_weight)
     draft_vocab = int(raw.get("draft_vocab_size") or V) if kind == "eagle3" else V
     return HeadConfig(
         kind=kind, hidden_size=H, intermediate_size=int(raw.get("intermediate_size", 4 * H)),
@@ -238,9 +235,10 @@ def head_config(raw: dict, sd: dict[str, torch.Tensor], target: nn.Module, targe
         norm_before_residual=bool(raw.get("norm_before_residual", False)), raw=dict(raw))
 
 
-def _same_as_target_embedding(emb: torch.Tensor, w: torch.Tensor) -> bool:
-    """Published EAGLE-1 heads store a frozen copy of the target's table `w` (often in another
-    dtype): share the target's instead of holding a second V x H table. The tolerance covers
+def _same_table(emb: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether a head's stored table is a copy of the target's `w`: published EAGLE-1 heads store a
+    frozen copy of the token table (and speculators heads of the LM head), often in another dtype,
+    so the target's is shared instead of holding a second V x H table. The tolerance covers
     bf16/fp16 rounding of the same table; a head whose table really differs keeps its own."""
     if tuple(w.shape) != tuple(emb.shape):
         return False

@@ -146,6 +146,10 @@ class TargetVocab:
     def embedding_weight(self) -> torch.Tensor:
         return self.table if self.table is not None else _raw_embedding(self.target).weight
 
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.lm_head if self.lm_head is not None else self.target.lm_head.weight
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.table is None:
             return _raw_embedding(self.target)(input_ids)
