@@ -22,12 +22,27 @@ Replica death (`stream_outputs`): if a replica dies (actor gone, engine loop cra
 token of a request reached the client, the request is transparently re-submitted and Serve
 routes it to a live replica; once tokens were streamed, the client gets a clear `ReplicaLostError`
 instead of a silently restarted (and so duplicated) text.
+
+Poison requests: a request under which two *different* replicas died is not resubmitted again
+(`PoisonRequestError`, HTTP 500): it is most likely what kills them. Only real deaths under the
+request count: the router records which replica each attempt was routed to (`on_request_routed`),
+so the same death seen twice (a retry that lands on the replica that already died, before Serve
+notices) and a replica already seen dead by another request before this attempt was sent do not
+count. A replica a request saw die is skipped by `choose_replicas` until Serve replaces it.
+
+Admission (`Admission`): the ingress admits at most `ServeConfig.admission_limit` engine requests at
+once (every replica's `max_ongoing_requests`, plus `limits.max_router_queue` waiting for a slot);
+beyond that `OverloadedError` (HTTP 503 with Retry-After) at once. Serve's own caller-side queue
+limit is off (`max_queued_requests: -1`): Serve counts a request as queued until it is routed, so
+a burst well within capacity reached it in the few milliseconds routing takes.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import random
+import time
+import weakref
 from collections import defaultdict
 from typing import Any, AsyncIterator, Callable, List, Optional
 
@@ -49,11 +64,75 @@ except ImportError:  # pragma: no cover - older Ray
 
 
 class OverloadedError(RuntimeError):
-    """Every replica is at capacity and the router queue is full (HTTP 503)."""
+    """Every replica is at capacity and the router queue is full (HTTP 503 with Retry-After)."""
+
+    retry_after_s = 1
 
 
 class ReplicaLostError(RuntimeError):
     """The replica serving a request died and the request could not be retried (HTTP 503)."""
+
+
+class PoisonRequestError(ReplicaLostError):
+    """Replicas died under this request twice: it is not resubmitted again (HTTP 500)."""
+
+
+class Admission:
+    """At most `limit` requests in flight through this caller (routed or waiting for a slot).
+
+    Serve's caller-side queue limit counts a request as queued until the router has placed it, so
+    a burst far below capacity can hit it; this counts what is really outstanding instead."""
+
+    def __init__(self, limit: int):
+        self.limit, self.in_flight = max(1, int(limit)), 0
+
+    def enter(self) -> None:
+        if self.in_flight >= self.limit:
+            raise OverloadedError(
+                f"the server is overloaded: {self.in_flight} requests in flight, the limit is {self.limit} "
+                "(every replica at capacity and the queue full); retry later")
+        self.in_flight += 1
+
+    def leave(self) -> None:
+        self.in_flight = max(0, self.in_flight - 1)
+
+
+# Replica bookkeeping shared by this process's routers and `stream_outputs` (both run in the caller).
+DEAD_TTL_S = 60.0                               # how long a replica seen dying is skipped
+_routed: dict[str, ReplicaID] = {}              # attempt's request id -> replica it was routed to
+_seen_dead: dict[str, float] = {}               # replica unique id -> when a request saw it die
+_routers: "weakref.WeakSet[LoadAwareRouter]" = weakref.WeakSet()  # every LoadAwareRouter here
+
+
+def _replica_key(replica_id: Any) -> str:
+    return getattr(replica_id, "unique_id", None) or str(replica_id)
+
+
+def mark_dead(replica_id: Any) -> None:
+    _seen_dead.setdefault(_replica_key(replica_id), time.monotonic())
+
+
+def seen_dead(replica_id: Any, before: float | None = None) -> bool:
+    """A request saw this replica die (before `before`, when given), within DEAD_TTL_S."""
+    now = time.monotonic()
+    for key, t in list(_seen_dead.items()):
+        if t < now - DEAD_TTL_S:
+            del _seen_dead[key]
+    t = _seen_dead.get(_replica_key(replica_id))
+    return t is not None and (before is None or t < before)
+
+
+def live_replica_stats() -> dict[str, dict]:
+    """Routing stats of every replica this process's routers currently know (Serve drops a dead
+    replica from the set once it notices), keyed by replica id; {} before the first request."""
+    out: dict[str, dict] = {}
+    for router in list(_routers):
+        for rid, replica in list(router.curr_replicas.items()):
+            stats = dict(replica.routing_stats or {})
+            if not stats or seen_dead(rid) or stats.get("engine_alive") is False:
+                continue
+            out[str(stats.get("replica_id") or _replica_key(rid))] = stats
+    return out
 
 
 class LoadAwareRouter(FIFOMixin, RequestRouter):
@@ -63,6 +142,7 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         self.offline_kv_threshold = offline_kv_threshold
         self.kv_weight = kv_weight
         self._inflight: dict[ReplicaID, int] = defaultdict(int)
+        _routers.add(self)
 
     def load(self, replica: RunningReplica) -> float:
         """Lower is better: fraction of capacity in use plus weighted KV usage."""
@@ -81,8 +161,11 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         self, candidate_replicas: List[RunningReplica], pending_request: Optional[PendingRequest] = None
     ) -> List[List[RunningReplica]]:
         """Replicas in preference order, one per rank; Serve skips the ones that are full."""
-        alive = [r for r in candidate_replicas if (r.routing_stats or {}).get("engine_alive", True)]
-        replicas = alive or list(candidate_replicas)  # a crashed engine waits for Serve to replace it
+        candidates = [r for r in candidate_replicas if not seen_dead(r.replica_id)]
+        if candidate_replicas and not candidates:
+            return []  # every replica died under some request: wait (Serve backs off) for replacements
+        alive = [r for r in candidates if (r.routing_stats or {}).get("engine_alive", True)]
+        replicas = alive or candidates  # a crashed engine waits for Serve to replace it
         random.shuffle(replicas)  # break ties randomly so equal replicas share the load
         ranked = sorted(replicas, key=self.load)
         if request_priority(pending_request) > 0:
@@ -116,6 +199,9 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         self._inflight[replica_id] += 1
+        args = getattr(pending_request, "args", None)
+        if args and isinstance(args[0], str):  # `submit(request_id, ...)`: stream_outputs asks where it went
+            _routed[args[0]] = replica_id
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         n = self._inflight.get(replica_id, 0) - 1
@@ -155,22 +241,45 @@ async def stream_outputs(
     priority: int = 0,
     messages: list[dict] | None = None,
     *,
-    max_attempts: int = 4,
-    retry_backoff_s: float = 0.5,
+    max_attempts: int = 6,
+    max_deaths: int = 2,
+    retry_backoff_s: float = 0.25,
     restartable: bool = False,
     on_retry: Optional[Callable[[BaseException], None]] = None,
+    admission: Optional[Admission] = None,
 ) -> AsyncIterator[Any]:
     """Outputs of one request from whichever replica Serve picks, surviving replica deaths.
 
     `restartable=True` (non-streaming callers, who have sent the client nothing yet) also retries
     after tokens were produced: outputs are cumulative, so the caller just keeps the last one.
-    Raises OverloadedError when the system is full and ReplicaLostError when it cannot retry.
+    Raises OverloadedError when the system is full (`admission` full, or Serve's queue),
+    PoisonRequestError once `max_deaths` different replicas died under this request, and
+    ReplicaLostError when it cannot retry (tokens already streamed, or `max_attempts` attempts).
     `on_retry(error)` is called before each retry (the ingress counts them in /metrics).
     """
+    if admission is not None:
+        admission.enter()
+    attempts = _attempts(handle, request_id, prompt, params, priority, messages, max_attempts, max_deaths,
+                         retry_backoff_s, restartable, on_retry)
+    try:
+        async for out in attempts:
+            yield out
+    finally:
+        try:
+            await attempts.aclose()  # now, not at garbage collection: a consumer that left cancels the call
+        finally:
+            if admission is not None:
+                admission.leave()
+
+
+async def _attempts(handle, request_id, prompt, params, priority, messages, max_attempts, max_deaths,
+                    retry_backoff_s, restartable, on_retry) -> AsyncIterator[Any]:
     tokens_seen = 0
+    deaths: dict[str, BaseException] = {}   # replica -> how it died under this request
     for attempt in range(max_attempts):
         rid = request_id if attempt == 0 else f"{request_id}-retry{attempt}"
         gen = None
+        sent_at = time.monotonic()
         try:  # a full router queue raises BackPressureError already from `.remote()`
             gen = handle.options(stream=True).submit.remote(rid, prompt, params, priority=priority, messages=messages)
             async for out in gen:
@@ -187,16 +296,35 @@ async def stream_outputs(
                 "the server is overloaded: every replica is at capacity and the queue is full; retry later"
             ) from e
         except _DEATH as e:
+            replica = _routed.get(rid)
+            if replica is None:                  # not routed by a LoadAwareRouter here: count every death
+                deaths[f"attempt-{attempt}"] = e
+            elif _replica_key(replica) not in deaths and not seen_dead(replica, before=sent_at):
+                deaths[_replica_key(replica)] = e   # died while this request was on it
+            if replica is not None:
+                mark_dead(replica)
             if tokens_seen and not restartable:
                 raise ReplicaLostError(
                     f"the replica serving this request died after {tokens_seen} tokens were streamed; "
                     "the partial response cannot be resumed, please retry the request"
+                ) from e
+            if len(deaths) >= max_deaths:
+                raise PoisonRequestError(
+                    f"request {request_id} was not retried again: {len(deaths)} replicas died while serving it "
+                    f"(last: {type(e).__name__}: {_first_line(e)}); it may be what crashes them"
                 ) from e
             if attempt + 1 < max_attempts:
                 if on_retry is not None:
                     on_retry(e)
                 logger.warning("request %s: replica failed (%s); retrying (attempt %d/%d)",
                                request_id, type(e).__name__, attempt + 2, max_attempts)
-                await asyncio.sleep(retry_backoff_s * 2**attempt)  # let stats/health checks catch up
+                await asyncio.sleep(min(retry_backoff_s * 2**attempt, 2.0))  # let Serve catch up
             tokens_seen = 0
-    raise ReplicaLostError(f"request {request_id} failed on {max_attempts} replicas in a row; giving up")
+        finally:
+            _routed.pop(rid, None)
+    raise ReplicaLostError(f"request {request_id}: {max_attempts} attempts failed (replicas unavailable); giving up")
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:200] if text else ""

@@ -8,8 +8,25 @@ import pytest
 import ray.exceptions
 from ray.serve.exceptions import BackPressureError
 
+from cluster import router as router_mod
 from cluster.replica import EngineDiedError, Rejected, guess_param
-from cluster.router import LoadAwareRouter, OverloadedError, ReplicaLostError, stream_outputs
+from cluster.router import (
+    Admission,
+    LoadAwareRouter,
+    OverloadedError,
+    PoisonRequestError,
+    ReplicaLostError,
+    stream_outputs,
+)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_router_state():
+    router_mod._seen_dead.clear()
+    router_mod._routed.clear()
+    yield
+    router_mod._seen_dead.clear()
+    router_mod._routed.clear()
 
 
 class _Cache:
@@ -100,8 +117,10 @@ class _Gen:
 class _Handle:
     """Plays a script of (items, exception) per call; `raise_on_call` mimics BackPressureError at .remote()."""
 
-    def __init__(self, *script, raise_on_call=None):
+    def __init__(self, *script, raise_on_call=None, replicas=None):
         self.script, self.raise_on_call, self.calls, self.gens = list(script), raise_on_call, [], []
+        self.replicas = list(replicas or [])  # where the router "routed" each call, as LoadAwareRouter records
+
 
     def options(self, **kw):
         return self
@@ -114,6 +133,8 @@ class _Handle:
         self.calls.append((rid, priority))
         if self.raise_on_call:
             raise self.raise_on_call
+        if self.replicas:
+            router_mod._routed[rid] = self.replicas.pop(0)
         gen = _Gen(*self.script.pop(0))
         self.gens.append(gen)
         return gen
@@ -145,9 +166,64 @@ def test_restartable_retries_even_after_tokens():
 
 
 def test_gives_up_after_max_attempts():
-    h = _Handle(*[([], EngineDiedError("boom"))] * 3)
-    with pytest.raises(ReplicaLostError, match="3 replicas"):
+    """The same dead replica chosen again and again (Serve has not noticed yet) is one death, not
+    a poison request; attempts are still bounded."""
+    h = _Handle(*[([], EngineDiedError("boom"))] * 3, replicas=["a", "a", "a"])
+    with pytest.raises(ReplicaLostError, match="3 attempts") as ei:
         asyncio.run(_collect(h, max_attempts=3))
+    assert not isinstance(ei.value, PoisonRequestError)
+
+
+@pytest.mark.parametrize("replicas", [None, ["a", "b", "c"]], ids=["unknown replicas", "routed"])
+def test_a_request_two_replicas_died_under_is_not_resubmitted(replicas):
+    h = _Handle(*[([], ray.exceptions.ActorDiedError())] * 2, ([_out(finished=True)], None), replicas=replicas)
+    with pytest.raises(PoisonRequestError, match="2 replicas died while serving it"):
+        asyncio.run(_collect(h, restartable=True))
+    assert len(h.calls) == 2
+
+
+def test_only_deaths_under_the_request_count():
+    """a dies under the request; the retry lands on a again (not yet replaced): same death; then on b,
+    which another request had already seen die before this attempt was sent: not this one's doing;
+    the next death (c) is the second, and the request is answered with an error."""
+    router_mod.mark_dead("b")
+    h = _Handle(*[([], EngineDiedError("boom"))] * 4, replicas=["a", "a", "b", "c"])
+    with pytest.raises(PoisonRequestError):
+        asyncio.run(_collect(h))
+    assert len(h.calls) == 4
+
+
+def test_retry_after_one_death_succeeds():
+    h = _Handle(([_out()], EngineDiedError("boom")), ([_out(2, finished=True)], None), replicas=["a", "b"])
+    outs = asyncio.run(_collect(h, restartable=True))
+    assert outs[-1].finished and router_mod.seen_dead("a") and not router_mod.seen_dead("b")
+    assert not router_mod._routed  # nothing left behind
+
+
+def test_replicas_seen_dead_are_not_chosen():
+    router_mod.mark_dead("a")
+    assert _rank(_router(), [_replica("a"), _replica("b", running=10)]) == ["b"]
+    assert _rank(_router(), [_replica("a")]) == []  # only dead ones: Serve waits for a replacement
+
+
+def test_admission_refuses_beyond_its_limit_and_frees_slots():
+    adm = Admission(2)
+
+    async def run():
+        h = _Handle(*[([_out(), _out(finished=True)], None)] * 3)
+        a = stream_outputs(h, "r1", "p", {}, admission=adm)
+        b = stream_outputs(h, "r2", "p", {}, admission=adm)
+        await a.__anext__()
+        await b.__anext__()
+        assert adm.in_flight == 2
+        with pytest.raises(OverloadedError, match="limit is 2"):
+            await stream_outputs(h, "r3", "p", {}, admission=adm).__anext__()
+        await a.aclose()                                   # a client that left frees its slot
+        assert [o async for o in b][-1].finished and adm.in_flight == 0
+        assert [o async for o in stream_outputs(h, "r4", "p", {}, admission=adm)][-1].finished
+
+    asyncio.run(run())
+    assert adm.in_flight == 0
 
 
 def test_backpressure_becomes_overloaded():
