@@ -126,7 +126,12 @@ class Limits(_Strict):
     max_num_batched_tokens: int | None = Field(None, ge=1, description="token budget per step; None = engine default")
     max_queued_requests: int = Field(64, ge=0, description="requests waiting inside one replica")
     max_router_queue: int = Field(
-        128, ge=1, description="requests waiting in the router for a free replica before 503"
+        128, ge=1, description="requests waiting in the ingress for a free replica slot (beyond every "
+        "replica's max_num_seqs + max_queued_requests) before 503 with Retry-After"
+    )
+
+    max_request_body_bytes: int = Field(
+        2 * 2**20, ge=1024, description="largest HTTP request body the ingress reads (413 beyond; default 2 MiB)"
     )
 
     @model_validator(mode="before")
@@ -229,6 +234,22 @@ class ServeConfig(_Strict):
     def max_ongoing_per_replica(self) -> int:
         """Serve's per-replica cap: what the engine runs plus what it may queue."""
         return self.limits.max_num_seqs + self.limits.max_queued_requests
+
+    @property
+    def max_engine_replicas(self) -> int:
+        """Engine replicas at most: `num_replicas`, or `autoscaling.max_replicas`."""
+        return self.autoscaling.max_replicas if self.autoscaling is not None else (self.num_replicas or 1)
+
+    @property
+    def capacity(self) -> int:
+        """Requests the engine replicas take at once: replicas x (max_num_seqs + max_queued_requests)."""
+        return self.max_engine_replicas * self.max_ongoing_per_replica
+
+    @property
+    def admission_limit(self) -> int:
+        """Requests one ingress replica admits at once: the capacity plus `limits.max_router_queue`
+        waiting for a slot; beyond it the ingress answers 503 with Retry-After at once."""
+        return self.capacity + self.limits.max_router_queue
 
     @property
     def resolved_draft(self) -> str | None:

@@ -1,12 +1,21 @@
 """Prometheus metrics of the HTTP front: what users feel (TTFT, TPOT, throughput) and why (tau, queues, KV).
 
-Kept in the ingress because that is where a request's whole life is visible. Engine-side numbers
-(queue depth, KV usage) come from the replica stats each finished request carries back, plus a
-stats probe on every scrape, so they are per replica and at most one request old; gauges of a
-replica not heard from for `stale_s` are dropped (it was replaced or scaled away).
+Kept in the ingress because that is where a request's whole life is visible.
+
+`eagle_requests_total{endpoint,status}` counts every HTTP request by its final status, counted by an
+ASGI middleware (`StatusCounter`, outermost) so requests refused before any handler logic (401, 400,
+404, 405, 413, bad JSON) count too. A client that disconnects before its response is complete is
+`499` (nginx's and vLLM's "client closed request"), not 500; a stream that already sent 200 and then
+ends with an error event counts as that error's status (`note_status`).
+
+Per-replica gauges (queue depth, KV usage, ...) are rebuilt on every scrape from the routing stats
+of every replica the ingress's router currently knows (`cluster.router.live_replica_stats`, about
+one second old): a replica that died or was scaled away is gone from the next scrape.
 """
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import time
 from collections import deque
 
@@ -19,10 +28,13 @@ TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5)
 TAU_BUCKETS = (1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6, 8)
 
 
+CLIENT_CLOSED = 499   # nginx's "client closed request", as vLLM's metrics report aborted requests
+
+
 class ServeMetrics:
-    def __init__(self, model: str, window_s: float = 10.0, stale_s: float = 120.0):
+    def __init__(self, model: str, window_s: float = 10.0):
         self.registry = r = CollectorRegistry()
-        self.model, self.window_s, self.stale_s = model, window_s, stale_s
+        self.model, self.window_s = model, window_s
         lb = ["model"]
         self.requests = Counter("eagle_requests", "HTTP requests by endpoint and status", lb + ["endpoint", "status"], registry=r)
         self.inflight = Gauge("eagle_requests_in_flight", "requests being served by this ingress", lb, registry=r)
@@ -47,7 +59,6 @@ class ServeMetrics:
         self.replica_requests = Counter("eagle_replica_requests", "finished requests by the replica that served them",
                                         rl, registry=r)
         self._recent: deque[tuple[float, int]] = deque()
-        self._replica_seen: dict[str, float] = {}
 
     def request_done(self, endpoint: str, status: int) -> None:
         self.requests.labels(self.model, endpoint, str(status)).inc()
@@ -76,25 +87,101 @@ class ServeMetrics:
             self.tau.labels(self.model).observe(float(m["mean_accepted_tokens"]))
         if m.get("replica_id"):
             self.replica_requests.labels(self.model, str(m["replica_id"])).inc()
-        if isinstance(m.get("replica_stats"), dict):
-            self.replica_stats(m["replica_stats"])
 
-    def replica_stats(self, st: dict) -> None:
-        rid = str(st.get("replica_id", "unknown"))
-        self._replica_seen[rid] = time.monotonic()
-        self.running.labels(self.model, rid).set(st.get("num_running", 0))
-        self.waiting.labels(self.model, rid).set(st.get("num_waiting", 0))
-        self.kv_usage.labels(self.model, rid).set(st.get("kv_usage", 0.0))
-        self.free_blocks.labels(self.model, rid).set(st.get("num_free_blocks", 0))
+    def replica_gauges(self, replicas: dict[str, dict]) -> None:
+        """Per-replica gauges for exactly these replicas (id -> stats); others' series are removed."""
+        for g in (self.running, self.waiting, self.kv_usage, self.free_blocks):
+            g.clear()
+        for rid, st in replicas.items():
+            self.running.labels(self.model, rid).set(st.get("num_running", 0))
+            self.waiting.labels(self.model, rid).set(st.get("num_waiting", 0))
+            self.kv_usage.labels(self.model, rid).set(st.get("kv_usage", 0.0))
+            self.free_blocks.labels(self.model, rid).set(st.get("num_free_blocks", 0))
 
-    def render(self) -> bytes:
+    def render(self, replicas: dict[str, dict] | None = None) -> bytes:
+        """The exposition text; `replicas` (id -> stats of every live replica) replaces the per-replica
+        gauges, None keeps them."""
         now = time.monotonic()
         while self._recent and self._recent[0][0] < now - self.window_s:
             self._recent.popleft()
         self.tokens_per_s.labels(self.model).set(sum(n for _, n in self._recent) / self.window_s)
-        for rid, seen in list(self._replica_seen.items()):
-            if seen < now - self.stale_s:
-                del self._replica_seen[rid]
-                for g in (self.running, self.waiting, self.kv_usage, self.free_blocks):
-                    g.remove(self.model, rid)
+        if replicas is not None:
+            self.replica_gauges(replicas)
         return generate_latest(self.registry)
+
+
+# ---- counting every HTTP request by final status ------------------------------------------------
+_active: ServeMetrics | None = None           # this process's ingress metrics (one ingress per process)
+_final: contextvars.ContextVar[dict | None] = contextvars.ContextVar("eagle_final_status", default=None)
+ENDPOINTS = (("/v1/chat/completions", "chat"), ("/v1/completions", "completions"), ("/v1/models", "models"),
+             ("/health", "health"), ("/metrics", "metrics"))
+RETRY_AFTER_S = 1
+
+
+def set_active(metrics: ServeMetrics) -> None:
+    """The ServeMetrics `StatusCounter` counts into (the ingress sets it when it starts)."""
+    global _active
+    _active = metrics
+
+
+def note_status(status: int) -> None:
+    """The request's final status differs from the one sent in its headers (a stream that ended
+    with an error event after `200`): count it as `status`."""
+    holder = _final.get()
+    if holder is not None:
+        holder["status"] = int(status)
+
+
+def endpoint_label(path: str) -> str:
+    path = path.rstrip("/")
+    for suffix, label in ENDPOINTS:
+        if path.endswith(suffix):
+            return label
+    return "other"   # unknown routes: one label, whatever the path (bounded cardinality)
+
+
+class StatusCounter:
+    """ASGI middleware (keep it the outermost one): counts each HTTP request in
+    `eagle_requests_total` by its final status, and adds `Retry-After` to 429/503 answers."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        state = {"status": None, "complete": False}
+        holder: dict = {}
+        token = _final.set(holder)
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start":
+                state["status"] = message["status"]
+                if message["status"] in (429, 503):
+                    headers = list(message.get("headers") or [])
+                    if not any(k.lower() == b"retry-after" for k, _ in headers):
+                        headers.append((b"retry-after", str(RETRY_AFTER_S).encode()))
+                    message = {**message, "headers": headers}
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                state["complete"] = True
+            await send(message)
+
+        status = None
+        try:
+            await self.app(scope, receive, counting_send)
+            status = holder.get("status") or state["status"] or 500
+            if state["status"] is not None and not state["complete"]:
+                status = CLIENT_CLOSED       # the body was cut off: the client went away
+        except asyncio.CancelledError:
+            status = CLIENT_CLOSED           # Serve cancels the request when its client disconnects
+            raise
+        except OSError:
+            status = CLIENT_CLOSED if state["status"] is not None else 500
+            raise
+        except BaseException:
+            status = 500
+            raise
+        finally:
+            _final.reset(token)
+            if _active is not None and status is not None:
+                _active.request_done(endpoint_label(scope.get("path", "")), status)

@@ -25,9 +25,17 @@ from ray.serve.exceptions import BackPressureError
 
 from cluster import openai_api as oa
 from cluster.config import ServeConfig
-from cluster.metrics import ServeMetrics
+from cluster.metrics import ServeMetrics, StatusCounter, note_status, set_active
 from cluster.replica import EngineReplica, Failed, Rejected
-from cluster.router import OverloadedError, ReplicaLostError, router_config, stream_outputs
+from cluster.router import (
+    Admission,
+    OverloadedError,
+    PoisonRequestError,
+    ReplicaLostError,
+    live_replica_stats,
+    router_config,
+    stream_outputs,
+)
 from cluster.signals import on_stop_signals, restore_signals
 
 logger = logging.getLogger(__name__)
@@ -47,9 +55,12 @@ async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
 
 
 def _unavailable(e: Exception) -> oa.APIError:
-    """503s: a full system (retry later) or a replica lost under the request."""
+    """503s: a full system (retry later; the status middleware adds Retry-After) or a replica lost
+    under the request; 500 for a request two replicas died under (not retried: it may be the cause)."""
     if isinstance(e, OverloadedError):
         return oa.APIError(503, str(e), type="overloaded_error", code="overloaded")
+    if isinstance(e, PoisonRequestError):
+        return oa.APIError(500, str(e), type="server_error", code="replicas_died")
     return oa.APIError(503, str(e), type="server_error", code="replica_lost")
 
 
@@ -122,6 +133,11 @@ class _ChatRender:
                                       usage=oa.usage(len(out.prompt_token_ids), len(out.token_ids)))
 
 
+# Counts every request by final status: keep this the last middleware added (the outermost), and
+# above `serve.ingress(api)`, which freezes a copy of the app.
+api.add_middleware(StatusCounter)
+
+
 @serve.deployment(name="OpenAIIngress")
 @serve.ingress(api)
 class OpenAIIngress:
@@ -130,6 +146,8 @@ class OpenAIIngress:
         self.engine = engine
         self.api_keys = self.config.resolve_api_keys()  # fails the deployment if a key source is missing
         self.metrics = ServeMetrics(self.config.model_name)
+        set_active(self.metrics)
+        self.admission = Admission(self.config.admission_limit)  # beyond it: 503 + Retry-After at once
         self.max_model_len: int | None = self.config.limits.max_model_len
 
     # ---- plumbing ----------------------------------------------------------------------------
@@ -184,7 +202,7 @@ class OpenAIIngress:
         rid = oa.new_id(render.prefix)
         params = req.sampling_params(max_tokens, logprobs)
         it = stream_outputs(self.engine, rid, prompt, params, req.priority, messages, restartable=not req.stream,
-                            on_retry=self.metrics.retried)
+                            on_retry=self.metrics.retried, admission=self.admission)
         self.metrics.inflight.labels(self.config.model_name).inc()
         status = 500
         try:
@@ -231,11 +249,15 @@ class OpenAIIngress:
         except StopAsyncIteration:
             pass
         except (ReplicaLostError, OverloadedError) as e:
-            yield oa.sse(_unavailable(e).body())
+            err = _unavailable(e)
+            note_status(err.status)
+            yield oa.sse(err.body())
         except oa.APIError as e:
+            note_status(e.status)
             yield oa.sse(e.body())
         except Exception as e:  # never end a stream silently
             logger.exception("stream %s failed", rid)
+            note_status(500)
             yield oa.sse(oa.APIError(500, f"internal error: {e!r}", type="server_error").body())
         finally:
             self.metrics.inflight.labels(self.config.model_name).dec()
@@ -267,15 +289,28 @@ class OpenAIIngress:
         return await self._run("chat", req, None, messages, max_tokens, req.logprobs, render)
 
     async def _probe_stats(self, timeout: float) -> dict:
-        """Stats of one replica (whichever the router picks); feeds gauges and max_model_len."""
+        """Stats of one replica (whichever the router picks; it also starts this process's router)."""
         st = await asyncio.wait_for(self.engine.stats.remote(), timeout=timeout)
         self._saw_stats(st)
         return st
 
     def _saw_stats(self, st: dict) -> None:
-        self.metrics.replica_stats(st)
         if self.max_model_len is None and st.get("max_model_len"):
             self.max_model_len = int(st["max_model_len"])
+
+    async def _live_replicas(self) -> dict[str, dict]:
+        """Stats of every live engine replica (from the router's view, ~1 s old); before the router
+        knows any, one probed replica's."""
+        live = live_replica_stats()
+        if not live:
+            try:
+                st = await self._probe_stats(timeout=2)
+            except Exception:
+                return {}
+            live = live_replica_stats() or {str(st.get("replica_id", "unknown")): st}
+        for st in live.values():
+            self._saw_stats(st)
+        return live
 
     @api.get("/v1/models")
     async def models(self, request: Request):
@@ -291,6 +326,8 @@ class OpenAIIngress:
     @api.get("/health")
     async def health(self):
         """200 while some replica answers; busy replicas (backpressure) still count as healthy."""
+        if live_replica_stats():  # the router sees a replica with a live engine: no probe to queue
+            return {"status": "ok", "model": self.config.model_name}
         try:
             await self._probe_stats(timeout=10)
         except BackPressureError:
@@ -301,11 +338,8 @@ class OpenAIIngress:
 
     @api.get("/metrics")
     async def prometheus(self):
-        try:  # refresh at least one replica's gauges even when idle
-            await self._probe_stats(timeout=2)
-        except Exception:
-            pass
-        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        replicas = await self._live_replicas()  # gauges of exactly the live replicas
+        return Response(self.metrics.render(replicas), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 # ---- building and running ----------------------------------------------------------------------
@@ -315,7 +349,7 @@ def engine_deployment_options(config: ServeConfig) -> dict[str, Any]:
     opts: dict[str, Any] = dict(
         name="LLMServer",
         max_ongoing_requests=config.max_ongoing_per_replica,
-        max_queued_requests=config.limits.max_router_queue,
+        max_queued_requests=-1,   # the ingress's Admission bounds what waits (see cluster/router.py)
         request_router_config=router_config(),
         health_check_period_s=2.0,
         health_check_timeout_s=60.0,

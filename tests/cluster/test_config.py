@@ -88,11 +88,16 @@ def test_deployment_options():
     assert opts["placement_group_bundles"] == [{"CPU": 3.0}, {"CPU": 3.0}]
     assert opts["placement_group_strategy"] == "STRICT_PACK"
     assert opts["ray_actor_options"] == {"num_cpus": 3.0, "num_gpus": 0}
-    assert opts["max_ongoing_requests"] == 12 and opts["max_queued_requests"] == 10
+    # Serve's caller queue counts requests as queued until routed: off; the ingress admits
+    # max_replicas x (max_num_seqs + max_queued_requests) + max_router_queue instead
+    assert opts["max_ongoing_requests"] == 12 and opts["max_queued_requests"] == -1
+    assert cfg.capacity == 3 * 12 and cfg.admission_limit == 3 * 12 + 10
     assert opts["autoscaling_config"]["target_ongoing_requests"] == 6 and "num_replicas" not in opts
     assert opts["request_router_config"]["request_router_class"] == "cluster.router.LoadAwareRouter"
     single = engine_deployment_options(ServeConfig())
     assert "placement_group_bundles" not in single and single["num_replicas"] == 1
+    assert ServeConfig(num_replicas=2, limits={"max_num_seqs": 2, "max_queued_requests": 2,
+                                               "max_router_queue": 1}).admission_limit == 2 * 4 + 1
 
 
 def test_app_builder_validates_args():

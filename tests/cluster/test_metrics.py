@@ -1,0 +1,118 @@
+"""cluster/metrics.py without a cluster: every request counted by final status (the ASGI middleware),
+Retry-After on 503s, client disconnects as 499, per-replica gauges exactly for the live replicas."""
+from __future__ import annotations
+
+import asyncio
+import re
+
+import pytest
+from fastapi import FastAPI, HTTPException
+from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.testclient import TestClient
+
+from cluster import metrics as m
+
+
+def _counts(metrics: m.ServeMetrics) -> dict[tuple[str, str], float]:
+    text = metrics.render().decode()
+    return {(e, s): float(v) for e, s, v in
+            re.findall(r'eagle_requests_total\{endpoint="(\w+)",model="\w+",status="(\d+)"\} ([\d.]+)', text)}
+
+
+@pytest.fixture
+def metrics():
+    metrics = m.ServeMetrics("tiny")
+    m.set_active(metrics)
+    yield metrics
+    m.set_active(None)
+
+
+def _app() -> FastAPI:
+    app = FastAPI()
+
+    @app.exception_handler(Exception)
+    async def unexpected(request, exc):
+        return JSONResponse({"error": {"message": str(exc)}}, status_code=500)
+
+    @app.post("/v1/completions")
+    async def completions(body: dict):
+        if body.get("key") != "k":
+            raise HTTPException(401, "bad key")
+        if body.get("boom"):
+            raise RuntimeError("boom")
+        if body.get("busy"):
+            return JSONResponse({"error": {"code": "overloaded"}}, status_code=503)
+        return {"ok": True}
+
+    @app.post("/v1/chat/completions")
+    async def chat():
+        async def events():
+            yield "data: {}\n\n"
+            m.note_status(503)   # e.g. the replica died after tokens went out: an error event
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    app.add_middleware(m.StatusCounter)
+    return app
+
+
+def test_every_request_is_counted_by_final_status(metrics):
+    client = TestClient(_app(), raise_server_exceptions=False)
+    assert client.post("/v1/completions", json={"key": "k"}).status_code == 200
+    assert client.post("/v1/completions", json={"key": "x"}).status_code == 401
+    assert client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
+                       ).status_code == 422   # FastAPI's own refusal, before any handler code
+    assert client.post("/v1/completions", json={"key": "k", "boom": True}).status_code == 500
+    assert client.get("/v1/nowhere").status_code == 404
+    assert client.get("/v1/completions").status_code == 405
+    busy = client.post("/v1/completions", json={"key": "k", "busy": True})
+    assert busy.status_code == 503 and busy.headers["retry-after"] == str(m.RETRY_AFTER_S)
+    assert client.post("/v1/chat/completions").status_code == 200
+    assert _counts(metrics) == {("completions", "200"): 1, ("completions", "401"): 1, ("completions", "422"): 1,
+                                ("completions", "500"): 1, ("other", "404"): 1, ("completions", "405"): 1,
+                                ("completions", "503"): 1, ("chat", "503"): 1}
+
+
+@pytest.mark.parametrize("how", ["cancelled", "body cut off"])
+def test_a_client_disconnect_is_499(metrics, how):
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"data: {}\n\n", "more_body": True})
+        if how == "cancelled":   # Serve cancels the request when the client goes away
+            raise asyncio.CancelledError()
+        # Starlette's StreamingResponse just returns when it sees http.disconnect
+
+    async def run():
+        async def receive():
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            pass
+
+        await m.StatusCounter(app)({"type": "http", "path": "/v1/completions"}, receive, send)
+
+    if how == "cancelled":
+        with pytest.raises(asyncio.CancelledError):
+            asyncio.run(run())
+    else:
+        asyncio.run(run())
+    assert _counts(metrics) == {("completions", str(m.CLIENT_CLOSED)): 1}
+
+
+def test_replica_gauges_are_exactly_the_live_replicas():
+    metrics = m.ServeMetrics("tiny")
+    stats = dict(num_running=2, num_waiting=1, kv_usage=0.25, num_free_blocks=7)
+    text = metrics.render({"r1": stats, "r2": {**stats, "num_running": 5}}).decode()
+    assert 'eagle_replica_num_running{model="tiny",replica="r1"} 2.0' in text
+    assert 'eagle_replica_num_running{model="tiny",replica="r2"} 5.0' in text
+    text = metrics.render({"r2": stats}).decode()          # r1 died: its series are gone at once
+    assert 'replica="r1"' not in text.replace("eagle_replica_requests_total", "")
+    assert 'eagle_replica_kv_usage{model="tiny",replica="r2"} 0.25' in text
+    assert 'replica="r2"' in metrics.render().decode()     # None keeps the last view
+
+
+@pytest.mark.parametrize("path,label", [("/v1/completions", "completions"), ("/app/v1/chat/completions", "chat"),
+                                        ("/v1/models", "models"), ("/health", "health"), ("/metrics", "metrics"),
+                                        ("/v1/embeddings", "other"), ("/", "other")])
+def test_endpoint_labels_are_bounded(path, label):
+    assert m.endpoint_label(path) == label
