@@ -138,11 +138,6 @@ class _ChatRender:
 api.add_middleware(StatusCounter)
 
 
-# Counts every request by final status: keep this the last middleware added (the outermost), and
-# above `serve.ingress(api)`, which freezes a copy of the app.
-api.add_middleware(StatusCounter)
-
-
 @serve.deployment(name="OpenAIIngress")
 @serve.ingress(api)
 class OpenAIIngress:
@@ -151,8 +146,6 @@ class OpenAIIngress:
         self.engine = engine
         self.api_keys = self.config.resolve_api_keys()  # fails the deployment if a key source is missing
         self.metrics = ServeMetrics(self.config.model_name)
-        set_active(self.metrics)
-        self.admission = Admission(self.config.admission_limit)  # beyond it: 503 + Retry-After at once
         set_active(self.metrics)
         self.admission = Admission(self.config.admission_limit)  # beyond it: 503 + Retry-After at once
         self.max_model_len: int | None = self.config.limits.max_model_len
