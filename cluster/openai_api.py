@@ -1,18 +1,20 @@
-"""The OpenAI-compatible wire format: request/response bodies and the error body.
+"""The OpenAI-compatible wire format: reading the body, request/response bodies, the error body.
 
-Requests are validated here, at the edge, so a bad field becomes a 400 that names it before any
-replica sees the request. Unknown fields are ignored (clients send vendor extras), but fields we
-accept and cannot honour (n > 1, echo, logit_bias, penalties) are refused rather than silently
-dropped. Extensions beyond OpenAI: top_k, min_p, ignore_eos, stop_token_ids and `priority`
+Requests are validated here, at the edge, so a bad body or field becomes a 4xx that names it
+before any replica sees the request. A field we do not serve is refused with a 400 naming it,
+never silently ignored: unknown fields, `response_format` other than text, `tools`; the few that
+OpenAI clients send and that change nothing (`HARMLESS`) are accepted. Extensions beyond OpenAI
+(vLLM's names): top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids and `priority`
 (0 = online, the default; 1 = offline/batch work that yields to online requests).
 """
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 
 class APIError(Exception):
@@ -39,53 +41,92 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
+# ---- the body ----------------------------------------------------------------------------------
+async def read_json_object(request, max_bytes: int) -> dict[str, Any]:
+    """The request body as a JSON object, or the APIError to answer: 415 for a body that says it
+    is not JSON, 413 over `max_bytes` (checked on Content-Length, then while reading, so an
+    oversized body is never held whole), 400 for bad or too deeply nested JSON or a non-object."""
+    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media and media != "application/json" and not media.endswith("+json"):
+        raise APIError(415, f"Content-Type must be application/json, got {media!r}", code="unsupported_media_type")
+    too_large = APIError(413, f"request body is larger than this server's limit of {max_bytes} bytes",
+                         code="request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise too_large
+        chunks.append(chunk)
+    try:
+        body = json.loads(b"".join(chunks))
+    except RecursionError:
+        raise APIError(400, "request body is not valid JSON: nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise APIError(400, f"request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise APIError(400, f"request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
 # ---- requests ---------------------------------------------------------------------------------
+MAX_LOGPROBS = 20      # vLLM's default max_logprobs
+MAX_N = 16             # parallel samples per request (each is an engine request)
+MAX_SEED = 2**63       # seeds are in [0, 2**63)
+# Fields OpenAI clients send that change nothing here, accepted as vLLM accepts them.
+HARMLESS = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
+            "safety_identifier")
+
+
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class _SamplingRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # A field we do not know is refused (400 naming it), never silently ignored; see HARMLESS.
+    model_config = ConfigDict(extra="forbid")
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    seed: int | None = Field(None, ge=0, lt=MAX_SEED)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
+    # accepted and ignored (HARMLESS)
     user: str | None = None
-    # extensions
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    parallel_tool_calls: bool | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    # extensions (vLLM's names)
     top_k: int = Field(-1, ge=-1)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     priority: int = Field(0, ge=0, le=1)
 
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("only n=1 is supported")
-        return v
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, v: float) -> float:
-        if v != 0:
-            raise ValueError("penalties are not supported; use 0")
-        return v
-
     @field_validator("logit_bias")
     @classmethod
-    def _no_bias(cls, v):
-        if v:
-            raise ValueError("logit_bias is not supported")
+    def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (v or {}).items():
+            if not key.strip().isdigit():
+                raise ValueError(f"keys must be token ids as strings (e.g. \"50256\"), got {key!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"values must be in [-100, 100], got {bias} for token {key}")
         return v
 
     @field_validator("stop")
@@ -96,12 +137,32 @@ class _SamplingRequest(BaseModel):
             raise ValueError("at most 4 stop sequences are allowed")
         return v
 
-    def sampling_params(self, max_tokens: int, logprobs: bool = False) -> dict[str, Any]:
-        """Keyword arguments for the engine's SamplingParams (built on the replica)."""
+    def sampling_params(self, max_tokens: int, sample: int = 0) -> dict[str, Any]:
+        """Keyword arguments for the engine's SamplingParams (built on the replica) of sample
+        `sample` of n: with a seed, sample i uses seed + i (vLLM's rule for n > 1). Fields left at
+        their defaults are not sent."""
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
-        return dict(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                    min_p=self.min_p, seed=self.seed, stop=stop or None, stop_token_ids=self.stop_token_ids or [],
-                    ignore_eos=self.ignore_eos, logprobs=logprobs)
+        seed = None if self.seed is None else (self.seed + sample) % MAX_SEED
+        params = dict(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                      min_p=self.min_p, seed=seed, stop=stop or None, stop_token_ids=self.stop_token_ids or [],
+                      ignore_eos=self.ignore_eos)
+        optional = dict(presence_penalty=(self.presence_penalty, 0.0), frequency_penalty=(self.frequency_penalty, 0.0),
+                        repetition_penalty=(self.repetition_penalty, 1.0),
+                        logit_bias=({int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None, None),
+                        logprobs=(self.num_logprobs, None), prompt_logprobs=(self.num_prompt_logprobs, None))
+        params.update({k: v for k, (v, default) in optional.items() if v != default})
+        return params
+
+    _num_logprobs: int | None = PrivateAttr(None)          # per endpoint: the top-k alternatives wanted
+    _num_prompt_logprobs: int | None = PrivateAttr(None)   # completions with echo and logprobs
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self._num_logprobs
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        return self._num_prompt_logprobs
 
     @property
     def include_usage(self) -> bool:
@@ -111,7 +172,7 @@ class _SamplingRequest(BaseModel):
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
     best_of: int | None = None
 
@@ -128,19 +189,29 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError("prompt must not be empty")
         return v
 
-    @model_validator(mode="after")
-    def _unsupported(self) -> "CompletionRequest":
-        if self.echo:
-            raise ValueError("echo is not supported")
-        if self.suffix:
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v):
+        if v:
             raise ValueError("suffix is not supported")
-        if self.best_of not in (None, 1):
-            raise ValueError("best_of is not supported")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _no_best_of(cls, v):
+        if v not in (None, 1):
+            raise ValueError("best_of is not supported; use n")
+        return v
+
+    @model_validator(mode="after")
+    def _logprob_counts(self) -> "CompletionRequest":
+        self._num_logprobs = self.logprobs
+        self._num_prompt_logprobs = self.logprobs if self.echo else None
         return self
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None
@@ -163,6 +234,41 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # Refused unless they ask for nothing: this server has no JSON mode and no tool calling.
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, v):
+        if v is not None and v.get("type") != "text":
+            raise ValueError(f"{v.get('type')!r} is not supported; only {{\"type\": \"text\"}} (free text)")
+        return v
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tools(cls, v):
+        if v:
+            raise ValueError("tool calling is not supported by this server")
+        return v
+
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def _no_tool_choice(cls, v):
+        if v not in (None, "none"):
+            raise ValueError("tool calling is not supported by this server; only \"none\"")
+        return v
+
+    @model_validator(mode="after")
+    def _logprob_counts(self) -> "ChatCompletionRequest":
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs set to true")
+        self._num_logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -275,15 +381,5 @@ def sse(obj: BaseModel | dict | str) -> str:
     if isinstance(obj, BaseModel):
         obj = obj.model_dump_json(exclude_none=False)
     elif isinstance(obj, dict):
-        import json
-
         obj = json.dumps(obj)
     return f"data: {obj}\n\n"
-
-
-def logprobs_block(token_ids: list[int], logprobs: list[float] | None) -> dict[str, Any] | None:
-    """A minimal completion-style logprobs object (chosen tokens only)."""
-    if logprobs is None:
-        return None
-    return {"token_logprobs": list(logprobs), "tokens": [str(t) for t in token_ids], "top_logprobs": None,
-            "text_offset": None}

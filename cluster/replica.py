@@ -40,7 +40,8 @@ EXIT_GRACE_S = 1.0  # after an engine crash: time to send the errors out before 
 
 # Fields an engine ValueError may name; used to fill the OpenAI error's `param`.
 _PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "stop",
-           "logprobs", "ignore_eos", "messages", "prompt", "max_model_len")
+           "prompt_logprobs", "logprobs", "ignore_eos", "presence_penalty", "frequency_penalty",
+           "repetition_penalty", "logit_bias", "messages", "prompt", "max_model_len")
 
 
 @dataclass
@@ -87,13 +88,21 @@ class _Stream:
 
 
 def _merge(outs: list) -> Any:
-    """Collapse consecutive outputs of one request into one (deltas concatenated)."""
+    """Collapse consecutive outputs of one request into one (deltas and their logprobs concatenated;
+    the prompt's logprobs, sent with the first output only, kept)."""
     if len(outs) == 1 or not dataclasses.is_dataclass(outs[-1]):
         return outs[-1]
+    extra = {}
+    if hasattr(outs[-1], "new_logprobs"):
+        new = [o.new_logprobs for o in outs]
+        extra["new_logprobs"] = None if all(n is None for n in new) else [e for n in new for e in n or []]
+    if hasattr(outs[-1], "prompt_logprobs"):
+        extra["prompt_logprobs"] = next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), None)
     return dataclasses.replace(
         outs[-1],
         new_token_ids=[t for o in outs for t in o.new_token_ids],
         delta_text="".join(o.delta_text for o in outs),
+        **extra,
     )
 
 
@@ -142,7 +151,9 @@ class EngineReplica:
         priority: int = 0,
         messages: list[dict] | None = None,
     ) -> AsyncIterator[Any]:
-        """Stream the request's outputs. `messages` (chat) is rendered with the chat template."""
+        """Stream the request's outputs. The serving ingress sends `prompt` as token ids (it tokenizes
+        and templates, off this replica's engine thread); text and `messages` (chat, rendered with
+        the chat template here) are for other callers (jobs)."""
         if self._dead is not None:
             raise EngineDiedError(f"replica {self.replica_id}: engine is dead: {self._dead!r}")
         if request_id in self._streams:

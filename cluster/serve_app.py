@@ -11,7 +11,6 @@ KubeRay RayService specs; args are a ServeConfig dict), `build_app(config)` and
 """
 
 import asyncio
-import json
 import logging
 import threading
 import time
@@ -22,11 +21,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
 from ray.serve.exceptions import BackPressureError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster import openai_api as oa
 from cluster.config import ServeConfig
+from cluster.ingress_prompts import IngressPrompts
 from cluster.metrics import ServeMetrics, StatusCounter, note_status, set_active
-from cluster.replica import EngineReplica, Failed, Rejected
+from cluster.openai_render import ChatRender, CompletionRender, merge_streams
+from cluster.replica import EngineReplica, Failed, Rejected, engine_config
 from cluster.router import (
     Admission,
     OverloadedError,
@@ -37,6 +39,7 @@ from cluster.router import (
     stream_outputs,
 )
 from cluster.signals import on_stop_signals, restore_signals
+from eagle_worker.engine_api import load_engine_module
 
 logger = logging.getLogger(__name__)
 api = FastAPI(title="eagle-serve", docs_url=None, redoc_url=None)
@@ -45,6 +48,16 @@ api = FastAPI(title="eagle-serve", docs_url=None, redoc_url=None)
 @api.exception_handler(oa.APIError)
 async def _api_error(request: Request, exc: oa.APIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status)
+
+
+@api.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """FastAPI's own errors (unknown route 404, wrong method 405) in OpenAI's shape."""
+    message = {404: f"no route {request.url.path}", 405: f"method {request.method} is not allowed on "
+               f"{request.url.path}"}.get(exc.status_code, str(exc.detail))
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    err = oa.APIError(exc.status_code, message, type=kind)
+    return JSONResponse(err.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
 
 @api.exception_handler(Exception)
@@ -76,61 +89,12 @@ def _validation_error(e: ValidationError) -> oa.APIError:
     loc = [str(p) for p in err["loc"] if not str(p).startswith(("function-after", "function-before"))]
     param = ".".join(loc) or None
     msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "extra_forbidden":
+        msg = "is not supported by this server (unknown field)"
+    elif param is None and ":" in msg and msg.split(":")[0].isidentifier():  # a model-level check names its field
+        param, msg = msg.split(":")[0], msg.split(":", 1)[1].strip()
     more = f" (and {len(e.errors()) - 1} more errors)" if len(e.errors()) > 1 else ""
     return oa.APIError(400, f"{param}: {msg}{more}" if param else msg + more, param=param)
-
-
-class _CompletionRender:
-    prefix = "cmpl"
-
-    def __init__(self, model: str):
-        self.model = model
-
-    def full(self, rid, out) -> oa.CompletionResponse:
-        choice = oa.CompletionChoice(text=out.text, finish_reason=oa.finish_reason(out.finish_reason),
-                                     logprobs=oa.logprobs_block(out.token_ids, out.logprobs))
-        return oa.CompletionResponse(id=rid, model=self.model, choices=[choice],
-                                     usage=oa.usage(len(out.prompt_token_ids), len(out.token_ids)))
-
-    def head(self, rid):
-        return []
-
-    def chunk(self, rid, out) -> oa.CompletionResponse:
-        choice = oa.CompletionChoice(text=out.delta_text, finish_reason=oa.finish_reason(out.finish_reason))
-        return oa.CompletionResponse(id=rid, model=self.model, choices=[choice])
-
-    def usage_chunk(self, rid, out) -> oa.CompletionResponse:
-        return oa.CompletionResponse(id=rid, model=self.model, choices=[],
-                                     usage=oa.usage(len(out.prompt_token_ids), len(out.token_ids)))
-
-
-class _ChatRender:
-    prefix = "chatcmpl"
-
-    def __init__(self, model: str):
-        self.model = model
-
-    def full(self, rid, out) -> oa.ChatCompletionResponse:
-        lp = out.logprobs
-        logprobs = None if lp is None else {"content": [
-            {"token": str(t), "logprob": p, "bytes": None, "top_logprobs": []} for t, p in zip(out.token_ids, lp)]}
-        choice = oa.ChatChoice(message=oa.ChatCompletionMessage(content=out.text), logprobs=logprobs,
-                               finish_reason=oa.finish_reason(out.finish_reason))
-        return oa.ChatCompletionResponse(id=rid, model=self.model, choices=[choice],
-                                         usage=oa.usage(len(out.prompt_token_ids), len(out.token_ids)))
-
-    def head(self, rid):
-        return [oa.ChatCompletionChunk(id=rid, model=self.model, choices=[
-            oa.ChatChunkChoice(delta=oa.DeltaMessage(role="assistant", content=""))])]
-
-    def chunk(self, rid, out) -> oa.ChatCompletionChunk:
-        delta = oa.DeltaMessage(content=out.delta_text if out.delta_text or not out.finished else None)
-        return oa.ChatCompletionChunk(id=rid, model=self.model, choices=[
-            oa.ChatChunkChoice(delta=delta, finish_reason=oa.finish_reason(out.finish_reason))])
-
-    def usage_chunk(self, rid, out) -> oa.ChatCompletionChunk:
-        return oa.ChatCompletionChunk(id=rid, model=self.model, choices=[],
-                                      usage=oa.usage(len(out.prompt_token_ids), len(out.token_ids)))
 
 
 # Counts every request by final status: keep this the last middleware added (the outermost), and
@@ -149,6 +113,9 @@ class OpenAIIngress:
         set_active(self.metrics)
         self.admission = Admission(self.config.admission_limit)  # beyond it: 503 + Retry-After at once
         self.max_model_len: int | None = self.config.limits.max_model_len
+        # tokenization and chat templating happen here, off the replicas' engine threads
+        backend = load_engine_module(self.config.engine)
+        self.prompts = IngressPrompts(backend.load_prompt_tokenizer(engine_config(self.config)))
 
     # ---- plumbing ----------------------------------------------------------------------------
     def _check_auth(self, request: Request) -> None:
@@ -162,12 +129,7 @@ class OpenAIIngress:
 
     async def _parse(self, request: Request, model_cls):
         self._check_auth(request)
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise oa.APIError(400, "request body is not valid JSON") from None
-        if not isinstance(body, dict):
-            raise oa.APIError(400, "request body must be a JSON object")
+        body = await oa.read_json_object(request, self.config.limits.max_request_body_bytes)
         try:
             req = model_cls.model_validate(body)
         except ValidationError as e:
@@ -196,31 +158,50 @@ class OpenAIIngress:
             raise oa.APIError(400, out.message, param=out.param)
         return _unless_failed(out)
 
-    async def _run(self, endpoint: str, req, prompt, messages, max_tokens: int, logprobs: bool, render):
-        """Shared body of both endpoints; `render` builds responses/chunks for the endpoint."""
+    async def _firsts(self, its: list) -> list:
+        """Every choice's first output (refusals and overload become HTTP errors before headers go out)."""
+        results = await asyncio.gather(*(self._first(it) for it in its), return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        return results
+
+    async def _last(self, it: AsyncIterator[Any], first: Any) -> tuple[Any, list | None]:
+        """A non-streamed choice's final output, and its prompt logprobs (sent with the first output
+        of each attempt, so kept from whichever came last)."""
+        last, prompt_lps = first, getattr(first, "prompt_logprobs", None)
+        try:
+            async for out in it:
+                last = _unless_failed(out)
+                prompt_lps = getattr(out, "prompt_logprobs", None) or prompt_lps
+        except (OverloadedError, ReplicaLostError) as e:
+            raise _unavailable(e) from None
+        return last, prompt_lps
+
+    async def _run(self, endpoint: str, req, prompt_ids: list[int], max_tokens: int, render):
+        """Shared body of both endpoints: `n` engine requests (`<id>-<i>`, seed + i) for one prompt of
+        token ids; `render` builds the endpoint's responses/chunks."""
         t0 = time.monotonic()
         rid = oa.new_id(render.prefix)
-        params = req.sampling_params(max_tokens, logprobs)
-        it = stream_outputs(self.engine, rid, prompt, params, req.priority, messages, restartable=not req.stream,
-                            on_retry=self.metrics.retried, admission=self.admission)
+        sub_ids = [rid] if req.n == 1 else [f"{rid}-{i}" for i in range(req.n)]
+        its = [stream_outputs(self.engine, sub, prompt_ids, req.sampling_params(max_tokens, i), req.priority,
+                              restartable=not req.stream, on_retry=self.metrics.retried, admission=self.admission)
+               for i, sub in enumerate(sub_ids)]
         self.metrics.inflight.labels(self.config.model_name).inc()
         status = 500
         try:
-            first = await self._first(it)
+            firsts = await self._firsts(its)
             ttft = time.monotonic() - t0
             self.metrics.first_token(ttft)
             if not req.stream:
-                last = first
-                try:
-                    async for out in it:
-                        last = _unless_failed(out)
-                except (OverloadedError, ReplicaLostError) as e:
-                    raise _unavailable(e) from None
-                self._finish(last, t0, ttft)
+                done = await asyncio.gather(*(self._last(it, f) for it, f in zip(its, firsts)))
+                for last, _ in done:
+                    self._finish(last, t0, ttft)
                 status = 200
-                return JSONResponse(render.full(rid, last).model_dump(mode="json"))
+                body = render.full(rid, [last for last, _ in done], done[0][1])
+                return JSONResponse(body.model_dump(mode="json"))
             status = 200
-            return StreamingResponse(self._sse(it, first, rid, req, render, t0, ttft), media_type="text/event-stream",
+            return StreamingResponse(self._sse(its, firsts, rid, req, render, t0, ttft), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
         except oa.APIError as e:
             status = e.status
@@ -229,24 +210,23 @@ class OpenAIIngress:
             if not req.stream or status != 200:
                 self.metrics.inflight.labels(self.config.model_name).dec()
             if not req.stream or status != 200:
-                await it.aclose()
+                for it in its:
+                    await it.aclose()
 
-    async def _sse(self, it, first, rid: str, req, render, t0: float, ttft: float) -> AsyncIterator[str]:
-        out = first
+    async def _sse(self, its: list, firsts: list, rid: str, req, render, t0: float, ttft: float) -> AsyncIterator[str]:
+        lasts = list(firsts)
+        outputs = merge_streams(its, firsts)
         try:
             for chunk in render.head(rid):
                 yield oa.sse(chunk)
-            yield oa.sse(render.chunk(rid, out))
-            self.metrics.tokens(len(out.new_token_ids))
-            while not out.finished:
-                out = _unless_failed(await it.__anext__())
+            async for i, out in outputs:
+                lasts[i] = out = _unless_failed(out)
                 self.metrics.tokens(len(out.new_token_ids))
-                yield oa.sse(render.chunk(rid, out))
+                yield oa.sse(render.chunk(rid, i, out))
             if req.include_usage:
-                yield oa.sse(render.usage_chunk(rid, out))
-            self._finish(out, t0, ttft, count_tokens=False)
-        except StopAsyncIteration:
-            pass
+                yield oa.sse(render.usage_chunk(rid, lasts))
+            for last in lasts:
+                self._finish(last, t0, ttft, count_tokens=False)
         except (ReplicaLostError, OverloadedError) as e:
             err = _unavailable(e)
             note_status(err.status)
@@ -260,7 +240,9 @@ class OpenAIIngress:
             yield oa.sse(oa.APIError(500, f"internal error: {e!r}", type="server_error").body())
         finally:
             self.metrics.inflight.labels(self.config.model_name).dec()
-            await it.aclose()
+            await outputs.aclose()   # stops the choices' readers before their streams close
+            for it in its:
+                await it.aclose()
         yield "data: [DONE]\n\n"
 
     def _finish(self, out, t0: float, ttft: float, count_tokens: bool = True) -> None:
@@ -273,8 +255,9 @@ class OpenAIIngress:
     async def completions(self, request: Request):
         req = await self._parse(request, oa.CompletionRequest)
         max_tokens = self._max_tokens(req.max_tokens, default=16)
-        render = _CompletionRender(self.config.model_name)
-        return await self._run("completions", req, req.prompt, None, max_tokens, req.logprobs is not None, render)
+        ids, text = await self.prompts.completion(req.prompt, self.max_model_len, need_text=req.echo)
+        render = CompletionRender(self.config.model_name, self.prompts, req, text, ids)
+        return await self._run("completions", req, ids, max_tokens, render)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
@@ -284,8 +267,8 @@ class OpenAIIngress:
         except ValueError as e:
             raise oa.APIError(400, f"messages: {e}", param="messages") from None
         max_tokens = self._max_tokens(req.requested_max_tokens, default=self.config.limits.max_tokens)
-        render = _ChatRender(self.config.model_name)
-        return await self._run("chat", req, None, messages, max_tokens, req.logprobs, render)
+        ids = await self.prompts.chat(messages, self.max_model_len)
+        return await self._run("chat", req, ids, max_tokens, ChatRender(self.config.model_name, self.prompts, req))
 
     async def _probe_stats(self, timeout: float) -> dict:
         """Stats of one replica (whichever the router picks; it also starts this process's router)."""

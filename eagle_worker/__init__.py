@@ -17,6 +17,7 @@ _EXPORTS = {
     "RequestOutput": "eagle_worker.outputs",
     "run_tp_worker": "eagle_worker.tp_worker",
     "init_tensor_parallel": "eagle_worker.parallel",
+    "load_prompt_tokenizer": "eagle_worker.prompt_tokenizer",
 }
 __all__ = list(_EXPORTS)
 

@@ -20,6 +20,7 @@ from eagle_worker.decode_worker import DecodeWorker
 from eagle_worker.detokenizer import detokenize_incrementally, finalize_text
 from eagle_worker.model_runner import ModelRunner
 from eagle_worker.outputs import RequestOutput
+from eagle_worker.prompt_tokenizer import encode_prompt
 from eagle_worker.sampling_params import SamplingParams
 from eagle_worker.scheduler import Scheduler
 from eagle_worker.sequence import Sequence, SequenceStatus
@@ -56,9 +57,7 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
-        bos = self.tokenizer.bos_token
-        add_special = not (bos and prompt.startswith(bos))   # a chat template may already hold BOS
-        return self.tokenizer.encode(prompt, add_special_tokens=add_special)
+        return encode_prompt(self.tokenizer, prompt)   # the ingress tokenizes the same way (prompt_tokenizer.py)
 
     def apply_chat_template(self, messages: list[dict]) -> str:
         return render_chat(self.tokenizer, self.chat_template, messages, self.config.model)

@@ -70,6 +70,11 @@ class EngineModule(Protocol):
     resolve_draft: Callable[[str | None, str], str | None]
     """`(chosen draft, model)`: the head folder to load, or ValueError saying why there is none."""
 
+    load_prompt_tokenizer: Callable[[Any], Any]
+    """`(EngineConfig)`: the model's prompt side without its weights (`tokenize(text)`,
+    `apply_chat_template(messages)`, `decode(ids)`, `token_text(id)`, `max_chars_per_token`), so the
+    serving ingress tokenizes and templates off the engine thread; replicas then get token ids."""
+
     init_tensor_parallel: Callable[[int, int], None]
     """`(rank, world_size)`: every rank of a TP group calls it once torch.distributed is up."""
 

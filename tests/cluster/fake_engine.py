@@ -6,8 +6,12 @@ reproducible. Markers in a prompt inject faults, so each test controls its own r
   [slow:S]             every step sleeps S seconds while this request runs
   [die-once:PATH:N]    after N output tokens the whole process exits, unless PATH exists (created first)
   [crash-once:PATH:N]  same, but step() raises instead (the engine loop dies, the actor lives)
+  [die-always:N], [crash-always:N]  the same on every replica the request runs on (a poison request)
   [fail-step:N]        after N output tokens the engine fails this request alone (finish_reason
                        "error"), as the real engine does when a step raises
+Logprobs follow the contract (TokenLogprob per token, a fixed made-up distribution), a logit_bias of
+at least +50 forces its token, and `stats()["text_prompts"]` counts prompts that arrived as text
+(the ingress sends token ids, so the serving tests expect 0).
 """
 from __future__ import annotations
 
@@ -76,6 +80,47 @@ run_tp_worker = None  # no tensor-parallel worker loop: a tp_size > 1 replica is
 
 
 @dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+def _logprob(tok: int, k: int | None) -> TokenLogprob:
+    """Made-up but consistent: the chosen token at -0.5, alternatives the next letters lower."""
+    top = [(ALPHABET[(ALPHABET.index(tok) + j) % len(ALPHABET)] if tok in ALPHABET else tok, -0.5 - j)
+           for j in range(k or 0)]
+    return TokenLogprob(tok, -0.5, top)
+
+
+class PromptTokenizer:
+    """The prompt side of the fake model (engine_api's load_prompt_tokenizer)."""
+
+    max_chars_per_token = 1
+
+    def __init__(self, chat_template: str | None = None):
+        self.tokenizer, self.chat_template = ByteTokenizer(), chat_template
+
+    def tokenize(self, prompt: str) -> list[int]:
+        return self.tokenizer.encode(prompt)
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        if any("content" not in m for m in messages):
+            raise ValueError("messages must have content")
+        return self.tokenizer.apply_chat_template(messages, chat_template=self.chat_template)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+
+def load_prompt_tokenizer(config: EngineConfig) -> PromptTokenizer:
+    return PromptTokenizer(config.chat_template)
+
+
+@dataclass
 class SamplingParams:
     max_tokens: int = 16
     temperature: float = 1.0
@@ -86,9 +131,16 @@ class SamplingParams:
     stop: list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    logprobs: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self):
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:
@@ -108,8 +160,10 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None
     metrics: dict = field(default_factory=dict)
-    logprobs: list[float] | None = None  # as eagle_worker's; the fake never fills it
+    logprobs: list[TokenLogprob] | None = None
     error: str | None = None
+    new_logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -125,6 +179,7 @@ class _Seq:
     slow: float = 0.0
     fault: tuple[str, str, int] | None = None
     fail_at: int | None = None
+    lps: list[TokenLogprob] = field(default_factory=list)
 
 
 class LLMEngine:
@@ -137,6 +192,7 @@ class LLMEngine:
         self.aborted: list[_Seq] = []
         self.last_batch = 0
         self.max_model_len = config.max_model_len
+        self.text_prompts = 0  # prompts that arrived as text: tokenized here, on the engine thread
 
     def apply_chat_template(self, messages: list[dict]) -> str:
         if any("content" not in m for m in messages):
@@ -144,7 +200,11 @@ class LLMEngine:
         return self.tokenizer.apply_chat_template(messages, chat_template=self.config.chat_template)
 
     def add_request(self, request_id, prompt, params, priority: int = 0) -> None:
+        self.text_prompts += isinstance(prompt, str)
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        bad = [t for t in (params.logit_bias or {}) if not 0 <= t < 256]
+        if bad:
+            raise ValueError(f"logit_bias: token ids out of range [0, 256): {bad[:5]}")
         if not ids:
             raise ValueError("prompt must not be empty")
         if len(ids) + params.max_tokens > self.config.max_model_len:
@@ -154,11 +214,13 @@ class LLMEngine:
             )
         seed = params.seed if params.seed is not None else random.getrandbits(32)
         seq = _Seq(request_id, ids, params, priority, time.monotonic(), random.Random(seed))
-        text = prompt if isinstance(prompt, str) else ""
+        text = self.tokenizer.decode(ids)
         if m := re.search(r"\[slow:([\d.]+)\]", text):
             seq.slow = float(m.group(1))
         if m := re.search(r"\[(die|crash)-once:([^:\]]+):(\d+)\]", text):
             seq.fault = (m.group(1), m.group(2), int(m.group(3)))
+        if m := re.search(r"\[(die|crash)-always:(\d+)\]", text):
+            seq.fault = (m.group(1), "", int(m.group(2)))
         if m := re.search(r"\[fail-step:(\d+)\]", text):
             seq.fail_at = int(m.group(1))
         self.waiting.append(seq)
@@ -174,14 +236,18 @@ class LLMEngine:
         return bool(self.waiting or self.running or self.aborted)
 
     def _next_token(self, s: _Seq) -> int:
+        forced = [t for t, b in (s.params.logit_bias or {}).items() if b >= 50]
+        if forced:
+            return max(forced, key=lambda t: s.params.logit_bias[t])
         if s.params.temperature == 0:
             h = hashlib.sha256(bytes(s.prompt + s.out)).digest()[0]
             return ALPHABET[h % len(ALPHABET)]
         return ALPHABET[s.rng.randrange(len(ALPHABET))]
 
     def _maybe_fault(self, s: _Seq) -> None:
-        if s.fault and len(s.out) >= s.fault[2] and not os.path.exists(s.fault[1]):
-            open(s.fault[1], "w").close()
+        if s.fault and len(s.out) >= s.fault[2] and not (s.fault[1] and os.path.exists(s.fault[1])):
+            if s.fault[1]:
+                open(s.fault[1], "w").close()
             if s.fault[0] == "die":
                 os._exit(1)
             raise RuntimeError("injected engine crash")
@@ -219,11 +285,18 @@ class LLMEngine:
                     reason = "stop"
             if reason:
                 self.running.remove(s)
+            lp, k = None, s.params.logprobs
+            if k is not None:
+                s.lps.append(_logprob(tok, k))
+                lp = list(s.lps)
+            pk, first = s.params.prompt_logprobs, len(s.out) == 1
+            prompt_lp = [None] + [_logprob(t, pk) for t in s.prompt[1:]] if pk is not None and first else None
             outs.append(RequestOutput(
                 s.rid, s.prompt, list(s.out), text, [tok], text[len(prev):] if len(text) > len(prev) else "",
                 reason is not None, reason,
                 {"num_output_tokens": len(s.out), "num_target_forwards": len(s.out),
                  "mean_accepted_tokens": 1.0, "ttft_s": s.first_token_t - s.arrival},
+                logprobs=lp, new_logprobs=lp[-1:] if lp else None, prompt_logprobs=prompt_lp,
             ))
         return outs
 
@@ -235,4 +308,4 @@ class LLMEngine:
         used = sum(len(s.prompt) + len(s.out) for s in self.running) // 16
         return dict(num_running=len(self.running), num_waiting=len(self.waiting),
                     num_free_blocks=total - used, num_total_blocks=total, kv_usage=used / total,
-                    batch_size_last_step=self.last_batch, tokens_per_step=1.0)
+                    batch_size_last_step=self.last_batch, tokens_per_step=1.0, text_prompts=self.text_prompts)

@@ -96,7 +96,9 @@ def _err(exc_info):
     (dict(model="no-such-model"), 404, "model", "does not exist"),
     (dict(temperature=-1), 400, "temperature", "greater than or equal"),
     (dict(top_p=0), 400, "top_p", "greater than"),
-    (dict(n=2), 400, "n", "n=1"),
+    (dict(n=0), 400, "n", "greater than"),
+    (dict(seed=2**64), 400, "seed", "less than"),
+    (dict(extra_body={"response_format": {"type": "json_object"}}), 400, "response_format", "not supported"),
     (dict(prompt=""), 400, "prompt", "empty"),
     (dict(extra_body={"top_k": -5}), 400, "top_k", ""),
 ])

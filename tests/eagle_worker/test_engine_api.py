@@ -24,7 +24,7 @@ def test_contract_lists_what_the_fleet_calls():
                                    "apply_chat_template", "shutdown"}
     assert ENGINE_ATTRS == ("max_model_len",)
     assert set(MODULE_NAMES) == {"LLMEngine", "EngineConfig", "SamplingParams", "SpecConfig", "choose_draft",
-                                 "resolve_draft", "init_tensor_parallel", "run_tp_worker"}
+                                 "resolve_draft", "init_tensor_parallel", "run_tp_worker", "load_prompt_tokenizer"}
 
 
 @pytest.mark.parametrize("path", MODULES)

@@ -1,0 +1,50 @@
+"""Prompts made ready in the ingress: chat templating and tokenization happen here, in a worker
+thread of the ingress, so a replica receives token ids and its engine thread (where every running
+request's next step waits) never spends time on a long prompt.
+
+A prompt is first measured in characters: one longer than the context could hold at the
+tokenizer's longest piece per token is refused without tokenizing it. The exact check in tokens
+(prompt + one generated token within the context) stays with the engine, the one place that knows
+its context length for sure.
+"""
+from __future__ import annotations
+
+import asyncio
+
+from cluster.openai_api import APIError
+
+CONTEXT_BOUND = 32768  # tokens assumed for the character check until a replica reports max_model_len
+
+
+class IngressPrompts:
+    """The engine module's prompt tokenizer (engine_api `load_prompt_tokenizer`) behind async calls."""
+
+    def __init__(self, prompts):
+        self.prompts = prompts
+
+    def token_text(self, token_id: int) -> str:
+        return self.prompts.token_text(token_id)
+
+    def _check_length(self, chars: int, max_model_len: int | None, param: str) -> None:
+        context = max_model_len or CONTEXT_BOUND
+        limit = context * max(1, self.prompts.max_chars_per_token)
+        if chars > limit:
+            raise APIError(400, f"{param}: {chars} characters cannot fit the maximum context of {context} tokens "
+                           f"(at most {limit} characters); shorten the prompt", param=param)
+
+    async def completion(self, prompt: str | list[int], max_model_len: int | None,
+                         need_text: bool) -> tuple[list[int], str]:
+        """(token ids, prompt text); the text of a token-id prompt is decoded only if `need_text`."""
+        if isinstance(prompt, list):
+            return prompt, (await asyncio.to_thread(self.prompts.decode, prompt) if need_text else "")
+        self._check_length(len(prompt), max_model_len, "prompt")
+        return await asyncio.to_thread(self.prompts.tokenize, prompt), prompt
+
+    async def chat(self, messages: list[dict], max_model_len: int | None) -> list[int]:
+        self._check_length(sum(len(m["content"]) for m in messages), max_model_len, "messages")
+        try:
+            text = await asyncio.to_thread(self.prompts.apply_chat_template, messages)
+        except Exception as e:  # no template, malformed messages, a template's raise_exception()
+            raise APIError(400, f"messages: cannot apply the chat template: {e}", param="messages") from None
+        self._check_length(len(text), max_model_len, "messages")
+        return await asyncio.to_thread(self.prompts.tokenize, text)

@@ -1,0 +1,182 @@
+"""Engine outputs -> OpenAI responses and streamed chunks, for n choices, with logprobs as OpenAI
+(and vLLM) format them: token text, not ids; completions' `tokens` / `token_logprobs` /
+`top_logprobs` (dicts of text -> logprob, the chosen token included) / `text_offset`; chat's
+`content` list of `{token, logprob, bytes, top_logprobs}`.
+
+Token texts come from the ingress's prompt tokenizer (the engine sends ids); per-choice state
+(streamed text offsets, whether the echoed prompt went out) lives in the render of one request.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any, AsyncIterator
+
+from cluster import openai_api as oa
+
+MIN_LOGPROB = -9999.0  # JSON has no -inf (vLLM reports -9999.0 too)
+
+
+def _lp(value: float) -> float:
+    return max(float(value), MIN_LOGPROB)
+
+
+def _entry(e: Any) -> tuple[float, list[tuple[int, float]]] | None:
+    """(logprob, top alternatives) of an engine logprob entry (a TokenLogprob; a bare float from an
+    engine that reports only the chosen token's)."""
+    if e is None:
+        return None
+    if isinstance(e, (int, float)):
+        return float(e), []
+    return e.logprob, list(e.top)
+
+
+def _total_usage(outs: list) -> oa.Usage:
+    return oa.usage(len(outs[0].prompt_token_ids), sum(len(o.token_ids) for o in outs))
+
+
+class _Render:
+    def __init__(self, model: str, prompts, req):
+        self.model, self.prompts, self.req = model, prompts, req
+        self.want_logprobs = req.num_logprobs is not None
+
+    def usage_chunk(self, rid: str, outs: list):
+        return self.response_cls(id=rid, model=self.model, choices=[], usage=_total_usage(outs))
+
+
+class CompletionRender(_Render):
+    prefix = "cmpl"
+    response_cls = oa.CompletionResponse
+
+    def __init__(self, model: str, prompts, req, prompt_text: str, prompt_ids: list[int]):
+        super().__init__(model, prompts, req)
+        self.prompt_text, self.prompt_ids = prompt_text, prompt_ids
+        self._offsets: dict[int, int] = {}   # choice -> text offset of its next streamed token
+
+    def logprobs(self, entries: list, token_ids: list[int], offset: int) -> tuple[dict[str, Any], int]:
+        tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+        for e, tid in zip(entries, token_ids):
+            text = self.prompts.token_text(tid)
+            tokens.append(text)
+            offsets.append(offset)
+            offset += len(text)
+            got = _entry(e)
+            if got is None:          # the first prompt token has no logprob
+                token_logprobs.append(None)
+                top_logprobs.append(None)
+                continue
+            lp, top = got
+            token_logprobs.append(_lp(lp))
+            alternatives = {self.prompts.token_text(t): _lp(v) for t, v in top}
+            alternatives.setdefault(text, _lp(lp))
+            top_logprobs.append(alternatives)
+        return dict(tokens=tokens, token_logprobs=token_logprobs, top_logprobs=top_logprobs, text_offset=offsets), offset
+
+    def _echoed(self, prompt_lps: list | None) -> tuple[list, list[int]]:
+        """The prompt's share of an echoed choice's logprobs."""
+        if not (self.req.echo and self.want_logprobs):
+            return [], []
+        return list(prompt_lps or [None] * len(self.prompt_ids)), list(self.prompt_ids)
+
+    def full(self, rid: str, outs: list, prompt_lps: list | None) -> oa.CompletionResponse:
+        choices = []
+        for i, out in enumerate(outs):
+            logprobs = None
+            if self.want_logprobs:
+                entries, ids = self._echoed(prompt_lps)
+                logprobs, _ = self.logprobs(entries + list(out.logprobs or []), ids + list(out.token_ids), 0)
+            text = (self.prompt_text if self.req.echo else "") + out.text
+            choices.append(oa.CompletionChoice(index=i, text=text, logprobs=logprobs,
+                                               finish_reason=oa.finish_reason(out.finish_reason)))
+        return oa.CompletionResponse(id=rid, model=self.model, choices=choices, usage=_total_usage(outs))
+
+    def head(self, rid: str) -> list:
+        return []
+
+    def chunk(self, rid: str, i: int, out) -> oa.CompletionResponse:
+        first = i not in self._offsets
+        text, logprobs = out.delta_text, None
+        if first and self.req.echo:
+            text = self.prompt_text + text
+        if self.want_logprobs:
+            entries, ids = self._echoed(getattr(out, "prompt_logprobs", None)) if first else ([], [])
+            logprobs, self._offsets[i] = self.logprobs(entries + list(getattr(out, "new_logprobs", None) or []),
+                                                       ids + list(out.new_token_ids), self._offsets.get(i, 0))
+        else:
+            self._offsets[i] = 0
+        choice = oa.CompletionChoice(index=i, text=text, logprobs=logprobs,
+                                     finish_reason=oa.finish_reason(out.finish_reason))
+        return oa.CompletionResponse(id=rid, model=self.model, choices=[choice])
+
+
+class ChatRender(_Render):
+    prefix = "chatcmpl"
+    response_cls = oa.ChatCompletionChunk
+
+    def logprobs(self, entries: list, token_ids: list[int]) -> dict[str, Any]:
+        content = []
+        for e, tid in zip(entries, token_ids):
+            got = _entry(e)
+            if got is None:
+                continue
+            lp, top = got
+            content.append(dict(self._token(tid, lp), top_logprobs=[self._token(t, v) for t, v in top]))
+        return {"content": content}
+
+    def _token(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text = self.prompts.token_text(token_id)
+        return {"token": text, "logprob": _lp(logprob), "bytes": list(text.encode("utf-8", errors="replace"))}
+
+    def full(self, rid: str, outs: list, prompt_lps: list | None = None) -> oa.ChatCompletionResponse:
+        choices = [oa.ChatChoice(index=i, message=oa.ChatCompletionMessage(content=out.text),
+                                 logprobs=self.logprobs(out.logprobs or [], out.token_ids) if self.want_logprobs else None,
+                                 finish_reason=oa.finish_reason(out.finish_reason))
+                   for i, out in enumerate(outs)]
+        return oa.ChatCompletionResponse(id=rid, model=self.model, choices=choices, usage=_total_usage(outs))
+
+    def head(self, rid: str) -> list:
+        return [oa.ChatCompletionChunk(id=rid, model=self.model, choices=[
+            oa.ChatChunkChoice(index=i, delta=oa.DeltaMessage(role="assistant", content=""))])
+            for i in range(self.req.n)]
+
+    def chunk(self, rid: str, i: int, out) -> oa.ChatCompletionChunk:
+        delta = oa.DeltaMessage(content=out.delta_text if out.delta_text or not out.finished else None)
+        logprobs = self.logprobs(getattr(out, "new_logprobs", None) or [], out.new_token_ids) if self.want_logprobs else None
+        return oa.ChatCompletionChunk(id=rid, model=self.model, choices=[
+            oa.ChatChunkChoice(index=i, delta=delta, logprobs=logprobs, finish_reason=oa.finish_reason(out.finish_reason))])
+
+
+async def merge_streams(its: list, firsts: list) -> AsyncIterator[tuple[int, Any]]:
+    """(choice index, output) of n engine streams as they come, each one's `first` output first.
+    Each stream is read by its own task up to its finished (or failed) output; closing this
+    generator stops the readers, so the streams can then be closed (and their requests aborted)."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def read(i: int, it, out) -> None:
+        try:
+            while getattr(out, "finished", True) is False:
+                out = await it.__anext__()
+                queue.put_nowait((i, out))
+        except StopAsyncIteration:
+            pass
+        except Exception as e:  # handed to the consumer, which answers it in the stream
+            queue.put_nowait((i, e))
+        finally:
+            queue.put_nowait((i, None))
+
+    for i, first in enumerate(firsts):
+        yield i, first
+    readers = [asyncio.create_task(read(i, it, first)) for i, (it, first) in enumerate(zip(its, firsts))]
+    try:
+        remaining = len(readers)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for r in readers:
+            r.cancel()
+        await asyncio.gather(*readers, return_exceptions=True)
