@@ -196,3 +196,58 @@ def test_logprobs_and_chat_usage_chunk(app):
                                                      max_tokens=3, stream=True, stream_options={"include_usage": True},
                                                      extra_body=NO_EOS))
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
+
+
+# ---- the OpenAI fields of issue #22 on the real engine ---------------------------------------------
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir("gemma3"))
+
+
+def test_n_samples_are_the_seeds_single_requests(app):
+    kw = dict(model=MODEL, prompt="def add(a, b):", max_tokens=8, temperature=1.0, extra_body=NO_EOS)
+    r = app.client.completions.create(**kw, n=2, seed=40)
+    assert [c.index for c in r.choices] == [0, 1] and r.usage.completion_tokens == 16
+    assert [c.text for c in r.choices] == [app.client.completions.create(**kw, seed=40 + i).choices[0].text
+                                           for i in range(2)]
+
+
+def test_completion_logprobs_echo_real(app, tokenizer):
+    prompt = "The quick brown"
+    r = app.client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, logprobs=3, echo=True,
+                                      extra_body=NO_EOS)
+    choice, n_prompt = r.choices[0], r.usage.prompt_tokens
+    lp = choice.logprobs
+    assert choice.text.startswith(prompt) and len(lp.tokens) == n_prompt + 4
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:]) and lp.text_offset == sorted(lp.text_offset)
+    ids = tokenizer(prompt).input_ids
+    assert lp.tokens[:n_prompt] == [tokenizer.decode([i]) for i in ids]   # token text, not ids
+    for tok, top in zip(lp.tokens[n_prompt:], lp.top_logprobs[n_prompt:]):
+        assert 3 <= len(top) <= 4 and max(top, key=top.get) == tok        # greedy picks the raw top token
+
+
+def test_chat_logprobs_streamed_real(app):
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5, temperature=0, logprobs=True,
+              top_logprobs=2, extra_body=NO_EOS)
+    full = app.client.chat.completions.create(**kw).choices[0].logprobs.content
+    assert len(full) == 5 and all(len(t.top_logprobs) == 2 and t.bytes == list(t.token.encode()) for t in full)
+    chunks = list(app.client.chat.completions.create(**kw, stream=True))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [(t.token, round(t.logprob, 4)) for t in streamed] == [(t.token, round(t.logprob, 4)) for t in full]
+
+
+def test_logit_bias_forces_and_penalties_change_output(app, tokenizer):
+    kw = dict(model=MODEL, prompt="The quick brown fox", max_tokens=12, temperature=0, extra_body=NO_EOS)
+    forced = tokenizer.convert_tokens_to_ids(tokenizer.tokenize(" fox"))[-1]
+    r = app.client.completions.create(**kw, logit_bias={str(forced): 100}, logprobs=0)
+    assert r.choices[0].logprobs.tokens == [tokenizer.decode([forced])] * 12
+    plain = app.client.completions.create(**kw).choices[0].text
+    penalized = app.client.completions.create(**{**kw, "extra_body": {**NO_EOS, "repetition_penalty": 2.0}},
+                                              presence_penalty=2.0, frequency_penalty=2.0).choices[0].text
+    assert penalized != plain
+    with pytest.raises(openai.BadRequestError) as ei:
+        app.client.completions.create(**kw, logit_bias={"99999999": 5})
+    assert _err(ei)["param"] == "logit_bias"
