@@ -84,7 +84,6 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     include_usage: bool = False
-    continuous_usage_stats: bool = False
 
 
 class _SamplingRequest(BaseModel):
@@ -216,6 +215,15 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_extras(cls, data: Any) -> Any:
+        """A client that sends a response's message back carries its empty fields (`refusal: null`,
+        `tool_calls: []`): dropped; a field that says something we do not serve stays and is refused."""
+        if isinstance(data, dict):
+            data = {k: v for k, v in data.items() if k in cls.model_fields or v not in (None, [], {}, "")}
+        return data
 
     def text(self) -> str:
         if self.content is None:

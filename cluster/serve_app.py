@@ -255,7 +255,7 @@ class OpenAIIngress:
     async def completions(self, request: Request):
         req = await self._parse(request, oa.CompletionRequest)
         max_tokens = self._max_tokens(req.max_tokens, default=16)
-        ids, text = await self.prompts.completion(req.prompt, self.max_model_len, need_text=req.echo)
+        ids, text = await self.prompts.completion(req.prompt, self._context(), need_text=req.echo)
         render = CompletionRender(self.config.model_name, self.prompts, req, text, ids)
         return await self._run("completions", req, ids, max_tokens, render)
 
@@ -267,8 +267,15 @@ class OpenAIIngress:
         except ValueError as e:
             raise oa.APIError(400, f"messages: {e}", param="messages") from None
         max_tokens = self._max_tokens(req.requested_max_tokens, default=self.config.limits.max_tokens)
-        ids = await self.prompts.chat(messages, self.max_model_len)
+        ids = await self.prompts.chat(messages, self._context())
         return await self._run("chat", req, ids, max_tokens, ChatRender(self.config.model_name, self.prompts, req))
+
+    def _context(self) -> int | None:
+        """max_model_len for the prompt-length check: configured, or as a live replica reported it."""
+        if self.max_model_len is None:
+            for st in live_replica_stats().values():
+                self._saw_stats(st)
+        return self.max_model_len
 
     async def _probe_stats(self, timeout: float) -> dict:
         """Stats of one replica (whichever the router picks; it also starts this process's router)."""

@@ -251,3 +251,14 @@ def test_logit_bias_forces_and_penalties_change_output(app, tokenizer):
     with pytest.raises(openai.BadRequestError) as ei:
         app.client.completions.create(**kw, logit_bias={"99999999": 5})
     assert _err(ei)["param"] == "logit_bias"
+
+
+def test_4mb_body_is_a_413_and_messages_sent_back_are_accepted(app):
+    with pytest.raises(openai.APIStatusError) as ei:   # the default cap (2 MiB): refused before it is parsed
+        app.client.completions.create(model=MODEL, prompt="a" * 4_000_000, max_tokens=2)
+    assert ei.value.status_code == 413 and _err(ei)["code"] == "request_too_large"
+    msgs = [{"role": "user", "content": "hi"}]
+    first = app.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=3, extra_body=NO_EOS)
+    msgs += [first.choices[0].message.model_dump(), {"role": "user", "content": "and?"}]   # refusal: None etc.
+    assert app.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=3,
+                                              extra_body=NO_EOS).usage.completion_tokens == 3
