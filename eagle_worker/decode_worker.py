@@ -8,19 +8,35 @@ from __future__ import annotations
 import torch
 
 from eagle_worker.block_manager import BlockManager
-from eagle_worker.model_runner import ForwardItem, ModelRunner
+from eagle_worker.model_runner import ForwardItem, ForwardResult, ModelRunner
+from eagle_worker.outputs import TokenLogprob
 from eagle_worker.sampler import argmax_suffices, sample
 from eagle_worker.scheduler import ScheduledSeq
 
+NewTokens = dict[str, list[tuple[int, TokenLogprob | None]]]
+
 
 def forward_item(block_manager: BlockManager, item: ScheduledSeq) -> ForwardItem:
-    """The forward description of a scheduled chunk (its slots are already allocated)."""
+    """The forward description of a scheduled chunk (its slots are already allocated); with
+    prompt_logprobs, the prompt tokens this chunk's rows predict are scored too."""
     seq, n = item.seq, item.num_tokens
     start = seq.num_computed_tokens
     slots = block_manager.slots(seq, 0, start + n)
+    scored = seq.prompt_logprobs
+    score = None
+    if scored is not None and len(scored) == start + 1 and start + 1 < seq.num_prompt_tokens:
+        score = seq.token_ids[start + 1:min(start + n + 1, seq.num_prompt_tokens)]   # first pass only
     return ForwardItem(token_ids=seq.token_ids[start:start + n], positions=torch.arange(start, start + n),
                        new_slots=slots[start:], ctx_slots=slots[:start],
-                       logit_rows=[n - 1] if item.completes else [])
+                       logit_rows=[n - 1] if item.completes else [],
+                       score_tokens=score, score_top=seq.params.prompt_logprobs or 0)
+
+
+def record_prompt_logprobs(batch: list[ScheduledSeq], result: ForwardResult) -> None:
+    """Keep the prompt logprobs a forward scored (delivered with the request's first output)."""
+    for it, scores in zip(batch, result.scores):
+        if scores:
+            it.seq.prompt_logprobs.extend(scores)
 
 
 class DecodeWorker:
@@ -36,11 +52,12 @@ class DecodeWorker:
     def stats(self) -> dict:
         return {}
 
-    def execute(self, batch: list[ScheduledSeq]) -> dict[str, list[tuple[int, float | None]]]:
+    def execute(self, batch: list[ScheduledSeq]) -> NewTokens:
         """Run one forward; return the new (token, logprob) list of each sequence that sampled."""
         sampling = [it for it in batch if it.completes]
         result = self.runner.forward([forward_item(self.block_manager, it) for it in batch],
                                      argmax_only=argmax_suffices([it.seq.params for it in sampling]))
+        record_prompt_logprobs(batch, result)
         for it in batch:
             if it.completes and it.num_tokens == 1:
                 it.seq.metrics.num_target_forwards += 1
@@ -50,7 +67,5 @@ class DecodeWorker:
             return {}
         if result.logits is None:
             return {it.seq.request_id: [(t, None)] for it, t in zip(sampling, result.argmax.tolist())}
-        tokens, logprobs = sample(result.logits, [it.seq.params for it in sampling],
-                                  [it.seq.generator for it in sampling])
-        return {it.seq.request_id: [(tokens[i], logprobs[i] if logprobs else None)]
-                for i, it in enumerate(sampling)}
+        drawn = sample(result.logits, [it.seq.sample_row() for it in sampling])
+        return {it.seq.request_id: [d] for it, d in zip(sampling, drawn)}

@@ -9,9 +9,8 @@ goes on with the rest.
 from __future__ import annotations
 
 import logging
+import random
 import time
-
-import torch
 
 from eagle_worker.block_manager import BlockManager
 from eagle_worker.chat_template import render_chat, resolve_chat_template
@@ -19,7 +18,7 @@ from eagle_worker.config import EngineConfig
 from eagle_worker.decode_worker import DecodeWorker
 from eagle_worker.detokenizer import detokenize_incrementally, finalize_text
 from eagle_worker.model_runner import ModelRunner
-from eagle_worker.outputs import RequestOutput
+from eagle_worker.outputs import RequestOutput, TokenLogprob
 from eagle_worker.prompt_tokenizer import encode_prompt
 from eagle_worker.sampling_params import SamplingParams
 from eagle_worker.scheduler import Scheduler
@@ -43,7 +42,7 @@ class LLMEngine:
         self.chat_template = resolve_chat_template(self.tokenizer, self.runner.hf_config, config.chat_template)
         self.requests: dict[str, Sequence] = {}
         self._aborted: list[RequestOutput] = []
-        self._seed_source = torch.Generator().manual_seed(config.seed)
+        self._seed_source = random.Random(config.seed)    # the seed of each request that brings none
         self._last_step = {"batch_size": 0, "num_tokens": 0}
         self.totals = {"steps": 0, "generated_tokens": 0, "prompt_tokens": 0, "finished_requests": 0,
                        "failed_steps": 0}
@@ -83,12 +82,15 @@ class LLMEngine:
             raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         if not token_ids:
             raise ValueError("prompt is empty")
+        vocab = self.runner.model.vocab_size
+        bad = [t for t in params.logit_bias or {} if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias token ids out of range [0, {vocab}): {bad[:5]}")
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens; the maximum context is {self.max_model_len} "
                              f"tokens including at least one generated token")
-        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seed_source))
-        generator = torch.Generator(device=self.runner.device).manual_seed(seed)
-        seq = Sequence(request_id, token_ids, params, priority, generator)
+        seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
+        seq = Sequence(request_id, token_ids, params, priority, seed)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         self.totals["prompt_tokens"] += len(token_ids)
@@ -133,12 +135,12 @@ class LLMEngine:
         self.totals["steps"] += 1
         return outputs
 
-    def _append(self, seq: Sequence, tokens: list[tuple[int, float | None]]) -> None:
+    def _append(self, seq: Sequence, tokens: list[tuple[int, TokenLogprob | None]]) -> None:
         """Add accepted tokens one at a time so EOS, stop ids, stop strings and limits hold exactly."""
         p = seq.params
         for token, logprob in tokens:
             seq.token_ids.append(token)
-            if logprob is not None:
+            if p.logprobs is not None:
                 seq.logprobs.append(logprob)
             self.totals["generated_tokens"] += 1
             if seq.metrics.first_token_time is None:
@@ -187,13 +189,18 @@ class LLMEngine:
 
     def _output(self, seq: Sequence, error: str | None = None) -> RequestOutput:
         out_ids = seq.output_token_ids
-        new_ids = out_ids[seq.num_emitted_tokens:]
+        emitted = seq.num_emitted_tokens
         delta = seq.text[seq.num_emitted_chars:]
         seq.num_emitted_tokens, seq.num_emitted_chars = len(out_ids), len(seq.text)
+        want_lp = seq.params.logprobs is not None
+        prompt_lp = None
+        if seq.prompt_logprobs is not None and not seq.prompt_logprobs_sent:   # with the first output only
+            prompt_lp, seq.prompt_logprobs_sent = list(seq.prompt_logprobs), True
         return RequestOutput(
             request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids, token_ids=list(out_ids),
-            text=seq.text, new_token_ids=new_ids, delta_text=delta, finished=seq.is_finished,
-            finish_reason=seq.finish_reason, logprobs=list(seq.logprobs) if seq.params.logprobs else None,
+            text=seq.text, new_token_ids=out_ids[emitted:], delta_text=delta, finished=seq.is_finished,
+            finish_reason=seq.finish_reason, logprobs=list(seq.logprobs) if want_lp else None,
+            new_logprobs=seq.logprobs[emitted:] if want_lp else None, prompt_logprobs=prompt_lp,
             error=error, metrics=seq.metrics.as_dict(seq.num_output_tokens, seq.num_prompt_tokens))
 
     def shutdown(self) -> None:

@@ -1,7 +1,7 @@
 """Loads the target model, owns its paged KV cache and runs batched forward passes over it."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -12,7 +12,11 @@ from eagle_worker.attention import SeqAttention, attention_context, build_contex
 from eagle_worker.config import EngineConfig
 from eagle_worker.loader import load_weights, resolve_model_path
 from eagle_worker.models.registry import model_class_for
+from eagle_worker.outputs import TokenLogprob
 from eagle_worker.parallel import all_gather_rows, broadcast_from_rank0, tp_rank, tp_size
+from eagle_worker.sampler import token_logprobs
+
+SCORE_BLOCK_ROWS = 64    # prompt rows whose full-vocabulary logits exist at once (prompt_logprobs)
 
 
 @dataclass
@@ -25,6 +29,8 @@ class ForwardItem:
     ctx_slots: torch.Tensor          # [ctx] cache slots of committed context (positions 0..ctx-1)
     logit_rows: list[int]            # offsets (within the new tokens) whose logits are wanted
     new_token_mask: torch.Tensor | None = None   # [n, n] visibility among new tokens; None = causal
+    score_tokens: list[int] | None = None        # prompt_logprobs: the tokens new rows 0.. predict
+    score_top: int = 0                           # ... and how many alternatives each keeps
 
 
 @dataclass
@@ -34,6 +40,7 @@ class ForwardResult:
     aux_hidden: list[torch.Tensor]   # inputs of the requested layers, [T, H] each
     row_offsets: list[int]           # start of each item's tokens in the flat batch
     argmax: torch.Tensor | None = None   # [sum(len(logit_rows))] greedy tokens, when forward(argmax_only=True)
+    scores: list[list[TokenLogprob] | None] = field(default_factory=list)   # per item: its score_tokens' logprobs
 
 
 def resolve_model(name: str) -> Path:
@@ -140,11 +147,23 @@ class ModelRunner:
             out = self.model(input_ids, pos, aux_layers=aux_layers)
         hidden, aux = (out if aux_layers else (out, []))
         idx = torch.tensor(logit_index, dtype=torch.long, device=self.device)
+        scores = [self._score(hidden, o, it) if it.score_tokens else None for o, it in zip(offsets, items)]
         if argmax_only and logit_index:
             return ForwardResult(logits=None, hidden=hidden, aux_hidden=aux, row_offsets=offsets,
-                                 argmax=self.model.greedy_tokens(hidden[idx]))
+                                 argmax=self.model.greedy_tokens(hidden[idx]), scores=scores)
         logits = self.model.compute_logits(hidden[idx]) if logit_index else hidden.new_empty(0, 0)
-        return ForwardResult(logits=logits, hidden=hidden, aux_hidden=aux, row_offsets=offsets)
+        return ForwardResult(logits=logits, hidden=hidden, aux_hidden=aux, row_offsets=offsets, scores=scores)
+
+    def _score(self, hidden: torch.Tensor, offset: int, item: ForwardItem) -> list[TokenLogprob]:
+        """Logprobs of `item.score_tokens` under the rows before them, reduced to top-k block by
+        block, so a long prompt never holds more than SCORE_BLOCK_ROWS rows of full logits."""
+        out = []
+        toks = item.score_tokens
+        for s in range(0, len(toks), SCORE_BLOCK_ROWS):
+            block = toks[s:s + SCORE_BLOCK_ROWS]
+            logits = self.model.compute_logits(hidden[offset + s:offset + s + len(block)])
+            out.extend(token_logprobs(logits, block, [item.score_top] * len(block)))
+        return out
 
     def copy_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Move K/V of kept draft tokens into place, in every layer at once (on every rank)."""

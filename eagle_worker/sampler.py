@@ -1,22 +1,85 @@
-"""Token sampling: greedy, temperature, top-k, top-p, min-p, with one generator per request.
+"""Token sampling as a pure function of (seed, output position, the target's processed distribution).
 
-Each request draws from its own `torch.Generator`, so a seeded request samples the same tokens
-whatever else shares its batch. `target_probs` is also what lossless speculative acceptance
-uses, so drafts are judged against exactly the distribution plain sampling draws from.
+A seed is a text: the token at output position t of a request with seed s is the inverse-CDF draw
+from the processed distribution at t with the uniform u(s, t) (`keyed_uniform`, a counter-based
+hash). Nothing else is consumed, so the draw does not depend on the batch, on how many tokens a
+step produced, on whether a draft tree (head, lookup, hybrid) or plain decoding reached t, on
+preemption or on which replica runs it. Speculative acceptance (speculative/acceptance.py) asks
+the same `draw_tokens` for each tree node it visits.
+
+Processing order (vLLM's): logit_bias, repetition penalty (prompt + output), frequency and presence
+penalties (output), then temperature, top-k, top-p, min-p. Greedy is the argmax of the processed
+logits. Reported logprobs are always the raw target distribution's (`token_logprobs`).
+Whatever the input, a token is drawn: a distribution with no finite mass falls back to the argmax
+of the raw logits (never NaN probabilities, never an exception from the draw).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 
+from eagle_worker.outputs import TokenLogprob
 from eagle_worker.sampling_params import SamplingParams
 
+_MASK64 = (1 << 64) - 1
 
-def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Probabilities [..., V] after temperature, top-k, top-p and min-p (float32)."""
-    logits = logits.float()
-    if params.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    logits = logits / params.temperature
+
+def _splitmix64(x: int) -> int:
+    """One splitmix64 output for state x (Steele, Lea & Flood 2014): a bijective 64-bit mixer."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def keyed_uniform(seed: int, position: int) -> float:
+    """u in [0, 1) for (seed, output position): the top 53 bits of
+    splitmix64(splitmix64(seed) ^ position). Plain integers on the host, so every device and
+    every tensor-parallel rank gets the same number."""
+    return (_splitmix64(_splitmix64(seed & _MASK64) ^ position) >> 11) * 2.0 ** -53
+
+
+@dataclass
+class SampleRow:
+    """What one logit row's token depends on besides the logits."""
+
+    params: SamplingParams
+    seed: int
+    position: int                  # output index of the token this row yields (0 = first generated)
+    prompt: Sequence[int] = ()     # prompt ids (repetition penalty)
+    output: Sequence[int] = ()     # tokens before this row: the output so far (+ a tree node's ancestors)
+
+
+def argmax_suffices(params: list[SamplingParams]) -> bool:
+    """Every row is plain greedy without logprobs: the target's argmax is all the step needs."""
+    return bool(params) and all(p.greedy and p.logprobs is None and not p.processes_logits for p in params)
+
+
+def processed_logits(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
+    """Raw logits [V] after logit_bias and the penalties (float32; the input is not modified)."""
+    p, x = row.params, logits.float()
+    if not p.processes_logits:
+        return x
+    x, dev = x.clone(), x.device
+    if p.logit_bias:
+        x.index_add_(0, torch.tensor(list(p.logit_bias), device=dev),
+                     torch.tensor(list(p.logit_bias.values()), dtype=x.dtype, device=dev))
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(list(row.prompt) + list(row.output), dtype=torch.long, device=dev).unique()
+        v = x[seen]
+        x[seen] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+    if p.uses_output_counts and len(row.output):
+        ids, counts = torch.tensor(list(row.output), dtype=torch.long, device=dev).unique(return_counts=True)
+        x.index_add_(0, ids, -(p.frequency_penalty * counts.to(x.dtype) + p.presence_penalty))
+    return x
+
+
+def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Probabilities [..., V] after temperature, top-k, top-p and min-p (float32). Always keeps the
+    most likely token, so finite logits give a distribution with mass."""
+    logits = logits.float() / max(params.temperature, 1e-5)
     V = logits.shape[-1]
     if 0 < params.top_k < V:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
@@ -25,34 +88,63 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if params.top_p < 1.0:
         sorted_p, idx = probs.sort(dim=-1, descending=True)
         drop = sorted_p.cumsum(-1) - sorted_p > params.top_p   # keep the smallest set reaching top_p
-        sorted_p = sorted_p.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
+        probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p.masked_fill(drop, 0.0))
     if params.min_p > 0.0:
         probs = probs.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), 0.0)
     return probs / probs.sum(-1, keepdim=True)
 
 
-def argmax_suffices(params: list[SamplingParams]) -> bool:
-    """Every row is greedy without logprobs: the target's argmax is all the step needs."""
-    return bool(params) and all(p.greedy and not p.logprobs for p in params)
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The token of each row of `probs` [R, V] (any non-negative weights) at uniform u [R]: the first
+    index whose float64 cumulative mass exceeds u * total (a 262k vocabulary adds no visible bias).
+    Rows without finite positive mass answer -1 (the caller falls back)."""
+    cdf = probs.double().cumsum(-1)
+    total = cdf[:, -1]
+    x = (u.to(cdf) * total)[:, None]
+    tok = torch.searchsorted(cdf, x, right=True).squeeze(1)
+    last = (probs > 0).int().cumsum(-1).argmax(-1)          # the last token with mass (u * total rounded up)
+    tok = torch.where(tok < probs.shape[-1], tok, last)
+    return torch.where(torch.isfinite(total) & (total > 0), tok, -1)
 
 
-def sample_from(probs: torch.Tensor, generator: torch.Generator) -> int:
-    return int(torch.multinomial(probs, 1, generator=generator).item())
-
-
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator]) -> tuple[list[int], list[float] | None]:
-    """Sample one token per row of `logits` [B, V]; log-probs (raw model distribution) when asked."""
-    greedy_ids = logits.argmax(-1).tolist()
-    tokens = []
-    for i, p in enumerate(params):
-        if p.greedy:
-            tokens.append(greedy_ids[i])
+def draw_tokens(logits: torch.Tensor, rows: list[SampleRow]) -> list[int]:
+    """The token of each row of raw `logits` [R, V]: greedy rows the processed argmax, the others the
+    keyed inverse-CDF draw."""
+    if all(r.params.greedy and not r.params.processes_logits for r in rows):
+        return logits.argmax(-1).tolist()
+    out = []
+    for raw, row in zip(logits, rows):
+        x = processed_logits(raw, row)
+        if row.params.greedy:
+            tok = int(torch.nan_to_num(x, nan=float("-inf")).argmax())
         else:
-            tokens.append(sample_from(target_probs(logits[i], p), generators[i]))
-    logprobs = None
-    if any(p.logprobs for p in params):
-        lp = torch.log_softmax(logits.float(), dim=-1)
-        logprobs = lp.gather(-1, torch.tensor(tokens, device=logits.device)[:, None]).squeeze(-1).tolist()
-    return tokens, logprobs
+            u = torch.tensor([keyed_uniform(row.seed, row.position)], dtype=torch.float64)
+            tok = int(inverse_cdf(filtered_probs(x, row.params)[None], u)[0])
+            if tok < 0:    # no finite mass (non-finite logits): the raw argmax still answers
+                tok = int(torch.nan_to_num(raw.float(), nan=float("-inf")).argmax())
+        out.append(tok)
+    return out
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], tops: list[int | None]) -> list[TokenLogprob | None]:
+    """Raw-distribution logprob of tokens[i] under logits[i] and its top tops[i] alternatives (None
+    where tops[i] is None)."""
+    want = [i for i, k in enumerate(tops) if k is not None]
+    out: list[TokenLogprob | None] = [None] * len(tokens)
+    if not want:
+        return out
+    idx = torch.tensor(want, device=logits.device)
+    lp = torch.log_softmax(logits[idx].float(), dim=-1)
+    chosen = lp.gather(-1, torch.tensor([tokens[i] for i in want], device=lp.device)[:, None]).squeeze(-1).tolist()
+    k = max(tops[i] for i in want)
+    top_v, top_i = (lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long()))
+    top_v, top_i = top_v.tolist(), top_i.tolist()
+    for j, i in enumerate(want):
+        out[i] = TokenLogprob(tokens[i], chosen[j], list(zip(top_i[j][:tops[i]], top_v[j][:tops[i]])))
+    return out
+
+
+def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[tuple[int, TokenLogprob | None]]:
+    """(token, logprob entry or None) for each row of raw `logits` [R, V]."""
+    tokens = draw_tokens(logits, rows)
+    return list(zip(tokens, token_logprobs(logits, tokens, [r.params.logprobs for r in rows])))

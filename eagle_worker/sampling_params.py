@@ -1,4 +1,5 @@
-"""Per-request sampling parameters (the vLLM names), validated when built so bad input fails early."""
+"""Per-request sampling parameters (the vLLM names and ranges), validated when built so bad input
+fails early with a message naming the field."""
 from __future__ import annotations
 
 import math
@@ -7,6 +8,16 @@ from dataclasses import dataclass, field
 # Temperatures below this sample like greedy decoding (vLLM's _SAMPLING_EPS): dividing logits by a
 # subnormal temperature overflows to inf and the probabilities to NaN.
 MIN_TEMPERATURE = 1e-5
+MAX_LOGPROBS = 20          # top alternatives a request may ask for per token (OpenAI's limit)
+MAX_SEED = 2**63           # seeds are 0 <= seed < 2**63 (a signed 64-bit integer)
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _topn(x) -> bool:
+    return x is None or (isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= MAX_LOGPROBS)
 
 
 @dataclass
@@ -16,11 +27,16 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1          # -1 or 0: no top-k
     min_p: float = 0.0
-    seed: int | None = None
+    seed: int | None = None  # None: the engine draws one; either way the text is a function of it
     stop: list[str] | str | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
-    logprobs: bool = False   # return the log-probability of each chosen token
+    logprobs: int | None = None          # None: none; k: the chosen token's plus the top k (raw target)
+    prompt_logprobs: int | None = None   # the same for every prompt token (first one None)
+    presence_penalty: float = 0.0        # minus this for every token already in the output
+    frequency_penalty: float = 0.0       # minus this times the token's count in the output
+    repetition_penalty: float = 1.0      # tokens in prompt or output: positive logits / r, negative * r
+    logit_bias: dict[int, float] | None = None   # token id -> added to its raw logit
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
@@ -28,16 +44,34 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = [s for s in (self.stop or []) if s]
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is not None and isinstance(self.logit_bias, dict):
+            self.logit_bias = {_int_key(k): v for k, v in self.logit_bias.items()} or None
+        bias = self.logit_bias or {}
         checks = [
             (isinstance(self.max_tokens, int) and self.max_tokens > 0, "max_tokens",
              f"must be a positive integer, got {self.max_tokens!r}"),
-            (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature >= 0,
+            (_number(self.temperature) and self.temperature >= 0,
              "temperature", f"must be a finite number >= 0, got {self.temperature!r}"),
-            (0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p!r}"),
+            (_number(self.top_p) and 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p!r}"),
             (isinstance(self.top_k, int) and (self.top_k >= 0 or self.top_k == -1), "top_k",
              f"must be -1 (off) or >= 0, got {self.top_k!r}"),
-            (0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p!r}"),
-            (self.seed is None or isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}"),
+            (_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p!r}"),
+            (self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)
+                                   and 0 <= self.seed < MAX_SEED), "seed",
+             f"must be an integer in [0, 2**63), got {self.seed!r}"),
+            (_topn(self.logprobs), "logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"),
+            (_topn(self.prompt_logprobs), "prompt_logprobs",
+             f"must be None or an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}"),
+            (_number(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty",
+             f"must be in [-2, 2], got {self.presence_penalty!r}"),
+            (_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty",
+             f"must be in [-2, 2], got {self.frequency_penalty!r}"),
+            (_number(self.repetition_penalty) and 0 < self.repetition_penalty <= 2, "repetition_penalty",
+             f"must be in (0, 2], got {self.repetition_penalty!r}"),
+            (self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
+                isinstance(k, int) and k >= 0 and _number(v) and -100 <= v <= 100 for k, v in bias.items())),
+             "logit_bias", "must map token ids (integers >= 0) to numbers in [-100, 100], "
+             f"got {_short(self.logit_bias)}"),
         ]
         for ok, name, why in checks:
             if not ok:
@@ -46,3 +80,25 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < MIN_TEMPERATURE or self.top_k == 1
+
+    @property
+    def uses_output_counts(self) -> bool:
+        """Presence or frequency penalty: the draw depends on the output so far."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0
+
+    @property
+    def processes_logits(self) -> bool:
+        """Bias or a penalty changes the raw logits before temperature and the filters."""
+        return bool(self.logit_bias) or self.uses_output_counts or self.repetition_penalty != 1
+
+
+def _int_key(k):
+    """JSON objects have string keys ("50256"); a key that is not an integer stays as it is (refused)."""
+    if isinstance(k, str) and k.strip().lstrip("-").isdigit():
+        return int(k)
+    return k
+
+
+def _short(x) -> str:
+    s = repr(x)
+    return s if len(s) <= 80 else s[:77] + "..."

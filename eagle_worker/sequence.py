@@ -5,8 +5,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
-
+from eagle_worker.outputs import TokenLogprob
+from eagle_worker.sampler import SampleRow
 from eagle_worker.sampling_params import SamplingParams
 
 
@@ -66,18 +66,21 @@ class Sequence:
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 priority: int, generator: torch.Generator):
+                 priority: int, seed: int):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)
         self.params = params
         self.priority = priority
-        self.generator = generator
+        self.seed = seed               # every request has one: its text is a function of it
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
         self.finish_reason: str | None = None
-        self.logprobs: list[float] = []
+        self.logprobs: list[TokenLogprob] = []
+        # prompt logprobs scored so far (entry 0 is None: nothing predicts the first token)
+        self.prompt_logprobs: list[TokenLogprob | None] | None = [None] if params.prompt_logprobs is not None else None
+        self.prompt_logprobs_sent = False
         self.metrics = SequenceMetrics()
         # incremental detokenization state
         self.text = ""
@@ -100,6 +103,14 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    def sample_row(self, draft: list[int] = ()) -> SampleRow:
+        """The draw context of the next token, or of the token after `draft` (a tree node's path
+        below the root) when verifying a tree."""
+        p = self.params
+        output = self.output_token_ids + list(draft) if p.processes_logits else ()
+        prompt = self.prompt_token_ids if p.repetition_penalty != 1.0 else ()
+        return SampleRow(p, self.seed, self.num_output_tokens + len(draft), prompt, output)
 
     @property
     def num_pending_tokens(self) -> int:

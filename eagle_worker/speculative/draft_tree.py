@@ -45,6 +45,14 @@ class DraftTree:
     def mode(self) -> StepMode:
         return StepMode.of(any(self.from_head[1:]), any(self.from_lookup[1:]))
 
+    def path_tokens(self, node: int) -> list[int]:
+        """The draft tokens from below the root down to `node`: its context after the root."""
+        out = []
+        while node > 0:
+            out.append(self.tokens[node])
+            node = self.parents[node]
+        return out[::-1]
+
     def lookup_leaf(self, node: int) -> bool:
         """True when `node` ends a lookup branch (no lookup node below it)."""
         return self.from_lookup[node] and not any(

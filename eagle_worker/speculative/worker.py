@@ -22,13 +22,14 @@ from dataclasses import dataclass, field
 import torch
 
 from eagle_worker.block_manager import BlockManager
-from eagle_worker.decode_worker import forward_item
+from eagle_worker.decode_worker import NewTokens, forward_item, record_prompt_logprobs
 from eagle_worker.model_runner import ForwardItem, ForwardResult, ModelRunner
+from eagle_worker.outputs import TokenLogprob
 from eagle_worker.parallel import tp_size
-from eagle_worker.sampler import argmax_suffices, sample, target_probs
+from eagle_worker.sampler import argmax_suffices, draw_tokens, sample, token_logprobs
 from eagle_worker.scheduler import ScheduledSeq
 from eagle_worker.sequence import Sequence
-from eagle_worker.speculative.acceptance import accept_greedy, accept_sampling
+from eagle_worker.speculative.acceptance import Acceptance, accept_batch
 from eagle_worker.speculative.config import SpecConfig
 from eagle_worker.speculative.draft_tree import DraftTree, StepMode
 from eagle_worker.speculative.drafter import Drafter, DraftSeq, DraftState
@@ -37,9 +38,7 @@ from eagle_worker.speculative.heads import DraftHead, TargetVocab
 from eagle_worker.speculative.hybrid import HybridSplit, HybridState
 from eagle_worker.speculative.lookup import NgramIndex, merge_branches, prune_to_best
 from eagle_worker.speculative.policy import SpecPolicy
-from eagle_worker.speculative.tree import MC_SIM_7B_63, ancestor_mask, chain, static_tree
-
-NewTokens = dict[str, list[tuple[int, float | None]]]
+from eagle_worker.speculative.tree import MC_SIM_7B_63, TreeBatch, ancestor_mask, chain, static_tree
 
 
 @dataclass
@@ -127,6 +126,7 @@ class EagleWorker:
                  else forward_item(self.block_manager, it) for it in batch]
         result = self.runner.forward(items, aux_layers=self.head.aux_layers if self.head else (),
                                      argmax_only=argmax_suffices([it.seq.params for it in batch if it.completes]))
+        record_prompt_logprobs(batch, result)
         features = self.head.target_features((result.hidden, result.aux_hidden)) if self.head else None
         new_tokens = self._verify(batch, items, trees, result, features)
         t2 = time.perf_counter()
@@ -261,12 +261,10 @@ class EagleWorker:
             token = self._commit_plain(batch[i], sampled.get(batch[i].seq.request_id), result.row_offsets[i], features)
             if token is not None:
                 new_tokens[batch[i].seq.request_id] = [token]
-        scores = result.logits if result.logits is not None else result.argmax
-        for i, it in enumerate(batch):
-            tree = trees.get(it.seq.request_id)
-            if tree is not None:
-                rows = scores[first_row[i]:first_row[i] + len(tree.tokens)]
-                new_tokens[it.seq.request_id] = self._accept_tree(it.seq, tree, rows, result.row_offsets[i], features)
+        work = [(it.seq, trees[it.seq.request_id], first_row[i], result.row_offsets[i])
+                for i, it in enumerate(batch) if it.seq.request_id in trees]
+        for (seq, tree, row, offset), acc in zip(work, self._accept_trees(work, result)):
+            new_tokens[seq.request_id] = self._commit_tree(seq, tree, acc, row, offset, result, features)
         return new_tokens
 
     def _sample_plain(self, wanted: list[tuple[ScheduledSeq, int]], result: ForwardResult) -> dict[str, tuple]:
@@ -276,8 +274,8 @@ class EagleWorker:
         rows = torch.tensor([row for _, row in wanted])
         if result.logits is None:
             return {it.seq.request_id: (t, None) for (it, _), t in zip(wanted, result.argmax[rows].tolist())}
-        toks, lps = sample(result.logits[rows], [it.seq.params for it, _ in wanted], [it.seq.generator for it, _ in wanted])
-        return {it.seq.request_id: (toks[i], lps[i] if lps else None) for i, (it, _) in enumerate(wanted)}
+        drawn = sample(result.logits[rows.to(result.logits.device)], [it.seq.sample_row() for it, _ in wanted])
+        return {it.seq.request_id: d for (it, _), d in zip(wanted, drawn)}
 
     def _commit_plain(self, it: ScheduledSeq, sampled: tuple | None, offset: int,
                       features: torch.Tensor | None) -> tuple | None:
@@ -301,26 +299,44 @@ class EagleWorker:
             rs.draft.add(features[offset:offset + n], following)
         return sampled if completes else None
 
-    def _accept_tree(self, seq: Sequence, tree: DraftTree, rows: torch.Tensor, offset: int,
-                     features: torch.Tensor | None) -> list[tuple[int, float | None]]:
-        """Accept the longest correct path (losslessly), keep its KV and features, drop the rest."""
-        p = seq.params
-        if p.greedy:
-            acc = accept_greedy(tree.parents, tree.tokens, rows)
-        else:
-            acc = accept_sampling(tree.parents, tree.tokens, lambda r, _idx, p=p: target_probs(r, p),
-                                  seq.generator, target_logits=rows)
+    def _accept_trees(self, work: list[tuple], result: ForwardResult) -> list[Acceptance]:
+        """Every tree of the step in one batched walk: by the forward's argmax when the step is all
+        plain greedy, otherwise by each visited node's token from `draw_tokens`, the very draw
+        plain decoding makes at that output position (so the text does not depend on the tree)."""
+        if not work:
+            return []
+        batch = TreeBatch.stack([t.parents for _, t, _, _ in work], [t.tokens for _, t, _, _ in work])
+        if result.logits is None:
+            return accept_batch(batch, result.argmax, row_offsets=torch.tensor([row for _, _, row, _ in work]))
+
+        def target_tokens(b: torch.Tensor, node: torch.Tensor) -> torch.Tensor:
+            rows, ctx = [], []
+            for bb, n in zip(b.tolist(), node.tolist()):
+                seq, tree, row, _ = work[bb]
+                rows.append(row + n)
+                ctx.append(seq.sample_row(tree.path_tokens(n)))
+            return torch.tensor(draw_tokens(result.logits[torch.tensor(rows, device=result.logits.device)], ctx))
+
+        return accept_batch(batch, target_tokens)
+
+    def _commit_tree(self, seq: Sequence, tree: DraftTree, acc: Acceptance, row: int, offset: int,
+                     result: ForwardResult, features: torch.Tensor | None) -> list[tuple[int, TokenLogprob | None]]:
+        """Keep the accepted path's KV and features, drop the rest; the raw target logprobs of
+        each kept position when asked."""
         src, dst = self.block_manager.keep_subset(seq, acc.path)
         self.runner.copy_kv(src, dst)
         rs = self.states[seq.request_id]
         if features is not None:
             rs.draft.add(features[offset + torch.tensor(acc.path)], acc.tokens)
         self._count_sources(seq, rs.hybrid, acc.path[1:], tree)
-        lps = torch.log_softmax(rows[torch.tensor(acc.path)].float(), -1) if p.logprobs else None
+        lps: list[TokenLogprob | None] = [None] * len(acc.tokens)
+        if seq.params.logprobs is not None:
+            rows = row + torch.tensor(acc.path, device=result.logits.device)
+            lps = token_logprobs(result.logits[rows], acc.tokens, [seq.params.logprobs] * len(acc.tokens))
         seq.metrics.num_target_forwards += 1
         seq.metrics.num_decode_tokens += len(acc.tokens)
         self._count_depths(seq, tree.depth, acc.num_accepted)
-        return [(t, lps[i, t].item() if lps is not None else None) for i, t in enumerate(acc.tokens)]
+        return list(zip(acc.tokens, lps))
 
     def _request_state(self, request_id: str, start: int) -> RequestState:
         rs = self.states.get(request_id)

@@ -1,6 +1,5 @@
 """Paged KV bookkeeping: allocation, freeing, preemption, uncommitted append + keep-subset, no leaks."""
 import pytest
-import torch
 
 from eagle_worker.block_manager import BlockManager, OutOfBlocks
 from eagle_worker.config import EngineConfig
@@ -10,7 +9,7 @@ from eagle_worker.sequence import Sequence, SequenceStatus
 
 
 def make_seq(rid, n_prompt, priority=0):
-    return Sequence(rid, list(range(1, n_prompt + 1)), SamplingParams(), priority, torch.Generator())
+    return Sequence(rid, list(range(1, n_prompt + 1)), SamplingParams(), priority, seed=0)
 
 
 def test_allocation_is_proportional_to_length_and_freed():

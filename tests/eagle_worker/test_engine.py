@@ -80,8 +80,8 @@ def test_stop_token_ids_stop_strings_and_logprobs(tiny_model_dir):
     out = llm.generate(PROMPTS[1], SamplingParams(max_tokens=16, temperature=0.0, stop=[stop_str], ignore_eos=True))[0]
     assert out.finish_reason == "stop" and stop_str not in out.text and base.text.startswith(out.text)
     assert out.text == base.text[: base.text.index(stop_str)]
-    lp = llm.generate(PROMPTS[1], SamplingParams(max_tokens=4, temperature=0.0, logprobs=True, ignore_eos=True))[0]
-    assert len(lp.logprobs) == 4 and all(x <= 0 for x in lp.logprobs)
+    lp = llm.generate(PROMPTS[1], SamplingParams(max_tokens=4, temperature=0.0, logprobs=0, ignore_eos=True))[0]
+    assert [x.token_id for x in lp.logprobs] == lp.token_ids and all(x.logprob <= 0 and not x.top for x in lp.logprobs)
 
 
 def eos_forcing_model(path, tmp_path, token: int):
@@ -143,6 +143,12 @@ def test_incremental_outputs_and_abort(tiny_model_dir):
 @pytest.mark.parametrize("kwargs, field", [
     (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=-3), "max_tokens"), (dict(temperature=-0.1), "temperature"),
     (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(min_p=2.0), "min_p"),
+    (dict(seed=2**64), "seed"), (dict(seed=2**63), "seed"), (dict(seed=-1), "seed"), (dict(seed=1.5), "seed"),
+    (dict(logprobs=21), "logprobs"), (dict(logprobs=True), "logprobs"), (dict(prompt_logprobs=-1), "prompt_logprobs"),
+    (dict(presence_penalty=2.5), "presence_penalty"), (dict(frequency_penalty=float("nan")), "frequency_penalty"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(repetition_penalty=3.0), "repetition_penalty"),
+    (dict(logit_bias={5: 101}), "logit_bias"), (dict(logit_bias={"x": 1}), "logit_bias"),
+    (dict(logit_bias={-1: 1}), "logit_bias"), (dict(logit_bias=[1, 2]), "logit_bias"),
 ])
 def test_bad_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -161,6 +167,8 @@ def test_bad_requests_are_refused_and_engine_keeps_serving(tiny_model_dir):
         engine.add_request("e4", [1, 5, 10**6], SamplingParams())
     with pytest.raises(ValueError, match="SamplingParams"):
         engine.add_request("e5", "hi", {"max_tokens": 3})
+    with pytest.raises(ValueError, match="logit_bias"):
+        engine.add_request("e6", "hi", SamplingParams(logit_bias={10**6: 1.0}))
     engine.add_request("ok", "The quick", SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     with pytest.raises(ValueError, match="already running"):
         engine.add_request("ok", "again", SamplingParams())

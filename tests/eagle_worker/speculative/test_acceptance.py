@@ -1,16 +1,16 @@
-"""Tree acceptance: greedy walks, and losslessness of sampling checked statistically against the
-exact target distribution, with a deliberately wrong variant as the negative control."""
+"""Tree acceptance: greedy walks; keyed sampling, whose output is exactly plain keyed sampling's
+(same seed, same tokens, whatever the tree) and whose distribution is checked statistically against
+the exact target distribution, with a deliberately wrong variant as the negative control."""
 from __future__ import annotations
 
-import functools
 import itertools
 import random
 
 import pytest
 import torch
 
-from eagle_worker.speculative import acceptance
-from eagle_worker.speculative.acceptance import accept_batch, accept_greedy, accept_sampling
+from eagle_worker.sampler import inverse_cdf, keyed_uniform
+from eagle_worker.speculative.acceptance import accept, accept_batch
 from eagle_worker.speculative.tree import TreeBatch
 
 
@@ -25,12 +25,12 @@ def onehot_logits(argmaxes: list[int], V: int = 8) -> torch.Tensor:
 def test_greedy_chain_fully_accepted_bonus_from_leaf():
     parents, tokens = [-1, 0, 1, 2], [7, 3, 4, 5]
     logits = onehot_logits([3, 4, 5, 6])        # row i: argmax after node i
-    a = accept_greedy(parents, tokens, logits)
+    a = accept(parents, tokens, logits)
     assert a.path == [0, 1, 2, 3] and a.bonus == 6 and a.tokens == [3, 4, 5, 6]
 
 
 def test_greedy_rejects_at_root():
-    a = accept_greedy([-1, 0, 1], [7, 3, 4], onehot_logits([2, 4, 1]))
+    a = accept([-1, 0, 1], [7, 3, 4], onehot_logits([2, 4, 1]))
     assert a.path == [0] and a.tokens == [2] and a.num_accepted == 0
 
 
@@ -38,15 +38,15 @@ def test_greedy_takes_matching_sibling_and_stops_mid_tree():
     # root -> {1:tok 3, 2:tok 5}; 1 -> {3: tok 1}; 2 -> {4: tok 2, 5: tok 6}
     parents, tokens = [-1, 0, 0, 1, 2, 2], [0, 3, 5, 1, 2, 6]
     logits = onehot_logits([5, 0, 6, 0, 0, 0])
-    a = accept_greedy(parents, tokens, logits)
+    a = accept(parents, tokens, logits)
     assert a.path == [0, 2, 5] and a.tokens == [5, 6, 0]
     logits = onehot_logits([5, 0, 7, 0, 0, 0])  # neither child of node 2 matches
-    a = accept_greedy(parents, tokens, logits)
+    a = accept(parents, tokens, logits)
     assert a.path == [0, 2] and a.tokens == [5, 7]
 
 
 def test_greedy_duplicate_siblings_take_the_first():
-    a = accept_greedy([-1, 0, 0, 2], [0, 4, 4, 1], onehot_logits([4, 2, 1, 3]))
+    a = accept([-1, 0, 0, 2], [0, 4, 4, 1], onehot_logits([4, 2, 1, 3]))
     assert a.path == [0, 1] and a.tokens == [4, 2]
 
 
@@ -61,59 +61,30 @@ def test_greedy_flat_rows_match_padded_batch():
     padded = torch.full((3, batch.max_nodes, V), -1e9)
     for b, (p, _) in enumerate(trees):
         padded[b, : len(p)] = flat[offsets[b]: offsets[b] + len(p)]
-    a = accept_batch(batch, flat, greedy=True, row_offsets=offsets)
-    b = accept_batch(batch, padded, greedy=True)
+    a = accept_batch(batch, flat, row_offsets=offsets)
+    b = accept_batch(batch, padded)
+    assert a == accept_batch(batch, flat.argmax(-1), row_offsets=offsets)   # integer ids: the same walk
     assert a == b
-    singles = [accept_greedy(p, t, flat[offsets[i]: offsets[i] + len(p)]) for i, (p, t) in enumerate(trees)]
+    singles = [accept(p, t, flat[offsets[i]: offsets[i] + len(p)]) for i, (p, t) in enumerate(trees)]
     assert a == singles
     assert a[0].path == [0, 1, 3]
 
 
-def test_sampling_with_one_hot_target_equals_greedy():
-    parents, tokens = [-1, 0, 0, 1, 2], [0, 3, 5, 1, 2]
-    logits = onehot_logits([5, 0, 2, 4, 1])
-    probs = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[1]).float()
-    for seed in range(5):
-        s = accept_sampling(parents, tokens, probs, torch.Generator().manual_seed(seed))
-        assert s == accept_greedy(parents, tokens, logits)
+def test_token_fn_is_asked_only_about_visited_nodes():
+    # root -> {1: 3, 2: 5}; 1 -> {3: 1}; 2 -> {4: 2, 5: 6}; the target says 5, then 6, then 9
+    parents, tokens = [-1, 0, 0, 1, 2, 2], [0, 3, 5, 1, 2, 6]
+    answer = {0: 5, 2: 6, 5: 9}
+    asked = []
+
+    def fn(b, node):
+        asked.extend(node.tolist())
+        return torch.tensor([answer[n] for n in node.tolist()])
+
+    a = accept(parents, tokens, fn)
+    assert a.path == [0, 2, 5] and a.tokens == [5, 6, 9] and sorted(asked) == [0, 2, 5]
 
 
-def test_callable_probs_with_engine_sampler_and_mixed_batch():
-    from eagle_worker.sampler import target_probs
-    from eagle_worker.sampling_params import SamplingParams
-
-    params = [SamplingParams(temperature=0.7, top_k=3), SamplingParams(temperature=0.0), SamplingParams(top_p=0.8)]
-    trees = [([-1, 0, 0, 1], [0, 3, 5, 1]), ([-1, 0, 1], [0, 2, 2]), ([-1, 0], [0, 4])]
-    batch = TreeBatch.stack([p for p, _ in trees], [t for _, t in trees])
-    logits = torch.randn(3, batch.max_nodes, 10, generator=torch.Generator().manual_seed(1))
-    greedy = torch.tensor([p.greedy for p in params])
-
-    def fn(rows, tree_idx):
-        return torch.stack([target_probs(r, params[int(i)]) for r, i in zip(rows, tree_idx)])
-
-    gens = [torch.Generator().manual_seed(s) for s in (1, 2, 3)]
-    out = accept_batch(batch, logits, greedy, probs=fn, generators=gens)
-    dense = torch.stack([target_probs(logits[b], params[b]) for b in range(3)])
-    gens = [torch.Generator().manual_seed(s) for s in (1, 2, 3)]
-    assert out == accept_batch(batch, logits, greedy, probs=dense, generators=gens)
-    assert out[1] == accept_greedy(*trees[1], logits[1, :3])
-    assert out[0].bonus in dense[0, out[0].path[-1]].nonzero().flatten().tolist() or out[0].num_accepted > 0
-
-
-def test_per_request_generator_is_independent_of_the_batch():
-    parents, tokens = [-1, 0, 0, 1, 1, 2], [0, 1, 2, 3, 4, 5]
-    probs = torch.softmax(torch.randn(6, 6, generator=torch.Generator().manual_seed(0)), -1)
-    alone = [accept_sampling(parents, tokens, probs, torch.Generator().manual_seed(s)) for s in range(12)]
-    other_p, other_t = [-1, 0, 1, 2, 3, 4, 5, 6, 7], [0, 1, 1, 1, 1, 1, 1, 1, 1]
-    batch = TreeBatch.stack([other_p, parents], [other_t, tokens])
-    big = torch.full((2, 9, 6), 1 / 6)
-    big[1, :6] = probs
-    for s in range(12):
-        gens = [torch.Generator().manual_seed(1000 + s), torch.Generator().manual_seed(s)]
-        assert accept_batch(batch, None, greedy=False, probs=big, generators=gens)[1] == alone[s]
-
-
-# ------------------------------------------------------------------------------ losslessness
+# ------------------------------------------------------------------------- keyed sampling
 
 V, POS = 6, 3   # vocabulary, number of generated tokens whose joint distribution is checked
 
@@ -138,7 +109,7 @@ def _p(table, ctx: tuple) -> torch.Tensor:
     return table[ctx] if len(ctx) < POS else table["tail"]
 
 
-def _adversarial_tree(table, prefix: tuple, rng: random.Random) -> tuple[list[int], list[int]]:
+def _adversarial_tree(table, prefix: tuple, rng: random.Random) -> tuple[list[int], list[int], list[tuple]]:
     """A drafted tree for this prefix: root children include the target's most and least likely
     tokens, a random one and a duplicate; deeper levels random-ish, including zero-prob tokens."""
     parents, tokens, ctxs = [-1], [prefix[-1] if prefix else 0], [prefix]
@@ -162,33 +133,51 @@ def _adversarial_tree(table, prefix: tuple, rng: random.Random) -> tuple[list[in
     return parents, tokens, ctxs
 
 
-def _simulate(n_trials: int, seed: int) -> torch.Tensor:
-    """Counts [V]*POS of the first POS tokens generated by repeated draft-and-accept rounds."""
+def _plain(table, seed: int, n: int = POS) -> list[int]:
+    """Plain keyed sampling: position t's token is the inverse-CDF draw at u(seed, t)."""
+    out = []
+    for t in range(n):
+        u = torch.tensor([keyed_uniform(seed, t)], dtype=torch.float64)
+        out.append(int(inverse_cdf(_p(table, tuple(out))[None], u)[0]))
+    return out
+
+
+def _simulate(n_trials: int, seed: int, key=lambda out_len, depth: out_len + depth) -> tuple[list[list[int]], dict]:
+    """The first POS tokens of trials 0..n-1 (trial i has seed i), generated by repeated
+    draft-and-accept rounds over adversarial trees, all trials' trees walked as one batch.
+    `key(output length, node depth)` is the output position a node's draw is keyed by."""
     table = _target_tables(seed)
     rng = random.Random(seed)
     prefixes = [p for p in table if p != "tail"]
     pid = {p: i for i, p in enumerate(prefixes)}
     trees = [_adversarial_tree(table, p, rng) for p in prefixes]
     batch_all = TreeBatch.stack([t[0] for t in trees], [t[1] for t in trees])
-    probs_all = torch.zeros(len(trees), batch_all.max_nodes, V)
-    for i, (_, _, ctxs) in enumerate(trees):
-        for j, c in enumerate(ctxs):
-            probs_all[i, j] = _p(table, c)
-    gen = torch.Generator().manual_seed(seed)
     out = [[] for _ in range(n_trials)]
     active = list(range(n_trials))
     while active:
         ids = torch.tensor([pid[tuple(out[t])] for t in active])
         batch = TreeBatch(batch_all.parents[ids], batch_all.depth[ids], batch_all.tokens[ids],
                           batch_all.logprobs[ids], batch_all.num_nodes[ids])
-        res = accept_batch(batch, None, greedy=False, probs=probs_all[ids], generators=gen)
-        for t, a in zip(active, res):
+
+        def fn(b, node, active=active, ids=ids):
+            trial = [active[i] for i in b.tolist()]
+            ctxs = [trees[int(ids[i])][2][n] for i, n in zip(b.tolist(), node.tolist())]
+            probs = torch.stack([_p(table, c) for c in ctxs])
+            u = torch.tensor([keyed_uniform(t, key(len(out[t]), len(c) - len(out[t]))) for t, c in zip(trial, ctxs)],
+                             dtype=torch.float64)
+            return inverse_cdf(probs, u)
+
+        for t, a in zip(active, accept_batch(batch, fn)):
             out[t].extend(a.tokens)
         active = [t for t in active if len(out[t]) < POS]
+    return out, table
+
+
+def _counts(outs: list[list[int]]) -> torch.Tensor:
     counts = torch.zeros([V] * POS)
-    for o in out:
+    for o in outs:
         counts[tuple(o[:POS])] += 1
-    return counts, table
+    return counts
 
 
 def _exact(table) -> torch.Tensor:
@@ -219,17 +208,22 @@ def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, floa
 N_TRIALS = 6000
 
 
+def test_tree_acceptance_gives_exactly_plain_keyed_sampling():
+    """Same seed, same tokens: the trees only change how many forwards it takes."""
+    outs, table = _simulate(400, 3)
+    assert all(o[:POS] == _plain(table, i) for i, o in enumerate(outs))
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_sampling_is_lossless(seed):
-    counts, table = _simulate(N_TRIALS, seed)
-    p, tv = _chi2_pvalue(counts, _exact(table))
+    outs, table = _simulate(N_TRIALS, seed)
+    p, tv = _chi2_pvalue(_counts(outs), _exact(table))
     assert p > 1e-3, f"chi-square rejects losslessness (p={p:.2e}, TV={tv:.3f})"
 
 
-def test_negative_control_wrong_residual_is_rejected(monkeypatch):
-    """Same harness and threshold with rejected siblings NOT removed from p: must be caught."""
-    wrong = functools.partial(acceptance._walk_sampling, zero_rejected=False)
-    monkeypatch.setattr(acceptance, "_walk_sampling", wrong)
-    counts, table = _simulate(N_TRIALS, 0)
-    p, tv = _chi2_pvalue(counts, _exact(table))
+def test_negative_control_draws_keyed_by_tree_depth_are_rejected():
+    """Same harness and threshold with each node's draw keyed by its depth in this step's tree
+    instead of its output position (uniforms reused across steps): must be caught."""
+    outs, table = _simulate(N_TRIALS, 0, key=lambda out_len, depth: depth)
+    p, tv = _chi2_pvalue(_counts(outs), _exact(table))
     assert p < 1e-3, f"the statistical test failed to catch a lossy acceptance rule (p={p:.2e}, TV={tv:.3f})"

@@ -1,11 +1,9 @@
 """EAGLE inside the engine: greedy output identical to plain decoding for every family and head
 format, in continuous batches with prefill chunks and plain decodes beside the trees; a head that
-really accepts (tau > 2) with the KV cache holding exactly what plain decoding holds; and lossless
-sampling, with a deliberately wrong acceptance rule as the negative control."""
+really accepts (tau > 2) with the KV cache holding exactly what plain decoding holds. (Sampling:
+tests/eagle_worker/test_keyed_sampling.py.)"""
 from __future__ import annotations
 
-import functools
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -13,7 +11,6 @@ import torch
 
 from eagle_worker import LLM, SamplingParams
 from eagle_worker.engine import LLMEngine
-from eagle_worker.speculative import acceptance
 from eagle_worker.speculative.config import SpecConfig
 from eagle_worker.speculative.head_init import new_head
 from eagle_worker.speculative.head_loader import save_draft_head
@@ -116,37 +113,6 @@ def test_kv_cache_holds_exactly_the_committed_tokens(copying_target):
 def _config(target, spec=None):
     from eagle_worker.config import EngineConfig
     return EngineConfig(model=str(target), block_size=4, num_kv_blocks=512, spec=spec)
-
-
-def _joint_counts(llm: LLM, n: int) -> Counter:
-    params = [SamplingParams(max_tokens=3, temperature=1.0, top_k=3, seed=i, ignore_eos=True) for i in range(n)]
-    outs = llm.generate(["The quick brown fox"] * n, params)
-    return Counter(tuple(o.token_ids) for o in outs)
-
-
-def _chi2_pvalue(a: Counter, b: Counter) -> float:
-    """Chi-square test of homogeneity of two samples over the same cells."""
-    keys = sorted(set(a) | set(b))
-    table = torch.tensor([[a.get(k, 0) for k in keys], [b.get(k, 0) for k in keys]], dtype=torch.float64)
-    expected = table.sum(1, keepdim=True) * table.sum(0, keepdim=True) / table.sum()
-    stat = ((table - expected) ** 2 / expected).sum()
-    dof = len(keys) - 1
-    return torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat / 2).item()
-
-
-def test_speculative_sampling_keeps_the_target_distribution(copying_target, monkeypatch):
-    target, head = copying_target
-    n = 1500
-    plain = _joint_counts(LLM(model=str(target), block_size=4, num_kv_blocks=2048, max_num_seqs=128), n)
-    spec_cfg = SpecConfig(draft=str(head), tree="dynamic", top_k=3, num_draft_tokens=6, depth=3, adaptive=False)
-    spec_llm = LLM(model=str(target), block_size=4, num_kv_blocks=2048, max_num_seqs=128, spec=spec_cfg)
-    spec = _joint_counts(spec_llm, n)
-    assert spec_llm.engine.stats()["acceptance_rate_per_depth"][0] > 0.3   # the drafts really are used
-    assert _chi2_pvalue(plain, spec) > 1e-3
-    # negative control: not removing a rejected sibling before the residual skews the distribution
-    monkeypatch.setattr(acceptance, "_walk_sampling", functools.partial(acceptance._walk_sampling, zero_rejected=False))
-    wrong = _joint_counts(LLM(model=str(target), block_size=4, num_kv_blocks=2048, max_num_seqs=128, spec=spec_cfg), n)
-    assert _chi2_pvalue(plain, wrong) < 1e-3
 
 
 def test_policy_drops_speculation_where_it_loses():

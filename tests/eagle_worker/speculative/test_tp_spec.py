@@ -1,10 +1,9 @@
 """Speculation under tensor parallelism: TP 2 (two gloo processes, rank 1 in the worker loop) with a
-draft head, prompt lookup or both gives exactly TP 1's greedy tokens without speculation; sampling
-keeps the target's distribution (with the wrong-rule negative control); and every rank keeps the
+draft head, prompt lookup or both gives exactly TP 1's greedy tokens without speculation; seeded
+sampling gives exactly TP 1's sampled tokens without speculation (keyed draws); and every rank keeps the
 same KV (a single KV head is replicated, so the two ranks' caches must match bit for bit)."""
 from __future__ import annotations
 
-import functools
 import queue
 import socket
 import time
@@ -16,11 +15,16 @@ import torch.multiprocessing as mp
 
 from eagle_worker import LLM, SamplingParams, SpecConfig
 from eagle_worker.config import EngineConfig
-from tests.eagle_worker.speculative.test_eagle_engine import _chi2_pvalue, _joint_counts
 
 PROMPTS = ["The quick brown fox", "def add(a, b):\n", "Question: what is two plus two?\nAnswer:", "x",
            "Speculative decoding drafts tokens and verifies them in one pass."]
 GREEDY = dict(max_tokens=24, temperature=0.0, ignore_eos=True)
+SAMPLED = dict(max_tokens=24, temperature=1.0, top_k=3, ignore_eos=True)
+
+
+def sampled(n: int) -> list[SamplingParams]:
+    """Seeded sampling params for n requests (request i has seed i)."""
+    return [SamplingParams(**SAMPLED, seed=i) for i in range(n)]
 KV = dict(block_size=4, num_kv_blocks=512)
 METHODS = {        # name -> SpecConfig keywords besides the head
     "eagle3-dynamic": dict(kind="eagle3", tree="dynamic", depth=3, top_k=3, num_draft_tokens=6),
@@ -41,7 +45,6 @@ def _port() -> int:
 def _run_rank(rank: int, port: int, model: str, jobs: list[dict], out) -> None:
     """Rank 0 runs each job's engine and reports; rank 1 follows it in the worker loop."""
     from eagle_worker import init_tensor_parallel
-    from eagle_worker.speculative import acceptance
     from eagle_worker.tp_worker import run_tp_worker
 
     torch.set_num_threads(1)
@@ -53,14 +56,10 @@ def _run_rank(rank: int, port: int, model: str, jobs: list[dict], out) -> None:
             runner = run_tp_worker(EngineConfig(**kw))
             out.put(("kv", runner.kv_cache.numpy().copy()))      # by value: this process exits first
             continue
-        if job.get("wrong_rule"):
-            acceptance._walk_sampling = functools.partial(acceptance._walk_sampling, zero_rejected=False)
         llm = LLM(spec=SpecConfig(**job["spec"]) if job.get("spec") else None, **kw)
-        if job.get("joint"):
-            result = _joint_counts(llm, job["joint"])
-        else:
-            outs = llm.generate(job.get("prompts", PROMPTS), SamplingParams(**GREEDY))
-            result = [o.token_ids for o in outs]
+        prompts = job.get("prompts", PROMPTS)
+        params = sampled(len(prompts)) if job.get("sampled") else SamplingParams(**GREEDY)
+        result = [o.token_ids for o in llm.generate(prompts, params)]
         out.put(("result", job["name"], result, llm.engine.stats(), llm.engine.runner.kv_cache.numpy().copy()))
         llm.engine.shutdown()
     dist.destroy_process_group()
@@ -127,10 +126,12 @@ def test_tp2_speculation_greedy_equals_tp1_plain(family, tmp_path):
     names = list(METHODS) if family == "llama" else ["eagle3-dynamic", "eagle-static", "hybrid"]
     jobs = [spec_job(n, heads, max_num_batched_tokens=7) for n in names]
     if family == "llama":                           # sampling too: rank 1 must keep what rank 0 accepted
-        jobs.append({**spec_job("hybrid", heads), "name": "sampled", "joint": 64})
+        jobs.append({**spec_job("hybrid", heads), "name": "sampled", "sampled": True})
     results = run_tp2(str(target), jobs)
     if family == "llama":
-        _, stats, kv0, kv1 = results.pop("sampled")
+        tokens, stats, kv0, kv1 = results.pop("sampled")
+        plain = LLM(model=str(target), **KV, draft=None).generate(PROMPTS, sampled(len(PROMPTS)))
+        assert tokens == [o.token_ids for o in plain], "sampling: TP 2 with speculation differs from TP 1 plain"
         assert stats["spec_steps"] > 0 and (kv0 == kv1).all(), "sampling: the ranks' KV caches differ"
     for name in names:
         tokens, stats, kv0, kv1 = results[name]
@@ -139,20 +140,17 @@ def test_tp2_speculation_greedy_equals_tp1_plain(family, tmp_path):
         assert (kv0 == kv1).all(), f"{name}: the ranks' KV caches differ"
 
 
-def test_tp2_speculative_sampling_keeps_the_target_distribution(copying_target):
-    """The copying target's head accepts a lot, so the drafts matter; the wrong rule must fail."""
+def test_tp2_speculative_sampling_same_seed_same_tokens(copying_target):
+    """The copying target's head accepts a lot, so the drafts matter: TP 2 with the head samples
+    exactly TP 1's tokens without one, seed for seed."""
     target, head = copying_target
-    n = 1200
-    kw = dict(block_size=4, num_kv_blocks=2048, max_num_seqs=128)
-    plain = _joint_counts(LLM(model=str(target), draft=None, **kw), n)
+    prompts = PROMPTS * 4
+    plain = LLM(model=str(target), draft=None, **KV).generate(prompts, sampled(len(prompts)))
     spec = dict(draft=str(head), tree="dynamic", top_k=3, num_draft_tokens=6, depth=3, adaptive=False)
-    engine = dict(num_kv_blocks=2048, max_num_seqs=128)
-    results = run_tp2(str(target), [{"name": "right", "spec": spec, "joint": n, "engine": engine},
-                                    {"name": "wrong", "spec": spec, "joint": n, "engine": engine, "wrong_rule": True}])
-    right, stats, kv0, kv1 = results["right"]
+    results = run_tp2(str(target), [{"name": "spec", "spec": spec, "sampled": True, "prompts": prompts}])
+    tokens, stats, kv0, kv1 = results["spec"]
     assert stats["acceptance_rate_per_depth"][0] > 0.3
-    assert _chi2_pvalue(plain, right) > 1e-3
-    assert _chi2_pvalue(plain, results["wrong"][0]) < 1e-3
+    assert tokens == [o.token_ids for o in plain]      # (two KV heads: sharded, so no KV comparison)
 
 
 def test_tp2_hybrid_on_a_copying_target_accepts_and_stays_exact(copying_target):
