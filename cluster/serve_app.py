@@ -84,6 +84,18 @@ def _unless_failed(out: Any) -> Any:
     return out
 
 
+async def _all_or_none(coros: list) -> list:
+    """Results of the choices' coroutines; the first to raise cancels the others (so their streams
+    can be closed, and their engine requests aborted, at once)."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 def _validation_error(e: ValidationError) -> oa.APIError:
     err = e.errors()[0]
     loc = [str(p) for p in err["loc"] if not str(p).startswith(("function-after", "function-before"))]
@@ -160,11 +172,7 @@ class OpenAIIngress:
 
     async def _firsts(self, its: list) -> list:
         """Every choice's first output (refusals and overload become HTTP errors before headers go out)."""
-        results = await asyncio.gather(*(self._first(it) for it in its), return_exceptions=True)
-        for r in results:
-            if isinstance(r, BaseException):
-                raise r
-        return results
+        return await _all_or_none([self._first(it) for it in its])
 
     async def _last(self, it: AsyncIterator[Any], first: Any) -> tuple[Any, list | None]:
         """A non-streamed choice's final output, and its prompt logprobs (sent with the first output
@@ -194,7 +202,7 @@ class OpenAIIngress:
             ttft = time.monotonic() - t0
             self.metrics.first_token(ttft)
             if not req.stream:
-                done = await asyncio.gather(*(self._last(it, f) for it, f in zip(its, firsts)))
+                done = await _all_or_none([self._last(it, f) for it, f in zip(its, firsts)])
                 for last, _ in done:
                     self._finish(last, t0, ttft)
                 status = 200

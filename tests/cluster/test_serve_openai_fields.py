@@ -248,3 +248,18 @@ def test_large_prompt_does_not_stall_a_stream(app):
     t.join()
     assert len(gaps) >= 40 and max(gaps[1:]) < 1.0
     assert _replica_stats("fields")["text_prompts"] == 0
+
+
+def test_n_with_a_failing_choice_answers_and_frees_the_rest(app):
+    """Every choice of this prompt fails after 2 tokens: a 500 naming the cause, streamed or not,
+    and the replica holds nothing afterwards."""
+    with pytest.raises(openai.InternalServerError) as ei:
+        app.client.completions.create(model=MODEL, prompt="[fail-step:2] x", max_tokens=8, n=3)
+    assert "injected fault" in _err(ei)["message"]
+    r = requests.post(f"{app.url}/v1/completions", stream=True, json={
+        "model": MODEL, "prompt": "[slow:0.2] [fail-step:2] y", "max_tokens": 8, "n": 2, "stream": True})
+    lines = [line.decode() for line in r.iter_lines() if line]   # the first tokens went out, then the error
+    assert r.status_code == 200 and lines[-1] == "data: [DONE]" and "injected fault" in lines[-2]
+    assert app.client.completions.create(model=MODEL, prompt="ok", max_tokens=2, n=2).usage.completion_tokens == 4
+    stats = _replica_stats("fields")
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0
