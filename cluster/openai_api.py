@@ -14,7 +14,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 
 class APIError(Exception):
@@ -39,6 +39,20 @@ class ErrorInfo(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorInfo
+
+
+def validation_error(e: ValidationError) -> APIError:
+    """A request model's first validation error as a 400 naming the field."""
+    err = e.errors()[0]
+    loc = [str(p) for p in err["loc"] if not str(p).startswith(("function-after", "function-before"))]
+    param = ".".join(loc) or None
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "extra_forbidden":
+        msg = "is not supported by this server (unknown field)"
+    elif param is None and ":" in msg and msg.split(":")[0].isidentifier():  # a model-level check names its field
+        param, msg = msg.split(":")[0], msg.split(":", 1)[1].strip()
+    more = f" (and {len(e.errors()) - 1} more errors)" if len(e.errors()) > 1 else ""
+    return APIError(400, f"{param}: {msg}{more}" if param else msg + more, param=param)
 
 
 # ---- the body ----------------------------------------------------------------------------------

@@ -180,3 +180,15 @@ async def merge_streams(its: list, firsts: list) -> AsyncIterator[tuple[int, Any
         for r in readers:
             r.cancel()
         await asyncio.gather(*readers, return_exceptions=True)
+
+
+async def all_or_none(coros: list) -> list:
+    """Results of the choices' coroutines; the first to raise cancels the others (so their streams
+    can be closed, and their engine requests aborted, at once)."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

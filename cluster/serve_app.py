@@ -27,7 +27,7 @@ from cluster import openai_api as oa
 from cluster.config import ServeConfig
 from cluster.ingress_prompts import IngressPrompts
 from cluster.metrics import ServeMetrics, StatusCounter, note_status, set_active
-from cluster.openai_render import ChatRender, CompletionRender, merge_streams
+from cluster.openai_render import ChatRender, CompletionRender, all_or_none, merge_streams
 from cluster.replica import EngineReplica, Failed, Rejected, engine_config
 from cluster.router import (
     Admission,
@@ -84,31 +84,6 @@ def _unless_failed(out: Any) -> Any:
     return out
 
 
-async def _all_or_none(coros: list) -> list:
-    """Results of the choices' coroutines; the first to raise cancels the others (so their streams
-    can be closed, and their engine requests aborted, at once)."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    try:
-        return await asyncio.gather(*tasks)
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def _validation_error(e: ValidationError) -> oa.APIError:
-    err = e.errors()[0]
-    loc = [str(p) for p in err["loc"] if not str(p).startswith(("function-after", "function-before"))]
-    param = ".".join(loc) or None
-    msg = err["msg"].removeprefix("Value error, ")
-    if err["type"] == "extra_forbidden":
-        msg = "is not supported by this server (unknown field)"
-    elif param is None and ":" in msg and msg.split(":")[0].isidentifier():  # a model-level check names its field
-        param, msg = msg.split(":")[0], msg.split(":", 1)[1].strip()
-    more = f" (and {len(e.errors()) - 1} more errors)" if len(e.errors()) > 1 else ""
-    return oa.APIError(400, f"{param}: {msg}{more}" if param else msg + more, param=param)
-
-
 # Counts every request by final status: keep this the last middleware added (the outermost), and
 # above `serve.ingress(api)`, which freezes a copy of the app.
 api.add_middleware(StatusCounter)
@@ -145,7 +120,7 @@ class OpenAIIngress:
         try:
             req = model_cls.model_validate(body)
         except ValidationError as e:
-            raise _validation_error(e) from None
+            raise oa.validation_error(e) from None
         if req.model not in (self.config.model_name, self.config.model):
             raise oa.APIError(404, f"model {req.model!r} does not exist; this server serves "
                               f"{self.config.model_name!r}", param="model", code="model_not_found")
@@ -172,7 +147,7 @@ class OpenAIIngress:
 
     async def _firsts(self, its: list) -> list:
         """Every choice's first output (refusals and overload become HTTP errors before headers go out)."""
-        return await _all_or_none([self._first(it) for it in its])
+        return await all_or_none([self._first(it) for it in its])
 
     async def _last(self, it: AsyncIterator[Any], first: Any) -> tuple[Any, list | None]:
         """A non-streamed choice's final output, and its prompt logprobs (sent with the first output
@@ -202,7 +177,7 @@ class OpenAIIngress:
             ttft = time.monotonic() - t0
             self.metrics.first_token(ttft)
             if not req.stream:
-                done = await _all_or_none([self._last(it, f) for it, f in zip(its, firsts)])
+                done = await all_or_none([self._last(it, f) for it, f in zip(its, firsts)])
                 for last, _ in done:
                     self._finish(last, t0, ttft)
                 status = 200
