@@ -1,0 +1,185 @@
+"""The HTTP edge without Ray (fast tier): request models, reading a body, renders of n choices with
+logprobs and echo, merging n streams, the prompt-length check, and the replica merging outputs."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from pydantic import ValidationError
+
+from cluster import openai_api as oa
+from cluster.ingress_prompts import IngressPrompts
+from cluster.openai_render import ChatRender, CompletionRender, merge_streams
+from cluster.replica import _merge
+from tests.cluster.fake_engine import PromptTokenizer, RequestOutput, TokenLogprob
+
+
+def _refusal(model, body: dict) -> oa.APIError:
+    with pytest.raises(ValidationError) as ei:
+        model.model_validate(body)
+    return oa.validation_error(ei.value)
+
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.mark.parametrize("extra,param,needle", [
+    ({"seed": 2**64}, "seed", "less than"), ({"seed": -1}, "seed", "greater than"),
+    ({"frobnicate": 1}, "frobnicate", "not supported"), ({"logit_bias": {"x": 1}}, "logit_bias", "token ids"),
+    ({"logit_bias": {"1": 101}}, "logit_bias", "[-100, 100]"), ({"stop": list("abcde")}, "stop", "at most 4"),
+    ({"n": 17}, "n", "less than"), ({"presence_penalty": -3}, "presence_penalty", ""),
+    ({"repetition_penalty": 0}, "repetition_penalty", ""), ({"top_logprobs": 2}, "top_logprobs", "logprobs"),
+    ({"response_format": {"type": "json_schema"}}, "response_format", "not supported"),
+    ({"tools": [{"type": "function"}]}, "tools", "tool calling"), ({"tool_choice": "auto"}, "tool_choice", ""),
+    ({"stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats", ""),
+    ({"messages": [{"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}]}, "messages.0.tool_calls", ""),
+])
+def test_chat_fields_refused_by_name(extra, param, needle):
+    err = _refusal(oa.ChatCompletionRequest, CHAT | extra)
+    assert err.status == 400 and err.param == param and needle in err.message, err.message
+
+
+def test_accepted_fields_and_engine_params():
+    req = oa.ChatCompletionRequest.model_validate(CHAT | {
+        "user": "u", "metadata": {"a": "b"}, "store": False, "response_format": {"type": "text"}, "tool_choice": "none",
+        "tools": [], "logprobs": True, "top_logprobs": 3, "n": 2, "seed": 2**63 - 1,
+        "messages": [{"role": "assistant", "content": "x", "refusal": None, "tool_calls": None, "audio": None}]})
+    params = req.sampling_params(8, sample=1)
+    assert params["seed"] == 0 and params["logprobs"] == 3   # seed + i wraps inside [0, 2**63)
+    assert "presence_penalty" not in params and "logit_bias" not in params   # defaults are not sent
+    comp = oa.CompletionRequest.model_validate({"model": "m", "prompt": "x", "echo": True, "logprobs": 2,
+                                                "logit_bias": {"7": -5}, "frequency_penalty": 0.5})
+    params = comp.sampling_params(4)
+    assert params["prompt_logprobs"] == 2 and params["logit_bias"] == {7: -5.0} and params["frequency_penalty"] == 0.5
+    with pytest.raises(ValidationError):
+        oa.CompletionRequest.model_validate({"model": "m", "prompt": "x", "num_logprobs": 3})  # not a field
+
+
+class _Request:
+    def __init__(self, body: bytes, headers: dict | None = None, chunk: int = 4096):
+        self.headers, self._body, self._chunk = {"content-type": "application/json"} | (headers or {}), body, chunk
+
+    async def stream(self):
+        for i in range(0, len(self._body), self._chunk):
+            yield self._body[i:i + self._chunk]
+
+
+def _read(body: bytes, headers: dict | None = None, cap: int = 10_000):
+    return asyncio.run(oa.read_json_object(_Request(body, headers), cap))
+
+
+@pytest.mark.parametrize("body,headers,status,needle", [
+    (b"x" * 20_000, {"content-length": "20000"}, 413, "limit"),
+    (b"x" * 20_000, {}, 413, "limit"),                                   # no Content-Length: counted while read
+    (b"[" * 5000 + b"]" * 5000, {}, 400, "nested"),
+    (b"[1]", {}, 400, "JSON object"),
+    (b"{oops", {}, 400, "not valid JSON"),
+    (b"\xff{}", {}, 400, "not valid JSON"),
+    (b"{}", {"content-type": "application/x-www-form-urlencoded"}, 415, "Content-Type"),
+])
+def test_read_json_object_refusals(body, headers, status, needle):
+    with pytest.raises(oa.APIError) as ei:
+        _read(body, headers)
+    assert ei.value.status == status and needle in ei.value.message
+    assert set(ei.value.body()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_read_json_object_accepts_json_types():
+    assert _read(b'{"a": 1}', {"content-type": "application/json; charset=utf-8"}) == {"a": 1}
+    assert _read(b'{"a": 1}', {"content-type": ""}) == {"a": 1}
+
+
+def _lp(tok: int, k: int = 2) -> TokenLogprob:
+    return TokenLogprob(tok, -0.25, [(tok, -0.25), (ord("z"), -3.0)][:k])
+
+
+def _out(rid="r", new=b"de", text="de", finished=False, prompt=b"abc", prompt_lps=None, so_far=b"") -> RequestOutput:
+    toks = list(so_far + new)
+    return RequestOutput(rid, list(prompt), toks, text, list(new), text[-len(new):], finished,
+                         "length" if finished else None, logprobs=[_lp(t) for t in toks],
+                         new_logprobs=[_lp(t) for t in new], prompt_logprobs=prompt_lps)
+
+
+def test_completion_render_n_echo_logprobs():
+    req = oa.CompletionRequest.model_validate({"model": "m", "prompt": "abc", "echo": True, "logprobs": 1, "n": 2})
+    render = CompletionRender("m", PromptTokenizer(), req, "abc", list(b"abc"))
+    prompt_lps = [None, _lp(ord("b")), _lp(ord("c"))]
+    body = render.full("id", [_out(finished=True), _out(finished=True)], prompt_lps).model_dump()
+    assert [c["index"] for c in body["choices"]] == [0, 1] and body["usage"]["completion_tokens"] == 4
+    lp = body["choices"][1]["logprobs"]
+    assert body["choices"][1]["text"] == "abcde" and lp["tokens"] == list("abcde")
+    assert lp["token_logprobs"] == [None, -0.25, -0.25, -0.25, -0.25] and lp["text_offset"] == [0, 1, 2, 3, 4]
+    assert lp["top_logprobs"][0] is None and lp["top_logprobs"][3] == {"d": -0.25, "z": -3.0}
+    # streamed: the prompt (and its logprobs) with each choice's first chunk, offsets continue across chunks
+    first = render.chunk("id", 1, _out(new=b"d", text="d", prompt_lps=prompt_lps)).model_dump()["choices"][0]
+    assert first["index"] == 1 and first["text"] == "abcd" and first["logprobs"]["text_offset"] == [0, 1, 2, 3]
+    nxt = render.chunk("id", 1, _out(new=b"e", text="de", so_far=b"d", finished=True)).model_dump()["choices"][0]
+    assert nxt["text"] == "e" and nxt["logprobs"]["text_offset"] == [4] and nxt["finish_reason"] == "length"
+
+
+def test_chat_render_logprobs_and_heads():
+    req = oa.ChatCompletionRequest.model_validate(CHAT | {"logprobs": True, "top_logprobs": 1, "n": 2})
+    render = ChatRender("m", PromptTokenizer(), req)
+    assert [h.choices[0].index for h in render.head("id")] == [0, 1]
+    chunk = render.chunk("id", 1, _out(new="é".encode(), text="é")).model_dump()["choices"][0]
+    content = chunk["logprobs"]["content"]
+    assert len(content) == 2 and content[0]["bytes"] == list(content[0]["token"].encode())  # one token per byte
+    assert content[0]["top_logprobs"][0]["logprob"] == -0.25
+    full = render.full("id", [_out(finished=True), _out(finished=True)]).model_dump()
+    assert [t["token"] for t in full["choices"][0]["logprobs"]["content"]] == ["d", "e"]
+
+
+def test_prompt_length_checked_in_characters_before_tokenizing():
+    class Counting(PromptTokenizer):
+        calls = 0
+
+        def tokenize(self, prompt):
+            Counting.calls += 1
+            return super().tokenize(prompt)
+
+    prompts = IngressPrompts(Counting())
+    with pytest.raises(oa.APIError) as ei:
+        asyncio.run(prompts.completion("x" * 101, max_model_len=100, need_text=False))
+    assert ei.value.param == "prompt" and Counting.calls == 0
+    with pytest.raises(oa.APIError) as ei:
+        asyncio.run(prompts.chat([{"role": "user", "content": "x" * 101}], max_model_len=100))
+    assert ei.value.param == "messages" and Counting.calls == 0
+    assert asyncio.run(prompts.completion("abc", max_model_len=100, need_text=False)) == (list(b"abc"), "abc")
+    assert asyncio.run(prompts.completion([97, 98], max_model_len=100, need_text=True)) == ([97, 98], "ab")
+
+
+def test_merge_streams_interleaves_and_stops_readers():
+    async def gen(i, n, fail=False):
+        for k in range(1, n + 1):
+            await asyncio.sleep(0.001 * (i + 1))
+            if fail and k == 2:
+                raise RuntimeError("boom")
+            yield _out(rid=f"r{i}", finished=k == n)
+
+    async def run(fail: bool):
+        its = [gen(0, 4), gen(1, 3, fail)]
+        firsts = [await it.__anext__() for it in its]
+        seen = []
+        merged = merge_streams(its, firsts)
+        try:
+            async for i, out in merged:
+                seen.append((i, out.finished))
+        finally:
+            await merged.aclose()
+            for it in its:
+                await it.aclose()
+        return seen
+
+    seen = asyncio.run(run(False))
+    assert [i for i, _ in seen].count(0) == 4 and [i for i, _ in seen].count(1) == 3
+    assert sum(done for _, done in seen) == 2
+    with pytest.raises(RuntimeError, match="boom"):
+        asyncio.run(run(True))
+
+
+def test_replica_merge_keeps_logprobs_and_prompt_logprobs():
+    a = _out(new=b"d", text="d", prompt_lps=[None, _lp(98)])
+    b = _out(new=b"e", text="de", so_far=b"d")
+    merged = _merge([a, b])
+    assert merged.new_token_ids == list(b"de") and merged.delta_text == "de"
+    assert [e.token_id for e in merged.new_logprobs] == list(b"de") and merged.prompt_logprobs == a.prompt_logprobs
