@@ -44,6 +44,7 @@ def test_accepted_fields_and_engine_params():
         "user": "u", "metadata": {"a": "b"}, "store": False, "response_format": {"type": "text"}, "tool_choice": "none",
         "tools": [], "logprobs": True, "top_logprobs": 3, "n": 2, "seed": 2**63 - 1,
         "messages": [{"role": "assistant", "content": "x", "refusal": None, "tool_calls": None, "audio": None}]})
+    assert set(oa.HARMLESS) <= set(oa.CompletionRequest.model_fields) & set(oa.ChatCompletionRequest.model_fields)
     params = req.sampling_params(8, sample=1)
     assert params["seed"] == 0 and params["logprobs"] == 3   # seed + i wraps inside [0, 2**63)
     assert "presence_penalty" not in params and "logit_bias" not in params   # defaults are not sent
