@@ -42,7 +42,6 @@ import asyncio
 import logging
 import random
 import time
-import weakref
 from collections import defaultdict
 from typing import Any, AsyncIterator, Callable, List, Optional
 
@@ -50,7 +49,9 @@ import ray.exceptions
 from ray.serve.exceptions import BackPressureError
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from cluster import router_state as state
 from cluster.replica import EngineDiedError, Failed, Rejected
+from cluster.router_state import live_replica_stats, mark_dead, seen_dead  # noqa: F401 (re-exported)
 
 logger = logging.getLogger(__name__)
 
@@ -97,42 +98,7 @@ class Admission:
         self.in_flight = max(0, self.in_flight - 1)
 
 
-# Replica bookkeeping shared by this process's routers and `stream_outputs` (both run in the caller).
-DEAD_TTL_S = 60.0                               # how long a replica seen dying is skipped
-_routed: dict[str, ReplicaID] = {}              # attempt's request id -> replica it was routed to
-_seen_dead: dict[str, float] = {}               # replica unique id -> when a request saw it die
-_routers: "weakref.WeakSet[LoadAwareRouter]" = weakref.WeakSet()  # every LoadAwareRouter here
-
-
-def _replica_key(replica_id: Any) -> str:
-    return getattr(replica_id, "unique_id", None) or str(replica_id)
-
-
-def mark_dead(replica_id: Any) -> None:
-    _seen_dead.setdefault(_replica_key(replica_id), time.monotonic())
-
-
-def seen_dead(replica_id: Any, before: float | None = None) -> bool:
-    """A request saw this replica die (before `before`, when given), within DEAD_TTL_S."""
-    now = time.monotonic()
-    for key, t in list(_seen_dead.items()):
-        if t < now - DEAD_TTL_S:
-            del _seen_dead[key]
-    t = _seen_dead.get(_replica_key(replica_id))
-    return t is not None and (before is None or t < before)
-
-
-def live_replica_stats() -> dict[str, dict]:
-    """Routing stats of every replica this process's routers currently know (Serve drops a dead
-    replica from the set once it notices), keyed by replica id; {} before the first request."""
-    out: dict[str, dict] = {}
-    for router in list(_routers):
-        for rid, replica in list(router.curr_replicas.items()):
-            stats = dict(replica.routing_stats or {})
-            if not stats or seen_dead(rid) or stats.get("engine_alive") is False:
-                continue
-            out[str(stats.get("replica_id") or _replica_key(rid))] = stats
-    return out
+WAIT_S = 0.1   # how often a request with no replica it may use looks again
 
 
 class LoadAwareRouter(FIFOMixin, RequestRouter):
@@ -142,7 +108,7 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         self.offline_kv_threshold = offline_kv_threshold
         self.kv_weight = kv_weight
         self._inflight: dict[ReplicaID, int] = defaultdict(int)
-        _routers.add(self)
+        state.routers.add(self)  # live_replica_stats reads the replica set
 
     def load(self, replica: RunningReplica) -> float:
         """Lower is better: fraction of capacity in use plus weighted KV usage."""
@@ -161,9 +127,15 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         self, candidate_replicas: List[RunningReplica], pending_request: Optional[PendingRequest] = None
     ) -> List[List[RunningReplica]]:
         """Replicas in preference order, one per rank; Serve skips the ones that are full."""
-        candidates = [r for r in candidate_replicas if not seen_dead(r.replica_id)]
+        candidates = [r for r in candidate_replicas if not state.seen_dead(r.replica_id)]
+        if state.is_suspect(pending_request):  # one suspect per replica (see _fulfill_next_pending_request)
+            hosts = state.suspect_hosts()
+            candidates = [r for r in candidates if state.replica_key(r.replica_id) not in hosts]
         if candidate_replicas and not candidates:
-            return []  # every replica died under some request: wait (Serve backs off) for replacements
+            # every replica died under some request (or hosts a suspect): wait for Serve to replace
+            # it. Serve calls again at once for an empty answer (no backoff): pace it here.
+            await asyncio.sleep(WAIT_S)
+            return []
         alive = [r for r in candidates if (r.routing_stats or {}).get("engine_alive", True)]
         replicas = alive or candidates  # a crashed engine waits for Serve to replace it
         random.shuffle(replicas)  # break ties randomly so equal replicas share the load
@@ -178,20 +150,28 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         Serve's FIFOMixin serves its caller-side queue strictly in arrival order; when the system is
         saturated that would let queued batch work delay interactive users. Same bookkeeping as
         FIFOMixin (whose private queue this reorders), only the pick differs.
+
+        A suspect (a retry of a request a replica died under) never joins another suspect on a
+        replica: were one of them a poison request, the other would die with it a second time.
         """
         queue = self._pending_requests_to_fulfill
         pick = None
+        replica_id = getattr(replica, "replica_id", replica)
+        hosts_suspect = state.replica_key(replica_id) in state.suspect_hosts()
         for pr in queue:
-            if pr.future.done():
+            if pr.future.done() or (hosts_suspect and state.is_suspect(pr)):
                 continue
             if request_priority(pr) == 0:
                 pick = pr
                 break
             pick = pick or pr
         if pick is None:
-            queue.clear()  # only finished/cancelled entries were left
+            if all(pr.future.done() for pr in queue):
+                queue.clear()  # only finished/cancelled entries were left
             return
         queue.remove(pick)
+        if state.is_suspect(pick):  # claim the replica now; on_request_routed confirms it
+            state.routed[state.request_id(pick)] = replica_id
         self._cancel_routing_task_for_pending_request(pick)
         self._record_queue_wait_time(pick)
         pick.future.set_result(replica)
@@ -199,9 +179,9 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         self._inflight[replica_id] += 1
-        args = getattr(pending_request, "args", None)
-        if args and isinstance(args[0], str):  # `submit(request_id, ...)`: stream_outputs asks where it went
-            _routed[args[0]] = replica_id
+        rid = state.request_id(pending_request)
+        if rid is not None:  # `submit(request_id, ...)`: stream_outputs asks where it went
+            state.routed[rid] = replica_id
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         n = self._inflight.get(replica_id, 0) - 1
@@ -268,6 +248,8 @@ async def stream_outputs(
         try:
             await attempts.aclose()  # now, not at garbage collection: a consumer that left cancels the call
         finally:
+            for attempt in range(1, max_attempts):
+                state.suspects.discard(f"{request_id}-retry{attempt}")
             if admission is not None:
                 admission.leave()
 
@@ -296,13 +278,13 @@ async def _attempts(handle, request_id, prompt, params, priority, messages, max_
                 "the server is overloaded: every replica is at capacity and the queue is full; retry later"
             ) from e
         except _DEATH as e:
-            replica = _routed.get(rid)
+            replica = state.routed.get(rid)
             if replica is None:                  # not routed by a LoadAwareRouter here: count every death
                 deaths[f"attempt-{attempt}"] = e
-            elif _replica_key(replica) not in deaths and not seen_dead(replica, before=sent_at):
-                deaths[_replica_key(replica)] = e   # died while this request was on it
+            elif state.replica_key(replica) not in deaths and not state.seen_dead(replica, before=sent_at):
+                deaths[state.replica_key(replica)] = e   # died while this request was on it
             if replica is not None:
-                mark_dead(replica)
+                state.mark_dead(replica)
             if tokens_seen and not restartable:
                 raise ReplicaLostError(
                     f"the replica serving this request died after {tokens_seen} tokens were streamed; "
@@ -311,9 +293,10 @@ async def _attempts(handle, request_id, prompt, params, priority, messages, max_
             if len(deaths) >= max_deaths:
                 raise PoisonRequestError(
                     f"request {request_id} was not retried again: {len(deaths)} replicas died while serving it "
-                    f"(last: {type(e).__name__}: {_first_line(e)}); it may be what crashes them"
+                    f"(the last: {_describe(e)}); it may be what crashes them"
                 ) from e
             if attempt + 1 < max_attempts:
+                state.suspects.add(f"{request_id}-retry{attempt + 1}")
                 if on_retry is not None:
                     on_retry(e)
                 logger.warning("request %s: replica failed (%s); retrying (attempt %d/%d)",
@@ -321,10 +304,14 @@ async def _attempts(handle, request_id, prompt, params, priority, messages, max_
                 await asyncio.sleep(min(retry_backoff_s * 2**attempt, 2.0))  # let Serve catch up
             tokens_seen = 0
         finally:
-            _routed.pop(rid, None)
+            state.routed.pop(rid, None)
+            state.suspects.discard(rid)
     raise ReplicaLostError(f"request {request_id}: {max_attempts} attempts failed (replicas unavailable); giving up")
 
 
-def _first_line(e: BaseException) -> str:
+def _describe(e: BaseException) -> str:
+    """`Type: first line` of the error, unwrapped from Ray's RayTaskError."""
+    cause = getattr(e, "cause", None)
+    e = cause if isinstance(cause, BaseException) else e
     text = str(e).strip().splitlines()
-    return text[0][:200] if text else ""
+    return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__

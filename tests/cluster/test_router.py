@@ -8,7 +8,7 @@ import pytest
 import ray.exceptions
 from ray.serve.exceptions import BackPressureError
 
-from cluster import router as router_mod
+from cluster import router_state
 from cluster.replica import EngineDiedError, Rejected, guess_param
 from cluster.router import (
     Admission,
@@ -22,11 +22,9 @@ from cluster.router import (
 
 @pytest.fixture(autouse=True)
 def _fresh_router_state():
-    router_mod._seen_dead.clear()
-    router_mod._routed.clear()
+    router_state.clear()
     yield
-    router_mod._seen_dead.clear()
-    router_mod._routed.clear()
+    router_state.clear()
 
 
 class _Cache:
@@ -49,8 +47,8 @@ def _replica(rid, running=0, waiting=0, kv=0.0, alive=True, cap=16):
         num_running=running, num_waiting=waiting, kv_usage=kv, engine_alive=alive))
 
 
-def _rank(router, replicas, priority=0):
-    pending = SimpleNamespace(kwargs={"priority": priority})
+def _rank(router, replicas, priority=0, rid=None):
+    pending = SimpleNamespace(kwargs={"priority": priority}, args=[rid] if rid else [])
     return [rank[0].replica_id for rank in asyncio.run(router.choose_replicas(replicas, pending))]
 
 
@@ -134,7 +132,7 @@ class _Handle:
         if self.raise_on_call:
             raise self.raise_on_call
         if self.replicas:
-            router_mod._routed[rid] = self.replicas.pop(0)
+            router_state.routed[rid] = self.replicas.pop(0)
         gen = _Gen(*self.script.pop(0))
         self.gens.append(gen)
         return gen
@@ -186,7 +184,7 @@ def test_only_deaths_under_the_request_count():
     """a dies under the request; the retry lands on a again (not yet replaced): same death; then on b,
     which another request had already seen die before this attempt was sent: not this one's doing;
     the next death (c) is the second, and the request is answered with an error."""
-    router_mod.mark_dead("b")
+    router_state.mark_dead("b")
     h = _Handle(*[([], EngineDiedError("boom"))] * 4, replicas=["a", "a", "b", "c"])
     with pytest.raises(PoisonRequestError):
         asyncio.run(_collect(h))
@@ -196,14 +194,63 @@ def test_only_deaths_under_the_request_count():
 def test_retry_after_one_death_succeeds():
     h = _Handle(([_out()], EngineDiedError("boom")), ([_out(2, finished=True)], None), replicas=["a", "b"])
     outs = asyncio.run(_collect(h, restartable=True))
-    assert outs[-1].finished and router_mod.seen_dead("a") and not router_mod.seen_dead("b")
-    assert not router_mod._routed  # nothing left behind
+    assert outs[-1].finished and router_state.seen_dead("a") and not router_state.seen_dead("b")
+    assert not router_state.routed  # nothing left behind
+
+
+def test_router_state_survives_serve_pickling_the_router_by_value():
+    """Serve pickles the router class by value (its module's globals copied): the state it shares with
+    stream_outputs must live elsewhere, or the router would record routes into a copy."""
+    from ray import cloudpickle
+
+    import cluster.router
+
+    cloudpickle.register_pickle_by_value(cluster.router)
+    try:   # (a class comes back as itself in the same process; its methods show the copying)
+        routed = cloudpickle.loads(cloudpickle.dumps(LoadAwareRouter.on_request_routed))
+    finally:
+        cloudpickle.unregister_pickle_by_value(cluster.router)
+    assert routed.__globals__ is not LoadAwareRouter.on_request_routed.__globals__
+    routed(_router(), SimpleNamespace(args=["req-7", "p", {}]), "replica-a", None)
+    assert router_state.routed == {"req-7": "replica-a"}   # what stream_outputs reads
 
 
 def test_replicas_seen_dead_are_not_chosen():
-    router_mod.mark_dead("a")
+    router_state.mark_dead("a")
     assert _rank(_router(), [_replica("a"), _replica("b", running=10)]) == ["b"]
-    assert _rank(_router(), [_replica("a")]) == []  # only dead ones: Serve waits for a replacement
+    assert _rank(_router(), [_replica("a")]) == []  # only dead ones: wait (paced) for a replacement
+
+
+def test_two_suspects_never_share_a_replica():
+    """Retries of requests a replica died under (suspects) run one per replica: if one of them is a
+    poison request, the other does not die with it a second time."""
+    from collections import deque
+
+    r = _router()
+    loop = asyncio.new_event_loop()
+    try:
+        def pending(rid):
+            return SimpleNamespace(args=[rid, "p", {}], kwargs={"priority": 0}, future=loop.create_future())
+
+        router_state.suspects.update({"p-retry1", "x-retry1"})
+        reqs = [pending("p-retry1"), pending("x-retry1"), pending("fresh")]
+        r._pending_requests_to_fulfill = deque(reqs)
+        r._cancel_routing_task_for_pending_request = r._record_queue_wait_time = lambda pr: None
+        r._remove_pending_request_from_indices = lambda pr: None
+        t = SimpleNamespace(replica_id="t")
+        r._fulfill_next_pending_request(t)
+        assert reqs[0].future.result() is t and router_state.routed["p-retry1"] == "t"   # claimed at once
+        r._fulfill_next_pending_request(t)           # t hosts a suspect: the other suspect is passed over
+        assert not reqs[1].future.done() and reqs[2].future.result() is t
+        r._fulfill_next_pending_request(t)           # nothing it may take: the suspect keeps waiting
+        assert not reqs[1].future.done() and list(r._pending_requests_to_fulfill) == [reqs[1]]
+        assert _rank(r, [_replica("t"), _replica("u")], rid="x-retry1") == ["u"]
+        assert _rank(r, [_replica("t")], rid="x-retry1") == []
+        assert _rank(r, [_replica("t")], rid="fresh-2") == ["t"]
+        r._fulfill_next_pending_request(SimpleNamespace(replica_id="u"))
+        assert reqs[1].future.result().replica_id == "u"
+    finally:
+        loop.close()
 
 
 def test_admission_refuses_beyond_its_limit_and_frees_slots():

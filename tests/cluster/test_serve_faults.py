@@ -125,6 +125,32 @@ def test_client_disconnect_frees_the_slot(tiny):
     assert r.usage.completion_tokens == 2 and time.monotonic() - t0 < 2.5  # not behind ~3 s of the old one
 
 
+@pytest.mark.parametrize("fault", ["die", "crash"])
+def test_a_request_that_kills_every_replica_it_runs_on_is_answered_with_an_error(resilient, fault):
+    """A poison request (here: one that kills the process, or the engine loop, of every replica it runs
+    on) is resubmitted once, then answered 500 naming why once a second replica died under it; a
+    request running beside it loses its replica at most once and completes elsewhere."""
+    def running() -> float:
+        text = requests.get(f"{resilient.url}/metrics", timeout=30).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("eagle_replica_num_running{"))
+
+    with cf.ThreadPoolExecutor(1) as pool:
+        beside = pool.submit(resilient.client.completions.create, model=MODEL, prompt="[slow:0.05] beside",
+                             max_tokens=60, temperature=0)
+        assert wait_for(lambda: running() >= 1, timeout=30)   # it runs before the poison arrives
+        r = requests.post(f"{resilient.url}/v1/completions", timeout=120,
+                          json={"model": MODEL, "prompt": f"[{fault}-always:1] poison", "max_tokens": 8})
+        assert r.status_code == 500, r.text
+        err = r.json()["error"]
+        assert err["type"] == "server_error" and err["code"] == "replicas_died"
+        assert "2 replicas died while serving it" in err["message"], err
+        done = beside.result(timeout=120)
+        assert done.usage.completion_tokens == 60 and done.choices[0].finish_reason == "length"
+    _wait_healthy(resilient)
+    assert resilient.client.completions.create(model=MODEL, prompt="after", max_tokens=2).usage.completion_tokens == 2
+
+
 def _wait_healthy(app):
     """Serve replaces the failed replica; wait until both run again so the next test starts clean."""
     from ray import serve

@@ -1,0 +1,73 @@
+"""State the request router shares with `stream_outputs` in the caller's process (cluster/router.py).
+
+Its own module because Serve pickles the request-router class *by value* (with its module's globals
+copied) when the deployment is created: state kept in cluster/router.py would exist twice in the
+ingress, once for the router, once for `stream_outputs`. Modules are pickled by reference, so both
+reach this one.
+"""
+from __future__ import annotations
+
+import time
+import weakref
+from typing import Any
+
+DEAD_TTL_S = 60.0                               # how long a replica seen dying is skipped
+routed: dict[str, Any] = {}                     # attempt's request id -> ReplicaID it was routed to
+_seen_dead: dict[str, float] = {}               # replica unique id -> when a request saw it die
+routers: weakref.WeakSet = weakref.WeakSet()    # every LoadAwareRouter in this process
+suspects: set[str] = set()                      # attempt ids of requests a replica already died under
+
+
+def request_id(pending_request: Any) -> str | None:
+    """The request id of a `submit(request_id, ...)` call (None for other calls, e.g. stats)."""
+    args = getattr(pending_request, "args", None)
+    return args[0] if args and isinstance(args[0], str) else None
+
+
+def is_suspect(pending_request: Any) -> bool:
+    return request_id(pending_request) in suspects
+
+
+def suspect_hosts() -> set[str]:
+    """Replicas running (or just given) a suspect request: a second suspect waits for another one,
+    so a poison request cannot take an innocent suspect down with it a second time."""
+    return {replica_key(r) for rid, r in list(routed.items()) if rid in suspects}
+
+
+def replica_key(replica_id: Any) -> str:
+    return getattr(replica_id, "unique_id", None) or str(replica_id)
+
+
+def mark_dead(replica_id: Any) -> None:
+    _seen_dead.setdefault(replica_key(replica_id), time.monotonic())
+
+
+def seen_dead(replica_id: Any, before: float | None = None) -> bool:
+    """A request saw this replica die (before `before`, when given), within DEAD_TTL_S."""
+    now = time.monotonic()
+    for key, t in list(_seen_dead.items()):
+        if t < now - DEAD_TTL_S:
+            del _seen_dead[key]
+    t = _seen_dead.get(replica_key(replica_id))
+    return t is not None and (before is None or t < before)
+
+
+def live_replica_stats() -> dict[str, dict]:
+    """Routing stats of every replica this process's routers currently know (Serve drops a dead
+    replica from the set once it notices; one a request saw die is dropped at once), keyed by
+    replica id; {} before the first request."""
+    out: dict[str, dict] = {}
+    for router in list(routers):
+        for rid, replica in list(router.curr_replicas.items()):
+            stats = dict(replica.routing_stats or {})
+            if not stats or seen_dead(rid) or stats.get("engine_alive") is False:
+                continue
+            out[str(stats.get("replica_id") or replica_key(rid))] = stats
+    return out
+
+
+def clear() -> None:
+    """Forget everything (tests)."""
+    routed.clear()
+    _seen_dead.clear()
+    suspects.clear()
