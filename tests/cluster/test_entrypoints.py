@@ -68,3 +68,70 @@ def test_default_model_over_http(deploy):
     full = app.client.completions.create(**kw)
     streamed = "".join(c.choices[0].text for c in app.client.completions.create(**kw, stream=True))
     assert streamed == full.choices[0].text and full.choices[0].text.strip()
+
+
+# ---- `eaglectl serve --config`: every key form cluster/config.py documents ------------------------
+_BASE_YAML = f"model: fake\nengine: {FAKE}\nresources_per_rank: {{cpu: 0.25}}\nlimits: {{max_model_len: 256, max_tokens: 32}}\n"
+
+
+@pytest.mark.parametrize("form", ["api_keys", "api_keys_env", "api_keys_file", "deploy file"])
+def test_serve_cli_accepts_every_api_key_form(tmp_path, monkeypatch, form):
+    """The CLI reads the file as a serve config (a deploy file: its `serve:` section), not as a deploy
+    config (which refuses literal keys and wants a Kubernetes secret for api_keys_env)."""
+    from click.testing import CliRunner
+
+    import cluster.serve_app
+    from eaglectl.main import main
+
+    (tmp_path / "keys.txt").write_text("# ops\nfile-key\n")
+    monkeypatch.setenv("FLEET_TEST_KEYS", "env-key-1,env-key-2")
+    keys = {"api_keys": ("api_keys: [inline-key]\n", {"inline-key"}),
+            "api_keys_env": ("api_keys_env: FLEET_TEST_KEYS\n", {"env-key-1", "env-key-2"}),
+            "api_keys_file": (f"api_keys_file: {tmp_path / 'keys.txt'}\n", {"file-key"})}
+    if form == "deploy file":
+        serve = "".join("  " + line + "\n" for line in (_BASE_YAML + "api_keys: [inline-key]\n"
+                                                       "api_keys_env: FLEET_TEST_KEYS\n").splitlines())
+        text, expected = f"serve:\n{serve}kubernetes: {{}}\n", {"inline-key", "env-key-1", "env-key-2"}
+    else:
+        text, expected = _BASE_YAML + keys[form][0], keys[form][1]
+    path = tmp_path / "serve.yaml"
+    path.write_text(text)
+    served = []
+    monkeypatch.setattr(cluster.serve_app, "run_serve", lambda cfg, address=None, blocking=True: served.append(cfg))
+    result = CliRunner().invoke(main, ["serve", "--config", str(path), "--port", "8123"])
+    assert result.exit_code == 0, result.output
+    assert served[0].resolve_api_keys() == expected and served[0].port == 8123
+
+
+@pytest.mark.slow  # `eaglectl serve` in a subprocess: its own Ray and Serve app
+def test_serve_cli_with_every_api_key_form_authenticates_each_key(tmp_path):
+    port = _free_port()
+    (tmp_path / "keys.txt").write_text("file-key\n")
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(_BASE_YAML + f"port: {port}\napi_keys: [inline-key]\napi_keys_env: FLEET_TEST_KEYS\n"
+                   f"api_keys_file: {tmp_path / 'keys.txt'}\n")
+    env = dict(os.environ, FLEET_TEST_KEYS="env-key",
+               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
+    env.pop("RAY_ADDRESS", None)   # a Ray of its own, as on an operator's machine
+    proc = subprocess.Popen([sys.executable, "-m", "eaglectl.main", "serve", "--config", str(cfg)], cwd=tmp_path,
+                            env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        def up():
+            assert proc.poll() is None, proc.stdout.read()[-3000:]
+            try:
+                return requests.get(f"{base}/health", timeout=15).status_code == 200
+            except requests.RequestException:
+                return False
+        assert wait_for(up, timeout=180, interval=1), "server did not come up"
+        for key in ("inline-key", "env-key", "file-key"):
+            client = openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0)
+            assert client.completions.create(model="fake", prompt="hi", max_tokens=2).usage.completion_tokens == 2
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0).models.list()
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
