@@ -184,6 +184,7 @@ class _SamplingRequest(BaseModel):
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0)   # 0 with echo: score the prompt only (vLLM, lm-eval)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
@@ -216,8 +217,15 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError("best_of is not supported; use n")
         return v
 
+    @property
+    def score_only(self) -> bool:
+        """`max_tokens: 0` with `echo`: the prompt and its logprobs, nothing generated."""
+        return self.max_tokens == 0
+
     @model_validator(mode="after")
     def _logprob_counts(self) -> "CompletionRequest":
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: 0 is only allowed with echo (to score the prompt)")
         self._num_logprobs = self.logprobs
         self._num_prompt_logprobs = self.logprobs if self.echo else None
         return self

@@ -30,17 +30,18 @@ def _entry(e: Any) -> tuple[float, list[tuple[int, float]]] | None:
     return e.logprob, list(e.top)
 
 
-def _total_usage(outs: list) -> oa.Usage:
-    return oa.usage(len(outs[0].prompt_token_ids), sum(len(o.token_ids) for o in outs))
+def _total_usage(outs: list, generated: bool = True) -> oa.Usage:
+    return oa.usage(len(outs[0].prompt_token_ids), sum(len(o.token_ids) for o in outs) if generated else 0)
 
 
 class _Render:
     def __init__(self, model: str, prompts, req):
         self.model, self.prompts, self.req = model, prompts, req
         self.want_logprobs = req.num_logprobs is not None
+        self.score_only = getattr(req, "score_only", False)   # the one generated token is not shown
 
     def usage_chunk(self, rid: str, outs: list):
-        return self.response_cls(id=rid, model=self.model, choices=[], usage=_total_usage(outs))
+        return self.response_cls(id=rid, model=self.model, choices=[], usage=_total_usage(outs, not self.score_only))
 
 
 class CompletionRender(_Render):
@@ -83,24 +84,27 @@ class CompletionRender(_Render):
             logprobs = None
             if self.want_logprobs:
                 entries, ids = self._echoed(prompt_lps)
-                logprobs, _ = self.logprobs(entries + list(out.logprobs or []), ids + list(out.token_ids), 0)
-            text = (self.prompt_text if self.req.echo else "") + out.text
+                gen, gen_ids = ([], []) if self.score_only else (list(out.logprobs or []), list(out.token_ids))
+                logprobs, _ = self.logprobs(entries + gen, ids + gen_ids, 0)
+            text = (self.prompt_text if self.req.echo else "") + ("" if self.score_only else out.text)
             choices.append(oa.CompletionChoice(index=i, text=text, logprobs=logprobs,
                                                finish_reason=oa.finish_reason(out.finish_reason)))
-        return oa.CompletionResponse(id=rid, model=self.model, choices=choices, usage=_total_usage(outs))
+        return oa.CompletionResponse(id=rid, model=self.model, choices=choices,
+                                     usage=_total_usage(outs, not self.score_only))
 
     def head(self, rid: str) -> list:
         return []
 
     def chunk(self, rid: str, i: int, out) -> oa.CompletionResponse:
         first = i not in self._offsets
-        text, logprobs = out.delta_text, None
+        text, logprobs = ("" if self.score_only else out.delta_text), None
         if first and self.req.echo:
             text = self.prompt_text + text
         if self.want_logprobs:
             entries, ids = self._echoed(getattr(out, "prompt_logprobs", None)) if first else ([], [])
-            logprobs, self._offsets[i] = self.logprobs(entries + list(getattr(out, "new_logprobs", None) or []),
-                                                       ids + list(out.new_token_ids), self._offsets.get(i, 0))
+            if not self.score_only:
+                entries, ids = entries + list(getattr(out, "new_logprobs", None) or []), ids + list(out.new_token_ids)
+            logprobs, self._offsets[i] = self.logprobs(entries, ids, self._offsets.get(i, 0))
         else:
             self._offsets[i] = 0
         choice = oa.CompletionChoice(index=i, text=text, logprobs=logprobs,

@@ -237,7 +237,7 @@ class OpenAIIngress:
     @api.post("/v1/completions")
     async def completions(self, request: Request):
         req = await self._parse(request, oa.CompletionRequest)
-        max_tokens = self._max_tokens(req.max_tokens, default=16)
+        max_tokens = 1 if req.score_only else self._max_tokens(req.max_tokens, default=16)
         ids, text = await self.prompts.completion(req.prompt, self._context(), need_text=req.echo)
         render = CompletionRender(self.config.model_name, self.prompts, req, text, ids)
         return await self._run("completions", req, ids, max_tokens, render)

@@ -262,3 +262,12 @@ def test_4mb_body_is_a_413_and_messages_sent_back_are_accepted(app):
     msgs += [first.choices[0].message.model_dump(), {"role": "user", "content": "and?"}]   # refusal: None etc.
     assert app.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=3,
                                               extra_body=NO_EOS).usage.completion_tokens == 3
+
+
+def test_prompt_scoring_with_echo_and_max_tokens_0(app, tokenizer):
+    prompt = "The quick brown fox"
+    r = app.client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == prompt and r.usage.completion_tokens == 0
+    assert lp.tokens == [tokenizer.decode([i]) for i in tokenizer(prompt).input_ids]
+    assert lp.token_logprobs[0] is None and all(v <= 0 for v in lp.token_logprobs[1:])

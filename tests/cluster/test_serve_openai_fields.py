@@ -263,3 +263,16 @@ def test_n_with_a_failing_choice_answers_and_frees_the_rest(app):
     assert app.client.completions.create(model=MODEL, prompt="ok", max_tokens=2, n=2).usage.completion_tokens == 4
     stats = _replica_stats("fields")
     assert stats["num_running"] == 0 and stats["num_waiting"] == 0
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt(app):
+    """As vLLM (and lm-eval's loglikelihood requests) use it: the prompt's logprobs, nothing generated."""
+    kw = dict(model=MODEL, prompt="abcd", max_tokens=0, echo=True, logprobs=1)
+    r = app.client.completions.create(**kw)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == "abcd" and r.usage.completion_tokens == 0 and r.usage.prompt_tokens == 4
+    assert lp.tokens == list("abcd") and lp.token_logprobs == [None, -0.5, -0.5, -0.5]
+    chunks = list(app.client.completions.create(**kw, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == "abcd"
+    assert [t for c in chunks for t in c.choices[0].logprobs.tokens] == list("abcd")
+    _refused(lambda: app.client.completions.create(model=MODEL, prompt="abcd", max_tokens=0), 400, "max_tokens", "echo")
