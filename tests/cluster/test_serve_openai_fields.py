@@ -276,3 +276,13 @@ def test_echo_with_max_tokens_0_scores_the_prompt(app):
     assert "".join(c.choices[0].text for c in chunks) == "abcd"
     assert [t for c in chunks for t in c.choices[0].logprobs.tokens] == list("abcd")
     _refused(lambda: app.client.completions.create(model=MODEL, prompt="abcd", max_tokens=0), 400, "max_tokens", "echo")
+
+
+def test_abandoned_n_stream_aborts_every_choice(app):
+    from tests.cluster.conftest import wait_for
+
+    with requests.post(f"{app.url}/v1/completions", stream=True, timeout=60, json={
+            "model": MODEL, "prompt": "[slow:0.05] long", "max_tokens": 60, "n": 3, "stream": True}) as r:
+        next(r.iter_lines())
+        assert _replica_stats("fields")["num_running"] == 3
+    assert wait_for(lambda: _replica_stats("fields")["num_running"] == 0, timeout=5)   # not after ~3 s of steps
