@@ -102,7 +102,8 @@ class StreamOptions(BaseModel):
 
 class _SamplingRequest(BaseModel):
     # A field we do not know is refused (400 naming it), never silently ignored; see HARMLESS.
-    model_config = ConfigDict(extra="forbid")
+    # NaN and infinities (Python's JSON reads them) are refused as not finite.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
