@@ -1,7 +1,7 @@
 """The Ray Serve application: an OpenAI-compatible FastAPI ingress in front of engine replicas.
 
 Two deployments: `OpenAIIngress` (HTTP, validation, auth, chat templating and tokenization, SSE,
-metrics; no model weights) and
+metrics; it loads the tokenizer, not the weights) and
 `LLMServer` (cluster/replica.py: one engine per replica, TP ranks in the replica's placement
 group). The ingress reaches replicas through a DeploymentHandle whose routing is
 `cluster.router.LoadAwareRouter`; Serve autoscales `LLMServer` on ongoing requests.
