@@ -47,7 +47,7 @@ def seen_dead(replica_id: Any, before: float | None = None) -> bool:
     now = time.monotonic()
     for key, t in list(_seen_dead.items()):
         if t < now - DEAD_TTL_S:
-            del _seen_dead[key]
+            _seen_dead.pop(key, None)   # (the router runs on its own thread)
     t = _seen_dead.get(replica_key(replica_id))
     return t is not None and (before is None or t < before)
 
