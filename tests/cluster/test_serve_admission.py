@@ -34,7 +34,7 @@ def admit(deploy):
 
 @pytest.fixture(scope="module")
 def counted(deploy):
-    return deploy(_cfg("counted", api_keys=["key-1"]), "/counted")
+    return deploy(_cfg("counted", api_keys=["key-1"], limits={**LIMITS, "max_request_body_bytes": 4096}), "/counted")
 
 
 def _burst(n: int, send) -> list:
@@ -108,6 +108,7 @@ def test_every_request_is_counted_by_final_status(counted):
     assert requests.post(url, data=b"{not json", headers={**key, "Content-Type": "application/json"}
                          ).status_code == 400
     assert requests.post(url, json={**body, "model": "other"}, headers=key).status_code == 404
+    assert requests.post(url, json={**body, "prompt": "x" * 5000}, headers=key).status_code == 413
     assert requests.get(f"{counted.url}/v1/nowhere", headers=key).status_code == 404
     assert requests.get(url, headers=key).status_code == 405
     assert counted.client.completions.create(**body).usage.completion_tokens == 2
@@ -115,7 +116,8 @@ def test_every_request_is_counted_by_final_status(counted):
                        json={**body, "prompt": "[slow:0.05] long", "max_tokens": 60, "stream": True}) as r:
         assert r.status_code == 200
         next(r.iter_lines())
-    expected = {("completions", 401): 1, ("completions", 400): 1, ("completions", 404): 1, ("other", 404): 1,
+    expected = {("completions", 401): 1, ("completions", 400): 1, ("completions", 404): 1, ("completions", 413): 1,
+                ("other", 404): 1,
                 ("completions", 405): 1, ("completions", 200): 1, ("completions", 499): 1}
     assert wait_for(lambda: all(_count(_metrics(counted), e, s) == n for (e, s), n in expected.items()), 30), \
         _metrics(counted)
