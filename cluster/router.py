@@ -283,8 +283,8 @@ async def _attempts(handle, request_id, prompt, params, priority, messages, max_
                 deaths[f"attempt-{attempt}"] = e
             elif state.replica_key(replica) not in deaths and not state.seen_dead(replica, before=sent_at):
                 deaths[state.replica_key(replica)] = e   # died while this request was on it
-            if replica is not None:
-                state.mark_dead(replica)
+            if replica is not None and not isinstance(e, ray.exceptions.ActorUnavailableError):
+                state.mark_dead(replica)   # (unavailable may be a blip: Serve probes those itself)
             if tokens_seen and not restartable:
                 raise ReplicaLostError(
                     f"the replica serving this request died after {tokens_seen} tokens were streamed; "

@@ -215,6 +215,12 @@ def test_router_state_survives_serve_pickling_the_router_by_value():
     assert router_state.routed == {"req-7": "replica-a"}   # what stream_outputs reads
 
 
+def test_an_unavailable_replica_is_not_taken_for_dead():
+    h = _Handle(([], ray.exceptions.ActorUnavailableError("blip", None)), ([_out(finished=True)], None),
+                replicas=["a", "b"])
+    assert asyncio.run(_collect(h))[-1].finished and not router_state.seen_dead("a")
+
+
 def test_replicas_seen_dead_are_not_chosen():
     router_state.mark_dead("a")
     assert _rank(_router(), [_replica("a"), _replica("b", running=10)]) == ["b"]
