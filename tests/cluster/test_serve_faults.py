@@ -6,6 +6,7 @@ faults; everything else (Serve, the router, HTTP, the openai client) is real.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import re
 import time
 
 import openai
@@ -149,6 +150,25 @@ def test_a_request_that_kills_every_replica_it_runs_on_is_answered_with_an_error
         assert done.usage.completion_tokens == 60 and done.choices[0].finish_reason == "length"
     _wait_healthy(resilient)
     assert resilient.client.completions.create(model=MODEL, prompt="after", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_a_poison_request_takes_down_two_replicas_and_no_more(deploy):
+    """Three replicas: the poison request kills two (the one it lands on, the one it is retried on),
+    is answered 500, and the third replica is never touched."""
+    trio = deploy(_cfg("trio", num_replicas=3), "/trio")
+
+    def replicas() -> set[str]:
+        text = requests.get(f"{trio.url}/metrics", timeout=30).text
+        return set(re.findall(r'eagle_replica_kv_usage\{model="\w+",replica="(\w+)"\}', text))
+
+    assert wait_for(lambda: len(replicas()) == 3, 60), replicas()
+    before = replicas()
+    r = requests.post(f"{trio.url}/v1/completions", timeout=120,
+                      json={"model": MODEL, "prompt": "[die-always:1] poison", "max_tokens": 8})
+    assert r.status_code == 500 and r.json()["error"]["code"] == "replicas_died", r.text
+    assert wait_for(lambda: len(replicas()) == 3 and len(before - replicas()) == 2, 90), (before, replicas())
+    assert len(before & replicas()) == 1     # the third one lives on
+    assert trio.client.completions.create(model=MODEL, prompt="fine", max_tokens=2).usage.completion_tokens == 2
 
 
 def _wait_healthy(app):
