@@ -32,7 +32,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 1024 # token budget per step (prefill chunks + decodes)
     max_model_len: int | None = None   # default: the model's context length, capped at 8192
     chat_template: str | None = None   # Jinja template overriding the tokenizer's
-    seed: int = 0                      # engine generator for requests without their own seed
+    seed: int = 0                      # seeds the seeds drawn for requests that bring none
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -1,8 +1,8 @@
 """Token sampling as a pure function of (seed, output position, the target's processed distribution).
 
-A seed is a text: the token at output position t of a request with seed s is the inverse-CDF draw
-from the processed distribution at t with the uniform u(s, t) (`keyed_uniform`, a counter-based
-hash). Nothing else is consumed, so the draw does not depend on the batch, on how many tokens a
+A seed is a text: the token at output position t of a request with seed s is the Gumbel-max draw
+from the processed distribution at t with noise keyed by (s, t, token) (`keyed_uniforms`, a
+counter-based hash: splitmix64). Nothing else is consumed, so the draw does not depend on the batch, on how many tokens a
 step produced, on whether a draft tree (head, lookup, hybrid) or plain decoding reached t, on
 preemption or on which replica runs it. Speculative acceptance (speculative/acceptance.py) asks
 the same `draw_tokens` for each tree node it visits.
@@ -24,21 +24,68 @@ from eagle_worker.outputs import TokenLogprob
 from eagle_worker.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
+_GAMMA = 0x9E3779B97F4A7C15        # splitmix64's increment
+_M1, _M2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 
 
 def _splitmix64(x: int) -> int:
     """One splitmix64 output for state x (Steele, Lea & Flood 2014): a bijective 64-bit mixer."""
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    x = (x + _GAMMA) & _MASK64
+    x = ((x ^ (x >> 30)) * _M1) & _MASK64
+    x = ((x ^ (x >> 27)) * _M2) & _MASK64
     return x ^ (x >> 31)
 
 
-def keyed_uniform(seed: int, position: int) -> float:
-    """u in [0, 1) for (seed, output position): the top 53 bits of
-    splitmix64(splitmix64(seed) ^ position). Plain integers on the host, so every device and
-    every tensor-parallel rank gets the same number."""
-    return (_splitmix64(_splitmix64(seed & _MASK64) ^ position) >> 11) * 2.0 ** -53
+def draw_key(seed: int, position: int) -> int:
+    """The 64-bit key of (seed, output position): splitmix64(splitmix64(seed) ^ position)."""
+    return _splitmix64(_splitmix64(seed & _MASK64) ^ position)
+
+
+def keyed_uniform(seed: int, position: int, token: int) -> float:
+    """Token `token`'s uniform in (0, 1) at (seed, position): the token-th output of a splitmix64
+    stream started at draw_key(seed, position), top 53 bits, centred. The reference for
+    `keyed_uniforms`, which computes a whole vocabulary of them at once."""
+    return ((_splitmix64((draw_key(seed, position) + token * _GAMMA) & _MASK64) >> 11) + 0.5) * 2.0 ** -53
+
+
+def _i64(x: int) -> int:
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def _lsr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns (torch's >> is arithmetic)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+_STRIDES: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def keyed_uniforms(seed: int, position: int, vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[vocab] float64: keyed_uniform(seed, position, i) for every token i, in int64 tensor
+    arithmetic (multiplication wraps mod 2**64 on every backend torch supports)."""
+    key = (vocab, str(device))
+    if key not in _STRIDES:
+        _STRIDES[key] = torch.arange(vocab, dtype=torch.long, device=device) * _i64(_GAMMA)
+    x = _STRIDES[key] + _i64((draw_key(seed, position) + _GAMMA) & _MASK64)
+    x = (x ^ _lsr(x, 30)) * _i64(_M1)
+    x = (x ^ _lsr(x, 27)) * _i64(_M2)
+    x = x ^ _lsr(x, 31)
+    return (_lsr(x, 11).double() + 0.5) * 2.0 ** -53
+
+
+def keyed_choice(probs: torch.Tensor, seeds: list[int], positions: list[int]) -> torch.Tensor:
+    """Row r's token drawn from `probs` [R, V] (non-negative weights) with the noise of
+    (seeds[r], positions[r]): the Gumbel-max argmax of log p + G, G = -log(-log u) per token. A
+    float32 wobble of the distribution (another batch shape, a tree row instead of a plain one)
+    changes the token only if the top two perturbed scores are that close, unlike an inverse CDF,
+    where every one of a 262k vocabulary's tiny tail intervals is a boundary to fall across.
+    Rows without finite positive mass answer -1 (the caller falls back)."""
+    V = probs.shape[-1]
+    g = torch.stack([keyed_uniforms(s, t, V, probs.device) for s, t in zip(seeds, positions)])
+    score = probs.double().log() - (-g.log()).log()
+    tok = score.argmax(-1)
+    ok = torch.isfinite(probs).all(-1) & (probs.sum(-1) > 0)
+    return torch.where(ok, tok, -1)
 
 
 @dataclass
@@ -91,25 +138,14 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
         probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p.masked_fill(drop, 0.0))
     if params.min_p > 0.0:
         probs = probs.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), 0.0)
-    return probs / probs.sum(-1, keepdim=True)
-
-
-def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """The token of each row of `probs` [R, V] (any non-negative weights) at uniform u [R]: the first
-    index whose float64 cumulative mass exceeds u * total (a 262k vocabulary adds no visible bias).
-    Rows without finite positive mass answer -1 (the caller falls back)."""
-    cdf = probs.double().cumsum(-1)
-    total = cdf[:, -1]
-    x = (u.to(cdf) * total)[:, None]
-    tok = torch.searchsorted(cdf, x, right=True).squeeze(1)
-    last = (probs > 0).int().cumsum(-1).argmax(-1)          # the last token with mass (u * total rounded up)
-    tok = torch.where(tok < probs.shape[-1], tok, last)
-    return torch.where(torch.isfinite(total) & (total > 0), tok, -1)
+    if params.top_p < 1.0 or params.min_p > 0.0:
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
 
 
 def draw_tokens(logits: torch.Tensor, rows: list[SampleRow]) -> list[int]:
     """The token of each row of raw `logits` [R, V]: greedy rows the processed argmax, the others the
-    keyed inverse-CDF draw."""
+    keyed Gumbel-max draw."""
     if all(r.params.greedy and not r.params.processes_logits for r in rows):
         return logits.argmax(-1).tolist()
     out = []
@@ -118,8 +154,7 @@ def draw_tokens(logits: torch.Tensor, rows: list[SampleRow]) -> list[int]:
         if row.params.greedy:
             tok = int(torch.nan_to_num(x, nan=float("-inf")).argmax())
         else:
-            u = torch.tensor([keyed_uniform(row.seed, row.position)], dtype=torch.float64)
-            tok = int(inverse_cdf(filtered_probs(x, row.params)[None], u)[0])
+            tok = int(keyed_choice(filtered_probs(x, row.params)[None], [row.seed], [row.position])[0])
             if tok < 0:    # no finite mass (non-finite logits): the raw argmax still answers
                 tok = int(torch.nan_to_num(raw.float(), nan=float("-inf")).argmax())
         out.append(tok)

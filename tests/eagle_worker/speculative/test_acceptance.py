@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from eagle_worker.sampler import inverse_cdf, keyed_uniform
+from eagle_worker.sampler import keyed_choice
 from eagle_worker.speculative.acceptance import accept, accept_batch
 from eagle_worker.speculative.tree import TreeBatch
 
@@ -134,11 +134,10 @@ def _adversarial_tree(table, prefix: tuple, rng: random.Random) -> tuple[list[in
 
 
 def _plain(table, seed: int, n: int = POS) -> list[int]:
-    """Plain keyed sampling: position t's token is the inverse-CDF draw at u(seed, t)."""
+    """Plain keyed sampling: position t's token is the keyed draw of (seed, t)."""
     out = []
     for t in range(n):
-        u = torch.tensor([keyed_uniform(seed, t)], dtype=torch.float64)
-        out.append(int(inverse_cdf(_p(table, tuple(out))[None], u)[0]))
+        out.append(int(keyed_choice(_p(table, tuple(out))[None], [seed], [t])[0]))
     return out
 
 
@@ -163,9 +162,7 @@ def _simulate(n_trials: int, seed: int, key=lambda out_len, depth: out_len + dep
             trial = [active[i] for i in b.tolist()]
             ctxs = [trees[int(ids[i])][2][n] for i, n in zip(b.tolist(), node.tolist())]
             probs = torch.stack([_p(table, c) for c in ctxs])
-            u = torch.tensor([keyed_uniform(t, key(len(out[t]), len(c) - len(out[t]))) for t, c in zip(trial, ctxs)],
-                             dtype=torch.float64)
-            return inverse_cdf(probs, u)
+            return keyed_choice(probs, trial, [key(len(out[t]), len(c) - len(out[t])) for t, c in zip(trial, ctxs)])
 
         for t, a in zip(active, accept_batch(batch, fn)):
             out[t].extend(a.tokens)
