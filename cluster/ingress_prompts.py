@@ -36,7 +36,13 @@ class IngressPrompts:
                          need_text: bool) -> tuple[list[int], str]:
         """(token ids, prompt text); the text of a token-id prompt is decoded only if `need_text`."""
         if isinstance(prompt, list):
-            return prompt, (await asyncio.to_thread(self.prompts.decode, prompt) if need_text else "")
+            if min(prompt) < 0:
+                raise APIError(400, f"prompt: token ids must be >= 0, got {min(prompt)}", param="prompt")
+            try:   # ids beyond the vocabulary are the engine's to refuse; decoding must not fail first
+                text = await asyncio.to_thread(self.prompts.decode, prompt) if need_text else ""
+            except Exception as e:
+                raise APIError(400, f"prompt: cannot decode these token ids: {e}", param="prompt") from None
+            return prompt, text
         self._check_length(len(prompt), max_model_len, "prompt")
         return await asyncio.to_thread(self.prompts.tokenize, prompt), prompt
 

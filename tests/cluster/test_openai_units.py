@@ -148,6 +148,9 @@ def test_prompt_length_checked_in_characters_before_tokenizing():
     assert ei.value.param == "messages" and Counting.calls == 0
     assert asyncio.run(prompts.completion("abc", max_model_len=100, need_text=False)) == (list(b"abc"), "abc")
     assert asyncio.run(prompts.completion([97, 98], max_model_len=100, need_text=True)) == ([97, 98], "ab")
+    with pytest.raises(oa.APIError) as ei:
+        asyncio.run(prompts.completion([5, -1], max_model_len=100, need_text=True))
+    assert ei.value.param == "prompt" and ">= 0" in ei.value.message
 
 
 def test_merge_streams_interleaves_and_stops_readers():

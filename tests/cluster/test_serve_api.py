@@ -97,6 +97,8 @@ def _err(exc_info):
     (dict(temperature=-1), 400, "temperature", "greater than or equal"),
     (dict(top_p=0), 400, "top_p", "greater than"),
     (dict(n=0), 400, "n", "greater than"),
+    (dict(prompt=[1, -5], echo=True), 400, "prompt", ">= 0"),
+    (dict(prompt=[1, 10**9], echo=True), 400, "prompt", "out of range"),
     (dict(seed=2**64), 400, "seed", "less than"),
     (dict(extra_body={"response_format": {"type": "json_object"}}), 400, "response_format", "not supported"),
     (dict(prompt=""), 400, "prompt", "empty"),
