@@ -44,7 +44,7 @@ class IngressPrompts:
                 raise APIError(400, f"prompt: cannot decode these token ids: {e}", param="prompt") from None
             return prompt, text
         self._check_length(len(prompt), max_model_len, "prompt")
-        return await asyncio.to_thread(self.prompts.tokenize, prompt), prompt
+        return await self._tokenize(prompt, "prompt"), prompt
 
     async def chat(self, messages: list[dict], max_model_len: int | None) -> list[int]:
         self._check_length(sum(len(m["content"]) for m in messages), max_model_len, "messages")
@@ -53,4 +53,12 @@ class IngressPrompts:
         except Exception as e:  # no template, malformed messages, a template's raise_exception()
             raise APIError(400, f"messages: cannot apply the chat template: {e}", param="messages") from None
         self._check_length(len(text), max_model_len, "messages")
-        return await asyncio.to_thread(self.prompts.tokenize, text)
+        return await self._tokenize(text, "messages")
+
+    async def _tokenize(self, text: str, param: str) -> list[int]:
+        """Token ids of `text`; text no tokenizer takes (a lone surrogate from a JSON escape) is a 400."""
+        try:
+            text.encode("utf-8")
+            return await asyncio.to_thread(self.prompts.tokenize, text)
+        except (UnicodeError, TypeError, ValueError) as e:
+            raise APIError(400, f"{param}: cannot be tokenized: {e}", param=param) from None

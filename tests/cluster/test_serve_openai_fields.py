@@ -203,6 +203,10 @@ def test_malformed_bodies(app):
     assert "JSON object" in _shape(_raw(app, "[1, 2]"), 400)["message"]
     assert "not valid JSON" in _shape(_raw(app, "{nope"), 400)["message"]
     _shape(_raw(app, b"\xff\xfe{}"), 400)
+    for body in ('{"model": "fake", "prompt": "a\\ud800b"}',   # a lone surrogate: valid JSON, not text
+                 '{"model": "fake", "messages": [{"role": "user", "content": "\\udfff"}]}'):
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        assert _shape(_raw(app, body, path=path), 400)["param"] in ("prompt", "messages")
     err = _shape(_raw(app, json.dumps({"model": MODEL, "prompt": "x"}), {"Content-Type": "text/plain"}), 415)
     assert "Content-Type" in err["message"]
     r = requests.post(f"{app.url}/v1/completions", data=json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 2}))
