@@ -23,11 +23,17 @@ class APIError(Exception):
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None):
         super().__init__(message)
+        message, param = _printable(message), _printable(param)   # may quote a client's lone surrogates
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
     def body(self) -> dict[str, Any]:
         return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param,
                                              code=self.code)).model_dump()
+
+
+def _printable(text: str | None) -> str | None:
+    """`text` as valid UTF-8 (lone surrogates escaped), so the error body can always be sent."""
+    return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class ErrorInfo(BaseModel):

@@ -207,6 +207,8 @@ def test_malformed_bodies(app):
                  '{"model": "fake", "messages": [{"role": "user", "content": "\\udfff"}]}'):
         path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
         assert _shape(_raw(app, body, path=path), 400)["param"] in ("prompt", "messages")
+    _shape(_raw(app, '{"model": "fake", "prompt": "x", "\\ud800": 1}'), 400)
+    assert "ud800" in _shape(_raw(app, '{"model": "\\ud800", "prompt": "x"}'), 404)["message"]
     err = _shape(_raw(app, json.dumps({"model": MODEL, "prompt": "x"}), {"Content-Type": "text/plain"}), 415)
     assert "Content-Type" in err["message"]
     r = requests.post(f"{app.url}/v1/completions", data=json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 2}))
