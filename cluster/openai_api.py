@@ -10,6 +10,7 @@ OpenAI clients send and that change nothing (`HARMLESS`) are accepted. Extension
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from typing import Any, Literal
@@ -47,10 +48,13 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|(list|dict|tuple)\[.*\]|function-(after|before|wrap|plain)\[.*)$")
+
+
 def validation_error(e: ValidationError) -> APIError:
     """A request model's first validation error as a 400 naming the field."""
     err = e.errors()[0]
-    loc = [str(p) for p in err["loc"] if not str(p).startswith(("function-after", "function-before"))]
+    loc = [str(p) for p in err["loc"] if not _UNION_TAG.match(str(p))]   # ("prompt", "str") -> "prompt"
     param = ".".join(loc) or None
     msg = err["msg"].removeprefix("Value error, ")
     if err["type"] == "extra_forbidden":

@@ -40,6 +40,12 @@ def test_chat_fields_refused_by_name(extra, param, needle):
     assert err.status == 400 and err.param == param and needle in err.message, err.message
 
 
+def test_union_members_are_not_named_in_param():
+    assert _refusal(oa.CompletionRequest, {"model": "m", "prompt": [1.5]}).param == "prompt"
+    assert _refusal(oa.ChatCompletionRequest, CHAT | {"messages": [{"role": "user", "content": 5}]}).param == \
+        "messages.0.content"
+
+
 def test_accepted_fields_and_engine_params():
     req = oa.ChatCompletionRequest.model_validate(CHAT | {
         "user": "u", "metadata": {"a": "b"}, "store": False, "response_format": {"type": "text"}, "tool_choice": "none",
