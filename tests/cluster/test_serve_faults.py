@@ -166,7 +166,7 @@ def test_a_poison_request_takes_down_two_replicas_and_no_more(deploy):
     r = requests.post(f"{trio.url}/v1/completions", timeout=120,
                       json={"model": MODEL, "prompt": "[die-always:1] poison", "max_tokens": 8})
     assert r.status_code == 500 and r.json()["error"]["code"] == "replicas_died", r.text
-    assert wait_for(lambda: len(replicas()) == 3 and len(before - replicas()) == 2, 90), (before, replicas())
+    assert wait_for(lambda: len(replicas()) == 3 and len(before - replicas()) == 2, 180), (before, replicas())
     assert len(before & replicas()) == 1     # the third one lives on
     assert trio.client.completions.create(model=MODEL, prompt="fine", max_tokens=2).usage.completion_tokens == 2
 
