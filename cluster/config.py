@@ -26,6 +26,8 @@ Example YAML (every key optional)::
     resources_per_rank: {cpu: 1, gpu: 0}
     limits: {max_model_len: 2048, max_tokens: 1024, max_num_seqs: 64,
              max_queued_requests: 64, max_router_queue: 128}
+                                      # capacity = replicas x (max_num_seqs + max_queued_requests); the
+                                      # ingress admits capacity + max_router_queue, then 503 + Retry-After
     api_keys: []                      # literal keys, and/or
     api_keys_env: EAGLE_API_KEYS      # env var with comma-separated keys, and/or
     api_keys_file: /etc/eagle/keys    # one key per line, '#' comments
