@@ -152,6 +152,17 @@ def test_a_request_that_kills_every_replica_it_runs_on_is_answered_with_an_error
     assert resilient.client.completions.create(model=MODEL, prompt="after", max_tokens=2).usage.completion_tokens == 2
 
 
+def test_a_streamed_poison_request_gets_a_500_before_any_token(resilient):
+    """Streamed, it dies before its first token on each replica: retried once, then a plain 500 (the
+    headers have not gone out), in OpenAI's shape, through the official client."""
+    with pytest.raises(openai.InternalServerError) as ei:
+        list(resilient.client.completions.create(model=MODEL, prompt="[die-always:0] poison", max_tokens=4,
+                                                 stream=True))
+    assert ei.value.status_code == 500 and "2 replicas died while serving it" in str(ei.value)
+    assert ei.value.body["code"] == "replicas_died"
+    _wait_healthy(resilient)
+
+
 def test_a_poison_request_takes_down_two_replicas_and_no_more(deploy):
     """Three replicas: the poison request kills two (the one it lands on, the one it is retried on),
     is answered 500, and the third replica is never touched."""
