@@ -87,6 +87,16 @@ def test_a_burst_beyond_capacity_gets_503_with_retry_after(admit):
     assert ok.usage.completion_tokens == 3
 
 
+def test_the_openai_client_honours_retry_after(admit):
+    """The official client retries a 503 after its Retry-After: an over-capacity burst all gets served."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{admit.url}/v1", api_key="unused", max_retries=8, timeout=120)
+    results = _burst(admit.config.admission_limit + 4, lambda i: client.completions.create(
+        model=MODEL, prompt=f"[slow:0.02] patient #{i}", max_tokens=10))
+    assert all(not isinstance(r, Exception) and r.usage.completion_tokens == 10 for r in results), results
+
+
 def _metrics(app) -> str:
     return requests.get(f"{app.url}/metrics", timeout=30).text
 
