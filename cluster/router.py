@@ -28,7 +28,12 @@ Poison requests: a request under which two *different* replicas died is not resu
 request count: the router records which replica each attempt was routed to (`on_request_routed`),
 so the same death seen twice (a retry that lands on the replica that already died, before Serve
 notices) and a replica already seen dead by another request before this attempt was sent do not
-count. A replica a request saw die is skipped by `choose_replicas` until Serve replaces it.
+count. A replica a request saw die is skipped by `choose_replicas` until Serve replaces it. Retries
+of requests a replica died under ("suspects") run one per replica (`choose_replicas` and
+`_fulfill_next_pending_request` keep a second suspect off a replica that has one): were one of them
+the poison, the other would otherwise follow it onto the only replica left and die a second time.
+That bookkeeping lives in cluster/router_state.py, which the router and `stream_outputs` share:
+Serve pickles this module's router class by value, with copies of its globals.
 
 Admission (`Admission`): the ingress admits at most `ServeConfig.admission_limit` engine requests at
 once (every replica's `max_ongoing_requests`, plus `limits.max_router_queue` waiting for a slot);
