@@ -20,6 +20,8 @@ import time
 from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from ray.exceptions import TaskCancelledError
+from starlette.requests import ClientDisconnect
 
 disable_created_metrics()  # the *_created series only add noise to every scrape
 
@@ -172,8 +174,8 @@ class StatusCounter:
             status = holder.get("status") or state["status"] or 500
             if state["status"] is not None and not state["complete"]:
                 status = CLIENT_CLOSED       # the body was cut off: the client went away
-        except asyncio.CancelledError:
-            status = CLIENT_CLOSED           # Serve cancels the request when its client disconnects
+        except (asyncio.CancelledError, TaskCancelledError, ClientDisconnect):
+            status = CLIENT_CLOSED           # Serve cancels the request (or its `receive`) when the client goes
             raise
         except OSError:
             status = CLIENT_CLOSED if state["status"] is not None else 500
