@@ -49,6 +49,9 @@ class DecodeWorker:
     def release(self, seq) -> None:
         """Nothing to forget: plain decoding keeps no per-request state."""
 
+    def fork(self, leader, seq, num_tokens: int) -> None:
+        """Nothing to copy: plain decoding keeps no per-request state."""
+
     def stats(self) -> dict:
         return {}
 

@@ -19,6 +19,7 @@ from eagle_worker.decode_worker import DecodeWorker
 from eagle_worker.detokenizer import detokenize_incrementally, finalize_text
 from eagle_worker.model_runner import ModelRunner
 from eagle_worker.outputs import RequestOutput, TokenLogprob
+from eagle_worker.prompt_sharing import PromptSharing
 from eagle_worker.prompt_tokenizer import encode_prompt
 from eagle_worker.sampling_params import SamplingParams
 from eagle_worker.scheduler import Scheduler
@@ -41,11 +42,12 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager, self.worker.num_lookahead_slots, self.max_model_len)
         self.chat_template = resolve_chat_template(self.tokenizer, self.runner.hf_config, config.chat_template)
         self.requests: dict[str, Sequence] = {}
+        self.sharing = PromptSharing()
         self._aborted: list[RequestOutput] = []
         self._seed_source = random.Random(config.seed)    # the seed of each request that brings none
         self._last_step = {"batch_size": 0, "num_tokens": 0}
         self.totals = {"steps": 0, "generated_tokens": 0, "prompt_tokens": 0, "finished_requests": 0,
-                       "failed_steps": 0}
+                       "failed_steps": 0, "shared_prompt_tokens": 0}
 
     def _make_worker(self, config: EngineConfig):
         if config.spec is None:
@@ -92,7 +94,8 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
         seq = Sequence(request_id, token_ids, params, priority, seed)
         self.requests[request_id] = seq
-        self.scheduler.add(seq)
+        if not self.sharing.follow(seq):
+            self.scheduler.add(seq)
         self.totals["prompt_tokens"] += len(token_ids)
 
     def abort(self, request_id: str) -> bool:
@@ -114,12 +117,16 @@ class LLMEngine:
         if not batch:
             return outputs
         self._last_step = {"batch_size": len(batch), "num_tokens": sum(b.num_tokens for b in batch)}
+        leaders = [it.seq for it in batch if it.completes and it.seq.num_output_tokens == 0
+                   and self.sharing.is_leader_prefilling(it.seq)]     # prompts prefilled by this step
         try:
             new_tokens = self.worker.execute(batch)
         except Exception as e:
             if self.config.tp_size > 1:
                 raise                 # the other ranks may be inside a collective: the replica must go
             return outputs + self._fail_step(batch, e)
+        for seq in leaders:      # identical prompts waiting on these take a copy of their KV
+            self._release_followers(seq, share=True)
         now = time.monotonic()
         for item in batch:
             seq = item.seq
@@ -183,9 +190,28 @@ class LLMEngine:
         seq.finish_reason = reason
         seq.status = SequenceStatus.FINISHED
         seq.metrics.finished_time = time.monotonic()
+        self.sharing.forget(seq)
+        self._release_followers(seq, share=False)
         self.scheduler.remove(seq)
         self.worker.release(seq)
         self.totals["finished_requests"] += 1
+
+    def _release_followers(self, leader: Sequence, share: bool) -> None:
+        """Schedule the requests waiting on `leader`'s prompt; with `share`, each first takes a copy of
+        the prompt's KV (all but the last token, which it feeds itself) and the worker's state;
+        without (the leader went first, or memory is short), the first of them leads the rest."""
+        for seq in self.sharing.release(leader):
+            n = seq.num_prompt_tokens - 1
+            if share and self.block_manager.can_append(seq, n):
+                self.block_manager.append_slots(seq, n)
+                self.block_manager.commit(seq, n)
+                self.runner.copy_kv(self.block_manager.slots(leader, 0, n), self.block_manager.slots(seq, 0, n))
+                self.worker.fork(leader, seq, n)
+                seq.metrics.num_cached_tokens = n
+                self.totals["shared_prompt_tokens"] += n
+                self.scheduler.add(seq)
+            elif not self.sharing.follow(seq):    # the first one left leads the others
+                self.scheduler.add(seq)
 
     def _output(self, seq: Sequence, error: str | None = None) -> RequestOutput:
         out_ids = seq.output_token_ids

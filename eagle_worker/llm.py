@@ -44,9 +44,13 @@ class LLM:
         if use_tqdm:
             from tqdm import tqdm
             bar = tqdm(total=len(ids), desc="generate")
+        prompt_logprobs = {}       # the engine sends them with a request's first output only
         while len(finished) < len(ids):
             for out in self.engine.step():
+                if out.prompt_logprobs is not None:
+                    prompt_logprobs[out.request_id] = out.prompt_logprobs
                 if out.finished and out.request_id in ids:
+                    out.prompt_logprobs = prompt_logprobs.pop(out.request_id, None)
                     finished[out.request_id] = out
                     if bar:
                         bar.update(1)

@@ -25,6 +25,7 @@ class SequenceMetrics:
     num_target_forwards: int = 0     # decode steps that ran the target for this sequence (prefill excluded)
     num_decode_tokens: int = 0       # tokens those steps produced (accepted drafts + bonus)
     num_preemptions: int = 0
+    num_cached_tokens: int = 0       # prompt tokens whose KV was copied from an identical prompt's prefill
     accepted_per_depth: list[int] = field(default_factory=list)  # speculative: accepted drafts at depth d
     accepted_from_head: int = 0      # accepted draft tokens the EAGLE head proposed
     accepted_from_lookup: int = 0    # accepted draft tokens prompt lookup proposed (both: counted in both)
@@ -39,6 +40,7 @@ class SequenceMetrics:
             "num_target_forwards": forwards,
             "mean_accepted_tokens": (self.num_decode_tokens / forwards) if forwards else 1.0,
             "num_preemptions": self.num_preemptions,
+            "num_cached_tokens": self.num_cached_tokens,
         }
         if self.first_token_time is not None:
             out["ttft_s"] = self.first_token_time - self.arrival_time

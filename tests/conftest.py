@@ -74,6 +74,7 @@ def assert_no_leaks(engine) -> None:
     queues and the request table are empty, and so is a speculative worker's per-request state."""
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     assert not engine.scheduler.running and not engine.scheduler.waiting and not engine.requests
+    assert engine.sharing.empty
     from eagle_worker.speculative.worker import EagleWorker
 
     if isinstance(engine.worker, EagleWorker):  # the only worker that keeps per-request state

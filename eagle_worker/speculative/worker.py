@@ -100,6 +100,17 @@ class EagleWorker:
     def release(self, seq: Sequence) -> None:
         self.states.pop(seq.request_id, None)
 
+    def fork(self, leader: Sequence, seq: Sequence, num_tokens: int) -> None:
+        """`seq` took a copy of `leader`'s first `num_tokens` prompt positions (engine prompt sharing):
+        it takes the head's pending inputs for them too, so its first step drafts like a decode. The
+        head has written no KV for a prompt before its first draft, so there is none to copy."""
+        st = self.states.get(leader.request_id)
+        if st is None or st.draft.start != 0 or len(st.draft.tokens) < num_tokens:
+            return
+        rs = self._request_state(seq.request_id, 0)
+        if st.draft.features:
+            rs.draft.add(torch.cat(st.draft.features)[:num_tokens], st.draft.tokens[:num_tokens])
+
     def _slots_needed(self, budget: int) -> int:
         """KV slots (root included) a tree of `budget` draft nodes uses while drafting: a dynamic head
         tree writes every node it forwards (top_k per level), more than the nodes it keeps."""
