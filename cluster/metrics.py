@@ -45,6 +45,8 @@ class ServeMetrics:
         self.tpot = Histogram("eagle_tpot_seconds", "time per output token after the first", lb, buckets=TPOT_BUCKETS, registry=r)
         self.prompt_tokens = Counter("eagle_prompt_tokens", "prompt tokens processed", lb, registry=r)
         self.gen_tokens = Counter("eagle_generation_tokens", "tokens generated", lb, registry=r)
+        self.cached_tokens = Counter("eagle_prompt_cached_tokens", "prompt tokens whose KV was shared, not computed "
+                                     "(vLLM's num_cached_tokens)", lb, registry=r)
         self.target_forwards = Counter("eagle_target_forwards", "target-model forwards (tau = tokens / forwards)",
                                        lb, registry=r)
         self.tau = Histogram("eagle_mean_accepted_tokens", "per-request mean tokens per target forward (tau)",
@@ -81,6 +83,7 @@ class ServeMetrics:
         self.e2e.labels(self.model).observe(e2e_s)
         self.prompt_tokens.labels(self.model).inc(len(out.prompt_token_ids))
         self.gen_tokens.labels(self.model).inc(n_out)
+        self.cached_tokens.labels(self.model).inc(int(m.get("num_cached_tokens") or 0))
         if ttft_s is not None and n_out > 1:
             self.tpot.labels(self.model).observe((e2e_s - ttft_s) / (n_out - 1))
         if m.get("num_target_forwards"):

@@ -145,6 +145,8 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         replicas = alive or candidates  # a crashed engine waits for Serve to replace it
         random.shuffle(replicas)  # break ties randomly so equal replicas share the load
         ranked = sorted(replicas, key=self.load)
+        home = state.group_replica(state.request_id(pending_request), ranked[0].replica_id if ranked else None)
+        ranked.sort(key=lambda r: state.replica_key(r.replica_id) != home)   # stable: the rest keep their order
         if request_priority(pending_request) > 0:
             ranked = [r for r in ranked if self.has_headroom(r)] + [r for r in ranked if not self.has_headroom(r)]
         return [[r] for r in ranked]
@@ -232,6 +234,7 @@ async def stream_outputs(
     restartable: bool = False,
     on_retry: Optional[Callable[[BaseException], None]] = None,
     admission: Optional[Admission] = None,
+    group: Optional[str] = None,
 ) -> AsyncIterator[Any]:
     """Outputs of one request from whichever replica Serve picks, surviving replica deaths.
 
@@ -241,11 +244,13 @@ async def stream_outputs(
     PoisonRequestError once `max_deaths` different replicas died under this request, and
     ReplicaLostError when it cannot retry (tokens already streamed, or `max_attempts` attempts).
     `on_retry(error)` is called before each retry (the ingress counts them in /metrics).
+    Requests of one `group` (the n samples of one prompt) prefer the replica a sibling went to, where
+    the engine prefills their shared prompt once.
     """
     if admission is not None:
         admission.enter()
     attempts = _attempts(handle, request_id, prompt, params, priority, messages, max_attempts, max_deaths,
-                         retry_backoff_s, restartable, on_retry)
+                         retry_backoff_s, restartable, on_retry, group)
     try:
         async for out in attempts:
             yield out
@@ -260,11 +265,13 @@ async def stream_outputs(
 
 
 async def _attempts(handle, request_id, prompt, params, priority, messages, max_attempts, max_deaths,
-                    retry_backoff_s, restartable, on_retry) -> AsyncIterator[Any]:
+                    retry_backoff_s, restartable, on_retry, group=None) -> AsyncIterator[Any]:
     tokens_seen = 0
     deaths: dict[str, BaseException] = {}   # replica -> how it died under this request
     for attempt in range(max_attempts):
         rid = request_id if attempt == 0 else f"{request_id}-retry{attempt}"
+        if group is not None:
+            state.groups[rid] = group
         gen = None
         sent_at = time.monotonic()
         try:  # a full router queue raises BackPressureError already from `.remote()`
@@ -310,6 +317,7 @@ async def _attempts(handle, request_id, prompt, params, priority, messages, max_
             tokens_seen = 0
         finally:
             state.routed.pop(rid, None)
+            state.leave_group(rid)
             state.suspects.discard(rid)
     raise ReplicaLostError(f"request {request_id}: {max_attempts} attempts failed (replicas unavailable); giving up")
 

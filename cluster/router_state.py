@@ -16,6 +16,8 @@ routed: dict[str, Any] = {}                     # attempt's request id -> Replic
 _seen_dead: dict[str, float] = {}               # replica unique id -> when a request saw it die
 routers: weakref.WeakSet = weakref.WeakSet()    # every LoadAwareRouter in this process
 suspects: set[str] = set()                      # attempt ids of requests a replica already died under
+groups: dict[str, str] = {}                     # attempt id -> its group (the n samples of one prompt)
+group_replicas: dict[str, str] = {}             # group -> the replica (key) its first request was given
 
 
 def request_id(pending_request: Any) -> str | None:
@@ -32,6 +34,23 @@ def suspect_hosts() -> set[str]:
     """Replicas running (or just given) a suspect request: a second suspect waits for another one,
     so a poison request cannot take an innocent suspect down with it a second time."""
     return {replica_key(r) for rid, r in list(routed.items()) if rid in suspects}
+
+
+def group_replica(rid: str | None, first_choice: Any) -> str | None:
+    """The replica (key) `rid`'s group goes to: the first choice of the group's first request to be
+    ranked (siblings are ranked before any is routed, so routing records would come too late)."""
+    group = groups.get(rid) if rid else None
+    if group is None:
+        return None
+    if group not in group_replicas and first_choice is not None:
+        group_replicas[group] = replica_key(first_choice)
+    return group_replicas.get(group)
+
+
+def leave_group(rid: str) -> None:
+    group = groups.pop(rid, None)
+    if group is not None and group not in groups.values():
+        group_replicas.pop(group, None)
 
 
 def replica_key(replica_id: Any) -> str:
@@ -69,5 +88,7 @@ def live_replica_stats() -> dict[str, dict]:
 def clear() -> None:
     """Forget everything (tests)."""
     routed.clear()
+    groups.clear()
+    group_replicas.clear()
     _seen_dead.clear()
     suspects.clear()

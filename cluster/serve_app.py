@@ -169,7 +169,8 @@ class OpenAIIngress:
         rid = oa.new_id(render.prefix)
         sub_ids = [rid] if req.n == 1 else [f"{rid}-{i}" for i in range(req.n)]
         its = [stream_outputs(self.engine, sub, prompt_ids, req.sampling_params(max_tokens, i), req.priority,
-                              restartable=not req.stream, on_retry=self.metrics.retried, admission=self.admission)
+                              restartable=not req.stream, on_retry=self.metrics.retried, admission=self.admission,
+                              group=rid if req.n > 1 else None)
                for i, sub in enumerate(sub_ids)]
         self.metrics.inflight.labels(self.config.model_name).inc()
         status = 500

@@ -49,7 +49,7 @@ class DecodeWorker:
     def release(self, seq) -> None:
         """Nothing to forget: plain decoding keeps no per-request state."""
 
-    def fork(self, leader, seq, num_tokens: int) -> None:
+    def fork(self, holder, seq, src_slots, dst_slots) -> None:
         """Nothing to copy: plain decoding keeps no per-request state."""
 
     def stats(self) -> dict:

@@ -94,8 +94,7 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
         seq = Sequence(request_id, token_ids, params, priority, seed)
         self.requests[request_id] = seq
-        if not self.sharing.follow(seq):
-            self.scheduler.add(seq)
+        self._join_prompt(seq)
         self.totals["prompt_tokens"] += len(token_ids)
 
     def abort(self, request_id: str) -> bool:
@@ -117,16 +116,16 @@ class LLMEngine:
         if not batch:
             return outputs
         self._last_step = {"batch_size": len(batch), "num_tokens": sum(b.num_tokens for b in batch)}
-        leaders = [it.seq for it in batch if it.completes and it.seq.num_output_tokens == 0
-                   and self.sharing.is_leader_prefilling(it.seq)]     # prompts prefilled by this step
         try:
             new_tokens = self.worker.execute(batch)
         except Exception as e:
             if self.config.tp_size > 1:
                 raise                 # the other ranks may be inside a collective: the replica must go
             return outputs + self._fail_step(batch, e)
-        for seq in leaders:      # identical prompts waiting on these take a copy of their KV
-            self._release_followers(seq, share=True)
+        for item in batch:       # requests waiting for a prompt this step computed take a copy of it
+            for seq in self.sharing.ready_followers(item.seq):
+                self._copy_prompt(item.seq, seq)
+                self.scheduler.add(seq)
         now = time.monotonic()
         for item in batch:
             seq = item.seq
@@ -190,28 +189,35 @@ class LLMEngine:
         seq.finish_reason = reason
         seq.status = SequenceStatus.FINISHED
         seq.metrics.finished_time = time.monotonic()
-        self.sharing.forget(seq)
-        self._release_followers(seq, share=False)
+        for follower in self.sharing.leave(seq):     # they compute the prompt themselves after all
+            self._join_prompt(follower)
         self.scheduler.remove(seq)
         self.worker.release(seq)
         self.totals["finished_requests"] += 1
 
-    def _release_followers(self, leader: Sequence, share: bool) -> None:
-        """Schedule the requests waiting on `leader`'s prompt; with `share`, each first takes a copy of
-        the prompt's KV (all but the last token, which it feeds itself) and the worker's state;
-        without (the leader went first, or memory is short), the first of them leads the rest."""
-        for seq in self.sharing.release(leader):
-            n = seq.num_prompt_tokens - 1
-            if share and self.block_manager.can_append(seq, n):
-                self.block_manager.append_slots(seq, n)
-                self.block_manager.commit(seq, n)
-                self.runner.copy_kv(self.block_manager.slots(leader, 0, n), self.block_manager.slots(seq, 0, n))
-                self.worker.fork(leader, seq, n)
-                seq.metrics.num_cached_tokens = n
-                self.totals["shared_prompt_tokens"] += n
-                self.scheduler.add(seq)
-            elif not self.sharing.follow(seq):    # the first one left leads the others
-                self.scheduler.add(seq)
+    def _join_prompt(self, seq: Sequence) -> None:
+        """Schedule `seq`, first copying an identical prompt's KV if a request holds it; or leave it
+        waiting for the request now prefilling that prompt (prompt_sharing.py)."""
+        role, holder = self.sharing.join(seq)
+        if role == "copy":
+            self._copy_prompt(holder, seq)
+        if role != "wait":
+            self.scheduler.add(seq)
+
+    def _copy_prompt(self, holder: Sequence, seq: Sequence) -> None:
+        """KV (and the worker's per-request state) of all of `holder`'s prompt but its last token into
+        blocks of `seq`'s own; `seq` then feeds that token itself. Short of memory it copies nothing
+        and prefills."""
+        n = seq.num_prompt_tokens - 1
+        if not self.block_manager.can_append(seq, n):
+            return
+        self.block_manager.append_slots(seq, n)
+        self.block_manager.commit(seq, n)
+        src, dst = self.block_manager.slots(holder, 0, n), self.block_manager.slots(seq, 0, n)
+        self.runner.copy_kv(src, dst)
+        self.worker.fork(holder, seq, src, dst)
+        seq.metrics.num_cached_tokens = n
+        self.totals["shared_prompt_tokens"] += n
 
     def _output(self, seq: Sequence, error: str | None = None) -> RequestOutput:
         out_ids = seq.output_token_ids

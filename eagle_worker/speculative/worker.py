@@ -100,16 +100,22 @@ class EagleWorker:
     def release(self, seq: Sequence) -> None:
         self.states.pop(seq.request_id, None)
 
-    def fork(self, leader: Sequence, seq: Sequence, num_tokens: int) -> None:
-        """`seq` took a copy of `leader`'s first `num_tokens` prompt positions (engine prompt sharing):
-        it takes the head's pending inputs for them too, so its first step drafts like a decode. The
-        head has written no KV for a prompt before its first draft, so there is none to copy."""
-        st = self.states.get(leader.request_id)
-        if st is None or st.draft.start != 0 or len(st.draft.tokens) < num_tokens:
+    def fork(self, holder: Sequence, seq: Sequence, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """`seq` took a copy of the KV of `holder`'s prompt positions at slots `src` into `dst`
+        (engine prompt sharing): it takes the head's inputs for them too, so its head drafts with the
+        prompt's context: the head's KV where the head has consumed them, else the pending pairs."""
+        st = self.states.get(holder.request_id)
+        if st is None:
             return
+        d, n = st.draft, len(src)
         rs = self._request_state(seq.request_id, 0)
-        if st.draft.features:
-            rs.draft.add(torch.cat(st.draft.features)[:num_tokens], st.draft.tokens[:num_tokens])
+        done = min(d.start, n)                              # positions already in the head's KV
+        for layer in self.head.attention_layers() if self.head and done else []:
+            layer.k_cache[dst[:done].to(layer.k_cache.device)] = layer.k_cache[src[:done].to(layer.k_cache.device)]
+            layer.v_cache[dst[:done].to(layer.v_cache.device)] = layer.v_cache[src[:done].to(layer.v_cache.device)]
+        rs.draft.reset(done)
+        if n > done and d.features and len(d.tokens) >= n - done:
+            rs.draft.add(torch.cat(d.features)[:n - done], d.tokens[:n - done])
 
     def _slots_needed(self, budget: int) -> int:
         """KV slots (root included) a tree of `budget` draft nodes uses while drafting: a dynamic head

@@ -227,6 +227,22 @@ def test_replicas_seen_dead_are_not_chosen():
     assert _rank(_router(), [_replica("a")]) == []  # only dead ones: wait (paced) for a replacement
 
 
+def test_samples_of_one_prompt_follow_their_sibling():
+    """The n samples of a prompt (one group) go where a sibling went, so that replica prefills the
+    prompt once; requests outside the group still go by load."""
+    router_state.groups.update({"c-0": "c", "c-1": "c", "d-0": "d"})
+    reps = [_replica("a", running=2), _replica("b")]
+    assert _rank(_router(), reps, rid="c-0") == ["b", "a"]          # the group's first: by load
+    reps = [_replica("a"), _replica("b", running=4)]                # (b got busier meanwhile)
+    assert _rank(_router(), reps, rid="c-1") == ["b", "a"]          # its sibling follows it
+    assert _rank(_router(), reps, rid="d-0") == ["a", "b"]
+    assert _rank(_router(), reps, rid="other") == ["a", "b"]
+    router_state.leave_group("c-0")
+    assert router_state.group_replicas["c"] == "b"
+    router_state.leave_group("c-1")
+    assert "c" not in router_state.group_replicas                   # forgotten with its last request
+
+
 def test_two_suspects_never_share_a_replica():
     """Retries of requests a replica died under (suspects) run one per replica: if one of them is a
     poison request, the other does not die with it a second time."""

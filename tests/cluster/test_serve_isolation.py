@@ -44,3 +44,25 @@ def test_extreme_sampling_parameters_answer_and_no_replica_restarts(app, extreme
         for f in beside:
             assert f.result(timeout=120).usage.completion_tokens == 40
     assert _replica_actors() == replicas     # the same two replica actors, none replaced
+
+
+def test_n_samples_share_one_prefill_on_one_replica(app):
+    """`n` samples of one prompt go to one replica (the router follows a sibling) and are prefilled
+    once there (the others copy its KV): /metrics counts their prompts as cached, and each sample is
+    the text a single request with its seed gives."""
+    import re
+
+    import requests
+
+    def cached() -> float:
+        text = requests.get(f"{app.url}/metrics").text
+        return sum(float(v) for v in re.findall(r"^eagle_prompt_cached_tokens_total\{[^}]*\} (\S+)$", text, re.M))
+
+    prompt = "Tell me a long story about a dragon who lives under a bridge"
+    kw = dict(model="tiny", prompt=prompt, max_tokens=12, temperature=1.0, extra_body={"ignore_eos": True})
+    before = cached()
+    both = app.client.completions.create(n=3, seed=7, **kw)
+    n_prompt = both.usage.prompt_tokens
+    assert cached() - before == 2 * (n_prompt - 1)
+    singles = [app.client.completions.create(seed=7 + i, **kw).choices[0].text for i in range(3)]
+    assert [c.text for c in sorted(both.choices, key=lambda c: c.index)] == singles

@@ -61,16 +61,51 @@ def test_followers_prefill_themselves_when_the_leader_is_aborted(llm):
     assert_no_leaks(eng)
 
 
-def test_prompt_logprobs_and_different_priorities_do_not_share(llm):
+def test_prompt_logprobs_and_a_less_urgent_holder_do_not_share(llm):
     eng = llm.engine
     before = eng.totals["shared_prompt_tokens"]
     outs = llm.generate([PROMPT, PROMPT], [_params(0), _params(1, prompt_logprobs=2)])
     assert outs[1].metrics["num_cached_tokens"] == 0 and outs[1].prompt_logprobs is not None
-    eng.add_request("a", PROMPT, _params(0), priority=0)
-    eng.add_request("b", PROMPT, _params(1), priority=1)
+    eng.add_request("a", PROMPT, _params(0), priority=1)
+    eng.add_request("b", PROMPT, _params(1), priority=0)   # does not wait for a's prefill
     while eng.has_unfinished_requests():
         eng.step()
     assert eng.totals["shared_prompt_tokens"] == before
+    assert_no_leaks(eng)
+
+
+def test_a_prompt_arriving_while_another_holds_it_copies_it_at_once(llm):
+    """Later arrivals (the n samples reach a replica one by one) copy the running holder's prompt KV,
+    head KV included once the head has consumed the prompt, and still sample exactly as alone."""
+    import torch
+
+    alone = [llm.generate(PROMPT, _params(i))[0].token_ids for i in range(3)]
+    eng = llm.engine
+    for layer in eng.worker.head.attention_layers() if eng.config.spec is not None else []:
+        layer.k_cache.normal_()         # slots the head never wrote hold noise, so a missed copy shows
+        layer.v_cache.normal_()
+    eng.add_request("h", PROMPT, _params(0))
+    for _ in range(3):
+        eng.step()                                          # h prefilled and decoding
+    eng.add_request("c1", PROMPT, _params(1))
+    n = eng.requests["c1"].num_prompt_tokens - 1
+    assert eng.requests["c1"].num_computed_tokens == n      # copied on arrival
+    if eng.config.spec is not None:
+        h, c1 = eng.requests["h"], eng.requests["c1"]
+        done = eng.worker.states["c1"].draft.start
+        assert done == min(eng.worker.states["h"].draft.start, n) and done > 0
+        src, dst = eng.block_manager.slots(h, 0, done), eng.block_manager.slots(c1, 0, done)
+        for layer in eng.worker.head.attention_layers():
+            assert torch.equal(layer.k_cache[dst], layer.k_cache[src])
+    eng.step()
+    eng.add_request("c2", PROMPT, _params(2))
+    done = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert [done[r].token_ids for r in ("h", "c1", "c2")] == alone
+    assert [done[r].metrics["num_cached_tokens"] for r in ("h", "c1", "c2")] == [0, n, n]
     assert_no_leaks(eng)
 
 
