@@ -153,6 +153,12 @@ class _SamplingRequest(BaseModel):
                 raise ValueError(f"values must be in [-100, 100], got {bias} for token {key}")
         return v
 
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed when stream is true (as OpenAI answers)")
+        return self
+
     @field_validator("stop")
     @classmethod
     def _stops(cls, v):

@@ -33,6 +33,7 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     ({"response_format": {"type": "json_schema"}}, "response_format", "not supported"),
     ({"tools": [{"type": "function"}]}, "tools", "tool calling"), ({"tool_choice": "auto"}, "tool_choice", ""),
     ({"stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats", ""),
+    ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed when stream is true"),
     ({"messages": [{"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}]}, "messages.0.tool_calls", ""),
 ])
 def test_chat_fields_refused_by_name(extra, param, needle):
