@@ -9,7 +9,7 @@ ASGI middleware (`StatusCounter`, outermost) so requests refused before any hand
 ends with an error event counts as that error's status (`note_status`).
 
 Per-replica gauges (queue depth, KV usage, ...) are rebuilt on every scrape from the routing stats
-of every replica the ingress's router currently knows (`cluster.router.live_replica_stats`, about
+of every replica the ingress's router currently knows (`cluster.router_state.live_replica_stats`, about
 one second old): a replica that died or was scaled away is gone from the next scrape.
 """
 from __future__ import annotations

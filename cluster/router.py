@@ -56,7 +56,6 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, Reque
 
 from cluster import router_state as state
 from cluster.replica import EngineDiedError, Failed, Rejected
-from cluster.router_state import live_replica_stats, mark_dead, seen_dead  # noqa: F401 (re-exported)
 
 logger = logging.getLogger(__name__)
 

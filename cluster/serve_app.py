@@ -35,10 +35,10 @@ from cluster.router import (
     OverloadedError,
     PoisonRequestError,
     ReplicaLostError,
-    live_replica_stats,
     router_config,
     stream_outputs,
 )
+from cluster.router_state import live_replica_stats
 from cluster.signals import on_stop_signals, restore_signals
 from eagle_worker.engine_api import load_engine_module
 
@@ -192,9 +192,8 @@ class OpenAIIngress:
             status = e.status
             raise
         finally:
-            if not req.stream or status != 200:
+            if not req.stream or status != 200:     # a started stream closes its readers in _sse
                 self.metrics.inflight.labels(self.config.model_name).dec()
-            if not req.stream or status != 200:
                 for it in its:
                     await it.aclose()
 
