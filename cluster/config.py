@@ -18,6 +18,8 @@ Example YAML (every key optional)::
     device: cpu                       # cpu | cuda
     tp_size: 1                        # ranks per replica (tensor parallel)
     kv_cache_gb: null                 # KV-cache budget per replica; null = engine default
+    enable_prefix_caching: true       # reuse the KV of a shared prompt prefix (vLLM's name); with
+                                      # several replicas the router also prefers a prefix's replica
     num_replicas: 1                   # fixed count, or instead:
     # autoscaling: {min_replicas: 1, max_replicas: 4, target_ongoing_requests: 16,
     #               upscale_delay_s: 30, downscale_delay_s: 600,
@@ -187,6 +189,8 @@ class ServeConfig(_Strict):
     engine: str = Field("eagle_worker", description="module exposing LLMEngine/EngineConfig/SamplingParams")
     tp_size: int = Field(1, ge=1, le=64)
     kv_cache_gb: float | None = Field(None, gt=0, description="KV-cache budget per replica; None = engine default")
+    enable_prefix_caching: bool = Field(True, description="automatic prefix caching in the engine (vLLM's name) "
+                                        "and prefix-aware routing across replicas")
     speculation: SpeculationConfig | None = None
     num_replicas: int | None = Field(None, ge=1)
     autoscaling: AutoscalingConfig | None = None
@@ -280,6 +284,7 @@ class ServeConfig(_Strict):
         kw: dict[str, Any] = dict(
             model=self.model, dtype=self.dtype, device=self.device, draft=self.resolved_draft,
             tp_size=self.tp_size, max_num_seqs=self.limits.max_num_seqs,
+            enable_prefix_caching=self.enable_prefix_caching,
         )
         if self.limits.max_model_len is not None:
             kw["max_model_len"] = self.limits.max_model_len

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import inspect
 import logging
 import os
 import queue
@@ -326,6 +327,9 @@ def engine_config(config: ServeConfig) -> Any:
     backend = load_engine_module(config.engine)
     kw = config.engine_kwargs()
     spec = kw.pop("spec", None)
+    if "enable_prefix_caching" not in _config_fields(backend.EngineConfig):   # an engine without the feature
+        if not kw.pop("enable_prefix_caching"):
+            logger.warning("enable_prefix_caching: false ignored: engine %s has no prefix caching", config.engine)
     ec = backend.EngineConfig(**kw)
     if isinstance(spec, dict):
         spec["draft"] = ec.draft
@@ -334,6 +338,12 @@ def engine_config(config: ServeConfig) -> Any:
             return ec
         ec.spec = backend.SpecConfig(**spec)
     return ec
+
+
+def _config_fields(cls) -> set[str]:
+    if dataclasses.is_dataclass(cls):
+        return {f.name for f in dataclasses.fields(cls)}
+    return set(inspect.signature(cls).parameters)
 
 
 def _inside_ray_actor() -> bool:

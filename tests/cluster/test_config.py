@@ -11,7 +11,7 @@ def test_defaults_are_servable():
     cfg = ServeConfig()
     assert cfg.model_name == "gemma-3-270m" and cfg.replica_count_options() == {"num_replicas": 1}
     assert cfg.engine_kwargs() == dict(model="gemma-3-270m", dtype="float32", device="cpu", draft="default",
-                                       tp_size=1, max_num_seqs=64)
+                                       tp_size=1, max_num_seqs=64, enable_prefix_caching=True)
     assert not cfg.auth_enabled and cfg.resolve_api_keys() == frozenset()
 
 
@@ -129,6 +129,26 @@ def test_engine_config_from_serve_config():
     ec = engine_config(ServeConfig(draft="default", speculation={"tree": "static", "adaptive": False}))
     assert ec.spec.tree == "static" and ec.spec.draft == "default" and not ec.spec.adaptive
     assert engine_config(ServeConfig(limits={"max_model_len": 512})).max_model_len == 512
+
+
+def test_prefix_caching_reaches_the_engine_config(caplog):
+    """`enable_prefix_caching` (on by default) is the engine's EngineConfig field; an engine module
+    without the field (the fake engine) is still served, and turning caching off there is logged."""
+    import dataclasses
+
+    from cluster.replica import engine_config
+    from eagle_worker.config import EngineConfig
+
+    assert ServeConfig.from_dict({"enable_prefix_caching": False}).engine_kwargs()["enable_prefix_caching"] is False
+    if "enable_prefix_caching" in {f.name for f in dataclasses.fields(EngineConfig)}:
+        assert engine_config(ServeConfig(draft=None, enable_prefix_caching=False)).enable_prefix_caching is False
+        assert engine_config(ServeConfig(draft=None)).enable_prefix_caching is True
+    fake = "tests.cluster.fake_engine"
+    assert engine_config(ServeConfig(engine=fake, model="fake", draft=None)).model == "fake"
+    engine_config(ServeConfig(engine=fake, model="fake", draft=None, enable_prefix_caching=False))
+    assert "enable_prefix_caching: false ignored" in caplog.text
+    with pytest.raises(ConfigError, match="enable_prefix_caching"):
+        ServeConfig.from_dict({"enable_prefix_caching": "sometimes"})
 
 
 def test_max_tokens_follows_a_small_context():
