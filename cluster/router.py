@@ -55,6 +55,7 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from cluster import router_state as state
+from cluster.prefix_affinity import PrefixMemory, prefer_prefix, prompt_hashes
 from cluster.replica import EngineDiedError, Failed, Rejected
 
 logger = logging.getLogger(__name__)
@@ -108,10 +109,21 @@ WAIT_S = 0.1   # how often a request with no replica it may use looks again
 class LoadAwareRouter(FIFOMixin, RequestRouter):
     """Ranks replicas by engine load (see the module docstring); Serve enforces capacity."""
 
-    def initialize_state(self, offline_kv_threshold: float = 0.8, kv_weight: float = 1.0, **kwargs):
+    def initialize_state(self, offline_kv_threshold: float = 0.8, kv_weight: float = 1.0, prefix_aware: bool = True,
+                         prefix_block_size: int = 16, prefix_max_blocks: int = 512, prefix_memory_blocks: int = 16384,
+                         prefix_match_threshold: float = 0.1, prefix_load_slack: float = 0.1, **kwargs):
+        """The `prefix_*` knobs: see cluster/prefix_affinity.py (block size of the hashes, blocks hashed
+        per prompt at most, blocks remembered per replica at most, the share of a prompt's blocks a
+        match must cover, and how much busier than the least-loaded replica a prefix's holder may be)."""
         self.offline_kv_threshold = offline_kv_threshold
         self.kv_weight = kv_weight
         self._inflight: dict[ReplicaID, int] = defaultdict(int)
+        self.prefix_aware = prefix_aware
+        self.prefix_block_size, self.prefix_max_blocks = max(1, prefix_block_size), max(1, prefix_max_blocks)
+        self.prefix_match_threshold, self.prefix_load_slack = prefix_match_threshold, prefix_load_slack
+        self._prefix = PrefixMemory(prefix_memory_blocks)
+        self._prefix_capacity: dict[str, int] = {}    # replica key -> KV blocks it reported (bounds its memory)
+        self._hashes: dict[str, list[int]] = {}       # request id -> its prompt's hashes, until it is routed
         state.routers.add(self)  # live_replica_stats reads the replica set
 
     def load(self, replica: RunningReplica) -> float:
@@ -144,11 +156,42 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         replicas = alive or candidates  # a crashed engine waits for Serve to replace it
         random.shuffle(replicas)  # break ties randomly so equal replicas share the load
         ranked = sorted(replicas, key=self.load)
+        if self.prefix_aware:
+            ranked = self._prefer_prefix(ranked, pending_request)
         home = state.group_replica(state.request_id(pending_request), ranked[0].replica_id if ranked else None)
         ranked.sort(key=lambda r: state.replica_key(r.replica_id) != home)   # stable: the rest keep their order
         if request_priority(pending_request) > 0:
             ranked = [r for r in ranked if self.has_headroom(r)] + [r for r in ranked if not self.has_headroom(r)]
         return [[r] for r in ranked]
+
+    def _prefer_prefix(self, ranked: list, pending_request: Optional[PendingRequest]) -> list:
+        """`ranked` with the replica holding the request's prompt prefix first, when its load allows
+        (cluster/prefix_affinity.py has the rule)."""
+        for r in ranked:
+            total = int((r.routing_stats or {}).get("num_total_blocks") or 0)
+            if total:
+                self._prefix_capacity[state.replica_key(r.replica_id)] = total
+        live = getattr(self, "curr_replicas", None)   # forget replicas Serve no longer has
+        if live is not None:
+            self._prefix.keep_only({state.replica_key(k) for k in live})
+        hashes = self._prompt_hashes(pending_request)
+        return prefer_prefix(ranked, hashes, self._prefix, self.load, lambda r: state.replica_key(r.replica_id),
+                             self.prefix_load_slack, self.prefix_match_threshold)
+
+    def _prompt_hashes(self, pending_request: Optional[PendingRequest], keep: bool = True) -> list[int]:
+        """Block hashes of a `submit(request_id, prompt, ...)` call's prompt, computed once per request."""
+        rid = state.request_id(pending_request)
+        if rid is None:
+            return []
+        hashes = self._hashes.get(rid)
+        if hashes is None:
+            args = pending_request.args
+            hashes = prompt_hashes(args[1] if len(args) > 1 else None, self.prefix_block_size, self.prefix_max_blocks)
+            if keep:
+                while len(self._hashes) >= 4096:     # requests cancelled before routing: oldest go first
+                    self._hashes.pop(next(iter(self._hashes)))
+                self._hashes[rid] = hashes
+        return hashes
 
     def _fulfill_next_pending_request(self, replica: RunningReplica, request_metadata: Any = None) -> None:
         """A free replica slot goes to the oldest waiting *online* request, else the oldest offline one.
@@ -186,6 +229,12 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         self._inflight[replica_id] += 1
         rid = state.request_id(pending_request)
+        if self.prefix_aware and rid is not None:    # that replica computes (and caches) this prompt now
+            key = state.replica_key(replica_id)
+            hashes = self._hashes.pop(rid, None)
+            if hashes is None:
+                hashes = self._prompt_hashes(pending_request, keep=False)
+            self._prefix.record(key, hashes, self._prefix_capacity.get(key))
         if rid is not None:  # `submit(request_id, ...)`: stream_outputs asks where it went
             state.routed[rid] = replica_id
 
@@ -199,6 +248,7 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
     def on_replica_actor_died(self, replica_id: ReplicaID):
         super().on_replica_actor_died(replica_id)
         self._inflight.pop(replica_id, None)
+        self._prefix.forget(state.replica_key(replica_id))
 
 
 def request_priority(pending_request: Optional[PendingRequest]) -> int:
@@ -210,10 +260,11 @@ def request_priority(pending_request: Optional[PendingRequest]) -> int:
         return 0
 
 
-def router_config(stats_period_s: float = 1.0) -> dict[str, Any]:
-    """`request_router_config` for the engine deployment."""
+def router_config(stats_period_s: float = 1.0, prefix_aware: bool = True) -> dict[str, Any]:
+    """`request_router_config` for the engine deployment (`prefix_aware`: with the engine's prefix caching)."""
     return {
         "request_router_class": "cluster.router.LoadAwareRouter",
+        "request_router_kwargs": {"prefix_aware": prefix_aware},
         "request_routing_stats_period_s": stats_period_s,
         "request_routing_stats_timeout_s": max(2.0, 2 * stats_period_s),
     }

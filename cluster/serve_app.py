@@ -323,7 +323,7 @@ def engine_deployment_options(config: ServeConfig) -> dict[str, Any]:
         name="LLMServer",
         max_ongoing_requests=config.max_ongoing_per_replica,
         max_queued_requests=-1,   # the ingress's Admission bounds what waits (see cluster/router.py)
-        request_router_config=router_config(),
+        request_router_config=router_config(prefix_aware=config.enable_prefix_caching),
         health_check_period_s=2.0,
         health_check_timeout_s=60.0,
         graceful_shutdown_timeout_s=30.0,

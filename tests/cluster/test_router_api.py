@@ -76,4 +76,5 @@ def test_state_and_fields_we_read_exist():
     for prop in ("routing_stats", "replica_id", "max_ongoing_requests"):
         assert isinstance(inspect.getattr_static(request_router.RunningReplica, prop, None), property), prop
     fields = {f.name for f in dataclasses.fields(request_router.PendingRequest)}
-    assert {"future", "kwargs"} <= fields
+    assert {"future", "args", "kwargs"} <= fields   # args: (request id, prompt, ...) of a submit call
+    assert isinstance(inspect.getattr_static(rr, "curr_replicas"), property)   # prefix memories follow it
