@@ -10,7 +10,11 @@ ends with an error event counts as that error's status (`note_status`).
 
 Per-replica gauges (queue depth, KV usage, ...) are rebuilt on every scrape from the routing stats
 of every replica the ingress's router currently knows (`cluster.router_state.live_replica_stats`, about
-one second old): a replica that died or was scaled away is gone from the next scrape.
+one second old): a replica that died or was scaled away is gone from the next scrape. So are its
+prefix-cache counters (`PREFIX_CACHE_COUNTERS`): the engine's own cumulative totals, exported per
+replica as Prometheus counters (a replaced replica is a new series starting at 0, which `rate()`
+handles), with each replica's cached blocks and its hit rates since it started as gauges; the hit
+rate over a window is `rate(eagle_prefix_cache_hit_tokens_total[5m]) / rate(eagle_prefix_cache_queried_tokens_total[5m])`.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ import time
 from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from ray.exceptions import TaskCancelledError
 from starlette.requests import ClientDisconnect
 
@@ -28,6 +33,49 @@ disable_created_metrics()  # the *_created series only add noise to every scrape
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5)
 TAU_BUCKETS = (1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6, 8)
+
+
+# engine stats key -> (counter name without _total, help): vLLM's prefix_cache_queries / _hits, in tokens and requests
+PREFIX_CACHE_COUNTERS = {
+    "prefix_cache_queried_tokens": ("eagle_prefix_cache_queried_tokens", "prompt tokens looked up in the prefix cache"),
+    "prefix_cache_hit_tokens": ("eagle_prefix_cache_hit_tokens", "prompt tokens found in the prefix cache (not computed)"),
+    "prefix_cache_queried_requests": ("eagle_prefix_cache_queried_requests", "requests looked up in the prefix cache"),
+    "prefix_cache_hit_requests": ("eagle_prefix_cache_hit_requests", "requests with at least one cached prompt block"),
+    "prefix_cache_evictions": ("eagle_prefix_cache_evictions", "cached blocks evicted to make room"),
+}
+
+
+class _PrefixCacheCollector:
+    """Per-replica prefix-cache series, built at each scrape from the replicas' latest stats."""
+
+    def __init__(self, metrics: "ServeMetrics"):
+        self.metrics = metrics
+
+    def collect(self):
+        model, replicas = self.metrics.model, self.metrics.replica_stats
+        labels = ["model", "replica"]
+        for key, (name, doc) in PREFIX_CACHE_COUNTERS.items():
+            fam = CounterMetricFamily(name, doc, labels=labels)
+            for rid, st in replicas.items():
+                if key in st:
+                    fam.add_metric([model, rid], float(st[key] or 0))
+            yield fam
+        blocks = GaugeMetricFamily("eagle_replica_prefix_cache_blocks",
+                                   "KV blocks holding a cached prefix (evictable ones included)", labels=labels)
+        tok_rate = GaugeMetricFamily("eagle_replica_prefix_cache_token_hit_rate",
+                                     "prompt tokens found in the prefix cache / looked up, since the replica started",
+                                     labels=labels)
+        req_rate = GaugeMetricFamily("eagle_replica_prefix_cache_request_hit_rate",
+                                     "requests with a prefix-cache hit / looked up, since the replica started",
+                                     labels=labels)
+        for rid, st in replicas.items():
+            if "prefix_cache_blocks" in st:
+                blocks.add_metric([model, rid], float(st["prefix_cache_blocks"] or 0))
+            for fam, what in ((tok_rate, "tokens"), (req_rate, "requests")):
+                queried = st.get(f"prefix_cache_queried_{what}")
+                if queried is not None:
+                    fam.add_metric([model, rid], float(st.get(f"prefix_cache_hit_{what}") or 0) / max(1.0, float(queried)))
+        yield from (blocks, tok_rate, req_rate)
 
 
 CLIENT_CLOSED = 499   # nginx's "client closed request", as vLLM's metrics report aborted requests
@@ -63,6 +111,8 @@ class ServeMetrics:
         self.replica_requests = Counter("eagle_replica_requests", "finished requests by the replica that served them",
                                         rl, registry=r)
         self._recent: deque[tuple[float, int]] = deque()
+        self.replica_stats: dict[str, dict] = {}    # the replicas' latest stats (prefix-cache series)
+        r.register(_PrefixCacheCollector(self))
 
     def request_done(self, endpoint: str, status: int) -> None:
         self.requests.labels(self.model, endpoint, str(status)).inc()
@@ -97,6 +147,7 @@ class ServeMetrics:
         """Per-replica gauges for exactly these replicas (id -> stats); others' series are removed."""
         for g in (self.running, self.waiting, self.kv_usage, self.free_blocks):
             g.clear()
+        self.replica_stats = dict(replicas)
         for rid, st in replicas.items():
             self.running.labels(self.model, rid).set(st.get("num_running", 0))
             self.waiting.labels(self.model, rid).set(st.get("num_waiting", 0))

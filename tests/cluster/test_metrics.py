@@ -111,6 +111,38 @@ def test_replica_gauges_are_exactly_the_live_replicas():
     assert 'replica="r2"' in metrics.render().decode()     # None keeps the last view
 
 
+def test_prefix_cache_series_come_from_each_replica_stats():
+    """The engine's cumulative prefix-cache totals become per-replica counters, with cached blocks and hit
+    rates as gauges; replicas whose engine has no prefix cache get no series; a gone replica's vanish."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    metrics = m.ServeMetrics("tiny")
+    hot = dict(num_running=1, prefix_cache_queried_tokens=1000, prefix_cache_hit_tokens=750,
+               prefix_cache_queried_requests=8, prefix_cache_hit_requests=6, prefix_cache_blocks=40,
+               prefix_cache_evictions=3)
+    cold = {**hot, "prefix_cache_hit_tokens": 0, "prefix_cache_hit_requests": 0, "prefix_cache_queried_tokens": 0,
+            "prefix_cache_queried_requests": 0}
+
+    def samples(text):
+        return {(s.name, s.labels.get("replica")): s.value for fam in text_string_to_metric_families(text.decode())
+                for s in fam.samples if "prefix_cache" in s.name}
+
+    got = samples(metrics.render({"r1": hot, "r2": cold, "old-engine": {"num_running": 0}}))
+    assert got[("eagle_prefix_cache_hit_tokens_total", "r1")] == 750
+    assert got[("eagle_prefix_cache_queried_tokens_total", "r1")] == 1000
+    assert got[("eagle_prefix_cache_hit_requests_total", "r1")] == 6
+    assert got[("eagle_prefix_cache_queried_requests_total", "r1")] == 8
+    assert got[("eagle_prefix_cache_evictions_total", "r1")] == 3
+    assert got[("eagle_replica_prefix_cache_blocks", "r1")] == 40
+    assert got[("eagle_replica_prefix_cache_token_hit_rate", "r1")] == 0.75
+    assert got[("eagle_replica_prefix_cache_request_hit_rate", "r1")] == 0.75
+    assert got[("eagle_replica_prefix_cache_token_hit_rate", "r2")] == 0.0       # nothing looked up yet: 0, not NaN
+    assert not [k for k in got if k[1] == "old-engine"]
+    got = samples(metrics.render({"r2": cold}))                                  # r1 gone
+    assert not [k for k in got if k[1] == "r1"] and ("eagle_prefix_cache_hit_tokens_total", "r2") in got
+    assert samples(metrics.render()) == got                                      # None keeps the last view
+
+
 @pytest.mark.parametrize("path,label", [("/v1/completions", "completions"), ("/app/v1/chat/completions", "chat"),
                                         ("/v1/models", "models"), ("/health", "health"), ("/metrics", "metrics"),
                                         ("/v1/embeddings", "other"), ("/", "other")])
