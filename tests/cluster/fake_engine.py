@@ -12,6 +12,9 @@ reproducible. Markers in a prompt inject faults, so each test controls its own r
 Logprobs follow the contract (TokenLogprob per token, a fixed made-up distribution), a logit_bias of
 at least +50 forces its token, and `stats()["text_prompts"]` counts prompts that arrived as text
 (the ingress sends token ids, so the serving tests expect 0).
+Prefix caching is emulated (`enable_prefix_caching` like the real EngineConfig): every full 16-token
+block of every admitted prompt is remembered, unbounded; a prompt's leading remembered blocks are its
+`num_cached_tokens`, and `stats()` has the real engine's `prefix_cache_*` keys.
 """
 from __future__ import annotations
 
@@ -22,6 +25,8 @@ import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+from eagle_worker.prefix_hash import block_hashes
 
 ALPHABET = b"abcdefghij klmnopqrstuvwxyz"
 EOS = 0
@@ -54,6 +59,7 @@ class EngineConfig:
     kv_cache_gb: float = 1.0
     chat_template: str | None = None
     spec: Any = None
+    enable_prefix_caching: bool = True
 
 
 class SpecConfig:
@@ -180,6 +186,7 @@ class _Seq:
     fault: tuple[str, str, int] | None = None
     fail_at: int | None = None
     lps: list[TokenLogprob] = field(default_factory=list)
+    cached: int = 0
 
 
 class LLMEngine:
@@ -193,6 +200,8 @@ class LLMEngine:
         self.last_batch = 0
         self.max_model_len = config.max_model_len
         self.text_prompts = 0  # prompts that arrived as text: tokenized here, on the engine thread
+        self.blocks: set[int] = set()   # the emulated prefix cache: hashes of every full prompt block seen
+        self.prefix = dict.fromkeys(("queried_tokens", "hit_tokens", "queried_requests", "hit_requests"), 0)
 
     def apply_chat_template(self, messages: list[dict]) -> str:
         if any("content" not in m for m in messages):
@@ -214,6 +223,8 @@ class LLMEngine:
             )
         seed = params.seed if params.seed is not None else random.getrandbits(32)
         seq = _Seq(request_id, ids, params, priority, time.monotonic(), random.Random(seed))
+        if self.config.enable_prefix_caching:
+            seq.cached = self._lookup(ids)
         text = self.tokenizer.decode(ids)
         if m := re.search(r"\[slow:([\d.]+)\]", text):
             seq.slow = float(m.group(1))
@@ -224,6 +235,19 @@ class LLMEngine:
         if m := re.search(r"\[fail-step:(\d+)\]", text):
             seq.fail_at = int(m.group(1))
         self.waiting.append(seq)
+
+    def _lookup(self, ids: list[int]) -> int:
+        """Prompt tokens found in the emulated cache (at least one is left to compute); remembers the rest."""
+        hashes = block_hashes(ids, 16)
+        hit = 0
+        while hit < len(hashes) and hashes[hit] in self.blocks and (hit + 1) * 16 < len(ids):
+            hit += 1
+        self.blocks.update(hashes)
+        self.prefix["queried_tokens"] += len(ids)
+        self.prefix["hit_tokens"] += hit * 16
+        self.prefix["queried_requests"] += 1
+        self.prefix["hit_requests"] += hit > 0
+        return hit * 16
 
     def abort(self, request_id: str) -> None:
         for q in (self.waiting, self.running):
@@ -295,7 +319,7 @@ class LLMEngine:
                 s.rid, s.prompt, list(s.out), text, [tok], text[len(prev):] if len(text) > len(prev) else "",
                 reason is not None, reason,
                 {"num_output_tokens": len(s.out), "num_target_forwards": len(s.out),
-                 "mean_accepted_tokens": 1.0, "ttft_s": s.first_token_t - s.arrival},
+                 "mean_accepted_tokens": 1.0, "ttft_s": s.first_token_t - s.arrival, "num_cached_tokens": s.cached},
                 logprobs=lp, new_logprobs=lp[-1:] if lp else None, prompt_logprobs=prompt_lp,
             ))
         return outs
@@ -308,4 +332,6 @@ class LLMEngine:
         used = sum(len(s.prompt) + len(s.out) for s in self.running) // 16
         return dict(num_running=len(self.running), num_waiting=len(self.waiting),
                     num_free_blocks=total - used, num_total_blocks=total, kv_usage=used / total,
-                    batch_size_last_step=self.last_batch, tokens_per_step=1.0, text_prompts=self.text_prompts)
+                    batch_size_last_step=self.last_batch, tokens_per_step=1.0, text_prompts=self.text_prompts,
+                    prefix_cache_blocks=len(self.blocks), prefix_cache_evictions=0,
+                    **{f"prefix_cache_{k}": v for k, v in self.prefix.items()})

@@ -131,21 +131,38 @@ def test_engine_config_from_serve_config():
     assert engine_config(ServeConfig(limits={"max_model_len": 512})).max_model_len == 512
 
 
-def test_prefix_caching_reaches_the_engine_config(caplog):
+def test_prefix_caching_reaches_the_engine_config(caplog, monkeypatch):
     """`enable_prefix_caching` (on by default) is the engine's EngineConfig field; an engine module
-    without the field (the fake engine) is still served, and turning caching off there is logged."""
+    without the field is still served, and turning caching off there is logged."""
     import dataclasses
+    from types import SimpleNamespace
 
-    from cluster.replica import engine_config
+    from cluster import replica
     from eagle_worker.config import EngineConfig
+    from tests.cluster import fake_engine
 
     assert ServeConfig.from_dict({"enable_prefix_caching": False}).engine_kwargs()["enable_prefix_caching"] is False
     if "enable_prefix_caching" in {f.name for f in dataclasses.fields(EngineConfig)}:
-        assert engine_config(ServeConfig(draft=None, enable_prefix_caching=False)).enable_prefix_caching is False
-        assert engine_config(ServeConfig(draft=None)).enable_prefix_caching is True
-    fake = "tests.cluster.fake_engine"
-    assert engine_config(ServeConfig(engine=fake, model="fake", draft=None)).model == "fake"
-    engine_config(ServeConfig(engine=fake, model="fake", draft=None, enable_prefix_caching=False))
+        assert replica.engine_config(ServeConfig(draft=None, enable_prefix_caching=False)).enable_prefix_caching is False
+        assert replica.engine_config(ServeConfig(draft=None)).enable_prefix_caching is True
+    fake = dict(engine="tests.cluster.fake_engine", model="fake", draft=None)
+    assert replica.engine_config(ServeConfig(**fake, enable_prefix_caching=False)).enable_prefix_caching is False
+
+    @dataclasses.dataclass
+    class OldConfig:   # an engine module from before prefix caching
+        model: str = "fake"
+        dtype: str = "float32"
+        device: str = "cpu"
+        draft: str | None = None
+        tp_size: int = 1
+        max_num_seqs: int = 64
+        max_model_len: int = 512
+
+    monkeypatch.setattr(replica, "load_engine_module", lambda path: SimpleNamespace(
+        EngineConfig=OldConfig, SpecConfig=fake_engine.SpecConfig))
+    assert replica.engine_config(ServeConfig(**fake)).model == "fake"
+    assert "ignored" not in caplog.text
+    replica.engine_config(ServeConfig(**fake, enable_prefix_caching=False))
     assert "enable_prefix_caching: false ignored" in caplog.text
     with pytest.raises(ConfigError, match="enable_prefix_caching"):
         ServeConfig.from_dict({"enable_prefix_caching": "sometimes"})
