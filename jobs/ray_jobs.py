@@ -6,9 +6,12 @@ closing its laptop, and Ray keeps its logs and status. The entrypoint is
 resolved JobConfig (absolute paths, which must be valid on the cluster: a shared filesystem or paths
 on the head node); it connects to the cluster with `RAY_ADDRESS`, which Ray sets for job drivers.
 
-Addresses: the Jobs API talks to the dashboard (`http://head:8265`). A GCS address
-(`head:6379`) or a Ray Client address (`ray://head:10001`) is mapped to the dashboard on the same
-host, the way users tend to pass whatever address they have at hand.
+Addresses: whatever Ray accepts, resolved by Ray's own `JobSubmissionClient` (no guessing here): a
+GCS address `head:6379` (any port: Ray asks the GCS where the dashboard is), the dashboard
+`http://head:8265`, a Ray Client address `ray://head:10001`, or `auto` (RAY_ADDRESS, else the
+cluster started on this machine). An explicit address wins over `RAY_ADDRESS` (Ray itself would
+let the variable override it). Every failure to reach or authenticate with the cluster is a
+`ConnectionError` whose message is one line saying what to set (eaglectl prints it as is).
 """
 from __future__ import annotations
 
@@ -16,42 +19,97 @@ import asyncio
 import json
 import os
 import shlex
+import threading
 import time
 import uuid
-from urllib.parse import urlsplit
+from contextlib import contextmanager
 
 from jobs.job_config import JobConfig
 
-DASHBOARD_PORT = 8265
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 JOB_PYTHON_ENV = "EAGLE_JOB_PYTHON"   # interpreter for the entrypoint on the cluster (default: python)
-
-
-def jobs_address(address: str) -> str:
-    """The Jobs API (dashboard) URL for whatever Ray address the user gave."""
-    address = address.strip()
-    if address == "auto":
-        return f"http://127.0.0.1:{DASHBOARD_PORT}"
-    if address.startswith(("http://", "https://")):
-        return address.rstrip("/")
-    if address.startswith("ray://"):
-        return f"http://{urlsplit(address).hostname}:{DASHBOARD_PORT}"
-    host, _, port = address.rpartition(":")
-    if not host:
-        return f"http://{address}:{DASHBOARD_PORT}"
-    if port in ("6379", "10001"):   # GCS / Ray Client port: the dashboard is on the same host
-        return f"http://{host}:{DASHBOARD_PORT}"
-    return f"http://{address}"
+ADDRESS_FORMS = "host:GCS-port (head:6379), the dashboard http://head:8265, ray://head:10001 or auto"
+_ADDRESS_ENV = ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")  # Ray lets these override an explicit address
+_clients: dict[str, object] = {}
+_lock = threading.Lock()
 
 
 def client(address: str):
+    """Ray's JobSubmissionClient for `address` (one per address and process: resolving a GCS address
+    asks the cluster, so `wait`'s polling must not redo it)."""
+    address = address.strip()
+    with _lock:
+        if address not in _clients:
+            _clients[address] = _connect(address)
+        return _clients[address]
+
+
+def jobs_address(address: str) -> str:
+    """The Jobs API (dashboard) URL Ray resolved for `address` (connects to the cluster)."""
+    return client(address).get_address()
+
+
+@contextmanager
+def _explicit(address: str):
+    saved = {} if address == "auto" else {k: os.environ.pop(k) for k in _ADDRESS_ENV if k in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
+def _connect(address: str):
+    from ray.exceptions import AuthenticationError, RayError
     from ray.job_submission import JobSubmissionClient
 
     try:
-        return JobSubmissionClient(jobs_address(address))
-    except (ConnectionError, RuntimeError) as e:
-        raise ConnectionError(f"cannot reach the Ray Jobs API at {jobs_address(address)} "
-                              f"(from address {address!r}): {e}") from None
+        with _explicit(address):
+            return JobSubmissionClient(address)
+    except AuthenticationError as e:
+        raise ConnectionError(auth_message(address, str(e))) from None
+    except (ConnectionError, RayError, RuntimeError, ValueError, OSError) as e:
+        raise ConnectionError(reach_message(address, e)) from None
+
+
+def _first_line(text: str) -> str:
+    return next((ln.strip() for ln in text.splitlines() if ln.strip()), "").rstrip(".")
+
+
+def auth_message(address: str, detail: str = "") -> str:
+    """One line: what to set when the cluster refuses this client (Ray token authentication)."""
+    mode = os.environ.get("RAY_AUTH_MODE", "").strip().lower()
+    if mode != "token":
+        return (f"the Ray cluster at {address} requires token authentication and this client has "
+                f"RAY_AUTH_MODE={mode or '(unset)'}: set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN to the cluster's token "
+                "(or RAY_AUTH_TOKEN_PATH to a file holding it; `ray get-auth-token` on the head prints it)")
+    why = "it has no token" if "missing" in detail.lower() and "incorrect" not in detail.lower() else "it refused the token"
+    return (f"the Ray cluster at {address} requires token authentication and {why}: set RAY_AUTH_TOKEN to the "
+            "cluster's token (or RAY_AUTH_TOKEN_PATH to a file holding it, default ~/.ray/auth_token; "
+            "`ray get-auth-token` on the head prints it)")
+
+
+def reach_message(address: str, err: BaseException) -> str:
+    """One line: the address could not be resolved or reached, and which forms Ray accepts."""
+    detail = _first_line(str(err)) or type(err).__name__
+    hint = ""
+    if "://" not in address and address.rpartition(":")[2] == "8265":
+        hint = " (an address without a scheme is the GCS; for the dashboard write http://" + address + ")"
+    return (f"cannot reach the Ray cluster at {address!r}{hint}: {detail}; --address / RAY_ADDRESS takes "
+            f"{ADDRESS_FORMS}, and the cluster must be running")
+
+
+def _call(address: str, fn, *args, **kwargs):
+    """A Jobs API call; losing the cluster or its authentication mid-way is a ConnectionError too."""
+    import aiohttp
+    import requests
+    from ray.exceptions import AuthenticationError
+
+    try:
+        return fn(*args, **kwargs)
+    except AuthenticationError as e:
+        raise ConnectionError(auth_message(address, str(e))) from None
+    except (requests.exceptions.ConnectionError, aiohttp.ClientConnectionError) as e:
+        raise ConnectionError(reach_message(address, e)) from None
 
 
 def entrypoint(cfg: JobConfig) -> str:
@@ -65,7 +123,7 @@ def submit(address: str, cfg: JobConfig, job_id: str | None = None) -> str:
     name = os.path.basename(cfg.input.rstrip("/")) or "job"
     job_id = job_id or f"eagle-{_slug(name)}-{uuid.uuid4().hex[:6]}"
     env = {k: os.environ[k] for k in ("RAY_AUTH_MODE", JOB_PYTHON_ENV) if k in os.environ}
-    return c.submit_job(
+    return _call(address, c.submit_job,
         entrypoint=entrypoint(cfg), submission_id=job_id, entrypoint_num_cpus=0,
         metadata={"eagle_job": "1", "input": cfg.input, "output": cfg.output or "", "model": cfg.model},
         runtime_env={"env_vars": env} if env else None,
@@ -78,7 +136,7 @@ def _slug(s: str) -> str:
 
 
 def info(address: str, job_id: str) -> dict:
-    d = client(address).get_job_info(job_id)
+    d = _call(address, client(address).get_job_info, job_id)
     return {"job_id": d.submission_id or d.job_id, "status": str(getattr(d.status, "value", d.status)),
             "message": d.message, "entrypoint": d.entrypoint, "start_time": d.start_time,
             "end_time": d.end_time, "metadata": d.metadata or {}, "driver_exit_code": d.driver_exit_code}
@@ -86,7 +144,7 @@ def info(address: str, job_id: str) -> dict:
 
 def list_jobs(address: str) -> list[dict]:
     out = []
-    for d in client(address).list_jobs():
+    for d in _call(address, client(address).list_jobs):
         out.append({"job_id": d.submission_id or d.job_id, "status": str(getattr(d.status, "value", d.status)),
                     "start_time": d.start_time, "end_time": d.end_time, "metadata": d.metadata or {},
                     "entrypoint": d.entrypoint})
@@ -94,7 +152,7 @@ def list_jobs(address: str) -> list[dict]:
 
 
 def logs(address: str, job_id: str) -> str:
-    return client(address).get_job_logs(job_id)
+    return _call(address, client(address).get_job_logs, job_id)
 
 
 def tail_logs(address: str, job_id: str, echo) -> None:
@@ -104,7 +162,7 @@ def tail_logs(address: str, job_id: str, echo) -> None:
     async def run():
         async for chunk in c.tail_job_logs(job_id):
             echo(chunk)
-    asyncio.run(run())
+    _call(address, asyncio.run, run())
 
 
 def wait(address: str, job_id: str, poll_s: float = 2.0, on_change=None, timeout_s: float | None = None) -> dict:
@@ -124,7 +182,7 @@ def wait(address: str, job_id: str, poll_s: float = 2.0, on_change=None, timeout
 
 
 def stop(address: str, job_id: str) -> bool:
-    return client(address).stop_job(job_id)
+    return _call(address, client(address).stop_job, job_id)
 
 
 def dumps(obj) -> str:

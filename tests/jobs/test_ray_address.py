@@ -1,0 +1,104 @@
+"""`--address` takes what Ray takes (resolved by Ray's JobSubmissionClient) and every failure to reach
+or authenticate answers one line that says what to set (issue 25, item 5).
+
+The cluster is `tests.ray_cluster.LocalCluster`: `ray start` with token auth and random (non-default)
+GCS and dashboard ports, so nothing can work by guessing port 8265 or 6379."""
+from __future__ import annotations
+
+import os
+
+import pyarrow.parquet as pq
+import pytest
+
+from jobs import ray_jobs
+from tests.ray_cluster import LocalCluster, free_ports
+
+from .conftest import cli, write_parquet
+
+
+def _one_line_answer(res) -> str:
+    """The CLI's answer to a connection failure: exit 1, one line, no traceback (Ray's own C++
+    warnings may precede it on stderr)."""
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "Traceback" not in res.stderr, res.stderr
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("error:") or "Ray cluster" in last, res.stderr
+    return last
+
+
+def test_unreachable_dashboard_is_one_line_connection_error():
+    port = free_ports(1)[0]
+    with pytest.raises(ConnectionError) as e:
+        ray_jobs.list_jobs(f"http://127.0.0.1:{port}")
+    msg = str(e.value)
+    assert "\n" not in msg and f"127.0.0.1:{port}" in msg and "head:6379" in msg and "http://head:8265" in msg
+
+
+def test_malformed_address_is_one_line_connection_error():
+    with pytest.raises(ConnectionError) as e:
+        ray_jobs.client("no-port-here")
+    assert "\n" not in str(e.value) and "'no-port-here'" in str(e.value) and "ray://head:10001" in str(e.value)
+
+
+def test_auth_messages_say_what_to_set(monkeypatch):
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    msg = ray_jobs.auth_message("h:1", "Authentication token is missing or incorrect")
+    assert "RAY_AUTH_MODE=(unset)" in msg and "set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN" in msg and "\n" not in msg
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    msg = ray_jobs.auth_message("h:1", "Forbidden: Invalid authentication token")
+    assert "refused the token" in msg and "set RAY_AUTH_TOKEN" in msg and "RAY_AUTH_MODE=" not in msg
+
+
+@pytest.fixture(scope="module")
+def token_cluster():
+    with LocalCluster(node_cpus=(2,), dashboard=True) as c:
+        yield c
+
+
+@pytest.mark.slow  # a `ray start` cluster and CLI subprocesses
+def test_submit_with_a_gcs_address_on_non_default_ports(tmp_path, tiny_model, token_cluster):
+    c = token_cluster
+    gcs_port, dash_port = int(c.gcs.rpartition(":")[2]), int(c.dashboard_address.rpartition(":")[2])
+    assert {gcs_port, dash_port}.isdisjoint({6379, 8265})
+    inp = write_parquet(tmp_path / "in.parquet", prompt=[f"hello {i}" for i in range(6)])
+    env = {**c.env, "RAY_ADDRESS": "127.0.0.1:1"}   # an explicit --address wins over RAY_ADDRESS
+    res = cli("submit-job", inp, "--model", tiny_model, "--draft", "none", "--max-tokens", "4", "--replicas", "1",
+              "--cpus-per-replica", "1", "--address", c.gcs, "--job-id", "gcs-address-job", "--wait",
+              env=env, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert c.dashboard_address in res.stdout        # Ray found the dashboard through the GCS
+    assert len(pq.read_table(tmp_path / "in.out", columns=["id"])) == 6
+
+    for address in (c.gcs, c.dashboard_address, c.dashboard_address + "/"):
+        listed = cli("job", "list", "--address", address, env=c.env, timeout=120)
+        assert listed.returncode == 0 and "gcs-address-job\tSUCCEEDED" in listed.stdout, listed.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["gcs", "dashboard"])
+def test_client_without_token_auth_gets_one_line_saying_what_to_set(token_cluster, how):
+    c = token_cluster
+    address = c.gcs if how == "gcs" else c.dashboard_address
+    env = {**c.env, "RAY_AUTH_MODE": "disabled"}
+    last = _one_line_answer(cli("job", "list", "--address", address, env=env, timeout=120))
+    assert "RAY_AUTH_MODE=disabled" in last and "set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN" in last, last
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["gcs", "dashboard"])
+def test_client_with_a_wrong_token_gets_one_line_saying_what_to_set(token_cluster, how):
+    c = token_cluster
+    address = c.gcs if how == "gcs" else c.dashboard_address
+    env = {**c.env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 32}
+    last = _one_line_answer(cli("job", "list", "--address", address, env=env, timeout=120))
+    assert "refused the token" in last and "set RAY_AUTH_TOKEN" in last, last
+
+
+def test_explicit_address_is_not_overridden_by_ray_address(monkeypatch):
+    """Ray's resolver lets RAY_ADDRESS override its argument; ours restores the variable after."""
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
+    port = free_ports(1)[0]
+    with pytest.raises(ConnectionError) as e:
+        ray_jobs.client(f"http://127.0.0.1:{port}")
+    assert f"Failed to connect to Ray at address: http://127.0.0.1:{port}" in str(e.value)   # not the GCS at :1
+    assert os.environ["RAY_ADDRESS"] == "127.0.0.1:1"
