@@ -1,16 +1,21 @@
-"""Paged KV memory: fixed-size blocks, one block table per sequence, nothing shared.
+"""Paged KV memory: fixed-size blocks, one block table per sequence, full blocks shared by prefix.
 
 Slot of position p of a sequence = block_table[p // block_size] * block_size + p % block_size.
+Blocks are reference-counted: with prefix caching (prefix_cache.py) a full block may sit in
+several tables, and a freed block that holds a registered prefix stays cached, evictable in LRU
+order; blocks that hold nothing reusable are handed out first. A sequence writes only past its
+committed tokens, so only into blocks of its own.
 Speculative decoding appends a draft tree's tokens *uncommitted* after the committed ones and
 then keeps only the accepted subset: `keep_subset` says which slots must be copied where, so the
 kept tokens end up contiguous, and returns the blocks no longer needed.
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 
 import torch
 
+from eagle_worker.prefix_cache import PrefixCache
 from eagle_worker.sequence import Sequence
 
 
@@ -19,16 +24,58 @@ class OutOfBlocks(RuntimeError):
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.free_blocks: deque[int] = deque(range(num_blocks))
+        self.ref_counts = [0] * num_blocks
+        self.free_blocks: deque[int] = deque(range(num_blocks))     # free, holding nothing reusable
+        self.evictable: OrderedDict[int, None] = OrderedDict()        # free, holding a cached prefix (LRU first)
+        self.prefix_cache = PrefixCache(block_size) if enable_prefix_caching else None
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_blocks)
+        return len(self.free_blocks) + len(self.evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.prefix_cache.blocks) if self.prefix_cache else 0
+
+    def _allocate(self) -> int:
+        if self.free_blocks:
+            block = self.free_blocks.popleft()
+        else:
+            block, _ = self.evictable.popitem(last=False)
+            self.prefix_cache.evict(block)
+        self.ref_counts[block] = 1
+        return block
+
+    def _release(self, block: int) -> None:
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            if self.prefix_cache is not None and self.prefix_cache.is_cached(block):
+                self.evictable[block] = None
+            else:
+                self.free_blocks.append(block)
+
+    def take_cached(self, seq: Sequence, need_head: bool) -> int:
+        """Give a sequence with no KV yet its longest cached prefix; returns the tokens it covers."""
+        if self.prefix_cache is None or seq.block_table:
+            return 0
+        blocks = self.prefix_cache.match(seq, need_head)
+        for b in blocks:
+            if self.ref_counts[b] == 0:
+                del self.evictable[b]
+            self.ref_counts[b] += 1
+        seq.block_table = list(blocks)
+        seq.num_computed_tokens = len(blocks) * self.block_size
+        return seq.num_computed_tokens
+
+    def register(self, seq: Sequence, head_done: int | None = None) -> None:
+        """Make `seq`'s full committed blocks findable by later requests (prefix_cache.py)."""
+        if self.prefix_cache is not None and seq.block_table:
+            self.prefix_cache.register(seq, head_done)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -48,7 +95,7 @@ class BlockManager:
         if need > self.num_free_blocks:
             raise OutOfBlocks(f"need {need} blocks, {self.num_free_blocks} free")
         for _ in range(need):
-            seq.block_table.append(self.free_blocks.popleft())
+            seq.block_table.append(self._allocate())
         start = seq.num_computed_tokens
         return self.slots(seq, start, start + num_new_tokens)
 
@@ -86,9 +133,13 @@ class BlockManager:
         """Free blocks beyond those the committed tokens occupy."""
         keep_blocks = self.blocks_for(seq.num_computed_tokens)
         while len(seq.block_table) > keep_blocks:
-            self.free_blocks.append(seq.block_table.pop())
+            self._release(seq.block_table.pop())
 
     def free(self, seq: Sequence) -> None:
-        self.free_blocks.extend(reversed(seq.block_table))
+        """Drop `seq`'s references; its tail blocks go first, so a shared head of a prefix outlives them."""
+        for block in reversed(seq.block_table):
+            self._release(block)
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear_inflight(seq)
         seq.block_table = []
         seq.num_computed_tokens = 0

@@ -33,6 +33,7 @@ class EngineConfig:
     max_model_len: int | None = None   # default: the model's context length, capped at 8192
     chat_template: str | None = None   # Jinja template overriding the tokenizer's
     seed: int = 0                      # seeds the seeds drawn for requests that bring none
+    enable_prefix_caching: bool = True # reuse full KV blocks of shared prefixes (vLLM's name; prefix_cache.py)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -49,8 +49,9 @@ class DecodeWorker:
     def release(self, seq) -> None:
         """Nothing to forget: plain decoding keeps no per-request state."""
 
-    def fork(self, holder, seq, src_slots, dst_slots) -> None:
-        """Nothing to copy: plain decoding keeps no per-request state."""
+    def head_kv_done(self, seq) -> int | None:
+        """No draft head, so no head KV for cached blocks to carry."""
+        return None
 
     def stats(self) -> dict:
         return {}

@@ -2,9 +2,9 @@
 
 step() = schedule (continuous batching over the paged cache) -> worker runs the target (and, with
 a draft head, drafts and verifies) -> append the new tokens, applying stop rules token by token
--> report what changed. Everything a request can get wrong is refused in add_request; a step that
-still raises fails only its own requests (finish_reason "error", with the cause), and the engine
-goes on with the rest.
+-> register the blocks the step filled for prefix caching -> report what changed. Everything a
+request can get wrong is refused in add_request; a step that still raises fails only its own
+requests (finish_reason "error", with the cause), and the engine goes on with the rest.
 """
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ from eagle_worker.decode_worker import DecodeWorker
 from eagle_worker.detokenizer import detokenize_incrementally, finalize_text
 from eagle_worker.model_runner import ModelRunner
 from eagle_worker.outputs import RequestOutput, TokenLogprob
-from eagle_worker.prompt_sharing import PromptSharing
 from eagle_worker.prompt_tokenizer import encode_prompt
 from eagle_worker.sampling_params import SamplingParams
 from eagle_worker.scheduler import Scheduler
@@ -37,17 +36,17 @@ class LLMEngine:
         self.runner = ModelRunner(config)
         self.tokenizer = self.runner.tokenizer
         self.max_model_len = self.runner.max_model_len
-        self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size)
+        self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.worker = self._make_worker(config)
-        self.scheduler = Scheduler(config, self.block_manager, self.worker.num_lookahead_slots, self.max_model_len)
+        self.scheduler = Scheduler(config, self.block_manager, self.worker.num_lookahead_slots, self.max_model_len,
+                                   need_head_kv=getattr(self.worker, "head", None) is not None)
         self.chat_template = resolve_chat_template(self.tokenizer, self.runner.hf_config, config.chat_template)
         self.requests: dict[str, Sequence] = {}
-        self.sharing = PromptSharing()
         self._aborted: list[RequestOutput] = []
         self._seed_source = random.Random(config.seed)    # the seed of each request that brings none
         self._last_step = {"batch_size": 0, "num_tokens": 0}
         self.totals = {"steps": 0, "generated_tokens": 0, "prompt_tokens": 0, "finished_requests": 0,
-                       "failed_steps": 0, "shared_prompt_tokens": 0}
+                       "failed_steps": 0}
 
     def _make_worker(self, config: EngineConfig):
         if config.spec is None:
@@ -94,7 +93,7 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
         seq = Sequence(request_id, token_ids, params, priority, seed)
         self.requests[request_id] = seq
-        self._join_prompt(seq)
+        self.scheduler.add(seq)
         self.totals["prompt_tokens"] += len(token_ids)
 
     def abort(self, request_id: str) -> bool:
@@ -122,10 +121,6 @@ class LLMEngine:
             if self.config.tp_size > 1:
                 raise                 # the other ranks may be inside a collective: the replica must go
             return outputs + self._fail_step(batch, e)
-        for item in batch:       # requests waiting for a prompt this step computed take a copy of it
-            for seq in self.sharing.ready_followers(item.seq):
-                self._copy_prompt(item.seq, seq)
-                self.scheduler.add(seq)
         now = time.monotonic()
         for item in batch:
             seq = item.seq
@@ -138,6 +133,9 @@ class LLMEngine:
             outputs.append(self._output(seq))
             if seq.is_finished:
                 del self.requests[seq.request_id]
+        for item in batch:
+            if not item.seq.is_finished:
+                self._register(item.seq)
         self.totals["steps"] += 1
         return outputs
 
@@ -189,35 +187,15 @@ class LLMEngine:
         seq.finish_reason = reason
         seq.status = SequenceStatus.FINISHED
         seq.metrics.finished_time = time.monotonic()
-        for follower in self.sharing.leave(seq):     # they compute the prompt themselves after all
-            self._join_prompt(follower)
+        if reason != "error":              # a failed step may have left its KV half-written
+            self._register(seq)
         self.scheduler.remove(seq)
         self.worker.release(seq)
         self.totals["finished_requests"] += 1
 
-    def _join_prompt(self, seq: Sequence) -> None:
-        """Schedule `seq`, first copying an identical prompt's KV if a request holds it; or leave it
-        waiting for the request now prefilling that prompt (prompt_sharing.py)."""
-        role, holder = self.sharing.join(seq)
-        if role == "copy":
-            self._copy_prompt(holder, seq)
-        if role != "wait":
-            self.scheduler.add(seq)
-
-    def _copy_prompt(self, holder: Sequence, seq: Sequence) -> None:
-        """KV (and the worker's per-request state) of all of `holder`'s prompt but its last token into
-        blocks of `seq`'s own; `seq` then feeds that token itself. Short of memory it copies nothing
-        and prefills."""
-        n = seq.num_prompt_tokens - 1
-        if not self.block_manager.can_append(seq, n):
-            return
-        self.block_manager.append_slots(seq, n)
-        self.block_manager.commit(seq, n)
-        src, dst = self.block_manager.slots(holder, 0, n), self.block_manager.slots(seq, 0, n)
-        self.runner.copy_kv(src, dst)
-        self.worker.fork(holder, seq, src, dst)
-        seq.metrics.num_cached_tokens = n
-        self.totals["shared_prompt_tokens"] += n
+    def _register(self, seq: Sequence) -> None:
+        """Offer `seq`'s filled blocks to later requests (with what the head has written of them)."""
+        self.block_manager.register(seq, self.worker.head_kv_done(seq))
 
     def _output(self, seq: Sequence, error: str | None = None) -> RequestOutput:
         out_ids = seq.output_token_ids
@@ -252,5 +230,12 @@ class LLMEngine:
             "batch_size_last_step": self._last_step["batch_size"],
             "tokens_last_step": self._last_step["num_tokens"],
             **self.totals,
+            **self._prefix_cache_stats(),
             **self.worker.stats(),
         }
+
+    def _prefix_cache_stats(self) -> dict:
+        cache = self.block_manager.prefix_cache
+        if cache is None:
+            return {}
+        return {**cache.stats, "prefix_cache_blocks": self.block_manager.num_cached_blocks}

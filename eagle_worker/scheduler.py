@@ -6,6 +6,10 @@ and free KV blocks allow. Long prompts are split into chunks. When KV blocks run
 least urgent, most recently arrived running sequence is preempted: its blocks are freed and it
 is recomputed later (vLLM's recompute preemption), so a full cache never crashes the engine.
 
+With prefix caching, a request admitted takes its longest cached prefix first and is fed only the
+rest. One whose next block another running request is computing right now waits a step for it
+(`n` samples of a prompt, a system prompt many requests share), unless that request is less urgent.
+
 The scheduler owns every KV slot, speculative ones included: with a speculative worker, each
 decode also gets up to `num_lookahead_slots` slots after its token for the draft tree (vLLM's
 lookahead slots), from the blocks left once every scheduled token has its own; where memory or
@@ -29,6 +33,7 @@ class ScheduledSeq:
     seq: Sequence
     num_tokens: int          # tokens fed from seq.num_computed_tokens on
     num_lookahead: int = 0   # reserved slots after them, for a draft tree (decodes only)
+    admitted: bool = False   # the first chunk since (re)admission: the worker starts its state afresh
 
     @property
     def completes(self) -> bool:
@@ -38,8 +43,9 @@ class ScheduledSeq:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager, num_lookahead_slots: int = 0,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, need_head_kv: bool = False):
         self.config = config
+        self.need_head_kv = need_head_kv     # cached blocks must carry the EAGLE head's KV too
         self.block_manager = block_manager
         self.num_lookahead_slots = num_lookahead_slots
         self.max_model_len = max_model_len or sys.maxsize     # lookahead never reaches past the context
@@ -86,20 +92,49 @@ class Scheduler:
             self.block_manager.append_slots(seq, n)
             batch.append(ScheduledSeq(seq, n))
             budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0][1]
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[i][1]
+            if self._wait_for_prefix(seq):
+                i += 1
+                continue
             n = min(seq.num_pending_tokens, budget)
             if not self.block_manager.can_append(seq, n):
+                self.block_manager.free(seq)
                 break                          # admission by KV memory: wait for blocks
-            self.waiting.pop(0)
+            self.waiting.pop(i)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            self._admit_prefix(seq)
             self.block_manager.append_slots(seq, n)
-            batch.append(ScheduledSeq(seq, n))
+            batch.append(ScheduledSeq(seq, n, admitted=True))
             budget -= n
         if self.num_lookahead_slots:
             self._reserve_lookahead(batch)
         return batch
+
+    def _wait_for_prefix(self, seq: Sequence) -> bool:
+        """Take `seq`'s cached prefix; True (and nothing taken) when it should wait for a running
+        request now computing its next block."""
+        cache = self.block_manager.prefix_cache
+        if cache is None or seq.params.prompt_logprobs is not None:    # prompt logprobs need every row
+            return False
+        blocks = self.block_manager.take_cached(seq, self.need_head_kv) // self.block_manager.block_size
+        owner = cache.next_block_inflight(seq, blocks)
+        if owner is not None and owner.priority <= seq.priority:
+            self.block_manager.free(seq)
+            return True
+        return False
+
+    def _admit_prefix(self, seq: Sequence) -> None:
+        cache = self.block_manager.prefix_cache
+        if cache is None:
+            return
+        cached = seq.num_computed_tokens
+        if seq.metrics.num_preemptions == 0:      # the prompt's first admission: what the cache saved it
+            seq.metrics.num_cached_tokens = cached
+            cache.count_query(seq.num_prompt_tokens, cached)
+        cache.mark_inflight(seq, cached // self.block_manager.block_size)
 
     def _reserve_lookahead(self, batch: list[ScheduledSeq]) -> None:
         """Draft-tree slots after each decode's token, most urgent first, from what is left."""

@@ -25,7 +25,7 @@ class SequenceMetrics:
     num_target_forwards: int = 0     # decode steps that ran the target for this sequence (prefill excluded)
     num_decode_tokens: int = 0       # tokens those steps produced (accepted drafts + bonus)
     num_preemptions: int = 0
-    num_cached_tokens: int = 0       # prompt tokens whose KV was copied from an identical prompt's prefill
+    num_cached_tokens: int = 0       # prompt tokens taken from the prefix cache (not computed)
     accepted_per_depth: list[int] = field(default_factory=list)  # speculative: accepted drafts at depth d
     accepted_from_head: int = 0      # accepted draft tokens the EAGLE head proposed
     accepted_from_lookup: int = 0    # accepted draft tokens prompt lookup proposed (both: counted in both)
@@ -78,6 +78,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
+        self.block_hashes: list[int] = []   # chained hashes of full blocks of token_ids (prefix_cache.py)
         self.finish_reason: str | None = None
         self.logprobs: list[TokenLogprob] = []
         # prompt logprobs scored so far (entry 0 is None: nothing predicts the first token)

@@ -70,11 +70,13 @@ def save_random_model(cfg, path: Path) -> Path:
 
 
 def assert_no_leaks(engine) -> None:
-    """Nothing of a finished request is left in an LLMEngine: every KV block is free, the scheduler
+    """Nothing of a finished request is left in an LLMEngine: every KV block is free (cached prefixes
+    are free too: evictable), no block is referenced, the scheduler
     queues and the request table are empty, and so is a speculative worker's per-request state."""
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and not any(bm.ref_counts)
     assert not engine.scheduler.running and not engine.scheduler.waiting and not engine.requests
-    assert engine.sharing.empty
+    assert bm.prefix_cache is None or not bm.prefix_cache.inflight
     from eagle_worker.speculative.worker import EagleWorker
 
     if isinstance(engine.worker, EagleWorker):  # the only worker that keeps per-request state

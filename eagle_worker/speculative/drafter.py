@@ -94,6 +94,27 @@ class Drafter:
         return self._run(attn, torch.cat(slot_map), torch.cat(feats), torch.tensor(toks), torch.cat(pos),
                          logit_rows=torch.tensor(last, device=self.device))
 
+    @torch.inference_mode()
+    def write_ahead(self, batch: list[tuple[torch.Tensor, DraftState, int]]) -> None:
+        """Write each state's pending pairs but its last `keep` into the head's KV (no logits)."""
+        attn, slot_map, feats, toks, pos = [], [], [], [], []
+        start = 0
+        for slots, st, keep in batch:
+            m = len(st.tokens) - keep
+            f = torch.cat(st.features)
+            end = st.start + m
+            positions = torch.arange(st.start, end)
+            attn.append(SeqAttention(q_start=start, q_positions=positions, kv_slots=slots[:end], kv_positions=torch.arange(end)))
+            slot_map.append(slots[st.start:end])
+            feats.append(f[:m])
+            toks.extend(st.tokens[:m])
+            pos.append(positions)
+            start += m
+            st.start, st.features, st.tokens = end, [f[m:]] if keep else [], st.tokens[m:]
+        ctx = build_context(attn, torch.cat(slot_map), self.device)
+        with attention_context(ctx):
+            self.head(torch.cat(feats), torch.tensor(toks).to(self.device), torch.cat(pos).to(self.device))
+
     def _level(self, batch: list[DraftSeq], parent_hidden: torch.Tensor, tokens: torch.Tensor,
                node_offsets: torch.Tensor, seen_offsets: torch.Tensor, seen_depths: torch.Tensor,
                visible: torch.Tensor, node_depth: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -100,22 +100,10 @@ class EagleWorker:
     def release(self, seq: Sequence) -> None:
         self.states.pop(seq.request_id, None)
 
-    def fork(self, holder: Sequence, seq: Sequence, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """`seq` took a copy of the KV of `holder`'s prompt positions at slots `src` into `dst`
-        (engine prompt sharing): it takes the head's inputs for them too, so its head drafts with the
-        prompt's context: the head's KV where the head has consumed them, else the pending pairs."""
-        st = self.states.get(holder.request_id)
-        if st is None:
-            return
-        d, n = st.draft, len(src)
-        rs = self._request_state(seq.request_id, 0)
-        done = min(d.start, n)                              # positions already in the head's KV
-        for layer in self.head.attention_layers() if self.head and done else []:
-            layer.k_cache[dst[:done].to(layer.k_cache.device)] = layer.k_cache[src[:done].to(layer.k_cache.device)]
-            layer.v_cache[dst[:done].to(layer.v_cache.device)] = layer.v_cache[src[:done].to(layer.v_cache.device)]
-        rs.draft.reset(done)
-        if n > done and d.features and len(d.tokens) >= n - done:
-            rs.draft.add(torch.cat(d.features)[:n - done], d.tokens[:n - done])
+    def head_kv_done(self, seq: Sequence) -> int | None:
+        """Positions of `seq` whose head KV is written (None without a head): what cached blocks carry."""
+        rs = self.states.get(seq.request_id)
+        return rs.draft.start if rs is not None and self.head is not None else None
 
     def _slots_needed(self, budget: int) -> int:
         """KV slots (root included) a tree of `budget` draft nodes uses while drafting: a dynamic head
@@ -145,7 +133,10 @@ class EagleWorker:
                                      argmax_only=argmax_suffices([it.seq.params for it in batch if it.completes]))
         record_prompt_logprobs(batch, result)
         features = self.head.target_features((result.hidden, result.aux_hidden)) if self.head else None
+        prefill = [(it, it.completes) for it in batch if it.num_tokens > 1 or not it.completes]   # before commits
         new_tokens = self._verify(batch, items, trees, result, features)
+        if self.head is not None:
+            self._write_prompt_head_kv(prefill)
         t2 = time.perf_counter()
         self._account(batch, decodes, budget if trees else 0, new_tokens, t0, t1, t2, trees)
         return new_tokens
@@ -301,8 +292,8 @@ class EagleWorker:
         seq, n, completes = it.seq, it.num_tokens, it.completes
         start = seq.num_computed_tokens
         rs = self._request_state(seq.request_id, start)
-        if start == 0:
-            rs.draft.reset()
+        if it.admitted:                 # (re)admitted: the KV before `start` came from the prefix cache
+            rs.draft.reset(start)
         self.block_manager.commit(seq, n)
         following = seq.token_ids[start + 1:start + n]
         if completes:
@@ -354,6 +345,18 @@ class EagleWorker:
         seq.metrics.num_decode_tokens += len(acc.tokens)
         self._count_depths(seq, tree.depth, acc.num_accepted)
         return list(zip(acc.tokens, lps))
+
+    def _write_prompt_head_kv(self, chunks: list[tuple[ScheduledSeq, bool]]) -> None:
+        """Prefill chunks write the head's KV for their prompt positions now, not at the first draft,
+        so the blocks they fill are cached with it (prefix_cache.py); the root's pair waits for the draft."""
+        work = []
+        for it, completed in chunks:
+            st = self.states[it.seq.request_id].draft
+            if len(st.tokens) > int(completed):
+                work.append((it.seq, st, int(completed)))
+        if work:
+            self.drafter.write_ahead([(self.block_manager.slots(seq, 0, st.start + len(st.tokens)), st, keep)
+                                      for seq, st, keep in work])
 
     def _request_state(self, request_id: str, start: int) -> RequestState:
         rs = self.states.get(request_id)
