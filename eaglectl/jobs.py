@@ -3,7 +3,8 @@
 Without `--address` and `RAY_ADDRESS` a job runs right here on an embedded Ray (jobs/driver.py);
 with one, it is submitted to that cluster through the Ray Jobs API (jobs/ray_jobs.py, whose driver
 entrypoint is `python -m jobs.driver`) and `job ...` follows it. Exit codes: 0 the job completed,
-1 it failed, 2 bad input or settings (nothing generated), 130 cancelled.
+1 it failed, 2 bad input or settings (nothing generated), 3 completed with error rows, 130 cancelled.
+Failing to reach the cluster (jobs.ray_jobs raises ConnectionError) is one line, never a traceback.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pathlib import Path
 import click
 
 from eaglectl.common import fail
-from jobs.driver import EXIT_CANCELLED, EXIT_FAILED  # light: the driver's imports are inside drive()
+from jobs.driver import EXIT_CANCELLED, EXIT_FAILED, EXIT_WITH_ERRORS, RESULT_MARKER  # light imports
 
 
 def _address(address: str | None) -> str | None:
@@ -55,6 +56,10 @@ def _run_local(cfg, ray_address: str) -> None:
 @click.option("--min-ready-replicas", type=int, help="Replicas loaded before rows are sent [default: 1].")
 @click.option("--keep-columns", is_flag=True, help="Carry the input's other columns into the output.")
 @click.option("--overwrite", is_flag=True, help="Delete existing output instead of resuming it.")
+@click.option("--retry-errors", is_flag=True, help="Run the error rows already in the output again (same ids; "
+              "fix their input first), replacing them.")
+@click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=None,
+              help="Reuse the KV cache of shared prompt prefixes (outputs are the same either way) [default: on].")
 @click.option("--rows-per-file", type=int, help="Rows per committed output file [default: 10000].")
 @click.option("--commit-interval", "commit_interval_s", type=float, help="Commit at least every N seconds [default: 30].")
 @click.option("--engine", hidden=True)
@@ -62,7 +67,13 @@ def _run_local(cfg, ray_address: str) -> None:
 @click.option("--job-id", help="Submission id on the cluster [default: generated].")
 @click.option("--wait/--no-wait", default=True, show_default=True, help="On a cluster: follow the job until it ends.")
 def submit_job(input, fmt, stop, address, job_id, wait, **opts):
-    """Generate completions for every row of INPUT (Parquet file, folder or glob; or OpenAI Batch JSONL)."""
+    """Generate completions for every row of INPUT (Parquet file, folder or glob; or OpenAI Batch JSONL;
+    local, s3:// or gs://).
+
+    \b
+    Exit codes: 0 completed, 1 failed, 2 bad input or settings (nothing generated),
+    3 completed with error rows (rerun with --retry-errors after fixing them), 130 cancelled.
+    """
     from jobs.job_config import JobConfig, JobConfigError
 
     try:
@@ -80,7 +91,7 @@ def _submit_remote(cfg, address: str, job_id: str | None, wait: bool) -> None:
     from jobs import ray_jobs
     from jobs.input_reader import InputError, open_input
 
-    if Path(cfg.input).exists():   # a path we can see: check it now rather than on the cluster
+    if "://" not in cfg.input and Path(cfg.input).exists():   # a path we can see: check it now, not on the cluster
         try:
             open_input(cfg.input, cfg.keep_columns, exclude=cfg.output)
         except InputError as e:
@@ -99,8 +110,16 @@ def _submit_remote(cfg, address: str, job_id: str | None, wait: bool) -> None:
     except KeyboardInterrupt:
         click.echo(f"\nstopped following; job {jid} keeps running (eaglectl job cancel {jid} to stop it)", err=True)
         sys.exit(EXIT_CANCELLED)
+    except ConnectionError as e:
+        fail(str(e), EXIT_FAILED)
     click.echo(f"job {jid}: {st['status']}" + (f" ({st['message']})" if st.get("message") else ""))
-    sys.exit(0 if st["status"] == "SUCCEEDED" else EXIT_FAILED)
+    if st["status"] != "SUCCEEDED":
+        sys.exit(EXIT_FAILED)
+    try:
+        with_errors = RESULT_MARKER in ray_jobs.logs(address, jid)
+    except (ConnectionError, RuntimeError):
+        with_errors = False
+    sys.exit(EXIT_WITH_ERRORS if with_errors else 0)
 
 
 # ---- following jobs -----------------------------------------------------------------------------
@@ -112,17 +131,34 @@ def _need_address(address: str | None) -> str:
     return a
 
 
-def _manifest_line(output: str | None, check_lock: bool = False) -> str | None:
+def _manifest_line(output: str | None) -> str | None:
+    from jobs.output_writer import read_manifest
+    from jobs.progress import summary
+
+    if output and ("://" in output or Path(output).is_dir()):
+        try:
+            m = read_manifest(output)
+        except (OSError, RuntimeError, ValueError):   # e.g. no credentials for the bucket here
+            return None
+        if m:
+            return summary(m)
+    return None
+
+
+def _local_status(output: str, as_json: bool) -> None:
+    """Status of a job from its output folder (local path or bucket URI): the manifest."""
     from jobs.output_writer import is_locked, read_manifest
     from jobs.progress import summary
 
-    if output and Path(output).is_dir():
+    try:
         m = read_manifest(output)
-        if m:
-            if check_lock and m.get("status") == "running" and not is_locked(output):
-                m["status"] = "interrupted (no driver is running; run the same command again to resume)"
-            return summary(m)
-    return None
+    except (OSError, RuntimeError, ValueError) as e:
+        fail(f"{output}: cannot read the job manifest ({str(e).splitlines()[0] if str(e) else type(e).__name__})")
+    if not m:
+        fail(f"{output}: no job manifest there")
+    if m.get("status") == "running" and not is_locked(output):   # flock: only trusted on this machine
+        m["status"] = "interrupted (no driver is running; run the same command again to resume)"
+    click.echo(json.dumps(m, default=str) if as_json else summary(m))
 
 
 @click.group("job")
@@ -142,11 +178,8 @@ def job_status(job_id, address, follow, as_json):
     """Status of JOB (a submission id, or a local output folder)."""
     from jobs import ray_jobs
 
-    if Path(job_id).is_dir() and _address(address) is None:   # a local job's output folder
-        line = _manifest_line(job_id, check_lock=True)   # flock is only trusted on this machine
-        if line is None:
-            fail(f"{job_id}: no job manifest there")
-        click.echo(line)
+    if ("://" in job_id or Path(job_id).is_dir()) and _address(address) is None:   # a job's output folder
+        _local_status(job_id, as_json)
         return
     address = _need_address(address)
 

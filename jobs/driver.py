@@ -3,7 +3,10 @@
 `eaglectl submit-job` without a cluster calls `drive` in its own process; on a cluster the Ray job's
 entrypoint is `python -m jobs.driver --config-json JSON [--address auto]` (jobs/ray_jobs.py), so
 the cluster runs the driver without the CLI. Exit codes: 0 the job completed, 1 it failed, 2 bad
-input or settings (nothing generated), 130 cancelled.
+input or settings (nothing generated), 3 it completed with error rows (or unreadable rows: see the
+manifest; `--retry-errors` runs the error rows again), 130 cancelled. As a Ray job entrypoint the
+driver exits 0 for "completed with error rows" (Ray would call the job FAILED) and prints
+RESULT_MARKER, which `eaglectl submit-job --address` turns back into exit code 3.
 """
 from __future__ import annotations
 
@@ -11,7 +14,8 @@ import argparse
 import logging
 import sys
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_CANCELLED = 0, 1, 2, 130
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_WITH_ERRORS, EXIT_CANCELLED = 0, 1, 2, 3, 130
+RESULT_MARKER = "eagle-job: completed with error rows"
 
 
 def setup_logging() -> None:
@@ -38,12 +42,20 @@ def drive(cfg, ray_address: str) -> int:
         manifest = run_job(cfg, ray_address=ray_address)
     except (InputError, JobConfigError, OutputError) as e:
         return _error(str(e), EXIT_USAGE)
+    except OSError as e:     # storage unreachable or failing mid-run (object store credentials, network)
+        return _error(f"job failed: storage error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", EXIT_FAILED)
     except JobFailed as e:
         return _error(f"job failed: {e}", EXIT_FAILED)
     except KeyboardInterrupt:
         return _error("interrupted; committed rows are kept, run the same command again to resume", EXIT_CANCELLED)
     print(summary(manifest), flush=True)
-    return EXIT_CANCELLED if manifest["status"] == "cancelled" else EXIT_OK
+    if manifest["status"] == "cancelled":
+        return EXIT_CANCELLED
+    if manifest.get("error_rows") or manifest.get("unreadable_rows"):
+        print(f"{RESULT_MARKER} (exit code {EXIT_WITH_ERRORS}; see error rows in the output, "
+              "fix their input and rerun with --retry-errors)", flush=True)
+        return EXIT_WITH_ERRORS
+    return EXIT_OK
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -54,7 +66,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--config-json", required=True, help="The job's resolved JobConfig as JSON.")
     p.add_argument("--address", default="auto", help="Ray cluster to join (default: %(default)s).")
     args = p.parse_args(argv)
-    sys.exit(drive(JobConfig.model_validate_json(args.config_json), args.address))
+    code = drive(JobConfig.model_validate_json(args.config_json), args.address)
+    sys.exit(EXIT_OK if code == EXIT_WITH_ERRORS else code)   # Ray: a job with error rows still SUCCEEDED
 
 
 if __name__ == "__main__":

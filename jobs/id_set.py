@@ -15,7 +15,10 @@ _DTYPE = np.dtype("S16")
 _MERGE_AT = 65_536
 
 
-def id_digest(row_id: str) -> bytes:
+def id_digest(row_id) -> bytes:
+    """Ids are strings or integers; one job never mixes the two (jobs/input_reader.py refuses it)."""
+    if not isinstance(row_id, str):
+        row_id = str(row_id)
     # 120 hash bits + a non-zero last byte: numpy strips trailing NULs from "S" items on the way out
     return hashlib.blake2b(row_id.encode("utf-8", "surrogatepass"), digest_size=15).digest() + b"\x01"
 

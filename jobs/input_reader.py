@@ -12,17 +12,20 @@ with the file relative to the input root, so re-running the same command derives
 """
 from __future__ import annotations
 
-import glob
+import io
 import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Iterator
 
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from jobs.id_set import IdSet
-from jobs.job_config import JSONL_SUFFIXES, glob_base
+from jobs.input_files import InputError, file_identity, kind_of, label_of, resolve_files
+from jobs.storage import is_uri
+
+__all__ = ["InputError", "InputPlan", "Row", "iter_rows", "open_input"]
 
 OVERRIDES = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
 OUTPUT_COLUMNS = ("id", "text", "finish_reason", "prompt_tokens", "completion_tokens",
@@ -30,28 +33,27 @@ OUTPUT_COLUMNS = ("id", "text", "finish_reason", "prompt_tokens", "completion_to
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 
 
-class InputError(ValueError):
-    """The input cannot be used (missing, unreadable, wrong schema); nothing was generated."""
-
-
 @dataclass
 class Row:
-    id: str
+    id: str | int                                # the input's type (one type per job)
     prompt: str | list[int] | None = None
     messages: list[dict] | None = None
     params: dict = field(default_factory=dict)   # per-row overrides that were set
     extra: dict = field(default_factory=dict)    # carried-through input columns (--keep-columns)
     error: str | None = None                     # a bad row: becomes an error row, not a request
+    error_param: str | None = None               # the request field the error is about (OpenAI `param`)
     chat: bool = False                           # OpenAI output: chat.completion vs text_completion
     model: str | None = None                     # OpenAI body.model, echoed back
     attempts: int = 0                            # sends lost to a dying replica so far
+    strict_max_tokens: bool = False              # OpenAI request: prompt + max_tokens over the context is a 400
 
 
 @dataclass
 class InputFile:
-    path: Path
-    label: str
+    path: str                                   # inside the plan's filesystem
+    label: str                                  # relative to the input root (derived ids)
     num_rows: int
+    display: str = ""                           # what messages call it (a local path or a URI)
 
 
 @dataclass
@@ -60,6 +62,11 @@ class InputPlan:
     files: list[InputFile]
     kept: pa.Schema | None = None               # output schema of carried columns
     kept_names: dict[str, str] = field(default_factory=dict)   # input column -> output column
+    fs: pafs.FileSystem | None = None
+    id_type: pa.DataType = field(default_factory=pa.string)
+    id_source: str = ""                         # the file that set id_type (for the mixed-types message)
+    identity: dict = field(default_factory=dict)   # {"id_type", "files": [[path, size, digest]]} (resume check)
+    unreadable: list[dict] = field(default_factory=list)   # row groups skipped at run time, ids unknown
 
     @property
     def total_rows(self) -> int:
@@ -67,55 +74,22 @@ class InputPlan:
 
 
 # ---- resolving and checking ---------------------------------------------------------------------
-def resolve_files(spec: str, exclude: str | None = None) -> tuple[list[Path], Path]:
-    """(files, root) for a file, a folder (its *.parquet, else *.jsonl) or a glob."""
-    ex = Path(exclude).resolve() if exclude else None
-
-    def keep(p: Path) -> bool:
-        hidden = any(part.startswith((".", "_")) for part in p.parts[-1:])
-        return p.is_file() and not hidden and not (ex and (p.resolve() == ex or ex in p.resolve().parents))
-
-    if glob.has_magic(spec):
-        root = glob_base(spec)
-        files = sorted(Path(p) for p in glob.glob(spec, recursive=True) if keep(Path(p)))
-        if not files:
-            raise InputError(f"{spec}: the pattern matches no files")
-    elif Path(spec).is_dir():
-        root = Path(spec)
-        files = []
-        for suffixes in ((".parquet",), JSONL_SUFFIXES):
-            files = sorted(p for p in root.rglob("*") if p.suffix.lower() in suffixes and keep(p)
-                           and not any(part.startswith((".", "_")) for part in p.relative_to(root).parts))
-            if files:
-                break
-        if not files:
-            raise InputError(f"{spec}: the folder holds no .parquet or .jsonl files")
-    elif Path(spec).is_file():
-        root, files = Path(spec).parent, [Path(spec)]
-    else:
-        raise InputError(f"{spec}: no such file or folder")
-    kinds = {_kind(p) for p in files}
+def open_input(spec: str, keep_columns: bool = False, exclude: str | None = None) -> InputPlan:
+    fs, files, root = resolve_files(spec, exclude)
+    kinds = {kind_of(p) for p in files}
     if len(kinds) > 1:
         raise InputError(f"{spec}: mixes Parquet and JSONL files; use one format per job")
-    return files, root
-
-
-def _kind(p: Path) -> str:
-    return "jsonl" if p.name.lower().endswith(JSONL_SUFFIXES) else "parquet"
-
-
-def open_input(spec: str, keep_columns: bool = False, exclude: str | None = None) -> InputPlan:
-    files, root = resolve_files(spec, exclude)
-    kind = _kind(files[0])
-    plan = InputPlan(kind=kind, files=[])
+    kind = kinds.pop()
+    plan = InputPlan(kind=kind, files=[], fs=fs)
     seen_ids = IdSet() if kind == "jsonl" else None
+    scheme = spec.split("://", 1)[0] + "://" if is_uri(spec) else ""
+    identities = []
     for path in files:
-        label = path.relative_to(root).as_posix() if path.is_relative_to(root) else path.name
-        if kind == "parquet":
-            n = _check_parquet(path, plan, keep_columns)
-        else:
-            n = _check_jsonl(path, seen_ids)
-        plan.files.append(InputFile(path, label, n))
+        f = InputFile(path, label_of(path, root), 0, scheme + path)
+        f.num_rows = _check_parquet(f, plan, keep_columns) if kind == "parquet" else _check_jsonl(f, plan, seen_ids)
+        identities.append(file_identity(fs, path, f.display))
+        plan.files.append(f)
+    plan.identity = {"id_type": str(plan.id_type), "files": identities}
     return plan
 
 
@@ -150,12 +124,15 @@ _EXPECTED = {  # column -> (check, expected type in words)
 }
 
 
-def _check_parquet(path: Path, plan: InputPlan, keep_columns: bool) -> int:
+def _check_parquet(f: InputFile, plan: InputPlan, keep_columns: bool) -> int:
+    path = f.display
     try:
-        meta = pq.read_metadata(path)
+        with plan.fs.open_input_file(f.path) as fh:
+            meta = pq.read_metadata(fh)
         schema = meta.schema.to_arrow_schema()
     except (pa.ArrowException, OSError) as e:
         raise InputError(f"{path}: not a readable Parquet file ({e})") from None
+    _check_chunks(path, meta, plan.fs.get_file_info(f.path).size)
     names = schema.names
     if "prompt" not in names and "messages" not in names:
         raise InputError(f"{path}: needs a `prompt` column (string) or a `messages` column "
@@ -165,6 +142,9 @@ def _check_parquet(path: Path, plan: InputPlan, keep_columns: bool) -> int:
             t = schema.field(col).type
             if not (ok(t) or pa.types.is_null(t)):
                 raise InputError(f"{path}: column `{col}` has type {t}; expected {expected}")
+    _set_id_type(plan, path, schema.field("id").type if "id" in names else None, meta.num_rows)
+    if "id" in names and pa.types.is_integer(schema.field("id").type):
+        _no_null_ids(path, meta, names.index("id"))
     if keep_columns:
         kept = pa.schema([schema.field(n) for n in names if n != "id"])
         if plan.kept is None:
@@ -176,11 +156,49 @@ def _check_parquet(path: Path, plan: InputPlan, keep_columns: bool) -> int:
     return meta.num_rows
 
 
-def _check_jsonl(path: Path, seen: IdSet) -> int:
-    n = 0
+def _check_chunks(path: str, meta, size: int) -> None:
+    """What the footer lets us check of the data without reading it: every column chunk lies inside the file."""
+    for rg in range(meta.num_row_groups):
+        g = meta.row_group(rg)
+        for c in range(g.num_columns):
+            col = g.column(c)
+            start = min(o for o in (col.data_page_offset, col.dictionary_page_offset) if o is not None and o >= 0)
+            if start < 4 or start + col.total_compressed_size > size:
+                raise InputError(f"{path}: row group {rg}, column `{col.path_in_schema}` lies outside the file "
+                                 f"({size} bytes): the file is truncated or corrupt")
+
+
+def _set_id_type(plan: InputPlan, path: str, t: pa.DataType | None, num_rows: int) -> None:
+    """One id type per job: integers stay integers in the output, and 1 and "1" never collide."""
+    if t is None or pa.types.is_null(t):
+        t, what = pa.string(), "derived string ids (`<file>:<row>`, no `id` column)"
+    elif pa.types.is_integer(t):
+        t, what = pa.int64(), f"integer ids ({t})"
+    else:
+        t, what = pa.string(), f"string ids ({t})"
+    if num_rows == 0:
+        return
+    if not plan.id_source:
+        plan.id_type, plan.id_source = t, f"{path} has {what}"
+    elif t != plan.id_type:
+        raise InputError(f"{path} has {what} but {plan.id_source}; ids must have one type across the input "
+                         "(cast the `id` column, or give every file one)")
+
+
+def _no_null_ids(path: str, meta, col: int) -> None:
+    """Integer ids cannot fall back to derived (string) ids, so nulls there are refused (footer statistics)."""
+    for rg in range(meta.num_row_groups):
+        st = meta.row_group(rg).column(col).statistics
+        if st is not None and st.has_null_count and st.null_count:
+            raise InputError(f"{path}: the integer `id` column has {st.null_count} null value(s) in row group {rg}; "
+                             "give every row an id (or use string ids)")
+
+
+def _check_jsonl(f: InputFile, plan: InputPlan, seen: IdSet) -> int:
+    n, path = 0, f.display
     try:
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
+        with io.TextIOWrapper(plan.fs.open_input_stream(f.path), encoding="utf-8") as fh:
+            for lineno, line in enumerate(fh, 1):
                 if not line.strip():
                     continue
                 where = f"{path}: line {lineno}"
@@ -205,33 +223,84 @@ def _check_jsonl(path: Path, seen: IdSet) -> int:
     except UnicodeDecodeError as e:
         raise InputError(f"{path}: not UTF-8 text ({e.reason})") from None
     except OSError as e:
-        raise InputError(f"{path}: cannot read ({e.strerror})") from None
+        raise InputError(f"{path}: cannot read ({e.strerror or str(e).splitlines()[0]})") from None
     return n
 
 
 # ---- streaming rows -------------------------------------------------------------------------------
 def iter_rows(plan: InputPlan, batch_rows: int = 256) -> Iterator[Row]:
     for f in plan.files:
-        yield from (_parquet_rows(f, plan, batch_rows) if plan.kind == "parquet" else _jsonl_rows(f))
+        yield from (_parquet_rows(f, plan, batch_rows) if plan.kind == "parquet" else _jsonl_rows(f, plan))
 
 
 def _parquet_rows(f: InputFile, plan: InputPlan, batch_rows: int) -> Iterator[Row]:
-    pf = pq.ParquetFile(f.path)
+    """The file's rows, one row group at a time. A row group that cannot be read or decoded (corrupt
+    pages behind an intact footer) does not stop the job: its rows that were not yielded become error
+    rows naming the file and row group, or, when their ids cannot be read either, are skipped and
+    listed in `plan.unreadable` (the job then ends as completed with errors)."""
+    try:
+        pf = pq.ParquetFile(plan.fs.open_input_file(f.path), page_checksum_verification=True)
+    except Exception as e:   # gone or changed since the check
+        yield from _unreadable(f, plan, None, -1, 0, f.num_rows, e)
+        return
     wanted = ("id", "prompt", "messages") + OVERRIDES
     columns = [c for c in pf.schema_arrow.names if c in wanted or plan.kept is not None]
-    index = 0
-    for batch in pf.iter_batches(batch_size=batch_rows, columns=columns):
-        cols = batch.to_pydict()
-        for i in range(batch.num_rows):
-            rec = {k: v[i] for k, v in cols.items()}
-            yield _parquet_row(rec, f"{f.label}:{index}", plan)
-            index += 1
-        del cols
+    offset = 0
+    for rg in range(pf.metadata.num_row_groups):
+        size, done = pf.metadata.row_group(rg).num_rows, 0
+        batches = pf.iter_batches(batch_size=batch_rows, row_groups=[rg], columns=columns)
+        while True:
+            try:
+                batch = next(batches, None)
+                if batch is None:
+                    break
+                cols = batch.to_pydict()
+                rows = [_parquet_row({k: v[i] for k, v in cols.items()}, f"{f.label}:{offset + done + i}", plan)
+                        for i in range(batch.num_rows)]
+            except Exception as e:
+                yield from _unreadable(f, plan, pf, rg, offset + done, offset + size, e)
+                break
+            del cols
+            yield from rows
+            done += batch.num_rows
+        offset += size
+
+
+def _unreadable(f: InputFile, plan: InputPlan, pf, rg: int, start: int, end: int, err: Exception) -> Iterator[Row]:
+    where = f"{f.display}: " + (f"row group {rg}" if rg >= 0 else "the file")
+    msg = f"{where} cannot be read ({type(err).__name__}: {str(err).strip().splitlines()[0][:200] if str(err).strip() else ''})"
+    if "id" not in (pf.schema_arrow.names if pf is not None else _columns(f, plan)):
+        ids = [f"{f.label}:{i}" for i in range(start, end)]
+    else:
+        try:
+            group_start = _group_offset(pf, rg)
+            ids = pf.read_row_group(rg, columns=["id"]).column("id").to_pylist()[start - group_start:end - group_start]
+            if any(i is None for i in ids):
+                raise ValueError("null ids")
+        except Exception:
+            plan.unreadable.append({"file": f.display, "row_group": rg, "rows": end - start, "error": msg})
+            return
+    for rid in ids:
+        yield Row(id=rid, error=msg)
+
+
+def _group_offset(pf, rg: int) -> int:
+    return sum(pf.metadata.row_group(i).num_rows for i in range(rg))
+
+
+def _columns(f: InputFile, plan: InputPlan) -> list[str]:
+    try:
+        with plan.fs.open_input_file(f.path) as fh:
+            return pq.read_schema(fh).names
+    except Exception:
+        return ["id"]     # unknown: treat the ids as unknown
 
 
 def _parquet_row(rec: dict, derived_id: str, plan: InputPlan) -> Row:
     rid = rec.get("id")
-    row = Row(id=derived_id if rid is None else str(rid))
+    row = Row(id=derived_id if rid is None else rid)
+    if rid is None and pa.types.is_integer(plan.id_type):
+        raise ValueError("a null integer id")     # -> the row group's rows are reported unreadable
     if plan.kept is not None:
         row.extra = {plan.kept_names[k]: rec.get(k) for k in plan.kept_names}
     row.params = {k: rec[k] for k in OVERRIDES if rec.get(k) is not None}
@@ -269,22 +338,41 @@ def _normalize_messages(msgs) -> tuple[list[dict] | None, str | None]:
     return out, None
 
 
-def _jsonl_rows(f: InputFile) -> Iterator[Row]:
-    with open(f.path, encoding="utf-8") as fh:
+def _jsonl_rows(f: InputFile, plan: InputPlan) -> Iterator[Row]:
+    with io.TextIOWrapper(plan.fs.open_input_stream(f.path), encoding="utf-8") as fh:
         for line in fh:
             if line.strip():
                 yield _openai_row(json.loads(line))
 
 
+# OpenAI request body fields a batch job honours, and the ones it accepts without effect on the output
+_BODY_FIELDS = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "n", "logprobs", "top_logprobs",
+                "presence_penalty", "frequency_penalty"} | set(OVERRIDES)
+_BODY_NO_EFFECT = {"user", "metadata", "store", "stream"}
+MAX_LOGPROBS = 20
+
+
 def _openai_row(rec: dict) -> Row:
     body = rec["body"]
-    row = Row(id=rec["custom_id"], model=body.get("model"))
+    row = Row(id=rec["custom_id"], model=body.get("model"), strict_max_tokens=True)
     mt = body.get("max_completion_tokens", body.get("max_tokens"))
-    params = {"max_tokens": mt, **{k: body.get(k) for k in OVERRIDES if k != "max_tokens"}}
+    params = {"max_tokens": mt, **{k: body.get(k) for k in OVERRIDES if k != "max_tokens"},
+              **{k: body.get(k) for k in ("presence_penalty", "frequency_penalty")}}
     row.params = {k: v for k, v in params.items() if v is not None}
+    unknown = sorted(k for k in body if k not in _BODY_FIELDS | _BODY_NO_EFFECT)
+    if unknown or body.get("stream"):
+        name = unknown[0] if unknown else "stream"
+        row.error, row.error_param = f"`{name}` is not supported in batch jobs", name
+        return row
     if body.get("n", 1) != 1:
-        row.error = "n must be 1 in batch jobs (one completion per request)"
-    elif "messages" in body:
+        row.error, row.error_param = "n must be 1 in batch jobs (one completion per request)", "n"
+        return row
+    row.error, row.error_param, lp = _logprobs(body, "messages" in body)
+    if row.error:
+        return row
+    if lp is not None:
+        row.params["logprobs"] = lp
+    if "messages" in body:
         row.chat = True
         row.messages, row.error = _normalize_messages(body["messages"])
     else:
@@ -298,4 +386,25 @@ def _openai_row(rec: dict) -> Row:
             row.prompt = p
         else:
             row.error = "prompt must be a non-empty string or list of token ids (one prompt per request)"
+    if row.error:
+        row.error_param = "messages" if row.chat else "prompt"
     return row
+
+
+def _logprobs(body: dict, chat: bool) -> tuple[str | None, str | None, int | None]:
+    """(error, param, top-k for SamplingParams.logprobs) from OpenAI's chat (`logprobs: bool` +
+    `top_logprobs`) or completions (`logprobs: int`) fields."""
+    lp, top = body.get("logprobs"), body.get("top_logprobs")
+    if chat:
+        if lp is not None and not isinstance(lp, bool):
+            return "logprobs must be a boolean in chat completions", "logprobs", None
+        if top is not None and (not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= MAX_LOGPROBS):
+            return f"top_logprobs must be an integer from 0 to {MAX_LOGPROBS}", "top_logprobs", None
+        if top and not lp:
+            return "top_logprobs: needs logprobs set to true", "top_logprobs", None
+        return None, None, (top or 0) if lp else None
+    if top is not None:
+        return "top_logprobs is a chat completions field; completions take `logprobs: <int>`", "top_logprobs", None
+    if lp is not None and (not isinstance(lp, int) or isinstance(lp, bool) or not 0 <= lp <= MAX_LOGPROBS):
+        return f"logprobs must be an integer from 0 to {MAX_LOGPROBS} in completions", "logprobs", None
+    return None, None, lp

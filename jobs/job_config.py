@@ -33,6 +33,7 @@ class JobConfig(BaseModel):
     format: Literal["auto", "parquet", "openai-batch"] = "auto"
     keep_columns: bool = False
     overwrite: bool = False
+    retry_errors: bool = Field(False, description="run the committed error rows again (their ids), replacing them")
 
     # the model
     model: str = "gemma-3-270m"
@@ -43,6 +44,8 @@ class JobConfig(BaseModel):
     engine: str = Field("eagle_worker", description="module exposing LLMEngine/EngineConfig/SamplingParams")
     chat_template: str | None = None
     max_model_len: int | None = Field(None, ge=16)
+    enable_prefix_caching: bool = Field(True, description="reuse the KV cache of shared prompt prefixes; "
+                                        "does not change outputs, so a resume may change it")
 
     # sampling defaults (per-row columns override them)
     max_tokens: int = Field(256, ge=1)
@@ -69,6 +72,13 @@ class JobConfig(BaseModel):
     commit_interval_s: float = Field(30.0, gt=0, description="a file is committed at least this often")
     read_batch_rows: int = Field(256, ge=1)
     log_interval_s: float = Field(10.0, gt=0)
+
+    @field_validator("input", "output")
+    @classmethod
+    def _location(cls, v):
+        if v is not None and "://" in v and v.split("://", 1)[0].lower() not in ("s3", "gs", "gcs"):
+            raise ValueError(f"{v}: only local paths and s3://, gs:// URIs are supported")
+        return v
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -120,8 +130,11 @@ class JobConfig(BaseModel):
 
     def absolute(self) -> "JobConfig":
         """Paths made absolute and the default output filled in (before shipping to a cluster)."""
-        inp = os.path.abspath(os.path.expanduser(self.input))
-        out = os.path.abspath(os.path.expanduser(self.output or default_output(inp)))
+        inp = _absolute(self.input)
+        try:
+            out = _absolute(self.output or default_output(inp))
+        except ValueError as e:
+            raise JobConfigError(str(e)) from None
         update = {"input": inp, "output": out}
         if self.draft not in ("auto", "none", "default"):
             update["draft"] = os.path.abspath(os.path.expanduser(self.draft))
@@ -146,7 +159,8 @@ SUBMIT_JOB_FLAGS: dict[str, bool] = {
     "--device": True, "--max-tokens": True, "--temperature": True, "--top-p": True, "--top-k": True,
     "--seed": True, "--stop": True, "--max-model-len": True, "--replicas": True, "--tp-size": True,
     "--cpus-per-replica": True, "--max-num-seqs": True, "--max-in-flight": True, "--min-ready-replicas": True,
-    "--keep-columns": False, "--overwrite": False, "--rows-per-file": True, "--commit-interval": True,
+    "--keep-columns": False, "--overwrite": False, "--retry-errors": False,
+    "--enable-prefix-caching": False, "--no-enable-prefix-caching": False, "--rows-per-file": True, "--commit-interval": True,
     "--engine": True, "--address": True, "--job-id": True, "--wait": False, "--no-wait": False,
 }
 
@@ -194,14 +208,42 @@ def glob_base(pattern: str) -> Path:
     return Path(*base) if base else Path(".")
 
 
+def _absolute(path: str) -> str:
+    if "://" in path:
+        return path
+    return os.path.abspath(os.path.expanduser(path))
+
+
 def default_output(input_path: str) -> str:
-    """`data/prompts.parquet` -> `data/prompts.out`; a folder `data/x/` -> `data/x.out`; a glob -> `<base>/job.out`."""
+    """Beside the input, never inside what it reads: `data/prompts.parquet` -> `data/prompts.out`;
+    a folder `data/x/` -> `data/x.out`; a glob `data/x/*.parquet` -> `data/x.glob-<hash of the pattern>.out`
+    (two globs over one folder get two outputs). Same rules for `s3://`/`gs://` URIs."""
+    if "://" in input_path:
+        scheme, rest = input_path.split("://", 1)
+        rest = rest.rstrip("/")
+        if "/" not in rest:
+            raise ValueError(f"{input_path}: a whole bucket as input needs --output")
+        if _is_glob(rest):
+            base = str(glob_base(rest))
+            if "/" not in base:
+                raise ValueError(f"{input_path}: a glob at the top of a bucket needs --output")
+            return f"{scheme}://{base}.glob-{_pattern_hash(rest)}.out"
+        head, name = rest.rsplit("/", 1)
+        stem = name.rsplit(".", 1)[0] if name.lower().endswith((".parquet",) + JSONL_SUFFIXES) else name
+        return f"{scheme}://{head}/{stem}.out"
     if _is_glob(input_path):
-        return str(glob_base(input_path) / "job.out")
+        base = glob_base(input_path)
+        return str(base.parent / f"{base.name}.glob-{_pattern_hash(input_path)}.out")
     p = Path(input_path)
     if p.is_dir():
         return str(p.parent / f"{p.name}.out")
     return str(p.parent / f"{p.stem}.out")
+
+
+def _pattern_hash(pattern: str) -> str:
+    import hashlib
+
+    return hashlib.blake2b(pattern.encode(), digest_size=4).hexdigest()
 
 
 def builtin_head_error(engine_module: str, model: str, draft: str = "default") -> str | None:

@@ -10,14 +10,14 @@ deletes leftover temp files; rows that were in a temp file when the driver died 
 again, once. The driver is the only writer (replicas send results back to it), and `.lock`
 (flock) keeps a second driver from writing the same folder at the same time.
 
-`_manifest.json` (counts, throughput, tau, config) is rewritten, atomically too, at every commit.
+On object storage (`s3://`, `gs://`) there is no rename: a part is written under its final name and
+counts once its commit record exists (jobs/storage.py). `_manifest.json` (counts, throughput, tau,
+config, the input's identity) is rewritten, atomically too, at every commit.
 Hidden and `_` names are skipped by Parquet dataset readers, so `pq.read_table(folder)` just works.
 """
 from __future__ import annotations
 
-import fcntl
 import json
-import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -25,13 +25,18 @@ from pathlib import Path
 from typing import Callable
 
 import pyarrow as pa
+import pyarrow.compute  # noqa: F401  (pa.compute)
 import pyarrow.parquet as pq
 
-from jobs.id_set import IdSet, id_digest
+from jobs.id_set import IdSet
+from jobs.openai_batch import openai_line
 from jobs.progress import RowCounts
+from jobs.storage import COMMITS, LEASE, LOCK, Folder, StorageError
+
+__all__ = ["BASE_SCHEMA", "OutputDir", "OutputError", "PartWriter", "openai_line", "output_schema", "new_run_id",
+           "read_manifest", "is_locked"]
 
 MANIFEST = "_manifest.json"
-LOCK = ".lock"
 BASE_SCHEMA = pa.schema([
     ("id", pa.string()), ("text", pa.string()), ("finish_reason", pa.string()),
     ("prompt_tokens", pa.int32()), ("completion_tokens", pa.int32()),
@@ -44,88 +49,84 @@ class OutputError(RuntimeError):
     """The output folder cannot be used for this job; the message says why and what to do."""
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_json_atomic(path: Path, data: dict) -> None:
-    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex[:8]}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2, default=str)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def read_manifest(out_dir: str | Path) -> dict | None:
-    p = Path(out_dir) / MANIFEST
-    try:
-        return json.loads(p.read_text())
-    except FileNotFoundError:
-        return None
+    raw = Folder(str(out_dir)).read_bytes(MANIFEST)
+    return None if raw is None else json.loads(raw)
 
 
 def is_locked(out_dir: str | Path) -> bool:
-    """Whether a driver is writing to `out_dir` right now (its flock is held)."""
-    try:
-        fd = os.open(Path(out_dir) / LOCK, os.O_RDWR)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return False
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
+    """Whether a driver is writing to `out_dir` right now (its flock or lease is held)."""
+    return Folder(str(out_dir)).is_locked()
 
 
 def _is_ours(name: str) -> bool:
-    return name in (MANIFEST, LOCK) or name.startswith(("part-", ".part-", f".{MANIFEST}"))
+    return name in (MANIFEST, LOCK, LEASE, COMMITS) or name.startswith(("part-", ".part-", f".{MANIFEST}"))
+
+
+def identity_diff(old: dict | None, new: dict | None, paths_only: bool = False) -> str | None:
+    """Why the input `new` is not the input `old` was (None: the same input)."""
+    if not old or not new:
+        return None
+    if old.get("id_type") != new.get("id_type"):
+        return f"the ids were {old.get('id_type')}, now {new.get('id_type')}"
+    before = {f[0]: f for f in old.get("files", [])}
+    now = {f[0]: f for f in new.get("files", [])}
+    gone, added = sorted(set(before) - set(now)), sorted(set(now) - set(before))
+    if gone or added:
+        what = [f"{len(gone)} file(s) no longer in it (e.g. {gone[0]})"] if gone else []
+        what += [f"{len(added)} new file(s) (e.g. {added[0]})"] if added else []
+        return "its files differ: " + ", ".join(what)
+    if paths_only:
+        return None
+    for path, f in now.items():
+        if before[path][1] != f[1]:
+            return f"{path} was {before[path][1]} bytes, now {f[1]}"
+        if before[path][2] != f[2]:
+            return f"{path} has different content (same size)"
+    return None
 
 
 class OutputDir:
     """The output folder of one job: lock, cleanup, resume state, manifest."""
 
     def __init__(self, path: str | Path, fmt: str):
-        self.path = Path(path)
+        self.folder = Folder(str(path))
+        self.path = Path(self.folder.root) if not self.folder.remote else self.folder.location
         self.fmt = fmt
-        self._lock_fd: int | None = None
+        self.manifest: dict = {}
+        self.retried_error_rows = 0
+        self.dropped_uncommitted: list[str] = []
 
-    def open(self, fingerprint: dict, overwrite: bool = False) -> tuple[IdSet, RowCounts]:
-        """Lock the folder and return (ids already committed, their counts)."""
-        self.path.mkdir(parents=True, exist_ok=True)
-        self._lock_fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    def open(self, fingerprint: dict, overwrite: bool = False, identity: dict | None = None,
+             retry_errors: bool = False) -> tuple[IdSet, RowCounts]:
+        """Lock the folder and return (ids already committed, their counts). With `retry_errors`,
+        committed error rows are taken out first (their parts rewritten in place), so they run again."""
         try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self._lock_fd)
-            self._lock_fd = None
-            raise OutputError(f"{self.path}: another job is writing to this output folder right now") from None
+            self.folder.mkdir()
+            self.folder.lock()
+        except (StorageError, OSError) as e:
+            raise OutputError(str(e)) from None
         try:
-            return self._prepare(fingerprint, overwrite)
+            return self._prepare(fingerprint, overwrite, identity, retry_errors)
+        except StorageError as e:
+            self.close()
+            raise OutputError(str(e)) from None
         except BaseException:
             self.close()
             raise
 
-    def _prepare(self, fingerprint: dict, overwrite: bool) -> tuple[IdSet, RowCounts]:
-        foreign = sorted(n for n in os.listdir(self.path) if not _is_ours(n))
+    def _prepare(self, fingerprint: dict, overwrite: bool, identity: dict | None,
+                 retry_errors: bool) -> tuple[IdSet, RowCounts]:
+        foreign = [n for n in self.folder.names() if not _is_ours(n)]
         if foreign:
             raise OutputError(f"{self.path}: the output folder holds files this tool did not write "
                               f"({', '.join(foreign[:5])}); choose another --output")
-        for n in os.listdir(self.path):  # temp files of a driver that died: those rows are redone
-            if n.startswith(".") and n.endswith(".tmp"):
-                os.unlink(self.path / n)
-        manifest = read_manifest(self.path)
+        self.dropped_uncommitted = self.folder.drop_uncommitted()   # a dead driver's: those rows are redone
+        manifest = read_manifest(self.folder.location)
         if overwrite:
-            for p in self.parts():
-                p.unlink()
-            (self.path / MANIFEST).unlink(missing_ok=True)
+            for name in self.parts():
+                self.folder.delete_part(name)
+            self.folder.delete(MANIFEST)
             manifest = None
         elif manifest is not None and self.parts():
             old = manifest.get("fingerprint", {})
@@ -134,59 +135,100 @@ class OutputDir:
                 what = ", ".join(f"{k}={a!r} (now {b!r})" for k, (a, b) in diff.items())
                 raise OutputError(f"{self.path} holds output of a job with different settings: {what}. "
                                   "Re-run with the same settings to resume, or pass --overwrite")
+            why = identity_diff(manifest.get("input_identity"), identity, paths_only=retry_errors)
+            if why:
+                raise OutputError(f"{self.path} holds output of a different input ({why}); resuming would mix "
+                                  "two inputs in one output. Choose another --output, or pass --overwrite"
+                                  + ("" if retry_errors else " (or --retry-errors after fixing rows in place)"))
         elif manifest is None and self.parts():
             raise OutputError(f"{self.path}: part files without a {MANIFEST}; choose another --output")
         self.manifest = manifest or {}
+        if retry_errors:
+            self.retried_error_rows = self._drop_error_rows()
         return self.scan()
 
     def close(self) -> None:
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)  # releases the flock
-            self._lock_fd = None
+        self.folder.unlock()
 
-    def parts(self) -> list[Path]:
+    def parts(self) -> list[str]:
+        """Names of the committed part files."""
         ext = EXT[self.fmt]
-        other = [n for n in os.listdir(self.path) if n.startswith("part-") and not n.endswith(ext)]
+        names = self.folder.committed_parts()
+        other = [n for n in names if not n.endswith(ext)]
         if other:
             raise OutputError(f"{self.path} holds output in another format ({other[0]}); "
                               "use the same --format or pass --overwrite")
-        return sorted(self.path / n for n in os.listdir(self.path) if n.startswith("part-"))
+        return names
 
     def scan(self) -> tuple[IdSet, RowCounts]:
         """Ids and counts of every committed row (the source of truth for resume)."""
         ids, counts = IdSet(), RowCounts()
-        for p in self.parts():
-            for rec in _read_part(p, self.fmt):
+        for name in self.parts():
+            for rec in self._read_part(name):
                 if not ids.add(rec["id"]):
-                    raise OutputError(f"{p}: id {rec['id']!r} was already committed in another part file; "
-                                      "the output folder was modified by hand")
+                    raise OutputError(f"{self.folder.uri(name)}: id {rec['id']!r} was already committed in another "
+                                      "part file; the output folder was modified by hand")
                 counts.add(rec)
         return ids, counts
 
     def write_manifest(self, data: dict) -> None:
         self.manifest = data
-        write_json_atomic(self.path / MANIFEST, data)
+        self.folder.write_bytes_atomic(MANIFEST, json.dumps(data, indent=2, default=str).encode())
+        self.folder.renew()
 
-
-def _read_part(p: Path, fmt: str):
-    """Yield {id, error, prompt_tokens, completion_tokens} of each row of a committed part."""
-    if fmt == "parquet":
-        t = pq.read_table(p, columns=["id", "error", "prompt_tokens", "completion_tokens"])
-        yield from t.to_pylist()
-        return
-    with open(p, encoding="utf-8") as f:
-        for line in f:
+    def _read_part(self, name: str):
+        """Yield {id, error, prompt_tokens, completion_tokens} of each row of a committed part."""
+        if self.fmt == "parquet":
+            f = pq.ParquetFile(self.folder.path(name), filesystem=self.folder.fs)
+            yield from f.read(columns=["id", "error", "prompt_tokens", "completion_tokens"]).to_pylist()
+            return
+        raw = self.folder.read_bytes(name) or b""
+        for line in raw.decode("utf-8").splitlines():
             rec = json.loads(line)
             resp = rec.get("response") or {}
-            usage = (resp.get("body") or {}).get("usage") or {}
+            body = resp.get("body") or {}
+            usage = body.get("usage") or {}
             err = rec.get("error") or (None if resp.get("status_code") == 200 else "error")
             yield {"id": rec["custom_id"], "error": err, "prompt_tokens": usage.get("prompt_tokens"),
                    "completion_tokens": usage.get("completion_tokens")}
 
+    def _drop_error_rows(self) -> int:
+        """Rewrite each committed part that holds error rows without them, in place (an atomic replace:
+        whenever the driver dies, a row is in the output once or not at all, and then it is redone)."""
+        dropped = 0
+        for name in self.parts():
+            if self.fmt == "parquet":
+                t = pq.read_table(self.folder.path(name), filesystem=self.folder.fs)
+                bad = t.column("error").is_valid()
+                n_bad = pa.compute.sum(bad).as_py() or 0
+                if not n_bad:
+                    continue
+                keep = t.filter(pa.compute.invert(bad))
+                if keep.num_rows == 0:
+                    self.folder.delete_part(name)
+                else:
+                    sink = self.folder.open_part(name)
+                    pq.write_table(keep, sink.stream, compression="zstd")
+                    sink.replace_in_place()
+            else:
+                lines = (self.folder.read_bytes(name) or b"").decode("utf-8").splitlines()
+                good = [ln for ln in lines if (json.loads(ln).get("response") or {}).get("status_code") == 200]
+                n_bad = len(lines) - len(good)
+                if not n_bad:
+                    continue
+                if not good:
+                    self.folder.delete_part(name)
+                else:
+                    sink = self.folder.open_part(name)
+                    sink.stream.write("".join(ln + "\n" for ln in good).encode("utf-8"))
+                    sink.replace_in_place()
+            dropped += n_bad
+        return dropped
+
 
 @dataclass
 class PartWriter:
-    """Buffers finished rows into a temp file and commits it atomically (see the module docstring)."""
+    """Buffers finished rows into a part being written and commits it atomically (module docstring)."""
 
     out: OutputDir
     schema: pa.Schema
@@ -199,16 +241,15 @@ class PartWriter:
     files_committed: int = 0
 
     def __post_init__(self) -> None:
-        self._pending: list[dict] = []      # rows not yet in the temp file (parquet: one row group)
-        self._file_counts = RowCounts()        # rows in the open temp file
-        self._tmp: Path | None = None
+        self._pending: list[dict] = []      # rows not yet in the part (parquet: one row group)
+        self._file_counts = RowCounts()        # rows in the open part
+        self._sink = None
         self._pq: pq.ParquetWriter | None = None
-        self._fh = None
         self._opened_at = 0.0
         self._seq = 0
 
     def add(self, rec: dict) -> None:
-        if self._tmp is None:
+        if self._sink is None:
             self._open()
         self._file_counts.add(rec)
         if self.out.fmt == "parquet":
@@ -216,57 +257,46 @@ class PartWriter:
             if len(self._pending) >= self.row_group_rows:
                 self._flush_row_group()
         else:
-            self._fh.write(json.dumps(openai_line(rec), ensure_ascii=False) + "\n")
+            self._sink.stream.write((json.dumps(openai_line(rec), ensure_ascii=False) + "\n").encode("utf-8"))
         if self._file_counts.rows >= self.rows_per_file:
             self.commit()
 
     def due(self) -> bool:
-        return self._tmp is not None and time.monotonic() - self._opened_at >= self.commit_interval_s
+        return self._sink is not None and time.monotonic() - self._opened_at >= self.commit_interval_s
 
     def commit(self) -> RowCounts | None:
         """Make every row added so far durable and visible; returns what was committed."""
-        if self._tmp is None:
+        if self._sink is None:
             return None
         if self.out.fmt == "parquet":
             self._flush_row_group()
             self._pq.close()
-            with open(self._tmp, "rb") as f:
-                os.fsync(f.fileno())
-        else:
-            self._fh.flush()
-            os.fsync(self._fh.fileno())
-            self._fh.close()
-        final = self.out.path / self._tmp.name[1:].removesuffix(".tmp")
-        os.replace(self._tmp, final)
-        fsync_dir(self.out.path)
-        counts, self._file_counts = self._file_counts, RowCounts()
+        counts = self._file_counts
+        self._sink.commit({"rows": counts.rows, "error_rows": counts.error_rows, "run_id": self.run_id})
+        self._file_counts = RowCounts()
         self.committed.merge(counts)
         self.files_committed += 1
-        self._tmp = self._pq = self._fh = None
+        self._sink = self._pq = None
         if self.on_commit is not None:
             self.on_commit()
         return counts
 
     def discard(self) -> None:
-        """Drop the uncommitted temp file (its rows will be generated again on resume)."""
+        """Drop the uncommitted part (its rows will be generated again on resume)."""
         if self._pq is not None:
             self._pq.close()
-        if self._fh is not None:
-            self._fh.close()
-        if self._tmp is not None:
-            self._tmp.unlink(missing_ok=True)
-        self._tmp = self._pq = self._fh = None
+        if self._sink is not None:
+            self._sink.abort()
+        self._sink = self._pq = None
         self._pending.clear()
 
     def _open(self) -> None:
-        name = f".part-{self.run_id}-{self._seq:05d}{EXT[self.out.fmt]}.tmp"
+        name = f"part-{self.run_id}-{self._seq:05d}{EXT[self.out.fmt]}"
         self._seq += 1
-        self._tmp = self.out.path / name
+        self._sink = self.out.folder.open_part(name)
         self._opened_at = time.monotonic()
         if self.out.fmt == "parquet":
-            self._pq = pq.ParquetWriter(self._tmp, self.schema, compression="zstd")
-        else:
-            self._fh = open(self._tmp, "w", encoding="utf-8")
+            self._pq = pq.ParquetWriter(self._sink.stream, self.schema, compression="zstd")
 
     def _flush_row_group(self) -> None:
         if self._pending:
@@ -274,37 +304,11 @@ class PartWriter:
             self._pending = []
 
 
-def output_schema(kept: pa.Schema | None) -> pa.Schema:
-    if kept is None:
-        return BASE_SCHEMA
-    return pa.schema(list(BASE_SCHEMA) + list(kept))
+def output_schema(kept: pa.Schema | None, id_type: pa.DataType = pa.string()) -> pa.Schema:
+    """The output columns: `id` with the input's id type, then the base columns, then carried ones."""
+    base = pa.schema([pa.field("id", id_type)] + [f for f in BASE_SCHEMA if f.name != "id"])
+    return base if kept is None else pa.schema(list(base) + list(kept))
 
 
 def new_run_id() -> str:
     return time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
-
-
-def openai_line(rec: dict) -> dict:
-    """One line of an OpenAI Batch output file for a finished (or failed) row."""
-    digest = id_digest(rec["id"]).hex()[:24]
-    if rec.get("error") is not None:
-        body = {"error": {"message": rec["error"], "type": "invalid_request_error",
-                          "param": rec.get("error_param"), "code": None}}
-        return {"id": f"batch_req_{digest}", "custom_id": rec["id"],
-                "response": {"status_code": 400, "request_id": digest, "body": body}, "error": None}
-    finish = {"stop": "stop", "length": "length"}.get(rec.get("finish_reason"), rec.get("finish_reason"))
-    usage = {"prompt_tokens": rec["prompt_tokens"], "completion_tokens": rec["completion_tokens"],
-             "total_tokens": rec["prompt_tokens"] + rec["completion_tokens"]}
-    if rec.get("chat"):
-        choice = {"index": 0, "message": {"role": "assistant", "content": rec["text"]},
-                  "logprobs": None, "finish_reason": finish}
-        obj, prefix = "chat.completion", "chatcmpl"
-    else:
-        choice = {"index": 0, "text": rec["text"], "logprobs": None, "finish_reason": finish}
-        obj, prefix = "text_completion", "cmpl"
-    body = {"id": f"{prefix}-{digest}", "object": obj, "created": int(time.time()),
-            "model": rec.get("model"), "choices": [choice], "usage": usage,
-            "eagle": {"accepted_tokens_per_step": rec.get("accepted_tokens_per_step"),
-                      "latency_s": rec.get("latency_s")}}
-    return {"id": f"batch_req_{digest}", "custom_id": rec["id"],
-            "response": {"status_code": 200, "request_id": digest, "body": body}, "error": None}

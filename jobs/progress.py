@@ -31,6 +31,8 @@ class RowCounts:
     completion_tokens: int = 0
     decode_tokens: int = 0
     forwards: int = 0
+    cache_queried_tokens: int = 0   # prompt tokens of generated rows (prefix cache lookups)
+    cached_tokens: int = 0          # ... of which came from the prefix cache
     started: float = field(default_factory=time.monotonic)
 
     def add(self, rec: dict) -> None:
@@ -38,12 +40,16 @@ class RowCounts:
         self.error_rows += rec.get("error") is not None
         self.prompt_tokens += rec.get("prompt_tokens") or 0
         self.completion_tokens += rec.get("completion_tokens") or 0
+        if rec.get("cached_tokens") is not None:
+            self.cache_queried_tokens += rec.get("prompt_tokens") or 0
+            self.cached_tokens += rec["cached_tokens"]
         f = rec.get("forwards") or 0    # error rows and committed files have none
         self.forwards += f
         self.decode_tokens += round((rec.get("accepted_tokens_per_step") or 1.0) * f)
 
     def merge(self, other: "RowCounts") -> None:
-        for k in ("rows", "error_rows", "prompt_tokens", "completion_tokens", "decode_tokens", "forwards"):
+        for k in ("rows", "error_rows", "prompt_tokens", "completion_tokens", "decode_tokens", "forwards",
+                  "cache_queried_tokens", "cached_tokens"):
             setattr(self, k, getattr(self, k) + getattr(other, k))
 
     @property
@@ -64,8 +70,10 @@ class RowCounts:
 
 
 class Progress:
-    def __init__(self, total: int, initial: int, interval_s: float = 10.0, stream=None, tty: bool | None = None):
+    def __init__(self, total: int, initial: int, interval_s: float = 10.0, stream=None, tty: bool | None = None,
+                 initial_errors: int = 0):
         self.total, self.initial = total, initial
+        self.initial_errors = initial_errors    # error rows already in the output (a resume)
         self.stream = stream or sys.stderr
         self.tty = self.stream.isatty() if tty is None else tty
         self.interval_s = interval_s
@@ -86,7 +94,7 @@ class Progress:
             self._last_log = now
             self._bar.n = done
             self._bar.set_postfix_str(f"{stats.tokens_per_s:.0f} tok/s, tau {stats.tau:.2f}, "
-                                      f"{stats.error_rows} errors{extra}", refresh=False)
+                                      f"{self.initial_errors + stats.error_rows} errors{extra}", refresh=False)
             self._bar.refresh()
             return
         if force or now - self._last_log >= self.interval_s:
@@ -99,7 +107,7 @@ class Progress:
         left = max(0, self.total - done)
         eta = left / stats.rows_per_s if stats.rows else None
         return (f"rows {done}/{self.total} ({pct:.1f}%) | {stats.rows_per_s:.1f} rows/s | "
-                f"{stats.tokens_per_s:.1f} tok/s | tau {stats.tau:.2f} | errors {stats.error_rows} | "
+                f"{stats.tokens_per_s:.1f} tok/s | tau {stats.tau:.2f} | errors {self.initial_errors + stats.error_rows} | "
                 f"ETA {fmt_duration(eta)}")
 
     def close(self) -> None:
@@ -120,6 +128,14 @@ def summary(manifest: dict) -> str:
         f"tau {run.get('tau', 1.0):.2f} | {run.get('replicas', 0)} replica(s) | "
         f"driver peak RSS {run.get('driver_peak_rss_mb') or 0:.0f} MB",
     ]
+    noop = manifest.get("last_noop_rerun")
+    if noop and noop.get("at", 0) >= run.get("updated_at", 0):
+        lines[1] = (f"this run: nothing to do ({noop.get('skipped_already_done', 0)} rows already in the output); "
+                    f"last run that generated: " + lines[1].removeprefix("this run: "))
+    if manifest.get("unreadable_rows"):
+        first = manifest["unreadable"][0]
+        lines.append(f"unreadable: {manifest['unreadable_rows']} rows whose ids could not be read either, "
+                     f"not in the output (first: {first['error']})")
     if manifest.get("error"):
         lines.append(f"error: {manifest['error']}")
     return "\n".join(lines)

@@ -29,6 +29,7 @@ from cluster.config import Limits, RankResources, ServeConfig
 from cluster.replica import EngineDiedError, EngineReplica, Failed, Rejected, ReplicaConfigError
 from jobs.input_reader import Row
 from jobs.job_config import JobConfig
+from jobs.openai_batch import context_error, openai_logprobs
 
 logger = logging.getLogger(__name__)
 OFFLINE_PRIORITY = 1
@@ -51,19 +52,33 @@ class JobReplica(EngineReplica):
             self.config_error = str(e)
 
     async def generate(self, request_id: str, prompt, params: dict, messages: list[dict] | None = None,
-                       priority: int = OFFLINE_PRIORITY) -> dict[str, Any]:
+                       priority: int = OFFLINE_PRIORITY, check_context: bool = False) -> dict[str, Any]:
+        """The whole result of one row. `check_context` (a max_tokens the request set, as in an OpenAI
+        request): prompt + max_tokens beyond the context is refused, as OpenAI does, not cut short."""
         last = None
         async for out in self.submit(request_id, prompt, params, priority=priority, messages=messages):
             if isinstance(out, Rejected):
                 return {"error": out.message, "error_param": out.param}
             if isinstance(out, Failed):
                 return {"error": out.message}
+            if last is None and check_context:
+                n = len(out.prompt_token_ids)
+                if n + params["max_tokens"] > self.max_model_len:
+                    await self.abort(request_id)
+                    return {"error": context_error(n, params["max_tokens"], self.max_model_len),
+                            "error_param": "max_tokens", "error_code": "context_length_exceeded"}
             last = out
         m = last.metrics or {}
-        return {"text": last.text, "finish_reason": last.finish_reason,
-                "prompt_tokens": len(last.prompt_token_ids), "completion_tokens": len(last.token_ids),
-                "accepted_tokens_per_step": float(m.get("mean_accepted_tokens", 1.0)),
-                "latency_s": m.get("latency_s"), "forwards": int(m.get("num_target_forwards", 0))}
+        res = {"text": last.text, "finish_reason": last.finish_reason,
+               "prompt_tokens": len(last.prompt_token_ids), "completion_tokens": len(last.token_ids),
+               "accepted_tokens_per_step": float(m.get("mean_accepted_tokens", 1.0)),
+               "latency_s": m.get("latency_s"), "forwards": int(m.get("num_target_forwards", 0)),
+               "cached_tokens": m.get("num_cached_tokens")}
+        if params.get("logprobs") is not None:
+            tok = self.engine.tokenizer
+            res["logprobs"] = openai_logprobs(list(last.logprobs or []), list(last.token_ids),
+                                              lambda t: tok.decode([t]), chat=messages is not None)
+        return res
 
     def info(self) -> dict[str, Any]:
         if self.config_error is not None:
@@ -77,9 +92,12 @@ def serve_config(cfg: JobConfig, cpus: float) -> ServeConfig:
     limits = dict(max_num_seqs=cfg.max_num_seqs)
     if cfg.max_model_len is not None:
         limits.update(max_model_len=cfg.max_model_len, max_tokens=cfg.max_model_len - 1)
+    extra = {}
+    if "enable_prefix_caching" in ServeConfig.model_fields:   # the serve config passes it to the engine
+        extra["enable_prefix_caching"] = cfg.enable_prefix_caching
     return ServeConfig(model=cfg.model, draft=cfg.resolved_draft(), dtype=cfg.dtype, device=cfg.device,
                        engine=cfg.engine, tp_size=cfg.tp_size, chat_template=cfg.chat_template,
-                       limits=Limits(**limits),
+                       limits=Limits(**limits), **extra,
                        resources_per_rank=RankResources(cpu=cpus, gpu=1 if cfg.device == "cuda" else 0))
 
 
@@ -184,8 +202,9 @@ class ReplicaPool:
 
     def submit(self, row: Row, params: dict) -> None:
         r = min((r for r in self.replicas if r.ready), key=lambda r: r.in_flight)
-        rid = row.id if not row.attempts else f"{row.id}#retry{row.attempts}"
-        ref = r.actor.generate.remote(rid, row.prompt, params, messages=row.messages, priority=OFFLINE_PRIORITY)
+        rid = str(row.id) if not row.attempts else f"{row.id}#retry{row.attempts}"
+        ref = r.actor.generate.remote(rid, row.prompt, params, messages=row.messages, priority=OFFLINE_PRIORITY,
+                                      check_context=row.strict_max_tokens and "max_tokens" in row.params)
         r.in_flight += 1
         self.calls[ref] = _Call(row, r, time.monotonic())
 

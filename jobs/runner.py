@@ -35,9 +35,10 @@ _EMPTY = {"text": None, "finish_reason": None, "prompt_tokens": None, "completio
           "accepted_tokens_per_step": None, "latency_s": None, "error": None}
 
 
-def row_seed(row_id: str) -> int:
+def row_seed(row_id: str | int) -> int:
     """A stable per-row seed: sampled rows come out the same on a resume as on the first run."""
-    return int.from_bytes(hashlib.blake2b(row_id.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "big") >> 2
+    key = str(row_id).encode("utf-8", "surrogatepass")
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big") >> 2
 
 
 def row_params(cfg: JobConfig, row: Row) -> dict:
@@ -93,8 +94,14 @@ class JobRunner:
                 raise JobConfigError(f"--draft {self.cfg.draft}: {why}")
         self.out = OutputDir(self.cfg.output, self.fmt)
         try:
-            self.done_ids, self.prior = self.out.open(self.cfg.generation_fingerprint(), self.cfg.overwrite)
-            self.writer = PartWriter(self.out, output_schema(self.plan.kept), self.run_id, self.cfg.rows_per_file,
+            self.done_ids, self.prior = self.out.open(self.cfg.generation_fingerprint(), self.cfg.overwrite,
+                                                      self.plan.identity, self.cfg.retry_errors)
+            self.prior_cache = dict((self.out.manifest.get("prefix_cache") or {}))
+            if self.out.retried_error_rows:
+                logger.info("--retry-errors: %d error rows taken out of the output; they run again",
+                            self.out.retried_error_rows)
+            self.writer = PartWriter(self.out, output_schema(self.plan.kept, self.plan.id_type), self.run_id,
+                                     self.cfg.rows_per_file,
                                      self.cfg.row_group_rows, self.cfg.commit_interval_s,
                                      on_commit=self._on_commit)
             self.started_at = time.time()
@@ -132,7 +139,8 @@ class JobRunner:
         queue: deque[Row] = deque()
         exhausted = False
         total = self.plan.total_rows
-        self.progress = Progress(total, min(len(self.done_ids), total), cfg.log_interval_s, self.progress_stream)
+        self.progress = Progress(total, min(len(self.done_ids), total), cfg.log_interval_s, self.progress_stream,
+                                 initial_errors=self.prior.error_rows)
         while True:
             accepting = self.pool is not None and self.pool.accepting
             want = max(1, self.pool.free_slots()) if accepting else 1
@@ -163,6 +171,7 @@ class JobRunner:
                         queue.appendleft(row)
             if self.writer.due():
                 self.writer.commit()
+            self.out.folder.renew()     # object storage: keep the lease (cheap: a write every 30 s)
             self._sample_rss(total - min(len(self.done_ids), total))
             starting = self.pool is not None and not self.pool.accepting
             if self.pool is not None and not starting and self.first_ready is None:
@@ -186,6 +195,8 @@ class JobRunner:
 
     def _emit(self, row: Row, res: dict) -> None:
         rec = {"id": row.id, **_EMPTY, **res, **row.extra, "chat": row.chat, "model": row.model or self.cfg.model}
+        if rec.get("error") is not None:
+            rec["error_param"] = rec.get("error_param") or row.error_param
         self.writer.add(rec)
         self.stats.add(rec)
 
@@ -251,28 +262,37 @@ class JobRunner:
             "rows": s.rows, "rows_committed": c.rows, "error_rows": s.error_rows,
             "completion_tokens": s.completion_tokens, "decode_tokens": s.decode_tokens, "target_forwards": s.forwards,
             "rows_per_s": s.rows_per_s, "output_tokens_per_s": s.tokens_per_s, "tau": s.tau,
-            "skipped_already_done": self.skipped_done, "replicas": self.cfg.replicas,
-            "cpus_per_replica": getattr(self.pool, "cpus", None),
+            "skipped_already_done": self.skipped_done, "retried_error_rows": self.out.retried_error_rows,
+            "replicas": self.cfg.replicas, "cpus_per_replica": getattr(self.pool, "cpus", None),
             "rows_by_node": dict(getattr(self.pool, "rows_by_node", {})),
             # sampled (ru_maxrss is no use: Linux keeps it across exec, so it includes a forking parent)
             "driver_peak_rss_mb": round(self.rss_peak, 1), "driver_rss_mb_by_decile": self.rss_by_decile,
         }
-        runs = prev_runs + [run]
+        noop = status != "running" and s.rows == 0 and self.pool is None and bool(prev_runs)
+        # a rerun that found nothing to do keeps the last real run as the one the summary reports
+        runs = prev_runs if noop else prev_runs + [run]
         forwards = sum(r.get("target_forwards", 0) for r in runs)
         input_rows = self.plan.total_rows
+        unreadable_rows = sum(u["rows"] for u in self.plan.unreadable)
         manifest = {
             "status": status, "error": error, "input": self.cfg.input, "input_files": len(self.plan.files),
             "input_rows": input_rows, "output": self.cfg.output, "format": self.fmt,
             "rows": rows, "ok_rows": rows - self.prior.error_rows - c.error_rows,
             "error_rows": self.prior.error_rows + c.error_rows,
             "duplicate_ids_skipped": self.duplicates,
+            "unreadable_rows": unreadable_rows, "unreadable": self.plan.unreadable[:100],
             "complete": status == "completed" and rows == input_rows - self.duplicates,
             "prompt_tokens": self.prior.prompt_tokens + c.prompt_tokens,
             "completion_tokens": self.prior.completion_tokens + c.completion_tokens,
+            "prefix_cache": {"prompt_tokens": self.prior_cache.get("prompt_tokens", 0) + c.cache_queried_tokens,
+                             "cached_prompt_tokens": self.prior_cache.get("cached_prompt_tokens", 0) + c.cached_tokens},
             "mean_accepted_tokens_per_step": (sum(r.get("decode_tokens", 0) for r in runs) / forwards) if forwards else 1.0,
-            "fingerprint": self.cfg.generation_fingerprint(), "config": self.cfg.model_dump(mode="json"),
-            "runs": runs,
+            "fingerprint": self.cfg.generation_fingerprint(), "input_identity": self.plan.identity,
+            "config": self.cfg.model_dump(mode="json"), "runs": runs,
         }
+        if noop:
+            manifest["last_noop_rerun"] = {"run_id": self.run_id, "at": time.time(),
+                                           "skipped_already_done": self.skipped_done}
         self.out.write_manifest(manifest)
         if status != "running" and self.progress:
             self.progress.update(self.stats, force=True)

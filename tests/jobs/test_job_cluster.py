@@ -8,7 +8,6 @@ from __future__ import annotations
 import pyarrow.parquet as pq
 import pytest
 
-from jobs.ray_jobs import jobs_address
 from tests.ray_cluster import LocalCluster
 
 from .conftest import cli, read_manifest, write_parquet
@@ -18,14 +17,6 @@ from .conftest import cli, read_manifest, write_parquet
 def two_node_cluster():
     with LocalCluster(node_cpus=(1, 1), dashboard=True) as c:
         yield {"address": c.dashboard_address, "env": c.env}
-
-
-def test_jobs_address_mapping():
-    assert jobs_address("http://head:8265/") == "http://head:8265"
-    assert jobs_address("ray://head:10001") == "http://head:8265"
-    assert jobs_address("10.0.0.1:6379") == "http://10.0.0.1:8265"
-    assert jobs_address("head") == "http://head:8265"
-    assert jobs_address("head:9999") == "http://head:9999"
 
 
 @pytest.mark.slow  # a two-node `ray start` cluster and CLI subprocesses

@@ -78,7 +78,9 @@ def test_job_matches_llm_generate_with_overrides_and_bad_rows(tmp_path, tiny_mod
     assert rows["q9"]["text"] == chats[0].text and rows["q10"]["text"] == chats[1].text, (rows["q9"], rows["q10"], chats)
 
     again = run_job(cfg)                                  # a finished job: nothing to do, no model load
-    assert again["runs"][-1]["rows"] == 0 and again["runs"][-1]["skipped_already_done"] == n
+    assert again["last_noop_rerun"]["skipped_already_done"] == n       # recorded, without a "0 rows" run
+    assert [r["run_id"] for r in again["runs"]] == [r["run_id"] for r in m["runs"]] and again["runs"][-1]["rows"] == n
+    assert m["prefix_cache"]["prompt_tokens"] > 0 and again["prefix_cache"] == m["prefix_cache"]
     assert len(read_rows(tmp_path / "in.out")) == n
 
 

@@ -1,0 +1,123 @@
+"""Which files an input names (a file, a folder, a glob; local or `s3://`/`gs://`) and their identity.
+
+The identity (each file's path, size and a content digest) goes into the output's manifest, so a
+resume into the same output with a different input is refused instead of mixing the two. The
+digest covers the first and last 64 KiB of each file (the Parquet footer, with its row counts,
+offsets and column statistics, lies in the last part): two reads per file, whatever its size.
+"""
+from __future__ import annotations
+
+import fnmatch
+import glob
+import hashlib
+from pathlib import Path
+
+import pyarrow.fs as pafs
+
+from jobs.job_config import JSONL_SUFFIXES, glob_base
+from jobs.storage import StorageError, filesystem, is_uri
+
+DIGEST_SPAN = 64 * 1024
+
+
+class InputError(ValueError):
+    """The input cannot be used (missing, unreadable, wrong schema); nothing was generated."""
+
+
+def _hidden(name: str) -> bool:
+    return name.startswith((".", "_"))
+
+
+def kind_of(path: str) -> str:
+    return "jsonl" if path.lower().endswith(JSONL_SUFFIXES) else "parquet"
+
+
+def _in_folder(paths: list[str], root: str) -> list[str]:
+    """A folder's *.parquet files, else its *.jsonl files (hidden parts of the path skipped)."""
+    for suffixes in ((".parquet",), JSONL_SUFFIXES):
+        files = sorted(p for p in paths if p.lower().endswith(suffixes)
+                       and not any(_hidden(part) for part in p[len(root):].strip("/").split("/")))
+        if files:
+            return files
+    return []
+
+
+def resolve_files(spec: str, exclude: str | None = None) -> tuple[pafs.FileSystem, list[str], str]:
+    """(filesystem, files, root) for a file, a folder (its *.parquet, else *.jsonl) or a glob."""
+    try:
+        fs, path = filesystem(spec)
+    except StorageError as e:
+        raise InputError(str(e)) from None
+    if not is_uri(spec):
+        return (fs, *_resolve_local(path, exclude))
+    ex = filesystem(exclude)[1].rstrip("/") if exclude and is_uri(exclude) else None
+
+    def keep(p: str) -> bool:
+        return not _hidden(p.rsplit("/", 1)[-1]) and not (ex and (p == ex or p.startswith(ex + "/")))
+
+    try:
+        if glob.has_magic(path):
+            root = str(glob_base(path))
+            infos = fs.get_file_info(pafs.FileSelector(root, recursive=True, allow_not_found=True))
+            files = sorted(i.path for i in infos if i.type == pafs.FileType.File and fnmatch.fnmatchcase(i.path, path)
+                           and keep(i.path))
+            if not files:
+                raise InputError(f"{spec}: the pattern matches no files")
+        else:
+            info = fs.get_file_info(path)
+            if info.type == pafs.FileType.File:
+                root, files = path.rsplit("/", 1)[0], [path]
+            elif info.type == pafs.FileType.Directory:
+                root = path.rstrip("/")
+                infos = fs.get_file_info(pafs.FileSelector(root, recursive=True))
+                files = _in_folder([i.path for i in infos if i.type == pafs.FileType.File and keep(i.path)], root)
+                if not files:
+                    raise InputError(f"{spec}: the folder holds no .parquet or .jsonl files")
+            else:
+                raise InputError(f"{spec}: no such file or folder")
+    except OSError as e:
+        raise InputError(f"{spec}: cannot list ({str(e).splitlines()[0]})") from None
+    return fs, files, root
+
+
+def _resolve_local(spec: str, exclude: str | None) -> tuple[list[str], str]:
+    ex = Path(exclude).resolve() if exclude and not is_uri(exclude) else None
+
+    def keep(p: Path) -> bool:
+        return p.is_file() and not _hidden(p.name) and not (ex and (p.resolve() == ex or ex in p.resolve().parents))
+
+    if glob.has_magic(spec):
+        root = glob_base(spec)
+        files = sorted(Path(p) for p in glob.glob(spec, recursive=True) if keep(Path(p)))
+        if not files:
+            raise InputError(f"{spec}: the pattern matches no files")
+    elif Path(spec).is_dir():
+        root = Path(spec)
+        files = [Path(p) for p in _in_folder([str(p) for p in root.rglob("*") if keep(p)], str(root))]
+        if not files:
+            raise InputError(f"{spec}: the folder holds no .parquet or .jsonl files")
+    elif Path(spec).is_file():
+        root, files = Path(spec).parent, [Path(spec)]
+    else:
+        raise InputError(f"{spec}: no such file or folder")
+    return [str(p) for p in files], str(root)
+
+
+def label_of(path: str, root: str) -> str:
+    """The file relative to the input root (derived ids use it, so they survive moving the data)."""
+    root = root.rstrip("/")
+    return path[len(root) + 1:] if path.startswith(root + "/") else path.rsplit("/", 1)[-1]
+
+
+def file_identity(fs: pafs.FileSystem, path: str, display: str) -> list:
+    """[path, size, digest of the first and last 64 KiB]."""
+    try:
+        with fs.open_input_file(path) as f:
+            size = f.size()
+            h = hashlib.blake2b(digest_size=16)
+            h.update(f.read_at(min(size, DIGEST_SPAN), 0))
+            if size > DIGEST_SPAN:
+                h.update(f.read_at(min(size - DIGEST_SPAN, DIGEST_SPAN), max(DIGEST_SPAN, size - DIGEST_SPAN)))
+    except OSError as e:
+        raise InputError(f"{display}: cannot read ({str(e).splitlines()[0]})") from None
+    return [display, size, h.hexdigest()]
