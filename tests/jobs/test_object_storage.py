@@ -1,0 +1,131 @@
+"""Jobs in and out of a bucket on a real S3-compatible server (moto's standalone server, started here
+on 127.0.0.1): commit records, uncommitted parts removed, the lease, and a job killed with SIGKILL
+mid-run and resumed with every id exactly once. Credentials and endpoint reach pyarrow through the
+standard environment variables only (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...)."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+import pytest
+
+from .conftest import cli, cli_env, cli_popen
+
+pytestmark = pytest.mark.slow   # a server subprocess (and the CLI in subprocesses)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def s3_env():
+    pytest.importorskip("moto", reason="moto[server] (the `test` extra) starts the S3 server")
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        t0 = time.monotonic()
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                break
+            except OSError:
+                assert time.monotonic() - t0 < 30 and proc.poll() is None, "moto server did not start"
+                time.sleep(0.1)
+        yield env
+    finally:
+        proc.kill()
+        proc.wait(10)
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _bucket(name: str) -> pafs.S3FileSystem:
+    import boto3
+
+    boto3.client("s3").create_bucket(Bucket=name)
+    return pafs.FileSystem.from_uri(f"s3://{name}")[0]
+
+
+def _rec(i, error=None):
+    return {"id": f"r{i}", "text": f"t{i}", "finish_reason": "length", "prompt_tokens": 3, "completion_tokens": 4,
+            "accepted_tokens_per_step": 1.0, "latency_s": 0.1, "error": error, "chat": False, "model": "m"}
+
+
+def test_parts_count_once_their_commit_record_exists(s3_env):
+    from jobs.output_writer import BASE_SCHEMA, OutputDir, OutputError, PartWriter
+
+    fs = _bucket("commits")
+    fp = {"model": "m"}
+    out = OutputDir("s3://commits/out", "parquet")
+    out.open(fp)
+    out.write_manifest({"fingerprint": fp})
+    with pytest.raises(OutputError, match="another job is writing to this output"):
+        OutputDir("s3://commits/out", "parquet").open(fp)       # the lease: this process is alive
+    w = PartWriter(out, BASE_SCHEMA, "run1", rows_per_file=3)
+    for i in range(5):
+        w.add(_rec(i))                                           # 3 committed, 2 in an open upload
+    # a driver that died after its part's upload completed but before the commit record was written
+    sink = out.folder.open_part("part-run1-99999.parquet")
+    pq.write_table(pa.table({"id": ["r3", "r4"]}), sink.stream)
+    sink.stream.close()
+    names = [i.base_name for i in fs.get_file_info(pafs.FileSelector("commits/out", recursive=True))]
+    assert "part-run1-99999.parquet" in names and "part-run1-00000.parquet" in names
+    out.folder._lease["pid"] = 2 ** 22 + 12345                   # as if the driver had died: its pid is gone
+    out.folder.renew(force=True)
+    again = OutputDir("s3://commits/out", "parquet")
+    ids, counts = again.open(fp)
+    assert counts.rows == 3 and "r3" not in ids and again.dropped_uncommitted == ["part-run1-99999.parquet"]
+    assert not fs.get_file_info("commits/out/part-run1-99999.parquet").is_file
+    again.close()
+    assert not fs.get_file_info("commits/out/_lock.json").is_file
+
+
+def test_job_in_and_out_of_a_bucket_killed_and_resumed(s3_env, tiny_model):
+    fs = _bucket("jobs")
+    n = 1200
+    for k in range(2):
+        pq.write_table(pa.table({"id": [f"f{k}-{i}" for i in range(n // 2)],
+                                 "prompt": [f"the quick brown fox {k} {i}" for i in range(n // 2)]}),
+                       f"jobs/in/part{k}.parquet", filesystem=fs)
+    env = cli_env(**s3_env)
+    args = ["submit-job", "s3://jobs/in", "--output", "s3://jobs/out", "--model", tiny_model, "--draft", "none",
+            "--max-tokens", "2", "--rows-per-file", "100", "--max-num-seqs", "32"]
+    proc = cli_popen(*args, env=env)
+    t0 = time.monotonic()
+    while len(fs.get_file_info(pafs.FileSelector("jobs/out/_commits", allow_not_found=True))) < 3:
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() - t0 < 240, "no progress"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    proc.stdout.close()
+    assert fs.get_file_info("jobs/out/_lock.json").is_file         # the dead driver's lease is left behind
+
+    res = cli(*args, env=env, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert f"job completed: {n}/{n} rows" in res.stdout
+    parts = sorted(i.path for i in fs.get_file_info(pafs.FileSelector("jobs/out")) if i.base_name.startswith("part-"))
+    records = {i.base_name for i in fs.get_file_info(pafs.FileSelector("jobs/out/_commits"))}
+    assert {p.rsplit("/", 1)[1] for p in parts} == records                # nothing uncommitted left
+    ids = pq.read_table("s3://jobs/out", columns=["id"]).column("id").to_pylist()
+    assert len(ids) == n and set(ids) == {f"f{k}-{i}" for k in range(2) for i in range(n // 2)}
+    status = cli("job", "status", "s3://jobs/out", "--json", env=env)
+    assert status.returncode == 0 and '"complete": true' in status.stdout
