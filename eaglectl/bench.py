@@ -1,4 +1,4 @@
-"""`eaglectl bench decode|spec|job|serve`: the benchmarks in bench/, results as a table and JSON."""
+"""`eaglectl bench decode|spec|job|serve|prefix`: the benchmarks in bench/, results as a table and JSON."""
 from __future__ import annotations
 
 import click
@@ -122,3 +122,45 @@ def bench_serve(url, model, concurrencies, num_prompts, max_tokens, draft, json_
 
     run(url=url, model=model, concurrencies=tuple(int(c) for c in concurrencies.split(",")),
         num_prompts=num_prompts, max_tokens=max_tokens, draft=draft, json_out=json_out)
+
+
+@bench.command("prefix")
+@click.option("--model", default="gemma-3-270m", show_default=True)
+@click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16"]))
+@click.option("--draft", default="auto", show_default=True,
+              help="Head for the with-head runs: auto (the model's built-in head), default, a folder, or none.")
+@click.option("--scenarios", default="a,b,c", show_default=True,
+              help="a: shared system prompt; b: multi-turn conversations; c: an offline job with a shared preamble.")
+@click.option("--rounds", default=3, show_default=True, type=click.IntRange(min=1),
+              help="Runs of each measurement, caching off and on taking turns; the median counts.")
+@click.option("--requests", default=32, show_default=True, type=click.IntRange(min=1), help="a: requests.")
+@click.option("--system-tokens", default=512, show_default=True, type=click.IntRange(min=1), help="a: system prompt length.")
+@click.option("--question-tokens", default=20, show_default=True, type=click.IntRange(min=1),
+              help="a, b: each question's length.")
+@click.option("--conversations", default=8, show_default=True, type=click.IntRange(min=1), help="b: conversations.")
+@click.option("--turns", default=4, show_default=True, type=click.IntRange(min=1), help="b: turns per conversation.")
+@click.option("--history-tokens", default=256, show_default=True, type=click.IntRange(min=1),
+              help="b: the first turn's document length.")
+@click.option("--rows", default=200, show_default=True, type=click.IntRange(min=1), help="c: job rows.")
+@click.option("--preamble-tokens", default=400, show_default=True, type=click.IntRange(min=1),
+              help="c: the shared few-shot preamble's length.")
+@click.option("--max-tokens", default=64, show_default=True, type=click.IntRange(min=1))
+@click.option("--c-runner", default="job", show_default=True, type=click.Choice(["job", "engine"]),
+              help="c through the jobs runner (Ray replicas, Parquet) or one LLM.generate burst.")
+@click.option("--json", "json_out", default=None,
+              help="[default: bench/results/prefix.json; bfloat16: bench/results/prefix_bf16.json]")
+def bench_prefix(model, dtype, draft, scenarios, rounds, requests, system_tokens, question_tokens, conversations,
+                 turns, history_tokens, rows, preamble_tokens, max_tokens, c_runner, json_out):
+    """Automatic prefix caching: caching off vs on, without and with the head (TTFT, tok/s, hit rate, tau)."""
+    from bench.prefix import SCENARIOS, Sizes, run
+
+    names = tuple(s.strip() for s in scenarios.split(",") if s.strip())
+    if not names or any(s not in SCENARIOS for s in names):
+        raise click.BadParameter(f"a comma-separated subset of {','.join(SCENARIOS)}, got {scenarios!r}",
+                                 param_hint="--scenarios")
+    sizes = Sizes(requests=requests, system_tokens=system_tokens, question_tokens=question_tokens,
+                  conversations=conversations, turns=turns, history_tokens=history_tokens, rows=rows,
+                  preamble_tokens=preamble_tokens, max_tokens=max_tokens)
+    json_out = json_out or ("bench/results/prefix_bf16.json" if dtype == "bfloat16" else "bench/results/prefix.json")
+    run(model=model, dtype=dtype, draft=draft, scenarios=names, rounds=rounds, sizes=sizes, json_out=json_out,
+        c_runner=c_runner)
