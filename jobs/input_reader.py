@@ -239,10 +239,18 @@ def _parquet_rows(f: InputFile, plan: InputPlan, batch_rows: int) -> Iterator[Ro
     rows naming the file and row group, or, when their ids cannot be read either, are skipped and
     listed in `plan.unreadable` (the job then ends as completed with errors)."""
     try:
-        pf = pq.ParquetFile(plan.fs.open_input_file(f.path), page_checksum_verification=True)
+        handle = plan.fs.open_input_file(f.path)
+        pf = pq.ParquetFile(handle, page_checksum_verification=True)
     except Exception as e:   # gone or changed since the check
         yield from _unreadable(f, plan, None, -1, 0, f.num_rows, e)
         return
+    try:
+        yield from _row_groups(f, plan, pf, batch_rows)
+    finally:
+        handle.close()       # one open file at a time, however many files the input has
+
+
+def _row_groups(f: InputFile, plan: InputPlan, pf: pq.ParquetFile, batch_rows: int) -> Iterator[Row]:
     wanted = ("id", "prompt", "messages") + OVERRIDES
     columns = [c for c in pf.schema_arrow.names if c in wanted or plan.kept is not None]
     offset = 0
