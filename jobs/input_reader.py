@@ -162,8 +162,10 @@ def _check_chunks(path: str, meta, size: int) -> None:
         g = meta.row_group(rg)
         for c in range(g.num_columns):
             col = g.column(c)
-            start = min(o for o in (col.data_page_offset, col.dictionary_page_offset) if o is not None and o >= 0)
-            if start < 4 or start + col.total_compressed_size > size:
+            # (some writers put 0 in dictionary_page_offset for "none": trust it only with a dictionary page)
+            start = col.dictionary_page_offset if col.has_dictionary_page and col.dictionary_page_offset else \
+                col.data_page_offset
+            if start is None or start < 0 or start + col.total_compressed_size > size:
                 raise InputError(f"{path}: row group {rg}, column `{col.path_in_schema}` lies outside the file "
                                  f"({size} bytes): the file is truncated or corrupt")
 

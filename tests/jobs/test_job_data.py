@@ -240,3 +240,13 @@ def test_status_json_noop_rerun_and_progress_errors(tmp_path):
     assert "this run: nothing to do (3 rows already in the output); last run that generated: 3 rows" in res.output
     line = Progress(10, 3, stream=open("/dev/null", "w"), tty=False, initial_errors=3).line(RowCounts())
     assert "errors 3" in line                                       # error rows already in the output count
+
+
+def test_a_file_cut_short_with_its_footer_kept_is_refused_up_front(tmp_path):
+    p = tmp_path / "cut.parquet"
+    pq.write_table(pa.table({"prompt": prompts(1000)}), p, row_group_size=500)
+    data = p.read_bytes()
+    footer = data[-(int.from_bytes(data[-8:-4], "little") + 8):]
+    p.write_bytes(data[:len(data) // 3] + footer)              # pages lost, footer intact
+    with pytest.raises(InputError, match=r"cut.parquet: row group \d, column `prompt` lies outside the file"):
+        open_input(str(p))
