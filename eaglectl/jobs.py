@@ -33,7 +33,8 @@ def _run_local(cfg, ray_address: str) -> None:
 
 @click.command("submit-job")
 @click.argument("input", metavar="INPUT")
-@click.option("--output", "-o", help="Output folder [default: <input name>.out next to the input].")
+@click.option("--output", "-o", help="Output folder or s3://, gs:// prefix [default: beside the input: <input name>.out; "
+              "a glob: <its folder>.glob-<hash>.out].")
 @click.option("--format", "fmt", type=click.Choice(["auto", "parquet", "openai-batch"]), default="auto",
               show_default=True, help="Output format; auto = openai-batch for .jsonl input, else parquet.")
 @click.option("--model", help="Built-in name, local folder or hub id [default: gemma-3-270m].")
