@@ -10,6 +10,7 @@ one manifest a file. No click here: the command line is eaglectl's.
 """
 from __future__ import annotations
 
+import copy
 import math
 import shlex
 from pathlib import Path
@@ -26,6 +27,12 @@ IMAGE_VERSION = "0.1.0"         # tag of the images the README builds
 IMPORT_PATH = "cluster.serve_app:app_builder"
 HOME = "/home/ray"              # the image's non-root user's home (uid 1000, like rayproject/ray)
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"  # set by NVIDIA GPU feature discovery / the GPU operator
+OBJECT_STORE_SCHEMES = ("s3", "gs", "gcs")       # what `eaglectl submit-job` reads and writes (pyarrow.fs)
+GCP_KEY_DIR = "/var/run/secrets/eagle-serve/gcp"  # where a GCP service-account key Secret is mounted
+# The "restricted" Pod Security Standard, as far as our pods are concerned (tests/deploy checks every pod):
+POD_SECURITY = {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000,
+                "seccompProfile": {"type": "RuntimeDefault"}}
+CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
 
 Name = Annotated[str, StringConstraints(pattern=r"^[a-z]([-a-z0-9]*[a-z0-9])?$", max_length=40)]  # what we create
 Ref = Annotated[str, StringConstraints(pattern=r"^[a-z0-9]([-.a-z0-9]*[a-z0-9])?$", max_length=253)]  # what exists
@@ -176,15 +183,47 @@ class DataVolume(_Strict):
     path: str = "/data"
 
 
-class RayJobConfig(_Strict):
-    """A batch RayJob: `eaglectl submit-job` over a Parquet dataset on a shared volume.
+# keys that are credentials: they belong in a Secret, never in the RayJob's plain `env`
+_SECRET_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "GOOGLE_APPLICATION_CREDENTIALS")
 
-    Paths, not object-store URLs: `eaglectl submit-job` reads and writes local paths, so the dataset
-    lives on `data_volume`, mounted in every pod of the job's cluster."""
+
+class ObjectStoreConfig(_Strict):
+    """Credentials and settings for s3:// and gs:// input/output, in the job cluster's Ray pods (the
+    driver and the replicas), as pyarrow.fs reads them from the environment."""
+    credentials_secret: Ref | None = None     # envFrom: every key of this Secret becomes an env var
+    env: dict[str, str] = Field(default_factory=dict)   # not secret: AWS_REGION, AWS_ENDPOINT_URL, ...
+    gcp_key_secret: SecretRef | None = None   # a GCP service-account JSON key: mounted, GOOGLE_APPLICATION_CREDENTIALS
+
+    @model_validator(mode="after")
+    def _no_plain_secrets(self) -> "ObjectStoreConfig":
+        leaked = sorted(k for k in self.env if k in _SECRET_ENV)
+        if leaked:
+            raise ValueError(f"object_store.env: {', '.join(leaked)} would be written into the RayJob in plain "
+                             "text: put credentials in the Secret named by credentials_secret (or gcp_key_secret)")
+        return self
+
+
+def object_store_scheme(location: str) -> str | None:
+    """'s3' / 'gs' for an object-store URL with a bucket, None for a path; other URLs are refused."""
+    scheme, sep, rest = location.partition("://")
+    if not sep:
+        return None
+    if scheme.lower() not in OBJECT_STORE_SCHEMES or not rest.split("/", 1)[0]:
+        raise ValueError(f"{location!r}: only s3://BUCKET/... and gs://BUCKET/... URLs (or paths on data_volume)")
+    return scheme.lower()
+
+
+class RayJobConfig(_Strict):
+    """A batch RayJob: `eaglectl submit-job` over a Parquet (or OpenAI Batch JSONL) dataset.
+
+    Input and output are object-store URLs (s3://, gs://: every pod reads and writes the bucket with
+    the credentials of `object_store`) or paths on `data_volume`, a ReadWriteMany PVC mounted in
+    every pod of the job's cluster; the two may be mixed."""
     name: Name = "eagle-batch"
-    input: str                                # Parquet file, folder or glob under data_volume.path
-    output: str                               # output folder under data_volume.path
-    data_volume: DataVolume
+    input: str                                # s3://bucket/prefix/, gs://..., or a path under data_volume.path
+    output: str                               # output folder: the same kinds
+    data_volume: DataVolume | None = None
+    object_store: ObjectStoreConfig | None = None
     model: str | None = None                  # None: serve.model / serve.draft / serve.tp_size
     draft: str | None = None
     tp_size: int | None = Field(None, ge=1)
@@ -199,12 +238,26 @@ class RayJobConfig(_Strict):
     backoff_limit: int = Field(0, ge=0)
 
     @model_validator(mode="after")
-    def _on_the_volume(self) -> "RayJobConfig":
-        root = self.data_volume.path.rstrip("/") + "/"
+    def _reachable(self) -> "RayJobConfig":
+        urls = 0
         for field in ("input", "output"):
-            if not getattr(self, field).startswith(root):
-                raise ValueError(f"{field} must be a path under data_volume.path ({root}): the job's pods see "
-                                 "only that volume (submit-job reads local paths, not object-store URLs)")
+            where = getattr(self, field)
+            try:
+                urls += object_store_scheme(where) is not None
+            except ValueError as e:
+                raise ValueError(f"{field}: {e}") from None
+            if object_store_scheme(where) is not None:
+                continue
+            if self.data_volume is None:
+                raise ValueError(f"{field} {where!r} is a path: set data_volume (a ReadWriteMany PVC the job's pods "
+                                 "mount) or use an s3:// or gs:// URL")
+            root = self.data_volume.path.rstrip("/") + "/"
+            if not where.startswith(root):
+                raise ValueError(f"{field} must be an s3:// or gs:// URL or a path under data_volume.path ({root}): "
+                                 "the job's pods see only that volume")
+        if self.object_store is not None and not urls:
+            raise ValueError("object_store is set but input and output are paths: use s3:// or gs:// URLs, "
+                             "or drop object_store")
         return self
 
     @classmethod
@@ -261,8 +314,21 @@ def _env(cfg: DeployConfig, job: RayJobConfig | None = None) -> list[dict[str, A
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": k.storage.hf_token_secret.model_dump()}})
     if k.api_keys_secret and job is None:
         env.append({"name": cfg.serve.api_keys_env, "valueFrom": {"secretKeyRef": k.api_keys_secret.model_dump()}})
-    env += [{"name": n, "value": v} for n, v in sorted(k.env.items())]
+    plain = dict(k.env)
+    store = job.object_store if job is not None else None
+    if store is not None:
+        plain.update(store.env)
+        if store.gcp_key_secret:
+            plain["GOOGLE_APPLICATION_CREDENTIALS"] = f"{GCP_KEY_DIR}/key.json"
+    env += [{"name": n, "value": v} for n, v in sorted(plain.items())]
     return env
+
+
+def _env_from(job: RayJobConfig | None) -> list[dict[str, Any]]:
+    """The object-store credentials Secret, every key an env var (AWS_ACCESS_KEY_ID, ...)."""
+    if job is None or job.object_store is None or job.object_store.credentials_secret is None:
+        return []
+    return [{"secretRef": {"name": job.object_store.credentials_secret}}]
 
 
 def _volumes(cfg: DeployConfig, job: RayJobConfig | None) -> tuple[list[dict], list[dict]]:
@@ -273,9 +339,13 @@ def _volumes(cfg: DeployConfig, job: RayJobConfig | None) -> tuple[list[dict], l
     if st.models_claim:
         vols.append({"name": "models", "persistentVolumeClaim": {"claimName": st.models_claim, "readOnly": True}})
         mounts.append({"name": "models", "mountPath": st.models_path, "readOnly": True})
-    if job is not None:
+    if job is not None and job.data_volume is not None:
         vols.append({"name": "data", "persistentVolumeClaim": {"claimName": job.data_volume.claim}})
         mounts.append({"name": "data", "mountPath": job.data_volume.path})
+    gcp = job.object_store.gcp_key_secret if job is not None and job.object_store else None
+    if gcp is not None:
+        vols.append({"name": "gcp-key", "secret": {"secretName": gcp.name, "items": [{"key": gcp.key, "path": "key.json"}]}})
+        mounts.append({"name": "gcp-key", "mountPath": GCP_KEY_DIR, "readOnly": True})
     return vols, mounts
 
 
@@ -283,11 +353,9 @@ def _pod(cfg: DeployConfig, container: dict, labels: dict, job: RayJobConfig | N
     k = cfg.kubernetes
     vols, mounts = _volumes(cfg, job)
     container = {"name": container["name"], "image": cfg.image, "imagePullPolicy": k.image_pull_policy, **container,
-                 "env": _env(cfg, job), "volumeMounts": mounts,
-                 "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}}
-    spec: dict[str, Any] = {"containers": [container], "volumes": vols,
-                            "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000,
-                                                "fsGroup": 1000}}
+                 "env": _env(cfg, job), **({"envFrom": _env_from(job)} if _env_from(job) else {}),
+                 "volumeMounts": mounts, "securityContext": copy.deepcopy(CONTAINER_SECURITY)}
+    spec: dict[str, Any] = {"containers": [container], "volumes": vols, "securityContext": copy.deepcopy(POD_SECURITY)}
     if k.image_pull_secrets:
         spec["imagePullSecrets"] = [{"name": n} for n in k.image_pull_secrets]
     if worker:
@@ -331,7 +399,8 @@ def _cluster_spec(cfg: DeployConfig, component: str, job: RayJobConfig | None = 
         spec = {"enableInTreeAutoscaling": True,
                 "autoscalerOptions": {"version": "v2", "upscalingMode": k.upscaling_mode,
                                       "idleTimeoutSeconds": k.idle_timeout_seconds, "imagePullPolicy": k.image_pull_policy,
-                                      "resources": _resources(PodResources(cpu="500m", memory="512Mi"))},
+                                      "resources": _resources(PodResources(cpu="500m", memory="512Mi")),
+                                      "securityContext": copy.deepcopy(CONTAINER_SECURITY)},  # KubeRay's sidecar
                 **spec}
     return spec
 
@@ -432,7 +501,22 @@ def rayjob(cfg: DeployConfig, job: RayJobConfig) -> dict[str, Any]:
     if job.active_deadline_seconds:
         spec["activeDeadlineSeconds"] = job.active_deadline_seconds
     spec["rayClusterSpec"] = _cluster_spec(cfg, "batch", job=job)
+    spec["submitterPodTemplate"] = _submitter_pod(cfg)
     return {"apiVersion": "ray.io/v1", "kind": "RayJob", "metadata": _meta(cfg, job.name, "batch"), "spec": spec}
+
+
+def _submitter_pod(cfg: DeployConfig) -> dict[str, Any]:
+    """The pod KubeRay runs `ray job submit` in (it fills in the command): KubeRay's default one,
+    plus what the restricted Pod Security level asks, which the default lacks."""
+    k = cfg.kubernetes
+    container = {"name": "ray-job-submitter", "image": cfg.image, "imagePullPolicy": k.image_pull_policy,
+                 "resources": _resources(PodResources(cpu="500m", memory="1Gi")),
+                 "securityContext": copy.deepcopy(CONTAINER_SECURITY)}
+    spec: dict[str, Any] = {"restartPolicy": "Never", "containers": [container],
+                            "securityContext": copy.deepcopy(POD_SECURITY)}
+    if k.image_pull_secrets:
+        spec["imagePullSecrets"] = [{"name": n} for n in k.image_pull_secrets]
+    return {"metadata": {"labels": {**_labels(cfg, "batch"), "eagle-serve/role": "submitter"}}, "spec": spec}
 
 
 def render(cfg: DeployConfig, job: RayJobConfig | None = None) -> dict[str, dict[str, Any]]:

@@ -234,11 +234,14 @@ def test_rayjob_tp_must_fit_the_nodes():
         render(cfg, RayJobConfig(input="/data/in.parquet", output="/data/out", data_volume=VOL, tp_size=4))
 
 
-@pytest.mark.parametrize("path", ["s3://bucket/in/", "/elsewhere/in.parquet", "relative/in.parquet"])
-def test_job_data_must_be_on_the_volume(tmp_path, path):
+@pytest.mark.parametrize("path,message", [
+    ("/elsewhere/in.parquet", "under data_volume.path"), ("relative/in.parquet", "under data_volume.path"),
+    ("http://host/in.parquet", "only s3://BUCKET"), ("hdfs://nn/in/", "only s3://BUCKET"), ("s3:///no-bucket", "only s3://"),
+])
+def test_job_data_must_be_on_the_volume_or_in_a_bucket(tmp_path, path, message):
     p = tmp_path / "job.yaml"
     p.write_text(yaml.safe_dump({"input": path, "output": "/data/out", "data_volume": VOL}))
-    with pytest.raises(ConfigError, match="under data_volume.path"):
+    with pytest.raises(ConfigError, match=message):
         RayJobConfig.from_yaml(p)
 
 
@@ -254,3 +257,30 @@ def test_bad_extra_args_are_refused_at_render_time():
     job = RayJobConfig(input="/data/in.parquet", output="/data/out", data_volume=VOL, extra_args=["--no-such-flag"])
     with pytest.raises(ConfigError, match="would refuse"):
         job_entrypoint(_cfg({}), job)
+
+
+# ---- the GPU example fits its nodes ---------------------------------------------------------------------
+# GKE g2-standard-24 (2 x L4, 24 vCPU, 96 GB), the node the gpu-tp2 example targets: allocatable is
+# capacity minus the kubelet/system reservation (GKE's published formula) minus the eviction threshold.
+G2_STANDARD_24_ALLOCATABLE = {"cpu": 24 - 0.06 - 0.01 - 2 * 0.005 - 20 * 0.0025,
+                              "memory_gib": (96e9 - (0.25 * 4e9 + 0.2 * 4e9 + 0.1 * 8e9 + 0.06 * 80e9) - 100 * 2**20) / 2**30}
+DAEMONSET_HEADROOM = {"cpu": 1.0, "memory_gib": 4.0}   # device plugin, logging, kube-proxy, DCGM, ...
+
+
+def _gib(q: str) -> float:
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
+    for u in sorted(units, key=len, reverse=True):
+        if q.endswith(u):
+            return float(q[: -len(u)]) * units[u] / 2**30
+    return float(q) / 2**30
+
+
+def test_gpu_tp2_worker_pods_fit_a_2xl4_node_with_headroom():
+    assert 81 < G2_STANDARD_24_ALLOCATABLE["memory_gib"] < 83     # "about 82 GiB allocatable"
+    cfg = DeployConfig.from_yaml(inputs("gpu-tp2")[0])
+    assert cfg.kubernetes.workers.gpu_product == "NVIDIA-L4" and cfg.kubernetes.workers.gpus_per_node == 2
+    r = cfg.worker_resources
+    assert float(r.cpu) + DAEMONSET_HEADROOM["cpu"] <= G2_STANDARD_24_ALLOCATABLE["cpu"], r
+    assert _gib(r.memory) + DAEMONSET_HEADROOM["memory_gib"] <= G2_STANDARD_24_ALLOCATABLE["memory_gib"], r
+    # and the pod still holds what one TP-2 replica and the ingress reserve
+    assert float(r.cpu) >= cfg.serve.tp_size * cfg.serve.resources_per_rank.cpu + cfg.serve.ingress.num_cpus
