@@ -4,7 +4,7 @@ Why a renderer instead of hand-written YAML: the RayService's Serve app, its GPU
 batch RayJob must agree on model, TP size, GPUs per node and replica bounds. They are all derived
 here from one file whose `serve:` section is the `ServeConfig` that `eaglectl serve` reads and whose
 `kubernetes:` section (`KubeConfig`) holds what only a cluster needs (image, GPU type, pod sizes,
-volumes, secrets). A plain ServeConfig file works too (all-default `kubernetes:`).
+volumes, secrets); those configs are deploy/deploy_config.py. A plain ServeConfig file works too (all-default `kubernetes:`).
 `eaglectl deploy render --config serve.yaml [--job job.yaml] --out DIR` (eaglectl/deploy.py) writes
 one manifest a file. No click here: the command line is eaglectl's.
 """
@@ -14,266 +14,21 @@ import copy
 import math
 import shlex
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
 
-from cluster.config import DEPLOY_SECTIONS, ConfigError, PlacementStrategy, ServeConfig, format_validation_error, read_yaml
+from cluster.config import ConfigError
+from deploy.deploy_config import GPU_PRODUCT_LABEL, DeployConfig, PodResources, RayJobConfig
 from jobs.job_config import submit_job_args_error
 
-RAY_VERSION = "2.60.0"          # must equal the Ray in the image (deploy/Dockerfile.* ARG RAY_VERSION)
-IMAGE_VERSION = "0.1.0"         # tag of the images the README builds
 IMPORT_PATH = "cluster.serve_app:app_builder"
 HOME = "/home/ray"              # the image's non-root user's home (uid 1000, like rayproject/ray)
-GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"  # set by NVIDIA GPU feature discovery / the GPU operator
-OBJECT_STORE_SCHEMES = ("s3", "gs", "gcs")       # what `eaglectl submit-job` reads and writes (pyarrow.fs)
 GCP_KEY_DIR = "/var/run/secrets/eagle-serve/gcp"  # where a GCP service-account key Secret is mounted
 # The "restricted" Pod Security Standard, as far as our pods are concerned (tests/deploy checks every pod):
 POD_SECURITY = {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000,
                 "seccompProfile": {"type": "RuntimeDefault"}}
 CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
-
-Name = Annotated[str, StringConstraints(pattern=r"^[a-z]([-a-z0-9]*[a-z0-9])?$", max_length=40)]  # what we create
-Ref = Annotated[str, StringConstraints(pattern=r"^[a-z0-9]([-.a-z0-9]*[a-z0-9])?$", max_length=253)]  # what exists
-Quantity = Annotated[str, StringConstraints(pattern=r"^([0-9]+(\.[0-9]+)?|\.[0-9]+)(m|[KMGTPE]i?)?$")]
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class SecretRef(_Strict):
-    """One key of a Kubernetes Secret, exposed to the pods as an environment variable."""
-    name: Ref
-    key: str
-
-
-class PodResources(_Strict):
-    """Requests = limits (Ray sizes itself from the limits; GPUs must be equal anyway)."""
-    cpu: Quantity
-    memory: Quantity
-    ephemeral_storage: Quantity | None = None
-
-
-class HeadPodConfig(_Strict):
-    resources: PodResources = PodResources(cpu="2", memory="8Gi")
-
-
-class WorkerPodConfig(_Strict):
-    """Worker pods. Serving replicas live only here (the head advertises 0 CPUs)."""
-    gpus_per_node: int = Field(0, ge=0, le=16)
-    gpu_product: str | None = Field(None, description=f"node label {GPU_PRODUCT_LABEL}, e.g. NVIDIA-L4")
-    resources: PodResources | None = None   # None: sized from the serve config
-    min_nodes: int | None = Field(None, ge=0)  # None: from the serve replica bounds
-    max_nodes: int | None = Field(None, ge=1)
-    node_selector: dict[str, str] = Field(default_factory=dict)
-
-
-class StorageConfig(_Strict):
-    """Weights are mounted (a PVC holding models and EAGLE heads) or downloaded at start, never baked."""
-    models_claim: Ref | None = None           # PVC mounted read-only at models_path
-    models_path: str = "/models"
-    download: bool = False                    # fetch hub ids at start (EAGLE_ALLOW_DOWNLOAD=1)
-    hf_token_secret: SecretRef | None = None  # HF_TOKEN for gated models
-    cache_size: Quantity = "20Gi"             # emptyDir for the HF / built-in model caches
-
-
-class KubeConfig(_Strict):
-    """Deployment-only settings: the `kubernetes:` section of the config file."""
-    name: Name = "eagle"
-    namespace: Name | None = None
-    image: str | None = None                  # None: eagle-serve:<version>-cpu|cuda
-    image_pull_policy: Literal["IfNotPresent", "Always", "Never"] = "IfNotPresent"
-    image_pull_secrets: list[Ref] = Field(default_factory=list)
-    ray_version: str = RAY_VERSION
-    head: HeadPodConfig = HeadPodConfig()
-    workers: WorkerPodConfig = WorkerPodConfig()
-    storage: StorageConfig = StorageConfig()
-    api_keys_secret: SecretRef | None = None  # fills the env var named by serve.api_keys_env
-    service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
-    idle_timeout_seconds: int = Field(300, ge=0)  # autoscaler v2: idle worker -> removed
-    upscaling_mode: Literal["Default", "Aggressive", "Conservative"] = "Default"
-    pdb_max_unavailable: int = Field(1, ge=1)
-    env: dict[str, str] = Field(default_factory=dict)
-
-    @model_validator(mode="after")
-    def _image_pinned(self) -> "KubeConfig":
-        if self.image is not None and (self.image.endswith(":latest") or ":" not in self.image.rsplit("/", 1)[-1]):
-            raise ValueError("image: pin a tag or digest (not ':latest'): pods must run the Ray of ray_version")
-        return self
-
-
-class DeployConfig(_Strict):
-    """A serve config plus how to run it on Kubernetes; checks that the two fit together."""
-    serve: ServeConfig = ServeConfig()
-    kubernetes: KubeConfig = KubeConfig()
-
-    @model_validator(mode="after")
-    def _fits(self) -> "DeployConfig":
-        s, w = self.serve, self.kubernetes.workers
-        if s.device == "cuda":
-            if w.gpus_per_node < s.tp_size or w.gpus_per_node % s.tp_size:
-                raise ValueError(f"kubernetes.workers.gpus_per_node ({w.gpus_per_node}) must be a multiple of "
-                                 f"serve.tp_size ({s.tp_size}): a TP replica never spans nodes")
-            if s.tp_size > 1 and s.placement_strategy != PlacementStrategy.STRICT_PACK:
-                raise ValueError("serve.placement_strategy must be STRICT_PACK for tp_size > 1 on Kubernetes "
-                                 "(all ranks of a replica on one node)")
-        elif w.gpus_per_node or w.gpu_product:
-            raise ValueError("serve.device is cpu: kubernetes.workers must not ask for GPUs")
-        if s.api_keys:
-            raise ValueError("serve.api_keys would be written into the RayService in plain text: "
-                             "use serve.api_keys_env with kubernetes.api_keys_secret")
-        if (self.kubernetes.api_keys_secret is None) != (s.api_keys_env is None):
-            raise ValueError("kubernetes.api_keys_secret and serve.api_keys_env go together")
-        if s.device == "cuda" and s.autoscaling and s.autoscaling.min_replicas == 0:
-            raise ValueError("serve.autoscaling.min_replicas: 0 frees no GPU node on Kubernetes: the HTTP ingress "
-                             "keeps one worker, so set min_replicas >= 1")
-        lo, hi = self.node_bounds
-        if lo > hi:
-            raise ValueError(f"kubernetes.workers: min_nodes ({lo}) > max_nodes ({hi})")
-        need = self.replicas_per_node * s.tp_size * s.resources_per_rank.cpu + s.ingress.num_cpus
-        if cpu_cores(self.worker_resources.cpu) < need:
-            raise ValueError(f"kubernetes.workers.resources.cpu ({self.worker_resources.cpu}) is below the "
-                             f"{need:g} CPUs one node's replicas and the ingress reserve: they would never schedule")
-        return self
-
-    # ---- derived sizes ---------------------------------------------------------------------
-    @property
-    def replicas_per_node(self) -> int:
-        gpus = self.kubernetes.workers.gpus_per_node
-        return gpus // self.serve.tp_size if self.serve.device == "cuda" else 1
-
-    @property
-    def node_bounds(self) -> tuple[int, int]:
-        """Worker pods for the serve replica bounds: one node per `replicas_per_node` replicas."""
-        s, w = self.serve, self.kubernetes.workers
-        lo, hi = (s.autoscaling.min_replicas, s.autoscaling.max_replicas) if s.autoscaling else (
-            s.num_replicas or 1, s.num_replicas or 1)
-        # at least one worker: the HTTP ingress runs on a worker (the head advertises no CPUs)
-        lo_n = max(1, math.ceil(lo / self.replicas_per_node))
-        hi_n = max(lo_n, math.ceil(hi / self.replicas_per_node))
-        return (lo_n if w.min_nodes is None else w.min_nodes, hi_n if w.max_nodes is None else w.max_nodes)
-
-    @property
-    def worker_resources(self) -> PodResources:
-        w, s = self.kubernetes.workers, self.serve
-        if w.resources is not None:
-            return w.resources
-        if s.device == "cuda":  # a few CPUs and 24Gi of host memory per GPU (loading, tokenizing, Ray)
-            return PodResources(cpu=str(4 * w.gpus_per_node), memory=f"{24 * w.gpus_per_node}Gi")
-        cpus = math.ceil(s.tp_size * s.resources_per_rank.cpu + s.ingress.num_cpus)
-        return PodResources(cpu=str(max(2, cpus)), memory="8Gi")
-
-    @property
-    def image(self) -> str:
-        return self.kubernetes.image or f"eagle-serve:{IMAGE_VERSION}-{'cuda' if self.serve.device == 'cuda' else 'cpu'}"
-
-    @classmethod
-    def from_yaml(cls, path: str | Path) -> "DeployConfig":
-        """`serve:` + `kubernetes:` sections, or a plain ServeConfig file (default `kubernetes:`)."""
-        data = read_yaml(path)
-        if not (data.keys() & DEPLOY_SECTIONS):
-            data = {"serve": data}
-        return _validate(cls, data, str(path))
-
-
-class DataVolume(_Strict):
-    claim: Ref                                # PVC, ReadWriteMany: the driver and every replica see it
-    path: str = "/data"
-
-
-# keys that are credentials: they belong in a Secret, never in the RayJob's plain `env`
-_SECRET_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "GOOGLE_APPLICATION_CREDENTIALS")
-
-
-class ObjectStoreConfig(_Strict):
-    """Credentials and settings for s3:// and gs:// input/output, in the job cluster's Ray pods (the
-    driver and the replicas), as pyarrow.fs reads them from the environment."""
-    credentials_secret: Ref | None = None     # envFrom: every key of this Secret becomes an env var
-    env: dict[str, str] = Field(default_factory=dict)   # not secret: AWS_REGION, AWS_ENDPOINT_URL, ...
-    gcp_key_secret: SecretRef | None = None   # a GCP service-account JSON key: mounted, GOOGLE_APPLICATION_CREDENTIALS
-
-    @model_validator(mode="after")
-    def _no_plain_secrets(self) -> "ObjectStoreConfig":
-        leaked = sorted(k for k in self.env if k in _SECRET_ENV)
-        if leaked:
-            raise ValueError(f"object_store.env: {', '.join(leaked)} would be written into the RayJob in plain "
-                             "text: put credentials in the Secret named by credentials_secret (or gcp_key_secret)")
-        return self
-
-
-def object_store_scheme(location: str) -> str | None:
-    """'s3' / 'gs' for an object-store URL with a bucket, None for a path; other URLs are refused."""
-    scheme, sep, rest = location.partition("://")
-    if not sep:
-        return None
-    if scheme.lower() not in OBJECT_STORE_SCHEMES or not rest.split("/", 1)[0]:
-        raise ValueError(f"{location!r}: only s3://BUCKET/... and gs://BUCKET/... URLs (or paths on data_volume)")
-    return scheme.lower()
-
-
-class RayJobConfig(_Strict):
-    """A batch RayJob: `eaglectl submit-job` over a Parquet (or OpenAI Batch JSONL) dataset.
-
-    Input and output are object-store URLs (s3://, gs://: every pod reads and writes the bucket with
-    the credentials of `object_store`) or paths on `data_volume`, a ReadWriteMany PVC mounted in
-    every pod of the job's cluster; the two may be mixed."""
-    name: Name = "eagle-batch"
-    input: str                                # s3://bucket/prefix/, gs://..., or a path under data_volume.path
-    output: str                               # output folder: the same kinds
-    data_volume: DataVolume | None = None
-    object_store: ObjectStoreConfig | None = None
-    model: str | None = None                  # None: serve.model / serve.draft / serve.tp_size
-    draft: str | None = None
-    tp_size: int | None = Field(None, ge=1)
-    replicas: int = Field(1, ge=1)
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0, le=1)
-    seed: int | None = None
-    extra_args: list[str] = Field(default_factory=list)  # more submit-job flags, e.g. [--keep-columns]
-    ttl_seconds_after_finished: int = Field(60, ge=0)     # finished cluster kept for logs, then deleted
-    active_deadline_seconds: int | None = Field(None, ge=1)
-    backoff_limit: int = Field(0, ge=0)
-
-    @model_validator(mode="after")
-    def _reachable(self) -> "RayJobConfig":
-        urls = 0
-        for field in ("input", "output"):
-            where = getattr(self, field)
-            try:
-                urls += object_store_scheme(where) is not None
-            except ValueError as e:
-                raise ValueError(f"{field}: {e}") from None
-            if object_store_scheme(where) is not None:
-                continue
-            if self.data_volume is None:
-                raise ValueError(f"{field} {where!r} is a path: set data_volume (a ReadWriteMany PVC the job's pods "
-                                 "mount) or use an s3:// or gs:// URL")
-            root = self.data_volume.path.rstrip("/") + "/"
-            if not where.startswith(root):
-                raise ValueError(f"{field} must be an s3:// or gs:// URL or a path under data_volume.path ({root}): "
-                                 "the job's pods see only that volume")
-        if self.object_store is not None and not urls:
-            raise ValueError("object_store is set but input and output are paths: use s3:// or gs:// URLs, "
-                             "or drop object_store")
-        return self
-
-    @classmethod
-    def from_yaml(cls, path: str | Path) -> "RayJobConfig":
-        return _validate(cls, read_yaml(path), str(path))
-
-
-def _validate(cls, data: dict, source: str):
-    try:
-        return cls.model_validate(data)
-    except ValidationError as e:
-        raise ConfigError(format_validation_error(e, source, what="config")) from None
-
-
-def cpu_cores(q: str) -> float:
-    return float(q[:-1]) / 1000 if q.endswith("m") else float(q)
 
 
 # ---- pieces of pods ------------------------------------------------------------------------------

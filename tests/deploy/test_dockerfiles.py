@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from deploy.kuberay import RAY_VERSION
+from deploy.deploy_config import RAY_VERSION
 from tests.deploy.examples import DEPLOY, ROOT
 
 DOCKERFILES = sorted(DEPLOY.glob("Dockerfile.*[!e]"))  # Dockerfile.gpu, Dockerfile.cpu (not *.dockerignore)

@@ -6,7 +6,8 @@ import pytest
 import yaml
 
 from cluster.config import ConfigError
-from deploy.kuberay import GCP_KEY_DIR, DeployConfig, RayJobConfig, render
+from deploy.deploy_config import DeployConfig, RayJobConfig
+from deploy.kuberay import GCP_KEY_DIR, render
 from tests.deploy.examples import inputs
 
 VOL = {"claim": "eagle-data", "path": "/data"}

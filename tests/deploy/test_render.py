@@ -8,7 +8,8 @@ import yaml
 from click.testing import CliRunner
 
 from cluster.config import ConfigError, ServeConfig
-from deploy.kuberay import RAY_VERSION, DeployConfig, RayJobConfig, job_entrypoint, render
+from deploy.deploy_config import RAY_VERSION, DeployConfig, RayJobConfig
+from deploy.kuberay import job_entrypoint, render
 from eaglectl.deploy import deploy
 from tests.deploy.examples import EXAMPLES, SETUPS, fresh, inputs
 

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from cluster.config import ServeConfig
-from deploy.kuberay import DeployConfig
+from deploy.deploy_config import DeployConfig
 from tests.deploy.examples import ROOT, SETUPS, committed_manifest_files, fresh, inputs
 from tests.deploy.serve_check import OUR_IMPORT_PATH, import_error, serve_config_errors
 
