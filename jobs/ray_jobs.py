@@ -10,7 +10,9 @@ Addresses: whatever Ray accepts, resolved by Ray's own `JobSubmissionClient` (no
 GCS address `head:6379` (any port: Ray asks the GCS where the dashboard is), the dashboard
 `http://head:8265`, a Ray Client address `ray://head:10001`, or `auto` (RAY_ADDRESS, else the
 cluster started on this machine). An explicit address wins over `RAY_ADDRESS` (Ray itself would
-let the variable override it). Every failure to reach or authenticate with the cluster is a
+let the variable override it). One exception kept from before, checked rather than guessed:
+`host:port` without a scheme that answers as a Ray dashboard is used as one (Ray would take it for
+a GCS address and time out). Every failure to reach or authenticate with the cluster is a
 `ConnectionError` whose message is one line saying what to set (eaglectl prints it as is).
 """
 from __future__ import annotations
@@ -64,11 +66,26 @@ def _connect(address: str):
 
     try:
         with _explicit(address):
-            return JobSubmissionClient(address)
+            return JobSubmissionClient(_dashboard_url(address) or address)
     except AuthenticationError as e:
         raise ConnectionError(auth_message(address, str(e))) from None
     except (ConnectionError, RayError, RuntimeError, ValueError, OSError) as e:
         raise ConnectionError(reach_message(address, e)) from None
+
+
+def _dashboard_url(address: str) -> str | None:
+    """`http://host:port` when `host:port` (no scheme) is a Ray dashboard: it answers Ray's public
+    `/api/authentication_mode` (a GCS port does not speak HTTP/1.1 and fails at once)."""
+    import requests
+
+    if "://" in address or ":" not in address:
+        return None
+    url = f"http://{address}"
+    try:
+        r = requests.get(f"{url}/api/authentication_mode", timeout=2)
+    except requests.RequestException:
+        return None
+    return url if r.status_code == 200 and "authentication_mode" in r.text else None
 
 
 def _first_line(text: str) -> str:
@@ -91,10 +108,7 @@ def auth_message(address: str, detail: str = "") -> str:
 def reach_message(address: str, err: BaseException) -> str:
     """One line: the address could not be resolved or reached, and which forms Ray accepts."""
     detail = _first_line(str(err)) or type(err).__name__
-    hint = ""
-    if "://" not in address and address.rpartition(":")[2] == "8265":
-        hint = " (an address without a scheme is the GCS; for the dashboard write http://" + address + ")"
-    return (f"cannot reach the Ray cluster at {address!r}{hint}: {detail}; --address / RAY_ADDRESS takes "
+    return (f"cannot reach the Ray cluster at {address!r}: {detail}; --address / RAY_ADDRESS takes "
             f"{ADDRESS_FORMS}, and the cluster must be running")
 
 

@@ -69,7 +69,8 @@ def test_submit_with_a_gcs_address_on_non_default_ports(tmp_path, tiny_model, to
     assert c.dashboard_address in res.stdout        # Ray found the dashboard through the GCS
     assert len(pq.read_table(tmp_path / "in.out", columns=["id"])) == 6
 
-    for address in (c.gcs, c.dashboard_address, c.dashboard_address + "/"):
+    # the GCS, the dashboard URL, and the dashboard's host:port without a scheme (worked before: kept)
+    for address in (c.gcs, c.dashboard_address, c.dashboard_address + "/", c.dashboard_address.removeprefix("http://")):
         listed = cli("job", "list", "--address", address, env=c.env, timeout=120)
         assert listed.returncode == 0 and "gcs-address-job\tSUCCEEDED" in listed.stdout, listed.stderr
 
