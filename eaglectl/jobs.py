@@ -64,7 +64,8 @@ def _run_local(cfg, ray_address: str) -> None:
 @click.option("--rows-per-file", type=int, help="Rows per committed output file [default: 10000].")
 @click.option("--commit-interval", "commit_interval_s", type=float, help="Commit at least every N seconds [default: 30].")
 @click.option("--engine", hidden=True)
-@click.option("--address", help="Ray cluster (dashboard http://head:8265, or RAY_ADDRESS); none = run here.")
+@click.option("--address", help="Ray cluster: host:GCS-port (head:6379), dashboard http://head:8265, "
+              "ray://head:10001 or auto [default: RAY_ADDRESS; none = run here].")
 @click.option("--job-id", help="Submission id on the cluster [default: generated].")
 @click.option("--wait/--no-wait", default=True, show_default=True, help="On a cluster: follow the job until it ends.")
 def submit_job(input, fmt, stop, address, job_id, wait, **opts):
@@ -127,7 +128,7 @@ def _submit_remote(cfg, address: str, job_id: str | None, wait: bool) -> None:
 def _need_address(address: str | None) -> str:
     a = _address(address)
     if a is None:
-        fail("needs --address or RAY_ADDRESS (the cluster's dashboard, e.g. http://head:8265); "
+        fail("needs --address or RAY_ADDRESS (the cluster: head:6379, http://head:8265, ray://head:10001 or auto); "
               "jobs without one run in the foreground and their status is in <output>/_manifest.json")
     return a
 
@@ -167,7 +168,8 @@ def job():
     """Follow jobs submitted to a Ray cluster (status, list, logs, cancel)."""
 
 
-_address_opt = click.option("--address", help="Ray cluster dashboard (http://head:8265) [default: RAY_ADDRESS].")
+_address_opt = click.option("--address", help="Ray cluster: host:GCS-port (head:6379), dashboard http://head:8265, "
+                            "ray://head:10001 or auto [default: RAY_ADDRESS].")
 
 
 @job.command("status")
