@@ -77,12 +77,15 @@ def test_submit_with_a_gcs_address_on_non_default_ports(tmp_path, tiny_model, to
 
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["gcs", "dashboard"])
-def test_client_without_token_auth_gets_one_line_saying_what_to_set(token_cluster, how):
+@pytest.mark.parametrize("mode", ["disabled", None])   # None: RAY_AUTH_MODE not set at all (the case)
+def test_client_without_token_auth_gets_one_line_saying_what_to_set(token_cluster, how, mode):
     c = token_cluster
     address = c.gcs if how == "gcs" else c.dashboard_address
-    env = {**c.env, "RAY_AUTH_MODE": "disabled"}
+    env = {k: v for k, v in c.env.items() if k != "RAY_AUTH_MODE"}
+    if mode:
+        env["RAY_AUTH_MODE"] = mode
     last = _one_line_answer(cli("job", "list", "--address", address, env=env, timeout=120))
-    assert "RAY_AUTH_MODE=disabled" in last and "set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN" in last, last
+    assert f"RAY_AUTH_MODE={mode or '(unset)'}" in last and "set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN" in last, last
 
 
 @pytest.mark.slow
