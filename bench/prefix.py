@@ -254,13 +254,14 @@ def table(rows: list[dict]) -> str:
 
 
 # ---- the run ----------------------------------------------------------------------------------
-def _engine(model: str, dtype: str, draft: str | None, caching: bool, max_model_len: int):
+def _engine(model: str, dtype: str, draft: str | None, caching: bool):
+    """An engine with the defaults serving and jobs use (KV budget, step token budget, context)."""
     from eagle_worker import LLM
     from eagle_worker.config import EngineConfig
 
     if "enable_prefix_caching" not in {f.name for f in dataclasses.fields(EngineConfig)}:
         raise RuntimeError("this engine has no enable_prefix_caching setting: nothing to compare")
-    llm = LLM(model=model, dtype=dtype, draft=draft, enable_prefix_caching=caching, max_model_len=max_model_len)
+    llm = LLM(model=model, dtype=dtype, draft=draft, enable_prefix_caching=caching)
     llm.generate("Warm-up: the first forwards of an engine are slow.", None)   # not measured
     return llm
 
@@ -282,14 +283,11 @@ def run(model: str = "gemma-3-270m", dtype: str = "float32", draft: str = "auto"
     if "c" in scenarios and c_runner == "job" and not job_has_caching_switch():
         c_runner = "engine"
         notes.append("c ran through LLM.generate (the job config has no enable_prefix_caching yet), not the jobs runner")
-    need = max(sizes.system_tokens + sizes.question_tokens,
-               sizes.history_tokens + sizes.turns * (sizes.question_tokens + sizes.max_tokens + 8),
-               sizes.preamble_tokens + sizes.question_tokens + 16) + sizes.max_tokens + 16
     runs: dict[tuple[str, bool, bool], list[dict]] = {}
     drafts = [None] + ([head] if head is not None else [])
     with tempfile.TemporaryDirectory(prefix="bench-prefix-") as tmp:
         for d in drafts:
-            engines = {c: _engine(model, dtype, d, c, need) for c in (False, True)}
+            engines = {c: _engine(model, dtype, d, c) for c in (False, True)}
             text = Text(engines[False].tokenizer)
             for rnd in range(rounds):
                 order = (False, True) if rnd % 2 == 0 else (True, False)
