@@ -94,6 +94,9 @@ def test_deployment_options():
     assert cfg.capacity == 3 * 12 and cfg.admission_limit == 3 * 12 + 10
     assert opts["autoscaling_config"]["target_ongoing_requests"] == 6 and "num_replicas" not in opts
     assert opts["request_router_config"]["request_router_class"] == "cluster.router.LoadAwareRouter"
+    assert opts["request_router_config"]["request_router_kwargs"] == {"prefix_aware": True}   # follows the caching
+    off = engine_deployment_options(ServeConfig(enable_prefix_caching=False))
+    assert off["request_router_config"]["request_router_kwargs"] == {"prefix_aware": False}
     single = engine_deployment_options(ServeConfig())
     assert "placement_group_bundles" not in single and single["num_replicas"] == 1
     assert ServeConfig(num_replicas=2, limits={"max_num_seqs": 2, "max_queued_requests": 2,
