@@ -243,8 +243,10 @@ class Folder:
             self._lock_fd = None
         if self._lease is not None:
             try:
-                self.delete(LEASE)
-            except OSError:
+                raw = self.read_bytes(LEASE)
+                if raw is not None and json.loads(raw).get("token") == self._lease["token"]:   # still ours
+                    self.delete(LEASE)
+            except (OSError, ValueError):
                 pass
             self._lease = None
 
