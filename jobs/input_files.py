@@ -2,8 +2,10 @@
 
 The identity (each file's path, size and a content digest) goes into the output's manifest, so a
 resume into the same output with a different input is refused instead of mixing the two. The
-digest covers the first and last 64 KiB of each file (the Parquet footer, with its row counts,
-offsets and column statistics, lies in the last part): two reads per file, whatever its size.
+digest covers a whole file up to 4 MiB, else its first and last 64 KiB (the Parquet footer, with
+its row counts, every column chunk's compressed size and statistics, lies in the last part): at
+most two reads per file, whatever its size. An edit that keeps the size, the head, the tail and
+(Parquet) every compressed chunk size of a big file escapes it.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from jobs.job_config import JSONL_SUFFIXES, glob_base
 from jobs.storage import StorageError, filesystem, is_uri
 
 DIGEST_SPAN = 64 * 1024
+WHOLE_FILE = 4 * 2**20      # smaller files are digested whole
 
 
 class InputError(ValueError):
@@ -110,14 +113,16 @@ def label_of(path: str, root: str) -> str:
 
 
 def file_identity(fs: pafs.FileSystem, path: str, display: str) -> list:
-    """[path, size, digest of the first and last 64 KiB]."""
+    """[path, size, digest of the content (whole, or first and last 64 KiB)]."""
     try:
         with fs.open_input_file(path) as f:
             size = f.size()
             h = hashlib.blake2b(digest_size=16)
-            h.update(f.read_at(min(size, DIGEST_SPAN), 0))
-            if size > DIGEST_SPAN:
-                h.update(f.read_at(min(size - DIGEST_SPAN, DIGEST_SPAN), max(DIGEST_SPAN, size - DIGEST_SPAN)))
+            if size <= WHOLE_FILE:
+                h.update(f.read_at(size, 0))
+            else:
+                h.update(f.read_at(DIGEST_SPAN, 0))
+                h.update(f.read_at(DIGEST_SPAN, size - DIGEST_SPAN))
     except OSError as e:
         raise InputError(f"{display}: cannot read ({str(e).splitlines()[0]})") from None
     return [display, size, h.hexdigest()]
