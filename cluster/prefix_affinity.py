@@ -29,7 +29,7 @@ import math
 from collections import OrderedDict
 from typing import Any, Callable, Hashable, Sequence
 
-from eagle_worker.prefix_hash import block_hashes
+from eagle_worker.engine_api import block_hashes
 
 TEXT_CHARS_PER_BLOCK = 4   # characters per token, roughly, for prompts that arrive as text
 

@@ -49,6 +49,9 @@ class DecodeWorker:
     def release(self, seq) -> None:
         """Nothing to forget: plain decoding keeps no per-request state."""
 
+    def flush_head_kv(self, seq) -> None:
+        """No head KV to write."""
+
     def head_kv_done(self, seq) -> int | None:
         """No draft head, so no head KV for cached blocks to carry."""
         return None

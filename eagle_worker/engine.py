@@ -187,6 +187,8 @@ class LLMEngine:
         seq.finish_reason = reason
         seq.status = SequenceStatus.FINISHED
         seq.metrics.finished_time = time.monotonic()
+        if reason in ("stop", "length") and self.block_manager.prefix_cache is not None:
+            self.worker.flush_head_kv(seq)
         if reason != "error":              # a failed step may have left its KV half-written
             self._register(seq)
         self.scheduler.remove(seq)

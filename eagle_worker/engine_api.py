@@ -16,6 +16,8 @@ import inspect
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
+from eagle_worker.prefix_hash import block_hashes  # noqa: F401  (the fleet's prefix-aware routing hashes as engines cache)
+
 # Keys of `Engine.stats()` the fleet reads (routing, metrics); an engine may report more.
 STATS_KEYS = ("num_running", "num_waiting", "num_free_blocks", "kv_usage")
 

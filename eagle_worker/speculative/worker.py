@@ -105,6 +105,16 @@ class EagleWorker:
         rs = self.states.get(seq.request_id)
         return rs.draft.start if rs is not None and self.head is not None else None
 
+    def flush_head_kv(self, seq: Sequence) -> None:
+        """A finishing request writes the head KV it still owes its committed positions (pending
+        while the head sat out), so the blocks it leaves in the prefix cache carry it."""
+        rs = self.states.get(seq.request_id)
+        if self.head is None or rs is None or not rs.draft.tokens:
+            return
+        st = rs.draft
+        if st.start + len(st.tokens) == seq.num_computed_tokens:
+            self.drafter.write_ahead([(self.block_manager.slots(seq, 0, seq.num_computed_tokens), st, 0)])
+
     def _slots_needed(self, budget: int) -> int:
         """KV slots (root included) a tree of `budget` draft nodes uses while drafting: a dynamic head
         tree writes every node it forwards (top_k per level), more than the nodes it keeps."""

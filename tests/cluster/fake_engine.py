@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from eagle_worker.prefix_hash import block_hashes
+from eagle_worker.engine_api import block_hashes
 
 ALPHABET = b"abcdefghij klmnopqrstuvwxyz"
 EOS = 0

@@ -11,7 +11,7 @@ import pytest
 from cluster import router_state
 from cluster.prefix_affinity import PrefixMemory, prompt_hashes
 from cluster.router import LoadAwareRouter, router_config
-from eagle_worker.prefix_hash import block_hashes
+from eagle_worker.engine_api import block_hashes
 
 SYSTEM = list(range(1000, 1512))            # a 512-token system prompt: 32 blocks of 16
 
