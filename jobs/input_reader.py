@@ -9,11 +9,10 @@ the row comes out of `iter_rows` with `error` set and the job writes it as an er
 Memory: `iter_rows` holds one record batch (`batch_rows` rows) at a time, never a whole file.
 Row ids: the `id` column (Parquet) or `custom_id` (JSONL); without them, `<file>:<row index>`
 with the file relative to the input root, so re-running the same command derives the same ids.
+OpenAI Batch request lines are checked and parsed in jobs/openai_requests.py.
 """
 from __future__ import annotations
 
-import io
-import json
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -75,6 +74,8 @@ class InputPlan:
 
 # ---- resolving and checking ---------------------------------------------------------------------
 def open_input(spec: str, keep_columns: bool = False, exclude: str | None = None) -> InputPlan:
+    from jobs.openai_requests import check_jsonl as _check_jsonl  # (it builds on this module's Row)
+
     fs, files, root = resolve_files(spec, exclude)
     kinds = {kind_of(p) for p in files}
     if len(kinds) > 1:
@@ -196,43 +197,12 @@ def _no_null_ids(path: str, meta, col: int) -> None:
                              "give every row an id (or use string ids)")
 
 
-def _check_jsonl(f: InputFile, plan: InputPlan, seen: IdSet) -> int:
-    n, path = 0, f.display
-    try:
-        with io.TextIOWrapper(plan.fs.open_input_stream(f.path), encoding="utf-8") as fh:
-            for lineno, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                where = f"{path}: line {lineno}"
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise InputError(f"{where}: not valid JSON ({e.msg})") from None
-                if not isinstance(rec, dict):
-                    raise InputError(f"{where}: expected a JSON object (OpenAI Batch request)")
-                cid = rec.get("custom_id")
-                if not isinstance(cid, str) or not cid:
-                    raise InputError(f"{where}: `custom_id` must be a non-empty string")
-                body = rec.get("body")
-                if not isinstance(body, dict) or ("messages" not in body and "prompt" not in body):
-                    raise InputError(f"{where}: `body` must be an object with `messages` or `prompt`")
-                url = rec.get("url", CHAT_URL if "messages" in body else COMPLETIONS_URL)
-                if url not in (CHAT_URL, COMPLETIONS_URL):
-                    raise InputError(f"{where}: `url` {url!r} is not supported; use {CHAT_URL} or {COMPLETIONS_URL}")
-                if not seen.add(cid):
-                    raise InputError(f"{where}: duplicate custom_id {cid!r}; custom_id must be unique in a batch")
-                n += 1
-    except UnicodeDecodeError as e:
-        raise InputError(f"{path}: not UTF-8 text ({e.reason})") from None
-    except OSError as e:
-        raise InputError(f"{path}: cannot read ({e.strerror or str(e).splitlines()[0]})") from None
-    return n
-
-
 # ---- streaming rows -------------------------------------------------------------------------------
 def iter_rows(plan: InputPlan, batch_rows: int = 256) -> Iterator[Row]:
+    from jobs.openai_requests import jsonl_rows  # (it builds on this module's Row)
+
     for f in plan.files:
-        yield from (_parquet_rows(f, plan, batch_rows) if plan.kind == "parquet" else _jsonl_rows(f, plan))
+        yield from (_parquet_rows(f, plan, batch_rows) if plan.kind == "parquet" else jsonl_rows(f, plan))
 
 
 def _parquet_rows(f: InputFile, plan: InputPlan, batch_rows: int) -> Iterator[Row]:
@@ -320,14 +290,14 @@ def _parquet_row(rec: dict, derived_id: str, plan: InputPlan) -> Row:
         if not prompt.strip():
             row.error = "prompt is empty"
     elif messages is not None:
-        row.messages, row.error = _normalize_messages(messages)
+        row.messages, row.error = normalize_messages(messages)
         row.chat = True
     else:
         row.error = "prompt is null" if "prompt" in rec else "messages is null"
     return row
 
 
-def _normalize_messages(msgs) -> tuple[list[dict] | None, str | None]:
+def normalize_messages(msgs) -> tuple[list[dict] | None, str | None]:
     """Messages with plain string content (OpenAI text parts are joined), or an error."""
     if not isinstance(msgs, list) or not msgs:
         return None, "messages must be a non-empty list"
@@ -346,75 +316,3 @@ def _normalize_messages(msgs) -> tuple[list[dict] | None, str | None]:
             return None, f"messages[{i}].content must be a string or a list of text parts"
         out.append({"role": m["role"], "content": content})
     return out, None
-
-
-def _jsonl_rows(f: InputFile, plan: InputPlan) -> Iterator[Row]:
-    with io.TextIOWrapper(plan.fs.open_input_stream(f.path), encoding="utf-8") as fh:
-        for line in fh:
-            if line.strip():
-                yield _openai_row(json.loads(line))
-
-
-# OpenAI request body fields a batch job honours, and the ones it accepts without effect on the output
-_BODY_FIELDS = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "n", "logprobs", "top_logprobs",
-                "presence_penalty", "frequency_penalty"} | set(OVERRIDES)
-_BODY_NO_EFFECT = {"user", "metadata", "store", "stream"}
-MAX_LOGPROBS = 20
-
-
-def _openai_row(rec: dict) -> Row:
-    body = rec["body"]
-    row = Row(id=rec["custom_id"], model=body.get("model"), strict_max_tokens=True)
-    mt = body.get("max_completion_tokens", body.get("max_tokens"))
-    params = {"max_tokens": mt, **{k: body.get(k) for k in OVERRIDES if k != "max_tokens"},
-              **{k: body.get(k) for k in ("presence_penalty", "frequency_penalty")}}
-    row.params = {k: v for k, v in params.items() if v is not None}
-    unknown = sorted(k for k in body if k not in _BODY_FIELDS | _BODY_NO_EFFECT)
-    if unknown or body.get("stream"):
-        name = unknown[0] if unknown else "stream"
-        row.error, row.error_param = f"`{name}` is not supported in batch jobs", name
-        return row
-    if body.get("n", 1) != 1:
-        row.error, row.error_param = "n must be 1 in batch jobs (one completion per request)", "n"
-        return row
-    row.error, row.error_param, lp = _logprobs(body, "messages" in body)
-    if row.error:
-        return row
-    if lp is not None:
-        row.params["logprobs"] = lp
-    if "messages" in body:
-        row.chat = True
-        row.messages, row.error = _normalize_messages(body["messages"])
-    else:
-        p = body["prompt"]
-        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
-            p = p[0]
-        if isinstance(p, str):
-            row.prompt = p
-            row.error = None if p.strip() else "prompt is empty"
-        elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-            row.prompt = p
-        else:
-            row.error = "prompt must be a non-empty string or list of token ids (one prompt per request)"
-    if row.error:
-        row.error_param = "messages" if row.chat else "prompt"
-    return row
-
-
-def _logprobs(body: dict, chat: bool) -> tuple[str | None, str | None, int | None]:
-    """(error, param, top-k for SamplingParams.logprobs) from OpenAI's chat (`logprobs: bool` +
-    `top_logprobs`) or completions (`logprobs: int`) fields."""
-    lp, top = body.get("logprobs"), body.get("top_logprobs")
-    if chat:
-        if lp is not None and not isinstance(lp, bool):
-            return "logprobs must be a boolean in chat completions", "logprobs", None
-        if top is not None and (not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= MAX_LOGPROBS):
-            return f"top_logprobs must be an integer from 0 to {MAX_LOGPROBS}", "top_logprobs", None
-        if top and not lp:
-            return "top_logprobs: needs logprobs set to true", "top_logprobs", None
-        return None, None, (top or 0) if lp else None
-    if top is not None:
-        return "top_logprobs is a chat completions field; completions take `logprobs: <int>`", "top_logprobs", None
-    if lp is not None and (not isinstance(lp, int) or isinstance(lp, bool) or not 0 <= lp <= MAX_LOGPROBS):
-        return f"logprobs must be an integer from 0 to {MAX_LOGPROBS} in completions", "logprobs", None
-    return None, None, lp
