@@ -229,6 +229,17 @@ class EngineReplica:
     async def stats(self) -> dict[str, Any]:
         return dict(self._stats)
 
+    async def engine_info(self) -> dict[str, Any]:
+        """What this replica's engine runs: a job sending rows through the app records it in its
+        manifest, checks it on resume, and loads the matching tokenizer from it (cluster/app_client.py)."""
+        c = self.config
+        return {"model": c.model, "served_model_name": c.model_name, "dtype": c.dtype, "device": c.device,
+                "engine": c.engine, "draft": c.resolved_draft, "tp_size": c.tp_size,
+                "speculation": c.speculation.model_dump() if c.speculation is not None else None,
+                "enable_prefix_caching": c.enable_prefix_caching, "chat_template": c.chat_template,
+                "max_model_len": self.max_model_len, "max_num_seqs": c.limits.max_num_seqs,
+                "app_name": c.app_name}
+
     def record_routing_stats(self) -> dict[str, Any]:
         """Ray Serve polls this for the request router (see cluster/router.py)."""
         return dict(self._stats)
