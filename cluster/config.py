@@ -25,7 +25,9 @@ Example YAML (every key optional)::
     #               upscale_delay_s: 30, downscale_delay_s: 600,
     #               look_back_period_s: 30, metrics_interval_s: 10}   # Serve's defaults when omitted
     placement_strategy: PACK          # PACK | STRICT_PACK (all ranks of a replica on one node)
-    resources_per_rank: {cpu: 1, gpu: 0}
+    resources_per_rank: {cpu: 1, gpu: 0, threads: null}   # cpu/gpu: Ray's reservation; threads: torch
+                                      # threads on CPU, null = the node's cores / ranks that share it
+    # ingress: {num_replicas: 1, num_cpus: 0}   # the HTTP front reserves no CPU by default
     limits: {max_model_len: 2048, max_tokens: 1024, max_num_seqs: 64,
              max_queued_requests: 64, max_router_queue: 128}
                                       # capacity = replicas x (max_num_seqs + max_queued_requests); the
@@ -107,11 +109,15 @@ class AutoscalingConfig(_Strict):
 class RankResources(_Strict):
     """Resources one tensor-parallel rank (one process) reserves; CPU may be fractional.
 
-    On CPU devices `cpu` is also the rank's torch thread count (at least 1): give a CPU replica the
-    cores it should compute with."""
+    `cpu` is Ray's logical reservation (how many ranks fit on a node), not the rank's thread count:
+    on CPU devices a rank computes with `threads` torch threads, by default the node's cores divided
+    by the deployment's engine ranks that can share it (cluster/cpu_threads.py): one replica on a
+    machine uses every core."""
 
     cpu: float = Field(1.0, ge=0)
     gpu: int = Field(0, ge=0, le=1)
+    threads: int | None = Field(None, ge=1, description="torch threads per rank on CPU; None = the node's "
+                                "cores / the engine ranks that can share the node")
 
     def bundle(self) -> dict[str, float]:
         out = {"CPU": self.cpu}
@@ -171,10 +177,11 @@ class SpeculationConfig(_Strict):
 
 
 class IngressConfig(_Strict):
-    """The HTTP front (FastAPI) deployment; light, so it gets a sliver of a CPU by default."""
+    """The HTTP front (FastAPI) deployment. It reserves no CPU by default (as Serve's own proxy):
+    a fractional reservation made it unschedulable whenever the replicas reserved every CPU."""
 
     num_replicas: int = Field(1, ge=1)
-    num_cpus: float = Field(0.1, ge=0)
+    num_cpus: float = Field(0.0, ge=0)
     max_ongoing_requests: int = Field(1024, ge=1, description="open HTTP requests per ingress replica")
 
 

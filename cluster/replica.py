@@ -113,17 +113,18 @@ class EngineReplica:
     def __init__(self, config: dict | ServeConfig):
         self.config = config if isinstance(config, ServeConfig) else ServeConfig.from_dict(config)
         self.replica_id = _replica_id()
-        if self.config.device == "cpu":  # use the cores this rank reserved, no more (replicas share nodes)
-            import torch
+        self.torch_threads: int | None = None
+        if self.config.device == "cpu":  # its cores, decoupled from Ray's CPU reservation (cluster/cpu_threads.py)
+            from cluster.cpu_threads import inside_serve_replica, rank_threads, set_torch_threads
 
-            torch.set_num_threads(max(1, int(self.config.resources_per_rank.cpu)))
+            self.torch_threads = set_torch_threads(rank_threads(self.config, under_serve=inside_serve_replica()))
         backend: EngineModule = load_engine_module(self.config.engine)
         self._sampling_params_cls = backend.SamplingParams
         self.tp = None
         if self.config.tp_size > 1:
             from cluster.tp_group import TPGroup
 
-            self.tp = TPGroup.create(self.config)  # rank 0 joins the process group here
+            self.tp = TPGroup.create(self.config, threads=self.torch_threads)  # rank 0 joins the group here
             self.tp.start_workers()   # ranks 1..n-1 build their shards and wait for rank 0's commands
         try:
             self.engine: Engine = backend.LLMEngine(engine_config(self.config))
@@ -328,7 +329,8 @@ class EngineReplica:
     def _snapshot_stats(self, step_s: float) -> dict[str, Any]:
         st = dict(self.engine.stats())
         st.update(replica_id=self.replica_id, engine_alive=True, max_model_len=self.max_model_len,
-                  num_streams=len(self._streams), step_s=step_s, updated_at=time.time())
+                  num_streams=len(self._streams), step_s=step_s, updated_at=time.time(),
+                  torch_threads=self.torch_threads, cpu_reserved=self.config.resources_per_rank.cpu)
         return st
 
 

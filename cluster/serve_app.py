@@ -29,6 +29,7 @@ from cluster.config import ServeConfig
 from cluster.ingress_prompts import IngressPrompts
 from cluster.metrics import ServeMetrics, StatusCounter, note_status, set_active
 from cluster.openai_render import ChatRender, CompletionRender, all_or_none, merge_streams
+from cluster.placement import check_fits
 from cluster.replica import EngineReplica, Failed, Rejected, engine_config
 from cluster.router import (
     Admission,
@@ -354,7 +355,9 @@ def app_builder(args: dict[str, Any]):
 
 def deploy_app(config: ServeConfig, route_prefix: str = "/") -> None:
     """Deploy (or update) the app on the running Serve instance; a failed deploy raises with the
-    replicas' own errors (a model that does not load, a missing API-key variable), not just "failed"."""
+    replicas' own errors (a model that does not load, a missing API-key variable), not just "failed".
+    A config the cluster can never schedule raises InsufficientResourcesError first (cluster/placement.py)."""
+    check_fits(config)
     try:
         serve.run(build_app(config), name=config.app_name, route_prefix=route_prefix)
     except RuntimeError as e:

@@ -69,14 +69,14 @@ def _all_reduce_rank(rank: int) -> float:
 class TPRankWorker:
     """One non-zero rank: joins the group, then runs the engine's worker loop."""
 
-    def __init__(self, rank: int, world: int, config: dict[str, Any]):
+    def __init__(self, rank: int, world: int, config: dict[str, Any], threads: int | None = None):
         self.rank, self.world = rank, world
         self.config = ServeConfig.from_dict(config)
         self.engine_module = load_engine_module(self.config.engine)
-        if self.config.device == "cpu":  # the cores this rank reserved, no more
-            import torch
+        if self.config.device == "cpu":  # rank 0's count (cluster/cpu_threads.py): every rank alike
+            from cluster.cpu_threads import rank_threads, set_torch_threads
 
-            torch.set_num_threads(max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1))))
+            set_torch_threads(threads or rank_threads(self.config, under_serve=False))
 
     def node_ip(self) -> str:
         return ray.util.get_node_ip_address()
@@ -113,8 +113,9 @@ class TPGroup:
         self._loops: list = []
 
     @classmethod
-    def create(cls, config: ServeConfig, require_engine_hook: bool = True) -> "TPGroup":
-        """Place ranks 1..n-1, form the process group with this process as rank 0, and return."""
+    def create(cls, config: ServeConfig, require_engine_hook: bool = True, threads: int | None = None) -> "TPGroup":
+        """Place ranks 1..n-1 (on CPU with `threads` torch threads each, rank 0's count), form the
+        process group with this process as rank 0, and return."""
         engine_module = load_engine_module(config.engine)
         if require_engine_hook and engine_module.run_tp_worker is None:
             raise NotImplementedError(
@@ -131,7 +132,7 @@ class TPGroup:
                 opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=rank,
                     placement_group_capture_child_tasks=True)
-            workers.append(TPRankWorker.options(**opts).remote(rank, world, config.model_dump(mode="json")))
+            workers.append(TPRankWorker.options(**opts).remote(rank, world, config.model_dump(mode="json"), threads))
         group = cls(workers, "nccl" if config.device == "cuda" else "gloo", engine_module.init_tensor_parallel)
         group._rendezvous(world)
         return group

@@ -1,0 +1,80 @@
+"""How many torch threads a CPU engine rank computes with.
+
+Ray's logical CPU reservation (`resources_per_rank.cpu`) says how many ranks fit on a node; it is
+not how many cores a rank may use. Tying the two made the default config (one replica reserving
+1 CPU) compute on one core of a laptop's 8, and reserving every core left no room for anything
+else on the node. So the thread count is its own setting, `resources_per_rank.threads`; when it is
+unset, a Serve replica takes the cores of its node divided by the engine ranks of its deployment
+that can be there at once (`auto_threads`): one replica on a machine gets every core, four
+replicas packed on a 16-core node get 4 each. Ranks started outside Serve (a job's own replicas,
+which already size `cpu` as the cores each replica gets) keep `threads = int(cpu)`.
+"""
+from __future__ import annotations
+
+import os
+
+from cluster.config import ServeConfig
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its CPU affinity, e.g. a container's cpuset), else all."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def auto_threads(cores: int, cpu: float, node_cpus: float, engine_ranks: int) -> int:
+    """`cores` split over the engine ranks that can share the node: at most `engine_ranks` (the
+    deployment's replicas x tp_size at most), and no more than the node's logical CPUs hold at
+    `cpu` each; never below the reservation (capped at the cores) nor 1."""
+    per_node = max(1, engine_ranks)
+    if cpu > 0:
+        per_node = min(per_node, max(1, int(node_cpus // cpu)))
+    return max(1, min(cores, max(int(cpu), cores // per_node)))
+
+
+def node_logical_cpus() -> float | None:
+    """The logical CPUs Ray gives this process's node, or None outside Ray."""
+    try:
+        import ray
+
+        if not ray.is_initialized():
+            return None
+        me = ray.get_runtime_context().get_node_id()
+        for n in ray.nodes():
+            if n.get("NodeID") == me:
+                return float(n.get("Resources", {}).get("CPU", 0.0))
+    except Exception:
+        return None
+    return None
+
+
+def rank_threads(config: ServeConfig, under_serve: bool) -> int:
+    """The torch thread count of one CPU rank of `config` (see the module docstring)."""
+    res = config.resources_per_rank
+    if res.threads is not None:
+        return res.threads
+    if not under_serve:
+        return max(1, int(res.cpu))
+    cores = usable_cores()
+    node_cpus = node_logical_cpus()
+    return auto_threads(cores, res.cpu, cores if node_cpus is None else node_cpus,
+                        config.max_engine_replicas * config.tp_size)
+
+
+def set_torch_threads(n: int) -> int:
+    import torch
+
+    torch.set_num_threads(max(1, int(n)))
+    return torch.get_num_threads()
+
+
+def inside_serve_replica() -> bool:
+    try:
+        from ray import serve
+
+        serve.get_replica_context()
+        return True
+    except Exception:
+        return False
