@@ -61,6 +61,49 @@ class StorageConfig(_Strict):
     cache_size: Quantity = "20Gi"             # emptyDir for the HF / built-in model caches
 
 
+class DataVolume(_Strict):
+    claim: Ref                                # PVC, ReadWriteMany: the driver and every replica see it
+    path: str = "/data"
+
+
+# keys that are credentials: they belong in a Secret, never in the RayJob's plain `env`
+_SECRET_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "GOOGLE_APPLICATION_CREDENTIALS")
+
+
+class ObjectStoreConfig(_Strict):
+    """Credentials and settings for s3:// and gs:// input/output, in the job cluster's Ray pods (the
+    driver and the replicas), as pyarrow.fs reads them from the environment."""
+    credentials_secret: Ref | None = None     # envFrom: every key of this Secret becomes an env var
+    env: dict[str, str] = Field(default_factory=dict)   # not secret: AWS_REGION, AWS_ENDPOINT_URL, ...
+    gcp_key_secret: SecretRef | None = None   # a GCP service-account JSON key: mounted, GOOGLE_APPLICATION_CREDENTIALS
+
+    @model_validator(mode="after")
+    def _no_plain_secrets(self) -> "ObjectStoreConfig":
+        leaked = sorted(k for k in self.env if k in _SECRET_ENV)
+        if leaked:
+            raise ValueError(f"object_store.env: {', '.join(leaked)} would be written into the RayJob in plain "
+                             "text: put credentials in the Secret named by credentials_secret (or gcp_key_secret)")
+        return self
+
+
+def object_store_scheme(location: str) -> str | None:
+    """'s3' / 'gs' for an object-store URL with a bucket, None for a path; other URLs are refused."""
+    scheme, sep, rest = location.partition("://")
+    if not sep:
+        return None
+    if scheme.lower() not in OBJECT_STORE_SCHEMES or not rest.split("/", 1)[0]:
+        raise ValueError(f"{location!r}: only s3://BUCKET/... and gs://BUCKET/... URLs (or paths on data_volume)")
+    return scheme.lower()
+
+
+class JobData(_Strict):
+    """Where jobs run through the serving app (`serve_app: true` in job.yaml) read and write: their
+    driver runs on the RayService's head, so the RayService's pods mount the volume and get the
+    credentials (set once with the fleet, not per job: a change of pods is a new cluster)."""
+    data_volume: DataVolume | None = None
+    object_store: ObjectStoreConfig | None = None
+
+
 class KubeConfig(_Strict):
     """Deployment-only settings: the `kubernetes:` section of the config file."""
     name: Name = "eagle"
@@ -78,6 +121,10 @@ class KubeConfig(_Strict):
     upscaling_mode: Literal["Default", "Aggressive", "Conservative"] = "Default"
     pdb_max_unavailable: int = Field(1, ge=1)
     env: dict[str, str] = Field(default_factory=dict)
+    # Ray token auth on every cluster rendered from this file (KubeRay authOptions): a Secret with key
+    # auth_token, shared, so a job's cluster can submit to the RayService's dashboard
+    ray_auth_secret: Ref | None = None
+    job_data: JobData | None = None          # storage for jobs through the serving app (JobData)
 
     @model_validator(mode="after")
     def _image_pinned(self) -> "KubeConfig":
@@ -160,39 +207,32 @@ class DeployConfig(_Strict):
         return _validate(cls, data, str(path))
 
 
-class DataVolume(_Strict):
-    claim: Ref                                # PVC, ReadWriteMany: the driver and every replica see it
-    path: str = "/data"
+# what a job through the serving app takes from the app, never from job.yaml
+_APP_OWNED = ("model", "draft", "tp_size", "replicas", "data_volume", "object_store")
 
 
-# keys that are credentials: they belong in a Secret, never in the RayJob's plain `env`
-_SECRET_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "GOOGLE_APPLICATION_CREDENTIALS")
-
-
-class ObjectStoreConfig(_Strict):
-    """Credentials and settings for s3:// and gs:// input/output, in the job cluster's Ray pods (the
-    driver and the replicas), as pyarrow.fs reads them from the environment."""
-    credentials_secret: Ref | None = None     # envFrom: every key of this Secret becomes an env var
-    env: dict[str, str] = Field(default_factory=dict)   # not secret: AWS_REGION, AWS_ENDPOINT_URL, ...
-    gcp_key_secret: SecretRef | None = None   # a GCP service-account JSON key: mounted, GOOGLE_APPLICATION_CREDENTIALS
-
-    @model_validator(mode="after")
-    def _no_plain_secrets(self) -> "ObjectStoreConfig":
-        leaked = sorted(k for k in self.env if k in _SECRET_ENV)
-        if leaked:
-            raise ValueError(f"object_store.env: {', '.join(leaked)} would be written into the RayJob in plain "
-                             "text: put credentials in the Secret named by credentials_secret (or gcp_key_secret)")
-        return self
-
-
-def object_store_scheme(location: str) -> str | None:
-    """'s3' / 'gs' for an object-store URL with a bucket, None for a path; other URLs are refused."""
-    scheme, sep, rest = location.partition("://")
-    if not sep:
-        return None
-    if scheme.lower() not in OBJECT_STORE_SCHEMES or not rest.split("/", 1)[0]:
-        raise ValueError(f"{location!r}: only s3://BUCKET/... and gs://BUCKET/... URLs (or paths on data_volume)")
-    return scheme.lower()
+def reachable(input: str, output: str, data: "RayJobConfig | JobData | None", volume_key: str, store_key: str) -> None:
+    """Raise ValueError unless the pods with `data` (a volume, bucket credentials) can read `input`
+    and write `output`; `*_key` name the settings in the message."""
+    urls = 0
+    volume = data.data_volume if data is not None else None
+    for field, where in (("input", input), ("output", output)):
+        try:
+            urls += object_store_scheme(where) is not None
+        except ValueError as e:
+            raise ValueError(f"{field}: {e}") from None
+        if object_store_scheme(where) is not None:
+            continue
+        if volume is None:
+            raise ValueError(f"{field} {where!r} is a path: set {volume_key} (a ReadWriteMany PVC the job's pods "
+                             "mount) or use an s3:// or gs:// URL")
+        root = volume.path.rstrip("/") + "/"
+        if not where.startswith(root):
+            raise ValueError(f"{field} must be an s3:// or gs:// URL or a path under {volume_key}.path ({root}): "
+                             "the job's pods see only that volume")
+    if data is not None and data.object_store is not None and not urls:
+        raise ValueError(f"{store_key} is set but input and output are paths: use s3:// or gs:// URLs, "
+                         f"or drop {store_key}")
 
 
 class RayJobConfig(_Strict):
@@ -200,7 +240,9 @@ class RayJobConfig(_Strict):
 
     Input and output are object-store URLs (s3://, gs://: every pod reads and writes the bucket with
     the credentials of `object_store`) or paths on `data_volume`, a ReadWriteMany PVC mounted in
-    every pod of the job's cluster; the two may be mixed."""
+    every pod of the job's cluster; the two may be mixed. With `serve_app: true` the job has no
+    engine replicas of its own: it runs through the RayService's Serve app (deploy/fleet.py), and
+    reads and writes what the serve config's `kubernetes.job_data` gives the RayService's pods."""
     name: Name = "eagle-batch"
     input: str                                # s3://bucket/prefix/, gs://..., or a path under data_volume.path
     output: str                               # output folder: the same kinds
@@ -209,7 +251,9 @@ class RayJobConfig(_Strict):
     model: str | None = None                  # None: serve.model / serve.draft / serve.tp_size
     draft: str | None = None
     tp_size: int | None = Field(None, ge=1)
-    replicas: int = Field(1, ge=1)
+    replicas: int | None = Field(None, ge=1)  # engine replicas of the job's own cluster (None: 1)
+    # true: no cluster of its own; `submit-job --serve-app serve.app_name` on the RayService's cluster
+    serve_app: bool = False
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
@@ -221,25 +265,18 @@ class RayJobConfig(_Strict):
 
     @model_validator(mode="after")
     def _reachable(self) -> "RayJobConfig":
-        urls = 0
-        for field in ("input", "output"):
-            where = getattr(self, field)
+        if not self.serve_app:
+            reachable(self.input, self.output, self, "data_volume", "object_store")
+            return self
+        for field in ("input", "output"):       # where they live is checked against the fleet's job_data
             try:
-                urls += object_store_scheme(where) is not None
+                object_store_scheme(getattr(self, field))
             except ValueError as e:
                 raise ValueError(f"{field}: {e}") from None
-            if object_store_scheme(where) is not None:
-                continue
-            if self.data_volume is None:
-                raise ValueError(f"{field} {where!r} is a path: set data_volume (a ReadWriteMany PVC the job's pods "
-                                 "mount) or use an s3:// or gs:// URL")
-            root = self.data_volume.path.rstrip("/") + "/"
-            if not where.startswith(root):
-                raise ValueError(f"{field} must be an s3:// or gs:// URL or a path under data_volume.path ({root}): "
-                                 "the job's pods see only that volume")
-        if self.object_store is not None and not urls:
-            raise ValueError("object_store is set but input and output are paths: use s3:// or gs:// URLs, "
-                             "or drop object_store")
+        owned = [f for f in _APP_OWNED if getattr(self, f) is not None]
+        if owned:
+            raise ValueError(f"serve_app: the job runs on the serving app's replicas, with its model and sizes: drop "
+                             f"{', '.join(owned)} (storage for such jobs is the serve config's kubernetes.job_data)")
         return self
 
     @classmethod

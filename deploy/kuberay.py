@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from cluster.config import ConfigError
-from deploy.deploy_config import GPU_PRODUCT_LABEL, DeployConfig, PodResources, RayJobConfig
+from deploy.deploy_config import GPU_PRODUCT_LABEL, DeployConfig, JobData, PodResources, RayJobConfig
 from jobs.job_config import submit_job_args_error
 
 IMPORT_PATH = "cluster.serve_app:app_builder"
@@ -29,6 +29,7 @@ GCP_KEY_DIR = "/var/run/secrets/eagle-serve/gcp"  # where a GCP service-account 
 POD_SECURITY = {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000,
                 "seccompProfile": {"type": "RuntimeDefault"}}
 CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+DataAccess = RayJobConfig | JobData   # what pods read and write through: .data_volume, .object_store
 
 
 # ---- pieces of pods ------------------------------------------------------------------------------
@@ -59,7 +60,7 @@ def _probe(port: int, path: str, delay: int, failures: int) -> dict[str, Any]:
             "timeoutSeconds": 2, "failureThreshold": failures}
 
 
-def _env(cfg: DeployConfig, job: RayJobConfig | None = None) -> list[dict[str, Any]]:
+def _env(cfg: DeployConfig, data: DataAccess | None, api_keys: bool) -> list[dict[str, Any]]:
     k = cfg.kubernetes
     env = [{"name": "HF_HOME", "value": f"{HOME}/.cache/huggingface"},
            {"name": "EAGLE_CACHE_DIR", "value": f"{HOME}/.cache/eagle-serve/models"}]
@@ -67,10 +68,10 @@ def _env(cfg: DeployConfig, job: RayJobConfig | None = None) -> list[dict[str, A
         env.append({"name": "EAGLE_ALLOW_DOWNLOAD", "value": "1"})
     if k.storage.hf_token_secret:
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": k.storage.hf_token_secret.model_dump()}})
-    if k.api_keys_secret and job is None:
+    if k.api_keys_secret and api_keys:
         env.append({"name": cfg.serve.api_keys_env, "valueFrom": {"secretKeyRef": k.api_keys_secret.model_dump()}})
     plain = dict(k.env)
-    store = job.object_store if job is not None else None
+    store = data.object_store if data is not None else None
     if store is not None:
         plain.update(store.env)
         if store.gcp_key_secret:
@@ -79,36 +80,37 @@ def _env(cfg: DeployConfig, job: RayJobConfig | None = None) -> list[dict[str, A
     return env
 
 
-def _env_from(job: RayJobConfig | None) -> list[dict[str, Any]]:
+def _env_from(data: DataAccess | None) -> list[dict[str, Any]]:
     """The object-store credentials Secret, every key an env var (AWS_ACCESS_KEY_ID, ...)."""
-    if job is None or job.object_store is None or job.object_store.credentials_secret is None:
+    if data is None or data.object_store is None or data.object_store.credentials_secret is None:
         return []
-    return [{"secretRef": {"name": job.object_store.credentials_secret}}]
+    return [{"secretRef": {"name": data.object_store.credentials_secret}}]
 
 
-def _volumes(cfg: DeployConfig, job: RayJobConfig | None) -> tuple[list[dict], list[dict]]:
+def _volumes(cfg: DeployConfig, data: DataAccess | None, models: bool = True) -> tuple[list[dict], list[dict]]:
     st = cfg.kubernetes.storage
     vols = [{"name": "dshm", "emptyDir": {"medium": "Memory"}},  # Ray's object store lives in /dev/shm
             {"name": "cache", "emptyDir": {"sizeLimit": st.cache_size}}]
     mounts = [{"name": "dshm", "mountPath": "/dev/shm"}, {"name": "cache", "mountPath": f"{HOME}/.cache"}]
-    if st.models_claim:
+    if st.models_claim and models:
         vols.append({"name": "models", "persistentVolumeClaim": {"claimName": st.models_claim, "readOnly": True}})
         mounts.append({"name": "models", "mountPath": st.models_path, "readOnly": True})
-    if job is not None and job.data_volume is not None:
-        vols.append({"name": "data", "persistentVolumeClaim": {"claimName": job.data_volume.claim}})
-        mounts.append({"name": "data", "mountPath": job.data_volume.path})
-    gcp = job.object_store.gcp_key_secret if job is not None and job.object_store else None
+    if data is not None and data.data_volume is not None:
+        vols.append({"name": "data", "persistentVolumeClaim": {"claimName": data.data_volume.claim}})
+        mounts.append({"name": "data", "mountPath": data.data_volume.path})
+    gcp = data.object_store.gcp_key_secret if data is not None and data.object_store else None
     if gcp is not None:
         vols.append({"name": "gcp-key", "secret": {"secretName": gcp.name, "items": [{"key": gcp.key, "path": "key.json"}]}})
         mounts.append({"name": "gcp-key", "mountPath": GCP_KEY_DIR, "readOnly": True})
     return vols, mounts
 
 
-def _pod(cfg: DeployConfig, container: dict, labels: dict, job: RayJobConfig | None, worker: bool) -> dict:
+def _pod(cfg: DeployConfig, container: dict, labels: dict, data: DataAccess | None, worker: bool,
+         api_keys: bool = False, models: bool = True) -> dict:
     k = cfg.kubernetes
-    vols, mounts = _volumes(cfg, job)
+    vols, mounts = _volumes(cfg, data, models)
     container = {"name": container["name"], "image": cfg.image, "imagePullPolicy": k.image_pull_policy, **container,
-                 "env": _env(cfg, job), **({"envFrom": _env_from(job)} if _env_from(job) else {}),
+                 "env": _env(cfg, data, api_keys), **({"envFrom": _env_from(data)} if _env_from(data) else {}),
                  "volumeMounts": mounts, "securityContext": copy.deepcopy(CONTAINER_SECURITY)}
     spec: dict[str, Any] = {"containers": [container], "volumes": vols, "securityContext": copy.deepcopy(POD_SECURITY)}
     if k.image_pull_secrets:
@@ -140,16 +142,20 @@ def _cluster_spec(cfg: DeployConfig, component: str, job: RayJobConfig | None = 
               "readinessProbe": worker_ready,
               "livenessProbe": _probe(52365, "/api/local_raylet_healthz", 30, 120)}
     lo, hi = cfg.node_bounds if job is None else (_job_nodes(cfg, job),) * 2
+    # a batch cluster's pods read and write the job's data; the serving and interactive clusters get
+    # kubernetes.job_data, for jobs run through the serving app (their driver runs on that head)
+    data: DataAccess | None = job if job is not None else k.job_data
     head_labels = {**_labels(cfg, component), "eagle-serve/role": "head"}
     worker_labels = {**_labels(cfg, component), "eagle-serve/role": "worker"}
     spec: dict[str, Any] = {
         "rayVersion": k.ray_version,
         "headGroupSpec": {"rayStartParams": {"num-cpus": "0", "dashboard-host": "0.0.0.0", "metrics-export-port": "8080"},
-                          "template": _pod(cfg, head, head_labels, job, worker=False)},
+                          "template": _pod(cfg, head, head_labels, data, worker=False, api_keys=job is None)},
         "workerGroupSpecs": [{"groupName": "gpu-workers" if s.device == "cuda" else "cpu-workers", "replicas": lo,
                               "minReplicas": lo, "maxReplicas": hi, "numOfHosts": 1, "rayStartParams": {},
-                              "template": _pod(cfg, worker, worker_labels, job, worker=True)}],
+                              "template": _pod(cfg, worker, worker_labels, data, worker=True, api_keys=job is None)}],
     }
+    spec = {**auth_options(cfg), **spec}
     if job is None:  # serving and interactive clusters grow and shrink; a batch cluster is sized up front
         spec = {"enableInTreeAutoscaling": True,
                 "autoscalerOptions": {"version": "v2", "upscalingMode": k.upscaling_mode,
@@ -158,6 +164,13 @@ def _cluster_spec(cfg: DeployConfig, component: str, job: RayJobConfig | None = 
                                       "securityContext": copy.deepcopy(CONTAINER_SECURITY)},  # KubeRay's sidecar
                 **spec}
     return spec
+
+
+def auth_options(cfg: DeployConfig) -> dict[str, Any]:
+    """Ray token auth with the shared Secret (key auth_token), on every cluster of this config, so a
+    job's cluster can submit to the RayService's dashboard; nothing when none is set."""
+    secret = cfg.kubernetes.ray_auth_secret
+    return {"authOptions": {"mode": "token", "secretName": secret}} if secret else {}
 
 
 # ---- manifests -----------------------------------------------------------------------------------
@@ -222,10 +235,10 @@ def _job_nodes(cfg: DeployConfig, job: RayJobConfig) -> int:
     """Worker pods for the job's engine replicas, `gpus_per_node // tp` replicas a node (1 on CPU)."""
     gpus, tp = cfg.kubernetes.workers.gpus_per_node, _job_tp(cfg, job)
     if cfg.serve.device != "cuda":
-        return job.replicas
+        return job.replicas or 1
     if gpus < tp or gpus % tp:
         raise ConfigError(f"job tp_size ({tp}) must divide kubernetes.workers.gpus_per_node ({gpus})")
-    return math.ceil(job.replicas / (gpus // tp))
+    return math.ceil((job.replicas or 1) / (gpus // tp))
 
 
 def job_entrypoint(cfg: DeployConfig, job: RayJobConfig) -> str:
@@ -241,7 +254,7 @@ def job_entrypoint(cfg: DeployConfig, job: RayJobConfig) -> str:
                         ("--top-p", job.top_p), ("--seed", job.seed), ("--max-model-len", s.limits.max_model_len)):
         if value is not None:
             argv += [flag, str(value)]
-    argv += ["--max-num-seqs", str(s.limits.max_num_seqs), "--replicas", str(job.replicas),
+    argv += ["--max-num-seqs", str(s.limits.max_num_seqs), "--replicas", str(job.replicas or 1),
              "--tp-size", str(_job_tp(cfg, job)), *job.extra_args, "--address", "http://127.0.0.1:8265", "--wait"]
     why = submit_job_args_error(argv[2:])
     if why is not None:
@@ -250,6 +263,10 @@ def job_entrypoint(cfg: DeployConfig, job: RayJobConfig) -> str:
 
 
 def rayjob(cfg: DeployConfig, job: RayJobConfig) -> dict[str, Any]:
+    if job.serve_app:  # no cluster of its own: through the RayService's app
+        from deploy.fleet import fleet_rayjob
+
+        return fleet_rayjob(cfg, job)
     spec: dict[str, Any] = {"entrypoint": job_entrypoint(cfg, job), "shutdownAfterJobFinishes": True,
                             "ttlSecondsAfterFinished": job.ttl_seconds_after_finished,
                             "backoffLimit": job.backoff_limit, "submissionMode": "K8sJobMode"}

@@ -64,7 +64,7 @@ def pods_of(manifest: dict[str, Any]) -> list[tuple[str, dict[str, Any], list[di
         if cluster.get("enableInTreeAutoscaling"):
             sidecar = [{"name": "autoscaler", "securityContext": (cluster.get("autoscalerOptions") or {}).get("securityContext")}]
         out.append(("head", head, sidecar))
-        for g in cluster["workerGroupSpecs"]:
+        for g in cluster.get("workerGroupSpecs") or []:   # a head-only cluster has none
             worker = g["template"]["spec"]
             init = [{"name": "wait-gcs-ready", "securityContext": worker["containers"][0].get("securityContext")}]
             out.append((f"worker {g['groupName']}", worker, init))

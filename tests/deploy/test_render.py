@@ -177,7 +177,8 @@ def test_pdb_selects_serving_workers_only(setup):
     for other in ("raycluster.yaml", "rayjob.yaml"):
         if other in files:
             spec = files[other]["spec"].get("rayClusterSpec") or files[other]["spec"]
-            assert not sel.items() <= _group({"spec": spec})["template"]["metadata"]["labels"].items()
+            for group in spec.get("workerGroupSpecs") or []:   # a fleet job's cluster has none
+                assert not sel.items() <= group["template"]["metadata"]["labels"].items()
 
 
 @pytest.mark.parametrize("setup", SETUPS)
@@ -197,7 +198,7 @@ def test_every_pod_runs_non_root_with_probes_and_limits(setup):
         spec = m["spec"].get("rayClusterConfig") or m["spec"].get("rayClusterSpec") or m["spec"]
         if "headGroupSpec" not in spec:
             continue
-        for group in [spec["headGroupSpec"], *spec["workerGroupSpecs"]]:
+        for group in [spec["headGroupSpec"], *spec.get("workerGroupSpecs", [])]:
             pod = group["template"]["spec"]
             assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0
             c = pod["containers"][0]
