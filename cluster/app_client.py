@@ -84,6 +84,21 @@ class AppClient:
                                         restartable=True):
             yield out
 
+    def replica_stats(self) -> dict[str, dict]:
+        """Stats of every engine replica this process's router knows (about 1 s old; {} before the
+        first row): queue depth, KV usage, torch threads, and the online/offline counters
+        (offline_preemptions, offline_rows_preempted, offline_deferred_in_engine, ...)."""
+        from cluster.router_state import live_replica_stats
+
+        return live_replica_stats()
+
+    @staticmethod
+    def router_counters() -> dict[str, int]:
+        """This process's routing counters: `offline_deferred` (rows held back for online work)."""
+        from cluster.router_state import router_counters
+
+        return router_counters()
+
     # ---- backlog for the autoscaler ----------------------------------------------------------
     def _backlog_board(self):
         if self._board is None:

@@ -78,6 +78,56 @@ class _PrefixCacheCollector:
         yield from (blocks, tok_rate, req_rate)
 
 
+# replica stats key -> (counter name without _total, help): online vs offline work (cluster/priority_stats.py)
+PRIORITY_COUNTERS = {
+    "online_finished": ("eagle_replica_online_finished", "online requests (priority 0) finished by the replica"),
+    "offline_finished": ("eagle_replica_offline_finished", "offline requests (priority >= 1) finished by the replica"),
+    "offline_preemptions": ("eagle_replica_offline_preemptions", "times the engine preempted an offline request "
+                            "(recomputed later) for more urgent work"),
+    "offline_rows_preempted": ("eagle_replica_offline_rows_preempted", "offline requests preempted at least once"),
+    "online_preemptions": ("eagle_replica_online_preemptions", "times the engine preempted an online request"),
+    "offline_deferred_in_engine": ("eagle_replica_offline_deferred", "offline requests still waiting for their first "
+                                   "token in the engine when a younger online request got its first"),
+}
+# router counter -> (counter name without _total, help): this ingress's router (cluster/router_state.py)
+ROUTER_COUNTERS = {
+    "offline_deferred": ("eagle_router_offline_deferred", "offline requests the router held back for online work "
+                         "(every engine batch full, or a freed slot given to online first)"),
+    "online_ahead_of_offline": ("eagle_router_online_ahead_of_offline", "freed replica slots given to an online "
+                                "request while an older offline one waited"),
+}
+
+
+class _PriorityCollector:
+    """Per-replica online/offline counters and torch threads, and this ingress's router counters."""
+
+    def __init__(self, metrics: "ServeMetrics"):
+        self.metrics = metrics
+
+    def collect(self):
+        from cluster.router_state import router_counters
+
+        model, replicas = self.metrics.model, self.metrics.replica_stats
+        labels = ["model", "replica"]
+        for key, (name, doc) in PRIORITY_COUNTERS.items():
+            fam = CounterMetricFamily(name, doc, labels=labels)
+            for rid, st in replicas.items():
+                if key in st:
+                    fam.add_metric([model, rid], float(st[key] or 0))
+            yield fam
+        threads = GaugeMetricFamily("eagle_replica_torch_threads", "torch threads of the replica's engine on CPU",
+                                    labels=labels)
+        for rid, st in replicas.items():
+            if st.get("torch_threads"):
+                threads.add_metric([model, rid], float(st["torch_threads"]))
+        yield threads
+        counts = router_counters()
+        for key, (name, doc) in ROUTER_COUNTERS.items():
+            fam = CounterMetricFamily(name, doc, labels=["model"])
+            fam.add_metric([model], float(counts.get(key, 0)))
+            yield fam
+
+
 CLIENT_CLOSED = 499   # nginx's "client closed request", as vLLM's metrics report aborted requests
 
 
@@ -113,6 +163,7 @@ class ServeMetrics:
         self._recent: deque[tuple[float, int]] = deque()
         self.replica_stats: dict[str, dict] = {}    # the replicas' latest stats (prefix-cache series)
         r.register(_PrefixCacheCollector(self))
+        r.register(_PriorityCollector(self))
 
     def request_done(self, endpoint: str, status: int) -> None:
         self.requests.labels(self.model, endpoint, str(status)).inc()

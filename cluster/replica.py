@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from cluster.config import ServeConfig
+from cluster.priority_stats import PriorityStats
 from eagle_worker.engine_api import Engine, EngineModule, load_engine_module
 
 logger = logging.getLogger(__name__)
@@ -137,6 +138,7 @@ class EngineReplica:
         self.max_model_len = self.engine.max_model_len
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
+        self._priority_stats = PriorityStats()    # engine thread only
         self._stats: dict[str, Any] = self._snapshot_stats(step_s=0.0)
         self._dead: BaseException | None = None
         self._stopping = False
@@ -279,6 +281,8 @@ class EngineReplica:
                     continue
                 t0 = time.perf_counter()
                 outs = self.engine.step()
+                for out in outs:
+                    self._priority_stats.output(out)
                 self._stats = self._snapshot_stats(time.perf_counter() - t0)
                 for out in outs:
                     self._deliver(out.request_id, out)
@@ -317,9 +321,11 @@ class EngineReplica:
             except ValueError as e:
                 fut.set_exception(e)
             else:
+                self._priority_stats.added(rid, priority)
                 fut.set_result(None)
         elif cmd[0] == "abort":
             self.engine.abort(cmd[1])
+            self._priority_stats.forget(cmd[1])
 
     def _deliver(self, request_id: str, item: Any) -> None:
         stream = self._streams.get(request_id)
@@ -330,7 +336,9 @@ class EngineReplica:
         st = dict(self.engine.stats())
         st.update(replica_id=self.replica_id, engine_alive=True, max_model_len=self.max_model_len,
                   num_streams=len(self._streams), step_s=step_s, updated_at=time.time(),
-                  torch_threads=self.torch_threads, cpu_reserved=self.config.resources_per_rank.cpu)
+                  torch_threads=self.torch_threads, cpu_reserved=self.config.resources_per_rank.cpu,
+                  **self._priority_stats.snapshot())
+        st.setdefault("max_num_seqs", self.config.limits.max_num_seqs)   # the router's offline share
         return st
 
 

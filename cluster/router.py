@@ -15,8 +15,12 @@ last stats) / its capacity, plus its KV-cache usage. The local count reacts inst
 burst does not pile onto the replica that looked idle a second ago); the stats add what other
 callers sent and how full the KV cache is. Offline work (priority >= 1) prefers replicas with
 KV headroom and no backlog, so batch traffic fills idle capacity instead of queueing in front of
-online users; when every replica is full, a freed slot goes to the oldest waiting online request
-before any offline one; inside a replica the engine schedules by priority too (0 = online first).
+online users, and it may only fill a replica's engine batch (`max_num_seqs` ongoing requests, from
+its stats), never the queue slots beyond it: those stay free for online requests, which therefore
+wait for one engine slot at most; an offline row finding every batch full waits in its caller's
+router (`offline_deferred`). When every replica is full, a freed slot goes to the oldest waiting
+online request before any offline one; inside a replica the engine schedules by priority too
+(0 = online first) and preempts the least urgent sequence when KV memory runs out.
 
 Replica death (`stream_outputs`): if a replica dies (actor gone, engine loop crashed) before any
 token of a request reached the client, the request is transparently re-submitted and Serve
@@ -35,9 +39,10 @@ the poison, the other would otherwise follow it onto the only replica left and d
 That bookkeeping lives in cluster/router_state.py, which the router and `stream_outputs` share:
 Serve pickles this module's router class by value, with copies of its globals.
 
-Admission (`Admission`): the ingress admits at most `ServeConfig.admission_limit` engine requests at
-once (every replica's `max_ongoing_requests`, plus `limits.max_router_queue` waiting for a slot);
-beyond that `OverloadedError` (HTTP 503 with Retry-After) at once. Serve's own caller-side queue
+Admission (`Admission`): the ingress admits at most `ServeConfig.admission_limit` online engine requests
+at once (every replica's `max_ongoing_requests`, plus `limits.max_router_queue` waiting for a slot);
+beyond that `OverloadedError` (HTTP 503 with Retry-After) at once. Offline requests (priority >= 1)
+have a budget of their own, so batch work never takes the online one. Serve's own caller-side queue
 limit is off (`max_queued_requests: -1`): Serve counts a request as queued until it is routed, so
 a burst well within capacity reached it in the few milliseconds routing takes.
 """
@@ -84,23 +89,36 @@ class PoisonRequestError(ReplicaLostError):
 
 
 class Admission:
-    """At most `limit` requests in flight through this caller (routed or waiting for a slot).
+    """At most `limit` online requests in flight through this caller (routed or waiting for a slot),
+    and separately at most `offline_limit` offline ones (priority >= 1), so batch work never uses
+    up what online users are admitted on.
 
     Serve's caller-side queue limit counts a request as queued until the router has placed it, so
     a burst far below capacity can hit it; this counts what is really outstanding instead."""
 
-    def __init__(self, limit: int):
+    def __init__(self, limit: int, offline_limit: int | None = None):
         self.limit, self.in_flight = max(1, int(limit)), 0
+        self.offline_limit, self.offline_in_flight = max(1, int(offline_limit or limit)), 0
 
-    def enter(self) -> None:
+    def enter(self, priority: int = 0) -> None:
+        if priority > 0:
+            if self.offline_in_flight >= self.offline_limit:
+                raise OverloadedError(
+                    f"the server is overloaded: {self.offline_in_flight} offline requests in flight, the limit "
+                    f"is {self.offline_limit}; retry later")
+            self.offline_in_flight += 1
+            return
         if self.in_flight >= self.limit:
             raise OverloadedError(
                 f"the server is overloaded: {self.in_flight} requests in flight, the limit is {self.limit} "
                 "(every replica at capacity and the queue full); retry later")
         self.in_flight += 1
 
-    def leave(self) -> None:
-        self.in_flight = max(0, self.in_flight - 1)
+    def leave(self, priority: int = 0) -> None:
+        if priority > 0:
+            self.offline_in_flight = max(0, self.offline_in_flight - 1)
+        else:
+            self.in_flight = max(0, self.in_flight - 1)
 
 
 WAIT_S = 0.1   # how often a request with no replica it may use looks again
@@ -126,14 +144,24 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         self._hashes: dict[str, list[int]] = {}       # request id -> its prompt's hashes, until it is routed
         state.routers.add(self)  # live_replica_stats reads the replica set
 
+    def ongoing(self, replica: RunningReplica) -> int:
+        """Requests on the replica: what this caller sent there, or what its stats/queue say, the most."""
+        stats = replica.routing_stats or {}
+        queued = int(stats.get("num_running", 0)) + int(stats.get("num_waiting", 0))
+        return max(self._inflight.get(replica.replica_id, 0), queued,
+                   self.replica_queue_len_cache.get(replica.replica_id) or 0)
+
     def load(self, replica: RunningReplica) -> float:
         """Lower is better: fraction of capacity in use plus weighted KV usage."""
         stats = replica.routing_stats or {}
-        queued = int(stats.get("num_running", 0)) + int(stats.get("num_waiting", 0))
-        ongoing = max(self._inflight.get(replica.replica_id, 0), queued,
-                      self.replica_queue_len_cache.get(replica.replica_id) or 0)
         capacity = max(1, replica.max_ongoing_requests)
-        return ongoing / capacity + self.kv_weight * float(stats.get("kv_usage", 0.0))
+        return self.ongoing(replica) / capacity + self.kv_weight * float(stats.get("kv_usage", 0.0))
+
+    def offline_room(self, replica: RunningReplica) -> bool:
+        """Offline work may fill the engine's batch (`max_num_seqs`), never the queue slots beyond it:
+        those stay free for online requests, which then wait for one engine slot at most."""
+        slots = int((replica.routing_stats or {}).get("max_num_seqs") or replica.max_ongoing_requests)
+        return self.ongoing(replica) < max(1, slots)
 
     def has_headroom(self, replica: RunningReplica) -> bool:
         stats = replica.routing_stats or {}
@@ -161,7 +189,12 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         home = state.group_replica(state.request_id(pending_request), ranked[0].replica_id if ranked else None)
         ranked.sort(key=lambda r: state.replica_key(r.replica_id) != home)   # stable: the rest keep their order
         if request_priority(pending_request) > 0:
-            ranked = [r for r in ranked if self.has_headroom(r)] + [r for r in ranked if not self.has_headroom(r)]
+            roomy = [r for r in ranked if self.offline_room(r)]
+            if ranked and not roomy:   # every engine batch is full: the row waits here, online goes first
+                state.note_deferred(state.request_id(pending_request))
+                await asyncio.sleep(WAIT_S)
+                return []
+            ranked = [r for r in roomy if self.has_headroom(r)] + [r for r in roomy if not self.has_headroom(r)]
         return [[r] for r in ranked]
 
     def _prefer_prefix(self, ranked: list, pending_request: Optional[PendingRequest]) -> list:
@@ -194,7 +227,8 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         return hashes
 
     def _fulfill_next_pending_request(self, replica: RunningReplica, request_metadata: Any = None) -> None:
-        """A free replica slot goes to the oldest waiting *online* request, else the oldest offline one.
+        """A free replica slot goes to the oldest waiting *online* request, else the oldest offline one
+        (if the replica's engine batch has room for offline work, see `offline_room`).
 
         Serve's FIFOMixin serves its caller-side queue strictly in arrival order; when the system is
         saturated that would let queued batch work delay interactive users. Same bookkeeping as
@@ -207,10 +241,17 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         pick = None
         replica_id = getattr(replica, "replica_id", replica)
         hosts_suspect = state.replica_key(replica_id) in state.suspect_hosts()
+        offline_ok = not hasattr(replica, "routing_stats") or self.offline_room(replica)
         for pr in queue:
             if pr.future.done() or (hosts_suspect and state.is_suspect(pr)):
                 continue
+            if request_priority(pr) > 0 and not offline_ok:   # that replica's batch is full: online only
+                state.note_deferred(state.request_id(pr))
+                continue
             if request_priority(pr) == 0:
+                if pick is not None:     # an older offline request waits: the online one goes first
+                    state.counters["online_ahead_of_offline"] += 1
+                    state.note_deferred(state.request_id(pick))
                 pick = pr
                 break
             pick = pick or pr
@@ -298,7 +339,7 @@ async def stream_outputs(
     the engine prefills their shared prompt once.
     """
     if admission is not None:
-        admission.enter()
+        admission.enter(priority)
     attempts = _attempts(handle, request_id, prompt, params, priority, messages, max_attempts, max_deaths,
                          retry_backoff_s, restartable, on_retry, group)
     try:
@@ -311,7 +352,7 @@ async def stream_outputs(
             for attempt in range(1, max_attempts):
                 state.suspects.discard(f"{request_id}-retry{attempt}")
             if admission is not None:
-                admission.leave()
+                admission.leave(priority)
 
 
 async def _attempts(handle, request_id, prompt, params, priority, messages, max_attempts, max_deaths,
@@ -369,6 +410,7 @@ async def _attempts(handle, request_id, prompt, params, priority, messages, max_
             state.routed.pop(rid, None)
             state.leave_group(rid)
             state.suspects.discard(rid)
+            state.deferred.discard(rid)
     raise ReplicaLostError(f"request {request_id}: {max_attempts} attempts failed (replicas unavailable); giving up")
 
 

@@ -18,6 +18,8 @@ routers: weakref.WeakSet = weakref.WeakSet()    # every LoadAwareRouter in this 
 suspects: set[str] = set()                      # attempt ids of requests a replica already died under
 groups: dict[str, str] = {}                     # attempt id -> its group (the n samples of one prompt)
 group_replicas: dict[str, str] = {}             # group -> the replica (key) its first request was given
+deferred: set[str] = set()                      # attempt ids of offline requests held back (counted once)
+counters: dict[str, int] = {"offline_deferred": 0, "online_ahead_of_offline": 0}
 
 
 def request_id(pending_request: Any) -> str | None:
@@ -51,6 +53,19 @@ def leave_group(rid: str) -> None:
     group = groups.pop(rid, None)
     if group is not None and group not in groups.values():
         group_replicas.pop(group, None)
+
+
+def note_deferred(rid: str | None) -> None:
+    """An offline request was held back for online work (no replica had room for offline rows, or
+    a freed slot went to a younger online request): counted once per attempt."""
+    if rid is not None and rid not in deferred:
+        deferred.add(rid)
+        counters["offline_deferred"] += 1
+
+
+def router_counters() -> dict[str, int]:
+    """This process's routing counters (the ingress exports them; a job reads them from AppClient)."""
+    return dict(counters)
 
 
 def replica_key(replica_id: Any) -> str:
@@ -92,3 +107,6 @@ def clear() -> None:
     group_replicas.clear()
     _seen_dead.clear()
     suspects.clear()
+    deferred.clear()
+    for k in counters:
+        counters[k] = 0
