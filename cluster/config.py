@@ -103,6 +103,8 @@ class AutoscalingConfig(_Strict):
         for key in ("initial_replicas", "look_back_period_s", "metrics_interval_s"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
+        # Serve's rule plus the offline rows jobs still have to send (cluster/autoscale.py)
+        out["policy"] = {"policy_function": "cluster.autoscale:offline_backlog_policy"}
         return out
 
 

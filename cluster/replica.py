@@ -33,6 +33,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
+from cluster.autoscale import BACKLOG_METRIC
 from cluster.config import ServeConfig
 from cluster.priority_stats import PriorityStats
 from eagle_worker.engine_api import Engine, EngineModule, load_engine_module
@@ -139,6 +140,7 @@ class EngineReplica:
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._priority_stats = PriorityStats()    # engine thread only
+        self._backlog = None                      # BacklogReader, made on Serve's first autoscaling poll
         self._stats: dict[str, Any] = self._snapshot_stats(step_s=0.0)
         self._dead: BaseException | None = None
         self._stopping = False
@@ -242,6 +244,15 @@ class EngineReplica:
                 "enable_prefix_caching": c.enable_prefix_caching, "chat_template": c.chat_template,
                 "max_model_len": self.max_model_len, "max_num_seqs": c.limits.max_num_seqs,
                 "app_name": c.app_name}
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metrics: the offline rows jobs still have to send to this app
+        (cluster/backlog.py), which the app's policy counts as ongoing requests (cluster/autoscale.py)."""
+        if self._backlog is None:
+            from cluster.backlog import BacklogReader
+
+            self._backlog = BacklogReader(_app_name() or self.config.app_name)
+        return {BACKLOG_METRIC: float(await self._backlog.total())}
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Ray Serve polls this for the request router (see cluster/router.py)."""
@@ -374,6 +385,15 @@ def _inside_ray_actor() -> bool:
         return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
     except Exception:
         return False
+
+
+def _app_name() -> str | None:
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().app_name
+    except Exception:  # plain Ray actor or plain object
+        return None
 
 
 def _replica_id() -> str:
