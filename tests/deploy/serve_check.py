@@ -93,11 +93,39 @@ def _override_errors(app: dict[str, Any], where: str) -> list[str]:
             if key in dep and getattr(code, key) != dep[key]:
                 out.append(f"{w}.{key}: {dep[key]!r} but the app sets {getattr(code, key)!r}")
         auto = code._deployment_config.autoscaling_config
-        for key, value in (dep.get("autoscaling_config") or {}).items():
-            if auto is None or getattr(auto, key, None) != value:
-                out.append(f"{w}.autoscaling_config.{key}: {value!r} but the app sets "
-                           f"{getattr(auto, key, None) if auto else None!r}")
+        if "autoscaling_config" in dep:
+            out += _autoscaling_errors(dep["autoscaling_config"] or {}, auto, w)
     return out
+
+
+def _autoscaling_errors(override: dict[str, Any], code: Any, where: str) -> list[str]:
+    """The override's autoscaling_config must restate the app's: same values for what it names
+    (compared as Serve parses them, so a policy given as a dict matches the app's policy object),
+    and nothing the app sets left out."""
+    from ray.serve.config import AutoscalingConfig
+
+    if code is None:
+        return [f"{where}.autoscaling_config: given but the app does not autoscale"]
+    try:
+        effective = AutoscalingConfig(**override).model_dump()
+    except Exception as e:  # pydantic's ValidationError, or a policy that does not import
+        return [f"{where}.autoscaling_config: Serve rejects it: {e}"]
+    app = code.model_dump()
+    out = [f"{where}.autoscaling_config.{k}: {override[k]!r} but the app sets {app.get(k)!r}"
+           for k in override if effective.get(k) != app.get(k)]
+    return out + _autoscaling_dropped(override, code, where)
+
+
+def _autoscaling_dropped(override: dict[str, Any], code: Any, where: str) -> list[str]:
+    """Serve *replaces* the app's autoscaling_config with a config file's (no merge): whatever the
+    app's code sets that the override leaves out -- e.g. a custom autoscaling `policy` (the one that
+    counts a job's queued rows) -- falls back to Serve's default on the cluster."""
+    from ray.serve.config import AutoscalingConfig
+
+    effective = AutoscalingConfig(**override).model_dump()
+    return [f"{where}.autoscaling_config.{k}: the app sets {v!r} but the override leaves "
+            f"{effective.get(k)!r} (Serve replaces the whole autoscaling_config)"
+            for k, v in code.model_dump().items() if k not in override and effective.get(k) != v]
 
 
 def serve_config_errors(manifest: dict[str, Any], check_import: bool = True) -> list[str]:

@@ -83,13 +83,16 @@ BROKEN = {
     "unknown deployment": (lambda d, a: a["deployments"][0].update(name="LLM"), "not a deployment of the app"),
     "override changes scaling": (lambda d, a: a["deployments"][0]["autoscaling_config"].update(max_replicas=9),
                                  "max_replicas"),
+    "override drops a setting": (lambda d, a: a["deployments"][0]["autoscaling_config"].pop("target_ongoing_requests"),
+                                 "target_ongoing_requests: the app sets 32.0 but the override leaves"),
 }
 
 
 @pytest.mark.parametrize("case", BROKEN)
 def test_broken_serve_config_is_rejected(case):
     mutate, expected = BROKEN[case]
-    if not SERVE_APP_PRESENT and case in ("import path", "unknown deployment", "override changes scaling"):
+    if not SERVE_APP_PRESENT and case in ("import path", "unknown deployment", "override changes scaling",
+                                         "override drops a setting"):
         pytest.xfail("cluster/serve_app.py is not in the repo yet")
     good = next(m for w, m in RAYSERVICES if "gpu-tp2" in w)
     errs = serve_config_errors(_with(good, mutate))
@@ -105,3 +108,17 @@ def test_not_yaml_is_rejected():
 def test_import_error_helper():
     assert import_error("json:dumps") is None
     assert "ModuleNotFoundError" in import_error("no_such_mod_xyz:f")
+
+
+def test_an_override_without_the_apps_autoscaling_policy_is_caught():
+    """A custom policy set in the app's code (e.g. one counting a job's queued rows) is lost on the
+    cluster when the RayService's override leaves it out: Serve replaces the whole autoscaling_config."""
+    from ray.serve.config import AutoscalingConfig
+
+    from tests.deploy.serve_check import _autoscaling_dropped
+
+    code = AutoscalingConfig(min_replicas=1, max_replicas=4, policy={"policy_function": "json:dumps"})
+    override = {"min_replicas": 1, "max_replicas": 4}
+    errs = _autoscaling_dropped(override, code, "w")
+    assert len(errs) == 1 and errs[0].startswith("w.autoscaling_config.policy:"), errs
+    assert _autoscaling_dropped({**override, "policy": {"policy_function": "json:dumps"}}, code, "w") == []
