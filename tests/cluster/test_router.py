@@ -355,3 +355,65 @@ def test_freed_slot_goes_to_the_oldest_online_request():
         assert not r._pending_requests_to_fulfill
     finally:
         loop.close()
+
+
+def _batch_replica(rid, running, max_num_seqs=4, cap=8):
+    rep = _replica(rid, running=running, cap=cap)
+    rep.routing_stats["max_num_seqs"] = max_num_seqs
+    return rep
+
+
+def test_offline_rows_fill_only_the_engine_batch_and_wait_when_every_batch_is_full():
+    """Offline rows may take a replica's engine batch (max_num_seqs), never the queue slots beyond it
+    (kept for online requests); with every batch full they wait in the router, counted as deferred."""
+    reps = [_batch_replica("full", running=4), _batch_replica("room", running=2)]
+    assert _rank(_router(), reps, priority=1, rid="row-1") == ["room"]
+    assert set(_rank(_router(), reps, priority=0, rid="chat-1")) == {"full", "room"}   # online may queue
+    both_full = [_batch_replica("a", running=4), _batch_replica("b", running=5)]
+    assert _rank(_router(), both_full, priority=1, rid="row-2") == []
+    assert _rank(_router(), both_full, priority=1, rid="row-2") == []       # asked again: still one row
+    assert router_state.router_counters()["offline_deferred"] == 1
+    assert _rank(_router(), both_full, priority=0, rid="chat-2") != []
+
+
+def test_offline_requests_have_their_own_admission_budget():
+    adm = Admission(1, offline_limit=2)
+    adm.enter(0)
+    adm.enter(1)                 # online full: offline still admitted (and the reverse below)
+    adm.enter(1)
+    with pytest.raises(OverloadedError, match="offline"):
+        adm.enter(1)
+    with pytest.raises(OverloadedError, match="limit is 1"):
+        adm.enter(0)
+    adm.leave(1)
+    adm.leave(1)
+    assert (adm.in_flight, adm.offline_in_flight) == (1, 0)
+
+
+def test_a_slot_freed_on_a_full_batch_goes_to_online_work_only():
+    from collections import deque
+
+    r = _router()
+    loop = asyncio.new_event_loop()
+    try:
+        def pending(tag, prio):
+            return SimpleNamespace(tag=tag, kwargs={"priority": prio}, args=[tag], future=loop.create_future())
+
+        reqs = [pending("row-old", 1), pending("chat", 0)]
+        r._pending_requests_to_fulfill = deque(reqs)
+        r._cancel_routing_task_for_pending_request = r._record_queue_wait_time = lambda pr: None
+        r._remove_pending_request_from_indices = lambda pr: None
+        r._fulfill_next_pending_request(_batch_replica("full", running=4))
+        assert reqs[1].future.done() and not reqs[0].future.done()
+        r._fulfill_next_pending_request(_batch_replica("full", running=4))
+        assert not reqs[0].future.done()          # the batch is still full: the row keeps waiting
+        r._fulfill_next_pending_request(_batch_replica("room", running=1))
+        assert reqs[0].future.done()
+        assert router_state.router_counters() == {"offline_deferred": 1, "online_ahead_of_offline": 0}
+        reqs = [pending("row-2", 1), pending("chat-2", 0)]      # room for both: the online one still first
+        r._pending_requests_to_fulfill = deque(reqs)
+        r._fulfill_next_pending_request(_batch_replica("room", running=1))
+        assert reqs[1].future.done() and not reqs[0].future.done()
+        assert router_state.router_counters() == {"offline_deferred": 2, "online_ahead_of_offline": 1}
+    finally:
+        loop.close()
