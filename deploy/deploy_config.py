@@ -165,6 +165,13 @@ class DeployConfig(_Strict):
         if cpu_cores(self.worker_resources.cpu) < need:
             raise ValueError(f"kubernetes.workers.resources.cpu ({self.worker_resources.cpu}) is below the "
                              f"{need:g} CPUs one node's replicas and the ingress reserve: they would never schedule")
+        threads = getattr(s.resources_per_rank, "threads", None)
+        if s.device != "cuda" and threads is not None:
+            busy = self.replicas_per_node * s.tp_size * threads
+            if busy > cpu_cores(self.worker_resources.cpu):
+                raise ValueError(f"serve.resources_per_rank.threads ({threads}) x {self.replicas_per_node * s.tp_size} "
+                                 f"ranks a worker pod = {busy} torch threads, more than its "
+                                 f"{self.worker_resources.cpu} CPUs: the pod's CPU limit would throttle them")
         return self
 
     # ---- derived sizes ---------------------------------------------------------------------

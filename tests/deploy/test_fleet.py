@@ -114,6 +114,9 @@ def test_autoscaling_bounds():
     assert (scaling["min_replicas"], scaling["max_replicas"]) == (1, 4) == (
         cfg.serve.autoscaling.min_replicas, cfg.serve.autoscaling.max_replicas)
     assert "num_replicas" not in llm
+    # the jobs' queued rows count: the app's own policy, restated (Serve replaces the app's whole config)
+    from cluster.autoscale import POLICY
+    assert scaling["policy"] == {"policy_function": POLICY}
     assert cluster["enableInTreeAutoscaling"] is True and cluster["autoscalerOptions"]["version"] == "v2"
     (group,) = cluster["workerGroupSpecs"]
     per_node = cfg.replicas_per_node

@@ -149,6 +149,9 @@ def test_node_bounds_can_be_overridden():
     ({"resources_per_rank": {"cpu": 4}}, {"workers": {"resources": {"cpu": "2", "memory": "4Gi"}}}, "never schedule"),
     ({}, {"workers": {"resources": {"cpu": "2 cores", "memory": "4Gi"}}}, "resources.cpu"),
     ({}, {"workers": {"min_nodes": 3, "max_nodes": 2}}, "min_nodes"),
+    ({"resources_per_rank": {"cpu": 1, "threads": 8}}, {"workers": {"resources": {"cpu": "4", "memory": "4Gi"}}},
+     "throttle"),
+    ({}, {"ray_auth_secret": "Bad_Name"}, "ray_auth_secret"),
 ])
 def test_bad_deploy_configs_are_refused(tmp_path, serve, kube, message):
     p = tmp_path / "serve.yaml"
