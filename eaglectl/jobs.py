@@ -5,6 +5,8 @@ with one, it is submitted to that cluster through the Ray Jobs API (jobs/ray_job
 entrypoint is `python -m jobs.driver`) and `job ...` follows it. Exit codes: 0 the job completed,
 1 it failed, 2 bad input or settings (nothing generated), 3 completed with error rows, 130 cancelled.
 Failing to reach the cluster (jobs.ray_jobs raises ConnectionError) is one line, never a traceback.
+With `--serve-app NAME` the rows go to that running Serve application (jobs/app_pool.py) instead of
+the job's own replicas; without `--address` the driver joins the Ray cluster running here.
 """
 from __future__ import annotations
 
@@ -64,6 +66,9 @@ def _run_local(cfg, ray_address: str) -> None:
 @click.option("--rows-per-file", type=int, help="Rows per committed output file [default: 10000].")
 @click.option("--commit-interval", "commit_interval_s", type=float, help="Commit at least every N seconds [default: 30].")
 @click.option("--engine", hidden=True)
+@click.option("--serve-app", help="Send the rows to this running Serve application (the name `eaglectl serve` "
+              "deployed, default there: eagle) at offline priority instead of starting replicas; the app's model, "
+              "dtype and draft are used. Without --address: the Ray cluster running here.")
 @click.option("--address", help="Ray cluster: host:GCS-port (head:6379), dashboard http://head:8265, "
               "ray://head:10001 or auto [default: RAY_ADDRESS; none = run here].")
 @click.option("--job-id", help="Submission id on the cluster [default: generated].")

@@ -55,7 +55,10 @@ class JobConfig(BaseModel):
     seed: int | None = None
     stop: list[str] | None = None
 
-    # execution
+    # execution: own replicas, or a running Serve app (jobs/app_pool.py)
+    serve_app: str | None = Field(None, min_length=1, description="send rows to this running Serve application "
+                                  "(`eaglectl serve`'s app name) instead of starting replicas; the app's engine "
+                                  "settings (model, dtype, draft, context) are the job's")
     replicas: int = Field(1, ge=1)
     tp_size: int = Field(1, ge=1)
     cpus_per_replica: float | None = Field(None, gt=0, description="default: the CPUs of the cluster split evenly")
@@ -65,6 +68,9 @@ class JobConfig(BaseModel):
     max_row_retries: int = Field(1, ge=0, description="re-runs of a row whose replica died, then an error row")
     max_replica_restarts: int | None = Field(None, ge=0, description="default: 2 per replica + 2")
     startup_timeout_s: float = Field(900.0, gt=0)
+
+    engine_from_app: bool = Field(False, description="internal: model/dtype/draft/... were filled in from "
+                                  "the serve app's engine config (jobs/app_pool.py), not given")
 
     # committing output
     rows_per_file: int = Field(10_000, ge=1)
@@ -93,6 +99,13 @@ class JobConfig(BaseModel):
             self.row_group_rows = self.rows_per_file
         if self.max_model_len is not None and self.max_tokens >= self.max_model_len:
             raise ValueError(f"max_tokens ({self.max_tokens}) must be < max_model_len ({self.max_model_len})")
+        if self.serve_app is not None and not self.engine_from_app:
+            own = [flag for field, flag in OWN_REPLICA_FLAGS.items()
+                   if getattr(self, field) != type(self).model_fields[field].default]
+            if own:
+                raise ValueError(f"--serve-app {self.serve_app}: {', '.join(own)} only apply to a job's own "
+                                 "replicas; the app's engine settings are used (drop "
+                                 f"{'it' if len(own) == 1 else 'them'}, or drop --serve-app)")
         return self
 
     # ---- derived values --------------------------------------------------------------------
@@ -122,11 +135,24 @@ class JobConfig(BaseModel):
         return choose(self.draft, self.model)
 
     def generation_fingerprint(self) -> dict:
-        """Settings that change what a row's output is; a resume must match them."""
+        """Settings that change what a row's output is; a resume must match them. `serve_app` too: a
+        job through an app resumes through the same app (None, own replicas, matches older manifests)."""
         return {k: getattr(self, k) for k in ("model", "dtype", "engine", "chat_template", "max_model_len",
                                               "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-                                              "keep_columns")} | {
+                                              "keep_columns", "serve_app")} | {
             "draft": self.resolved_draft(), "format": self.output_format()}
+
+    def with_app_engine(self, engine: dict) -> "JobConfig":
+        """This job with the serve app's engine settings (AppClient.engine_config()) as its own, so the
+        manifest records them and a resume compares them: an app now serving another model, dtype or
+        draft is refused like a changed flag."""
+        update = {k: engine.get(k, getattr(self, k)) for k in ("model", "dtype", "engine", "chat_template",
+                                                                 "max_model_len", "device", "tp_size")}
+        draft = engine.get("draft", "none")
+        update["draft"] = "none" if draft in (None, "none") else str(draft)
+        if "enable_prefix_caching" in engine:
+            update["enable_prefix_caching"] = bool(engine["enable_prefix_caching"])
+        return self.model_copy(update={**{k: v for k, v in update.items() if v is not None}, "engine_from_app": True})
 
     def absolute(self) -> "JobConfig":
         """Paths made absolute and the default output filled in (before shipping to a cluster)."""
@@ -151,6 +177,15 @@ class JobConfig(BaseModel):
             raise JobConfigError("invalid job settings:\n  " + "\n  ".join(lines)) from None
 
 
+# JobConfig fields that describe a job's own replicas -> the flag that sets them (refused with --serve-app)
+OWN_REPLICA_FLAGS: dict[str, str] = {
+    "model": "--model", "draft": "--draft", "dtype": "--dtype", "device": "--device", "engine": "--engine",
+    "chat_template": "chat_template", "max_model_len": "--max-model-len", "replicas": "--replicas",
+    "tp_size": "--tp-size", "cpus_per_replica": "--cpus-per-replica", "max_num_seqs": "--max-num-seqs",
+    "min_ready_replicas": "--min-ready-replicas", "max_replica_restarts": "max_replica_restarts",
+    "enable_prefix_caching": "--enable-prefix-caching/--no-enable-prefix-caching",
+}
+
 # The `submit-job` command line (declared with click in eaglectl/jobs.py; tests/jobs/test_input_reader.py
 # keeps the two equal) as data: flag -> whether it takes a value. The KubeRay renderer checks the RayJob
 # entrypoints it writes against it, so deploy/ needs no CLI to know what submit-job accepts.
@@ -161,7 +196,7 @@ SUBMIT_JOB_FLAGS: dict[str, bool] = {
     "--cpus-per-replica": True, "--max-num-seqs": True, "--max-in-flight": True, "--min-ready-replicas": True,
     "--keep-columns": False, "--overwrite": False, "--retry-errors": False,
     "--enable-prefix-caching": False, "--no-enable-prefix-caching": False, "--rows-per-file": True, "--commit-interval": True,
-    "--engine": True, "--address": True, "--job-id": True, "--wait": False, "--no-wait": False,
+    "--engine": True, "--serve-app": True, "--address": True, "--job-id": True, "--wait": False, "--no-wait": False,
 }
 
 

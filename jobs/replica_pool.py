@@ -73,7 +73,7 @@ class JobReplica(EngineReplica):
                "prompt_tokens": len(last.prompt_token_ids), "completion_tokens": len(last.token_ids),
                "accepted_tokens_per_step": float(m.get("mean_accepted_tokens", 1.0)),
                "latency_s": m.get("latency_s"), "forwards": int(m.get("num_target_forwards", 0)),
-               "cached_tokens": m.get("num_cached_tokens")}
+               "cached_tokens": m.get("num_cached_tokens"), "num_preemptions": int(m.get("num_preemptions", 0))}
         if params.get("logprobs") is not None:
             tok = self.engine.tokenizer
             res["logprobs"] = openai_logprobs(list(last.logprobs or []), list(last.token_ids),

@@ -27,7 +27,7 @@ from cluster.signals import on_stop_signals, restore_signals
 from jobs.id_set import IdSet
 from jobs.input_reader import Row, iter_rows, open_input
 from jobs.job_config import JobConfig, JobConfigError, builtin_head_error
-from jobs.output_writer import OutputDir, PartWriter, new_run_id, output_schema
+from jobs.output_writer import OutputDir, OutputError, PartWriter, new_run_id, output_schema
 from jobs.progress import Progress, RowCounts
 
 logger = logging.getLogger(__name__)
@@ -82,20 +82,35 @@ class JobRunner:
         self.duplicates = self.skipped_done = 0
         self.rss_peak = 0.0
         self.rss_by_decile: list[float] = []   # driver RSS when 10%, 20%, ... of this run's rows were done
+        self.preempted_rows = self.preemptions = 0   # row metrics: rows the engine preempted (for online work)
         self._owns_ray = False
+        self.app = None                          # --serve-app: jobs.app_link.AppLink
 
     # ---- the whole job -----------------------------------------------------------------------
     def run(self) -> dict:
         """Run to completion (or cancellation/failure); returns the final manifest."""
         self.plan = open_input(self.cfg.input, self.cfg.keep_columns, exclude=self.cfg.output)  # before any model
-        if self.cfg.draft not in ("auto", "none"):
+        if self.cfg.serve_app is not None:     # the app's engine settings become the job's (fingerprint, manifest)
+            from jobs.app_link import AppLink
+
+            self.app = AppLink.connect(self.cfg, self.ray_address)
+            self._owns_ray = self.app.owns_ray
+            self._install_signals()
+            self.cfg = self.cfg.with_app_engine(self.app.engine)
+        elif self.cfg.draft not in ("auto", "none"):
             why = builtin_head_error(self.cfg.engine, self.cfg.model, self.cfg.draft)
             if why is not None:
                 raise JobConfigError(f"--draft {self.cfg.draft}: {why}")
         self.out = OutputDir(self.cfg.output, self.fmt)
         try:
-            self.done_ids, self.prior = self.out.open(self.cfg.generation_fingerprint(), self.cfg.overwrite,
-                                                      self.plan.identity, self.cfg.retry_errors)
+            try:
+                self.done_ids, self.prior = self.out.open(self.cfg.generation_fingerprint(), self.cfg.overwrite,
+                                                          self.plan.identity, self.cfg.retry_errors)
+            except OutputError as e:
+                if self.app is None or "different settings" not in str(e):
+                    raise
+                raise OutputError(f"{e} (serve app {self.cfg.serve_app!r} serves {self.cfg.model}, dtype "
+                                  f"{self.cfg.dtype}, draft {self.cfg.resolved_draft() or 'none'})") from None
             self.prior_cache = dict((self.out.manifest.get("prefix_cache") or {}))
             if self.out.retried_error_rows:
                 logger.info("--retry-errors: %d error rows taken out of the output; they run again",
@@ -123,6 +138,8 @@ class JobRunner:
                 restore_signals(old)
                 if self.pool is not None:
                     self.pool.shutdown()
+                if self.app is not None:
+                    self.app.clear_backlog()
                 self.writer.commit()   # rows that finished are good whatever happened to the rest
                 manifest = self._write_manifest(status, error)
                 if self.progress:
@@ -172,6 +189,9 @@ class JobRunner:
             if self.writer.due():
                 self.writer.commit()
             self.out.folder.renew()     # object storage: keep the lease (cheap: a write every 30 s)
+            if self.app is not None:    # rows still to send: the app's autoscaling counts them
+                in_flight = self.pool.in_flight if self.pool is not None else 0
+                self.app.report_backlog(len(queue) + (0 if exhausted else self._unread_rows()) + in_flight)
             self._sample_rss(total - min(len(self.done_ids), total))
             starting = self.pool is not None and not self.pool.accepting
             if self.pool is not None and not starting and self.first_ready is None:
@@ -193,7 +213,15 @@ class JobRunner:
             return False
         return True
 
+    def _unread_rows(self) -> int:
+        """Input rows not read yet that may need generating (an estimate: duplicates count too)."""
+        read = len(self.seen) + self.duplicates
+        return max(0, self.plan.total_rows - read - max(0, len(self.done_ids) - self.skipped_done))
+
     def _emit(self, row: Row, res: dict) -> None:
+        p = res.get("num_preemptions") or 0
+        self.preemptions += p
+        self.preempted_rows += p > 0
         rec = {"id": row.id, **_EMPTY, **res, **row.extra, "chat": row.chat, "model": row.model or self.cfg.model}
         if rec.get("error") is not None:
             rec["error_param"] = rec.get("error_param") or row.error_param
@@ -206,6 +234,12 @@ class JobRunner:
 
         from jobs.replica_pool import ReplicaPool
 
+        if self.app is not None:
+            self.pool = self.app.pool(self.cfg, self.run_id)
+            self.pool.start()
+            logger.info("sending rows to serve app %s (%s, draft: %s) at offline priority", self.cfg.serve_app,
+                        self.cfg.model, self.cfg.resolved_draft() or "none")
+            return
         if not ray.is_initialized():
             self._owns_ray = True
             if self.ray_address == "local":
@@ -263,7 +297,9 @@ class JobRunner:
             "completion_tokens": s.completion_tokens, "decode_tokens": s.decode_tokens, "target_forwards": s.forwards,
             "rows_per_s": s.rows_per_s, "output_tokens_per_s": s.tokens_per_s, "tau": s.tau,
             "skipped_already_done": self.skipped_done, "retried_error_rows": self.out.retried_error_rows,
-            "replicas": self.cfg.replicas, "cpus_per_replica": getattr(self.pool, "cpus", None),
+            "replicas": self.cfg.replicas if self.app is None else self.app.replicas(),
+            "cpus_per_replica": getattr(self.pool, "cpus", None),
+            "preempted_rows": self.preempted_rows, "preemptions": self.preemptions,
             "rows_by_node": dict(getattr(self.pool, "rows_by_node", {})),
             # sampled (ru_maxrss is no use: Linux keeps it across exec, so it includes a forking parent)
             "driver_peak_rss_mb": round(self.rss_peak, 1), "driver_rss_mb_by_decile": self.rss_by_decile,
@@ -290,6 +326,8 @@ class JobRunner:
             "fingerprint": self.cfg.generation_fingerprint(), "input_identity": self.plan.identity,
             "config": self.cfg.model_dump(mode="json"), "runs": runs,
         }
+        if self.app is not None:   # what served the rows: the app and its engine settings
+            manifest["serve_app"] = {"name": self.cfg.serve_app, "engine": self.app.engine}
         if noop:
             manifest["last_noop_rerun"] = {"run_id": self.run_id, "at": time.time(),
                                            "skipped_already_done": self.skipped_done}

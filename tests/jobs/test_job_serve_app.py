@@ -1,0 +1,179 @@
+"""Jobs through a running Serve app (`submit-job --serve-app`): real Ray (`ray start`, token auth), a
+real Serve app deployed as `eaglectl serve` deploys it, real Parquet, the openai client over HTTP.
+
+The tiny app's KV cache is tight on purpose (10 blocks of 16 tokens, 4 sequences): a job's rows
+alone (one block each) never run out of it, so they are never preempted; an online request that
+grows to 8 blocks next to them must preempt offline rows (priority 1) to go on. The row metrics
+(`num_preemptions`, summed in the manifest's run entry) show it, with no timing involved.
+"""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pyarrow.parquet as pq
+import pytest
+
+from jobs.job_config import JobConfig, JobConfigError
+from tests.ray_cluster import LocalCluster, free_ports
+
+from .conftest import REPO, cli, read_manifest, read_rows, write_parquet
+
+BLOCK_BYTES = 16 * 2 * 4 * 2 * 16 * 4      # tiny llama: block of 16 tokens x K,V x 4 layers x 2 heads x 16 dims x fp32
+
+
+def _prompt(i: int) -> str:
+    return f"fox {i}"
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A `ray start` cluster (4 logical CPUs) with Serve's HTTP proxy; this process is connected to it.
+    Token auth is off in every process (RAY_AUTH_MODE=disabled, explicitly): Ray reads the mode when it
+    is imported, and pytest's process imported it long before this fixture."""
+    import ray
+    from ray import serve
+
+    c = LocalCluster(node_cpus=(4,))
+    c.env["RAY_AUTH_MODE"] = "disabled"
+    with c:
+        ray.init(address=c.gcs, namespace="eagle-serve", logging_level="WARNING", log_to_driver=False)
+        port = free_ports(1)[0]
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        yield {"gcs": c.gcs, "env": c.env, "port": port}
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _deploy(cfg) -> str:
+    from cluster.serve_app import deploy_app
+
+    deploy_app(cfg, route_prefix=f"/{cfg.app_name}")
+    return cfg.app_name
+
+
+@pytest.fixture(scope="module")
+def tiny_app(cluster, tiny_model):
+    from cluster.config import ServeConfig
+
+    cfg = ServeConfig(model=tiny_model, draft=None, app_name="tiny", num_replicas=1,
+                      resources_per_rank={"cpu": 1}, kv_cache_gb=10.5 * BLOCK_BYTES / 2**30,
+                      limits={"max_model_len": 128, "max_tokens": 100, "max_num_seqs": 4})
+    return {"name": _deploy(cfg), "url": f"http://127.0.0.1:{cluster['port']}/tiny/v1"}
+
+
+def _driver_args(cluster, cfg: JobConfig) -> list[str]:
+    """The job driver as a Ray job runs it (`python -m jobs.driver`), joining the cluster."""
+    return [sys.executable, "-m", "jobs.driver", "--config-json", cfg.model_dump_json(), "--address", cluster["gcs"]]
+
+
+def _drive(cluster, cfg: JobConfig) -> subprocess.CompletedProcess:
+    return subprocess.run(_driver_args(cluster, cfg), cwd=REPO, env=cluster["env"], capture_output=True, text=True,
+                          timeout=600)
+
+
+def _committed(out):
+    return sorted(out.glob("part-*.parquet")) if out.exists() else []
+
+
+def test_serve_app_refuses_own_replica_options():
+    with pytest.raises(JobConfigError) as e:
+        JobConfig.from_options(input="x.parquet", serve_app="eagle", replicas=2, dtype="bfloat16")
+    assert "--replicas" in str(e.value) and "--dtype" in str(e.value) and "--serve-app eagle" in str(e.value)
+    JobConfig.from_options(input="x.parquet", serve_app="eagle", max_tokens=8, max_in_flight=4)   # job settings: fine
+
+
+@pytest.mark.slow   # a CLI subprocess (no Ray)
+def test_submit_job_serve_app_refusal_is_one_line():
+    res = cli("submit-job", "x.parquet", "--serve-app", "eagle", "--tp-size", "2")
+    assert res.returncode == 2 and "--tp-size" in res.stderr and "Traceback" not in res.stderr, res.stderr
+
+
+@pytest.mark.slow
+def test_kill_9_mid_job_through_the_app_then_rerun_has_every_id_once(tmp_path, cluster, tiny_app):
+    n = 600
+    inp = write_parquet(tmp_path / "in.parquet", prompt=[_prompt(i) for i in range(n)])
+    out = tmp_path / "in.out"
+    cfg = JobConfig(input=str(inp), serve_app=tiny_app["name"], max_tokens=8, rows_per_file=40)
+    proc = subprocess.Popen(_driver_args(cluster, cfg), cwd=REPO, env=cluster["env"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    t0 = time.monotonic()
+    while len(_committed(out)) < 3:
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() - t0 < 300, "no progress"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    proc.stdout.close()
+    before = pq.read_table(out, columns=["id"]).column("id").to_pylist()
+    assert 0 < len(before) < n and len(set(before)) == len(before)
+
+    res = _drive(cluster, cfg)
+    assert res.returncode == 0, res.stdout + res.stderr
+    ids = pq.read_table(out, columns=["id"]).column("id").to_pylist()
+    assert len(ids) == n and set(ids) == {f"in.parquet:{i}" for i in range(n)}       # every id exactly once
+    m = read_manifest(out)
+    assert m["complete"] and m["runs"][0]["status"] == "running" and m["runs"][-1]["status"] == "completed"
+    assert m["serve_app"]["name"] == "tiny" and m["config"]["serve_app"] == "tiny"
+    assert m["serve_app"]["engine"]["model"] == m["config"]["model"] == m["fingerprint"]["model"]   # the app's model
+    assert all(r["preempted_rows"] == 0 for r in m["runs"][1:])    # rows alone fit the KV cache: never preempted
+    assert m["prefix_cache"]["prompt_tokens"] > 0                  # from the rows' metrics, as on own replicas
+
+    # a resume through another app (here: one that is not running) is refused, naming the running ones
+    other = cfg.model_copy(update={"serve_app": "nightly"})
+    res = _drive(cluster, other)
+    assert res.returncode == 2 and "no Serve app 'nightly'" in res.stderr and "tiny" in res.stderr, res.stderr
+    # ... and so is one through an app that now serves another model (the manifest says what wrote it)
+    mf = out / "_manifest.json"
+    doc = json.loads(mf.read_text())
+    doc["fingerprint"]["model"] = "another-model"
+    mf.write_text(json.dumps(doc))
+    res = _drive(cluster, cfg)
+    assert res.returncode == 2 and "model='another-model'" in res.stderr and "serve app 'tiny' serves" in res.stderr
+
+
+@pytest.mark.slow
+def test_job_through_the_app_equals_own_replicas_and_online_requests_preempt_it(tmp_path, cluster, tiny_app,
+                                                                                 tiny_model):
+    import openai
+
+    from jobs.runner import JobRunner, run_job
+
+    n = 40
+    inp = write_parquet(tmp_path / "in.parquet", prompt=[_prompt(i) for i in range(n)],
+                        max_tokens=[4 + i % 5 for i in range(n)])
+    via_app = run_job(JobConfig(input=str(inp), output=str(tmp_path / "app.out"), serve_app="tiny", max_tokens=8))
+    own = run_job(JobConfig(input=str(inp), output=str(tmp_path / "own.out"), model=tiny_model, draft="none",
+                            max_model_len=128, max_num_seqs=4, cpus_per_replica=1, max_tokens=8))
+    assert via_app["complete"] and own["complete"] and via_app["error_rows"] == own["error_rows"] == 0
+    a = {r["id"]: (r["text"], r["completion_tokens"], r["finish_reason"]) for r in read_rows(tmp_path / "app.out")}
+    b = {r["id"]: (r["text"], r["completion_tokens"], r["finish_reason"]) for r in read_rows(tmp_path / "own.out")}
+    assert len(a) == n and a == b                                    # greedy: the same rows, token for token
+
+    # a long job runs through the app while online requests come over HTTP
+    big = write_parquet(tmp_path / "big.parquet", prompt=[_prompt(i) for i in range(5000)])
+    runner = JobRunner(JobConfig(input=str(big), serve_app="tiny", max_tokens=8, rows_per_file=100))
+    box: dict = {}
+    thread = threading.Thread(target=lambda: box.setdefault("m", runner.run()), daemon=True)
+    thread.start()
+    t0 = time.monotonic()
+    while runner.stats.rows < 20:
+        assert time.monotonic() - t0 < 300 and thread.is_alive(), "the job does not progress"
+        time.sleep(0.05)
+    client = openai.OpenAI(base_url=tiny_app["url"], api_key="unused", max_retries=0, timeout=300)
+    done = []
+    for i in range(4):      # each grows to 8 KV blocks next to the job's rows: offline rows must make room
+        r = client.completions.create(model=tiny_model, prompt="the quick brown fox jumps over the dog " + str(i),
+                                      max_tokens=80, temperature=0, extra_body={"ignore_eos": True})
+        done.append((r.choices[0].finish_reason, r.usage.completion_tokens))
+    during = runner.stats.rows
+    runner.stopping = "test"                                         # what SIGTERM / `job cancel` does
+    thread.join(120)
+    m = box["m"]
+    assert done == [("length", 80)] * 4                              # every online request finished, whole
+    assert m["status"] == "cancelled" and m["rows"] >= during > 20 and m["error_rows"] == 0
+    assert m["runs"][-1]["preempted_rows"] > 0, m["runs"][-1]        # offline rows gave way to online ones
