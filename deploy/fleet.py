@@ -23,7 +23,7 @@ from typing import Any
 from cluster.config import ConfigError
 from deploy.deploy_config import DeployConfig, PodResources, RayJobConfig, reachable
 from deploy.kuberay import _labels, _meta, _pod, _probe, _resources, _submitter_pod, auth_options
-from jobs.job_config import SUBMIT_JOB_FLAGS, submit_job_args_error
+from jobs.job_config import submit_job_args_error
 
 DASHBOARD_PORT = 8265
 # flags the app decides (model, engine sizes) or this renderer sets (where and how to submit)
@@ -71,11 +71,7 @@ def fleet_entrypoint(cfg: DeployConfig, job: RayJobConfig) -> str:
         if value is not None:
             argv += [flag, str(value)]
     argv += [*job.extra_args, "--serve-app", app, "--address", dashboard_address(cfg), "--wait"]
-    checked = argv[2:]
-    if "--serve-app" not in SUBMIT_JOB_FLAGS:   # until jobs/ knows the flag (F2, issue 24): check the rest
-        i = checked.index("--serve-app")
-        checked = checked[:i] + checked[i + 2:]
-    why = submit_job_args_error(checked)
+    why = submit_job_args_error(argv[2:])
     if why is not None:
         raise ConfigError(f"job: eaglectl submit-job would refuse {shlex.join(argv[2:])!r}: {why}")
     return shlex.join(argv)
