@@ -52,7 +52,7 @@ import asyncio
 import logging
 import random
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from typing import Any, AsyncIterator, Callable, List, Optional
 
 import ray.exceptions
@@ -122,6 +122,7 @@ class Admission:
 
 
 WAIT_S = 0.1   # how often a request with no replica it may use looks again
+PROMISE_TTL_S = 10.0   # an offline request ranked but never routed stops counting against a replica
 
 
 class LoadAwareRouter(FIFOMixin, RequestRouter):
@@ -136,6 +137,8 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         self.offline_kv_threshold = offline_kv_threshold
         self.kv_weight = kv_weight
         self._inflight: dict[ReplicaID, int] = defaultdict(int)
+        self._promised: dict[str, tuple[Any, float]] = {}   # offline request id -> (replica given, when)
+        self._completed: dict[ReplicaID, deque] = defaultdict(lambda: deque(maxlen=256))  # wall times
         self.prefix_aware = prefix_aware
         self.prefix_block_size, self.prefix_max_blocks = max(1, prefix_block_size), max(1, prefix_max_blocks)
         self.prefix_match_threshold, self.prefix_load_slack = prefix_match_threshold, prefix_load_slack
@@ -145,9 +148,14 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         state.routers.add(self)  # live_replica_stats reads the replica set
 
     def ongoing(self, replica: RunningReplica) -> int:
-        """Requests on the replica: what this caller sent there, or what its stats/queue say, the most."""
+        """Requests on the replica: what this caller sent there, or what its stats (less what finished
+        here since they were taken: they are up to a second old) or Serve's queue-length cache say,
+        the most."""
         stats = replica.routing_stats or {}
         queued = int(stats.get("num_running", 0)) + int(stats.get("num_waiting", 0))
+        done = self._completed.get(replica.replica_id)
+        if done and queued and stats.get("updated_at"):
+            queued -= sum(1 for t in done if t > float(stats["updated_at"]))
         return max(self._inflight.get(replica.replica_id, 0), queued,
                    self.replica_queue_len_cache.get(replica.replica_id) or 0)
 
@@ -157,11 +165,19 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         capacity = max(1, replica.max_ongoing_requests)
         return self.ongoing(replica) / capacity + self.kv_weight * float(stats.get("kv_usage", 0.0))
 
-    def offline_room(self, replica: RunningReplica) -> bool:
+    def offline_room(self, replica: RunningReplica, rid: str | None = None) -> bool:
         """Offline work may fill the engine's batch (`max_num_seqs`), never the queue slots beyond it:
-        those stay free for online requests, which then wait for one engine slot at most."""
+        those stay free for online requests, which then wait for one engine slot at most. Offline
+        requests given a replica but not yet routed there count too (`_promised`): Serve hands out
+        a burst of slots before any is recorded as routed."""
         slots = int((replica.routing_stats or {}).get("max_num_seqs") or replica.max_ongoing_requests)
-        return self.ongoing(replica) < max(1, slots)
+        now = time.monotonic()
+        for other, (_, t) in list(self._promised.items()):
+            if t < now - PROMISE_TTL_S:     # cancelled before it was routed
+                self._promised.pop(other, None)
+        promised = sum(1 for other, (r, _) in list(self._promised.items())
+                       if other != rid and r == replica.replica_id)
+        return self.ongoing(replica) + promised < max(1, slots)
 
     def has_headroom(self, replica: RunningReplica) -> bool:
         stats = replica.routing_stats or {}
@@ -189,13 +205,20 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         home = state.group_replica(state.request_id(pending_request), ranked[0].replica_id if ranked else None)
         ranked.sort(key=lambda r: state.replica_key(r.replica_id) != home)   # stable: the rest keep their order
         if request_priority(pending_request) > 0:
-            roomy = [r for r in ranked if self.offline_room(r)]
+            rid = state.request_id(pending_request)
+            roomy = [r for r in ranked if self.offline_room(r, rid)]
             if ranked and not roomy:   # every engine batch is full: the row waits here, online goes first
-                state.note_deferred(state.request_id(pending_request))
+                state.note_deferred(rid)
+                if self._online_waiting():   # this routing task finds a slot, which goes to online work
+                    return [[r] for r in ranked]
                 await asyncio.sleep(WAIT_S)
                 return []
             ranked = [r for r in roomy if self.has_headroom(r)] + [r for r in roomy if not self.has_headroom(r)]
         return [[r] for r in ranked]
+
+    def _online_waiting(self) -> bool:
+        return any(request_priority(pr) == 0 and not pr.future.done()
+                   for pr in list(getattr(self, "_pending_requests_to_fulfill", ())))
 
     def _prefer_prefix(self, ranked: list, pending_request: Optional[PendingRequest]) -> list:
         """`ranked` with the replica holding the request's prompt prefix first, when its load allows
@@ -241,10 +264,10 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         pick = None
         replica_id = getattr(replica, "replica_id", replica)
         hosts_suspect = state.replica_key(replica_id) in state.suspect_hosts()
-        offline_ok = not hasattr(replica, "routing_stats") or self.offline_room(replica)
         for pr in queue:
             if pr.future.done() or (hosts_suspect and state.is_suspect(pr)):
                 continue
+            offline_ok = not hasattr(replica, "routing_stats") or self.offline_room(replica, state.request_id(pr))
             if request_priority(pr) > 0 and not offline_ok:   # that replica's batch is full: online only
                 state.note_deferred(state.request_id(pr))
                 continue
@@ -260,6 +283,8 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
                 queue.clear()  # only finished/cancelled entries were left
             return
         queue.remove(pick)
+        if request_priority(pick) > 0 and state.request_id(pick) is not None:   # counts until on_request_routed
+            self._promised[state.request_id(pick)] = (replica_id, time.monotonic())
         if state.is_suspect(pick):  # claim the replica now; on_request_routed confirms it
             state.routed[state.request_id(pick)] = replica_id
         self._cancel_routing_task_for_pending_request(pick)
@@ -270,6 +295,7 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         self._inflight[replica_id] += 1
         rid = state.request_id(pending_request)
+        self._promised.pop(rid, None)
         if self.prefix_aware and rid is not None:    # that replica computes (and caches) this prompt now
             key = state.replica_key(replica_id)
             hashes = self._hashes.pop(rid, None)
@@ -280,6 +306,7 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
             state.routed[rid] = replica_id
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self._completed[replica_id].append(time.time())
         n = self._inflight.get(replica_id, 0) - 1
         if n > 0:
             self._inflight[replica_id] = n
@@ -289,6 +316,7 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
     def on_replica_actor_died(self, replica_id: ReplicaID):
         super().on_replica_actor_died(replica_id)
         self._inflight.pop(replica_id, None)
+        self._completed.pop(replica_id, None)
         self._prefix.forget(state.replica_key(replica_id))
 
 

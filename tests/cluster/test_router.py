@@ -417,3 +417,26 @@ def test_a_slot_freed_on_a_full_batch_goes_to_online_work_only():
         assert router_state.router_counters() == {"offline_deferred": 2, "online_ahead_of_offline": 1}
     finally:
         loop.close()
+
+
+def test_a_burst_of_offline_rows_cannot_overfill_a_batch_before_any_is_routed():
+    """Serve hands out slots to a burst before `on_request_routed` records any: rows given a replica
+    count against its batch until then."""
+    from collections import deque
+
+    r = _router()
+    loop = asyncio.new_event_loop()
+    try:
+        reqs = [SimpleNamespace(tag=f"row-{i}", kwargs={"priority": 1}, args=[f"row-{i}"], future=loop.create_future())
+                for i in range(3)]
+        r._pending_requests_to_fulfill = deque(reqs)
+        r._cancel_routing_task_for_pending_request = r._record_queue_wait_time = lambda pr: None
+        r._remove_pending_request_from_indices = lambda pr: None
+        replica = _batch_replica("one-slot-left", running=3)       # max_num_seqs 4
+        for _ in range(3):
+            r._fulfill_next_pending_request(replica)
+        assert [pr.future.done() for pr in reqs] == [True, False, False]
+        r.on_request_routed(SimpleNamespace(args=["row-0"], kwargs={"priority": 1}), "one-slot-left", None)
+        assert r._promised == {}
+    finally:
+        loop.close()
