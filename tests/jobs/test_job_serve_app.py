@@ -1,10 +1,12 @@
 """Jobs through a running Serve app (`submit-job --serve-app`): real Ray (`ray start`, token auth), a
 real Serve app deployed as `eaglectl serve` deploys it, real Parquet, the openai client over HTTP.
 
-The tiny app's KV cache is tight on purpose (10 blocks of 16 tokens, 4 sequences): a job's rows
+The tiny app's KV cache is tight on purpose (9 blocks of 16 tokens, 4 sequences): a job's rows
 alone (one block each) never run out of it, so they are never preempted; an online request that
 grows to 8 blocks next to them must preempt offline rows (priority 1) to go on. The row metrics
-(`num_preemptions`, summed in the manifest's run entry) show it, with no timing involved.
+(`num_preemptions`, summed in the manifest's run entry) show it, and the app's /metrics count the
+offline rows that waited in the engine while an online request got its first token (deferred):
+no timing involved.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 
 import pyarrow.parquet as pq
 import pytest
@@ -61,7 +64,7 @@ def tiny_app(cluster, tiny_model):
     from cluster.config import ServeConfig
 
     cfg = ServeConfig(model=tiny_model, draft=None, app_name="tiny", num_replicas=1,
-                      resources_per_rank={"cpu": 1}, kv_cache_gb=10.5 * BLOCK_BYTES / 2**30,
+                      resources_per_rank={"cpu": 1}, kv_cache_gb=9.5 * BLOCK_BYTES / 2**30,
                       limits={"max_model_len": 128, "max_tokens": 100, "max_num_seqs": 4})
     return {"name": _deploy(cfg), "url": f"http://127.0.0.1:{cluster['port']}/tiny/v1"}
 
@@ -166,14 +169,24 @@ def test_job_through_the_app_equals_own_replicas_and_online_requests_preempt_it(
         time.sleep(0.05)
     client = openai.OpenAI(base_url=tiny_app["url"], api_key="unused", max_retries=0, timeout=300)
     done = []
-    for i in range(4):      # each grows to 8 KV blocks next to the job's rows: offline rows must make room
+    for i in range(4):      # each grows to 8 KV blocks (24 + 100 tokens) next to the job's rows: they make room
         r = client.completions.create(model=tiny_model, prompt="the quick brown fox jumps over the dog " + str(i),
-                                      max_tokens=80, temperature=0, extra_body={"ignore_eos": True})
+                                      max_tokens=100, temperature=0, extra_body={"ignore_eos": True})
         done.append((r.choices[0].finish_reason, r.usage.completion_tokens))
     during = runner.stats.rows
     runner.stopping = "test"                                         # what SIGTERM / `job cancel` does
     thread.join(120)
     m = box["m"]
-    assert done == [("length", 80)] * 4                              # every online request finished, whole
+    assert done == [("length", 100)] * 4                             # every online request finished, whole
     assert m["status"] == "cancelled" and m["rows"] >= during > 20 and m["error_rows"] == 0
-    assert m["runs"][-1]["preempted_rows"] > 0, m["runs"][-1]        # offline rows gave way to online ones
+    # offline rows gave way: preempted for online requests (row metrics, summed in the manifest; the
+    # same job alone never is, see the kill -9 test), or deferred in the engine while an online request
+    # got its first token (the app's /metrics)
+    metrics = urllib.request.urlopen(tiny_app["url"].removesuffix("/v1") + "/metrics", timeout=60).read().decode()
+    preempted, deferred = m["runs"][-1]["preempted_rows"], _metric(metrics, "eagle_replica_offline_deferred_total")
+    assert preempted + deferred > 0, (m["runs"][-1], metrics)
+
+
+def _metric(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name) and line[len(name)] in " {")
