@@ -190,3 +190,38 @@ def test_job_through_the_app_equals_own_replicas_and_online_requests_preempt_it(
 def _metric(text: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith(name) and line[len(name)] in " {")
+
+
+@pytest.mark.slow
+def test_default_model_job_through_the_app_equals_own_replicas(tmp_path, cluster, default_model_dir):
+    """gemma-3-270m (its built-in EAGLE head, as `eaglectl serve` runs it by default), greedy: prompt and
+    chat rows through the app come out as on the job's own replica, while an online chat request completes."""
+    import openai
+
+    from cluster.config import ServeConfig
+    from jobs.runner import JobRunner, run_job
+
+    app = _deploy(ServeConfig(app_name="gemma", num_replicas=1, resources_per_rank={"cpu": 1},
+                              limits={"max_num_seqs": 4}))
+    prompts = ["The capital of France is", "def fibonacci(n):", None, "Speculative decoding is", None]
+    messages = [None, None, [{"role": "user", "content": "Name three colors."}], None,
+                [{"role": "user", "content": "What is 2+2?"}]]
+    inp = write_parquet(tmp_path / "in.parquet", id=list(range(len(prompts))), prompt=prompts, messages=messages)
+    runner = JobRunner(JobConfig(input=str(inp), output=str(tmp_path / "app.out"), serve_app=app, max_tokens=12))
+    box: dict = {}
+    thread = threading.Thread(target=lambda: box.setdefault("m", runner.run()), daemon=True)
+    thread.start()
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{cluster['port']}/gemma/v1", api_key="unused", max_retries=0,
+                           timeout=300)
+    online = client.chat.completions.create(model="gemma-3-270m", messages=[{"role": "user", "content": "Hi!"}],
+                                            max_tokens=8, temperature=0)
+    thread.join(600)
+    via_app = box["m"]
+    own = run_job(JobConfig(input=str(inp), output=str(tmp_path / "own.out"), max_num_seqs=4, cpus_per_replica=1,
+                            max_tokens=12))
+    assert online.choices[0].finish_reason in ("stop", "length") and online.usage.completion_tokens > 0
+    assert via_app["complete"] and own["complete"] and via_app["error_rows"] == own["error_rows"] == 0
+    assert via_app["serve_app"]["engine"]["model"] == "gemma-3-270m" and via_app["fingerprint"]["draft"] == "default"
+    a = {r["id"]: (r["text"], r["finish_reason"]) for r in read_rows(tmp_path / "app.out")}
+    b = {r["id"]: (r["text"], r["finish_reason"]) for r in read_rows(tmp_path / "own.out")}
+    assert len(a) == len(prompts) and a == b and all(t for t, _ in a.values())
