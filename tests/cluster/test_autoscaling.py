@@ -44,7 +44,8 @@ class Load:
         while not self.stop_event.is_set():
             n += 1
             try:
-                r = self.client.completions.create(model=MODEL, prompt=f"{self.prompt} {worker}.{n}",
+                # distinct leading text: prefix-aware routing would keep one shared prefix on its replica
+                r = self.client.completions.create(model=MODEL, prompt=f"{worker}.{n} {self.prompt}",
                                                    max_tokens=self.max_tokens)
                 assert r.usage.completion_tokens == self.max_tokens, r
                 with self._lock:
