@@ -20,7 +20,8 @@ sets the whole window instead.
 Failures: a row the router gave up on because its replica died twice (PoisonRequestError) is an
 error row, as on own replicas; a row lost otherwise (replica lost, system overloaded) goes back to
 the driver's queue and is sent again (at most `max_row_retries` times, then an error row). If the
-app itself is gone, the job fails (committed output kept; rerun to resume once the app is back).
+app itself is gone (checked with the window, every few seconds: a deleted app's calls just hang),
+the job fails (committed output kept; rerun to resume once the app is back).
 """
 from __future__ import annotations
 
@@ -68,7 +69,7 @@ class AppPool:
         self._tokenizer = None
         self._window = 0
         self._window_at = 0.0
-        self._lost_streak = 0
+        self._lost_streak = self._missing = 0
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -101,6 +102,8 @@ class AppPool:
         if not force and time.monotonic() - self._window_at < WINDOW_REFRESH_S:
             return
         self._window_at = time.monotonic()
+        if not force:
+            self._check_app()       # a deleted app leaves its calls hanging: notice it here
         if self.cfg.max_in_flight is not None:
             self._window = self.cfg.max_in_flight
             return
@@ -214,8 +217,12 @@ class AppPool:
                 retry.append(call.row)
                 self._lost_streak += 1
                 logger.warning("row %r lost (%s); it is sent again", call.row.id, res)
-            elif isinstance(res, BaseException):  # a bug on one row: report it on that row, keep going
-                done.append((call.row, {"error": f"internal error: {type(res).__name__}: {_first_line(res)}"}))
+            elif isinstance(res, BaseException):  # the app gone (JobFailed), else a bug on this row: an error row
+                self._check_app()
+                if self._missing:       # the app may be gone: the row is sent again (or the job fails)
+                    retry.append(call.row)
+                else:
+                    done.append((call.row, {"error": f"internal error: {type(res).__name__}: {_first_line(res)}"}))
             else:
                 self._lost_streak = 0
                 done.append((call.row, res))
@@ -225,13 +232,23 @@ class AppPool:
         return done, retry
 
     def _check_app(self) -> None:
-        """Rows keep getting lost: is the app still there? If not, the job cannot go on."""
-        from cluster.app_client import AppClient, AppNotFoundError
+        """Rows fail or keep getting lost: is the app still there? If not, the job cannot go on (rather
+        than turning every row left into an error row)."""
+        from cluster.app_client import running_apps
 
         try:
-            AppClient(self.cfg.serve_app)
-        except AppNotFoundError as e:
-            raise JobFailed(f"{e}; committed output is kept, run the same command again once it is back") from None
+            apps = running_apps()
+        except Exception as e:      # Serve's controller busy for a moment: ask again next time
+            logger.debug("serve status unavailable: %s", e)
+            return
+        if self.cfg.serve_app in apps:
+            self._missing = 0
+        else:
+            self._missing += 1      # twice in a row: one empty answer may be a controller hiccup
+        if self._missing >= 2:
+            raise JobFailed(f"serve app {self.cfg.serve_app!r} is gone (running apps: "
+                            f"{', '.join(sorted(apps)) or 'none'}); committed output is kept, run the "
+                            "same command again once it is back")
         self._lost_streak = 0
 
 

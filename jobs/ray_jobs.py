@@ -139,7 +139,8 @@ def submit(address: str, cfg: JobConfig, job_id: str | None = None) -> str:
     env = {k: os.environ[k] for k in ("RAY_AUTH_MODE", JOB_PYTHON_ENV) if k in os.environ}
     return _call(address, c.submit_job,
         entrypoint=entrypoint(cfg), submission_id=job_id, entrypoint_num_cpus=0,
-        metadata={"eagle_job": "1", "input": cfg.input, "output": cfg.output or "", "model": cfg.model},
+        metadata={"eagle_job": "1", "input": cfg.input, "output": cfg.output or "",
+                  **({"serve_app": cfg.serve_app} if cfg.serve_app else {"model": cfg.model})},
         runtime_env={"env_vars": env} if env else None,
     )
 

@@ -225,3 +225,44 @@ def test_default_model_job_through_the_app_equals_own_replicas(tmp_path, cluster
     a = {r["id"]: (r["text"], r["finish_reason"]) for r in read_rows(tmp_path / "app.out")}
     b = {r["id"]: (r["text"], r["finish_reason"]) for r in read_rows(tmp_path / "own.out")}
     assert len(a) == len(prompts) and a == b and all(t for t, _ in a.values())
+
+
+@pytest.mark.slow
+def test_an_app_deleted_mid_job_fails_it_and_a_rerun_resumes_once_it_is_back(tmp_path, cluster, tiny_model):
+    from ray import serve
+
+    from cluster.config import ServeConfig
+    from jobs.replica_pool import JobFailed
+    from jobs.runner import JobRunner, run_job
+
+    app_cfg = ServeConfig(model=tiny_model, draft=None, app_name="doomed", num_replicas=1,
+                          resources_per_rank={"cpu": 0.5}, limits={"max_model_len": 128, "max_num_seqs": 8})
+    _deploy(app_cfg)
+    n = 3000
+    inp = write_parquet(tmp_path / "in.parquet", prompt=[_prompt(i) for i in range(n)])
+    cfg = JobConfig(input=str(inp), serve_app="doomed", max_tokens=8, rows_per_file=50, commit_interval_s=1)
+    runner = JobRunner(cfg)
+    box: dict = {}
+
+    def run():
+        try:
+            box["m"] = runner.run()
+        except BaseException as e:
+            box["e"] = e
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    t0 = time.monotonic()
+    while runner.stats.rows < 60:
+        assert time.monotonic() - t0 < 300 and thread.is_alive(), box
+        time.sleep(0.05)
+    serve.delete("doomed")
+    thread.join(300)
+    assert isinstance(box.get("e"), JobFailed) and "'doomed' is gone" in str(box["e"]), box
+    m = read_manifest(tmp_path / "in.out")
+    assert m["status"] == "failed" and 60 <= m["rows"] < n and m["error_rows"] == 0, m   # no row became an error
+
+    _deploy(app_cfg)                                                 # the app is back: the same job resumes
+    m = run_job(cfg)
+    ids = [r["id"] for r in read_rows(tmp_path / "in.out")]
+    assert m["complete"] and m["error_rows"] == 0 and len(ids) == n and len(set(ids)) == n
+    serve.delete("doomed")
