@@ -6,6 +6,7 @@ default model: test_prefix_caching_270m.py. The block-level rules: test_prefix_c
 from __future__ import annotations
 
 import pytest
+import torch
 
 from eagle_worker import LLM, SamplingParams, SpecConfig
 from tests.conftest import assert_no_leaks
@@ -199,3 +200,23 @@ def test_the_head_accepts_as_much_on_a_hit(copying_target):
     tau = [sum(o.metrics["mean_accepted_tokens"] for o in outs) / len(outs) for outs in (miss, hit)]
     assert tau[0] > 1.5                                              # the head does accept here
     assert abs(tau[1] - tau[0]) < 0.1, tau
+
+
+def test_requests_sharing_blocks_never_write_into_them(copying_target):
+    """Trees, drafts and catch-up write only past a request's committed tokens, so the target's and
+    the head's KV in shared blocks stay bit for bit what their first request computed."""
+    target, head = copying_target
+    llm = LLM(model=str(target), spec=methods(str(head))["hybrid"], **KV)
+    llm.generate(SHARED[:1], greedy(4))
+    bm, runner = llm.engine.block_manager, llm.engine.runner
+    cached = sorted(bm.prefix_cache.blocks)
+    slots = torch.tensor([b * 4 + i for b in cached for i in range(4)])
+    caches = [runner.kv_cache] + [t for layer in llm.engine.worker.head.attention_layers()
+                                   for t in (layer.k_cache, layer.v_cache)]
+    before = [c[..., slots, :, :].clone() if c.dim() == 5 else c[slots].clone() for c in caches]
+    outs = llm.generate(SHARED[1:] + [SHARED[0]] * 2, greedy(24))
+    assert all(o.metrics["num_cached_tokens"] > 0 for o in outs)
+    assert llm.engine.stats()["spec_steps"] > 0
+    after = [c[..., slots, :, :] if c.dim() == 5 else c[slots] for c in caches]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    assert_no_leaks(llm.engine)
