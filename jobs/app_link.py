@@ -7,7 +7,7 @@ refused like a changed flag. Without `--address` the driver joins the Ray cluste
 (`ray.init(address="auto")`); as a Ray job (`--address`) it is already on the app's cluster.
 
 Backlog: the rows the job still has to send are reported to the app (`AppClient.report_backlog`,
-at most every BACKLOG_EVERY_S and on change) so that Serve autoscaling can grow the fleet for the
+on change at most every BACKLOG_EVERY_S, unchanged every BACKLOG_REFRESH_S) so that Serve autoscaling can grow the fleet for the
 job, and cleared when the driver ends. The key is the output location (one job per output, the
 lock's rule), so a rerun after a crash overwrites the entry its dead predecessor left.
 """
@@ -23,6 +23,7 @@ from jobs.job_config import JobConfig, JobConfigError
 logger = logging.getLogger(__name__)
 SERVE_NAMESPACE = "eagle-serve"
 BACKLOG_EVERY_S = 2.0
+BACKLOG_REFRESH_S = 15.0   # the app forgets a report after its TTL (cluster/backlog.py: 60 s)
 
 
 @dataclass
@@ -79,8 +80,11 @@ class AppLink:
 
     def report_backlog(self, rows: int) -> None:
         now = time.monotonic()
-        if self._reported is not None and (self._reported[0] == rows or now - self._reported[1] < BACKLOG_EVERY_S):
-            return
+        if self._reported is not None:
+            last_rows, last_at = self._reported
+            # on change, at most every BACKLOG_EVERY_S; unchanged, often enough that the report never expires
+            if now - last_at < (BACKLOG_EVERY_S if rows != last_rows else BACKLOG_REFRESH_S):
+                return
         try:
             self.client.report_backlog(self.job_key, rows)
         except Exception as e:      # autoscaling help, not the job's correctness: keep going

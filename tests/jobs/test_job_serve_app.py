@@ -143,7 +143,9 @@ def test_kill_9_mid_job_through_the_app_then_rerun_has_every_id_once(tmp_path, c
 def test_job_through_the_app_equals_own_replicas_and_online_requests_preempt_it(tmp_path, cluster, tiny_app,
                                                                                  tiny_model):
     import openai
+    import ray
 
+    from cluster import backlog
     from jobs.runner import JobRunner, run_job
 
     n = 40
@@ -174,9 +176,12 @@ def test_job_through_the_app_equals_own_replicas_and_online_requests_preempt_it(
                                       max_tokens=100, temperature=0, extra_body={"ignore_eos": True})
         done.append((r.choices[0].finish_reason, r.usage.completion_tokens))
     during = runner.stats.rows
+    board = backlog.board("tiny", create=False)                      # the job's rows to send, for autoscaling
+    assert 0 < ray.get(board.snapshot.remote())[runner.app.job_key] <= 5000
     runner.stopping = "test"                                         # what SIGTERM / `job cancel` does
     thread.join(120)
     m = box["m"]
+    assert runner.app.job_key not in ray.get(board.snapshot.remote())   # cleared when the driver ends
     assert done == [("length", 100)] * 4                             # every online request finished, whole
     assert m["status"] == "cancelled" and m["rows"] >= during > 20 and m["error_rows"] == 0
     # offline rows gave way: preempted for online requests (row metrics, summed in the manifest; the
