@@ -14,8 +14,14 @@ at most `concurrency` in flight (closed loop, like `vllm bench serve --max-concu
 
 Mean, median and p99 in milliseconds. Without `url`, the app is started here (Ray + Serve on this
 machine, `cluster.serve_app.run_serve(..., blocking=False)`), once without and once with the head;
-with `url`, the endpoint is measured as it is (one setup). Usage: `eaglectl bench serve` or
-`python -m bench.serve --num-prompts 4 --max-tokens 16`.
+with `url`, the endpoint is measured as it is (one setup).
+
+Against the engine (without `url`): before any Ray starts, the same prompts go through the engine
+itself (`LLM.generate`, no head, the replica's engine settings) in this process, `concurrency` at a
+time, with the torch thread count the replica gets (`--threads`, default every core: the replica is
+given `resources_per_rank.threads` = that, so both compute on the same cores), and each HTTP level
+of the plain setup reports `vs_engine` = its output tok/s / the engine's. Usage: `eaglectl bench
+serve` or `python -m bench.serve --num-prompts 4 --max-tokens 16`.
 """
 from __future__ import annotations
 
@@ -154,23 +160,56 @@ def _free_port() -> int:
 _RAY = StartedRay()  # the Ray this benchmark started, if any: it goes when the run ends
 
 
-def _start_local(model: str, draft: str | None, name: str, port: int, max_num_seqs: int, max_tokens: int,
-                 dtype: str) -> str:
-    """Deploy the app on this machine's Ray (started here if needed); its base URL."""
+def local_config(model: str, draft: str | None, name: str, port: int, max_num_seqs: int, max_tokens: int,
+                 dtype: str, threads: int):
+    """The app this benchmark starts: one replica computing on `threads` torch threads."""
     from cluster.config import ServeConfig
+
+    return ServeConfig(model=model, draft=draft, dtype=dtype, app_name=name, port=port, num_replicas=1,
+                       resources_per_rank={"cpu": 1, "threads": threads},
+                       limits={"max_num_seqs": max_num_seqs, "max_queued_requests": max_num_seqs,
+                               "max_tokens": max(max_tokens, 16)})
+
+
+def _start_local(model: str, draft: str | None, name: str, port: int, max_num_seqs: int, max_tokens: int,
+                 dtype: str, threads: int) -> str:
+    """Deploy the app on this machine's Ray (started here if needed); its base URL."""
     from cluster.serve_app import run_serve
 
-    cpus = os.cpu_count() or 1
-    address = os.environ.get("RAY_ADDRESS")
-    # one logical CPU more than there are cores: the replica computes on every core and the
-    # HTTP ingress still fits next to it
-    _RAY.start(address=address, num_cpus=None if address else cpus + 1, include_dashboard=False,
+    _RAY.start(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False,
                namespace="eagle-bench", log_to_driver=False, logging_level="WARNING")
-    cfg = ServeConfig(model=model, draft=draft, dtype=dtype, app_name=name, port=port, num_replicas=1,
-                      resources_per_rank={"cpu": cpus},
-                      limits={"max_num_seqs": max_num_seqs, "max_queued_requests": max_num_seqs,
-                              "max_tokens": max(max_tokens, 16)})
-    return run_serve(cfg, blocking=False)
+    return run_serve(local_config(model, draft, name, port, max_num_seqs, max_tokens, dtype, threads), blocking=False)
+
+
+def engine_levels(cfg, prompts_for, concurrencies: tuple[int, ...], max_tokens: int, threads: int) -> list[dict]:
+    """The same prompts through the engine in this process (`LLM.generate`, `concurrency` at a time,
+    greedy, ignore_eos), with `cfg`'s engine settings and `threads` torch threads."""
+    import torch
+
+    from eagle_worker import LLM, SamplingParams
+
+    torch.set_num_threads(threads)
+    llm = LLM(**cfg.engine_kwargs())
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts_for(1)[:1], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))   # warm-up
+    rows = []
+    for c in concurrencies:
+        prompts = prompts_for(c)
+        t0 = time.perf_counter()
+        outs = [o for i in range(0, len(prompts), c) for o in llm.generate(prompts[i:i + c], sp)]
+        duration = time.perf_counter() - t0
+        n = sum(len(o.token_ids) for o in outs)
+        row = {"setup": "engine", "draft": None, "concurrency": c, "num_prompts": len(prompts), "completed": len(outs),
+               "failed": 0, "duration_s": duration, "request_throughput": len(outs) / duration,
+               "output_throughput": n / duration, "total_output_tokens": n, "tau": None, "errors": [],
+               "threads": torch.get_num_threads()}
+        for key, metric in (("ttft_ms", "ttft_s"), ("tpot_ms", "tpot_s"), ("e2el_ms", "latency_s")):
+            row[key] = _summary([1e3 * o.metrics[metric] for o in outs if (o.metrics or {}).get(metric) is not None])
+        row["itl_ms"] = _summary([])
+        rows.append(row)
+        print(f"bench serve: engine c={c}: {n / duration:.2f} out tok/s ({threads} threads)", flush=True)
+    llm.engine.shutdown()
+    return rows
 
 
 def _stop_local(name: str) -> None:
@@ -202,16 +241,21 @@ def markdown(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def run(url: str | None = None, model: str = "gemma-3-270m", concurrencies: tuple[int, ...] = (1, 4, 16),
-        num_prompts: int = 8, max_tokens: int = 32, draft: str | None = "default",
+def run(url: str | None = None, model: str = "gemma-3-270m", concurrencies: tuple[int, ...] = (1, 8),
+        num_prompts: int = 8, max_tokens: int = 48, draft: str | None = "default",
         json_out: str | None = "bench/results/serve.json", dtype: str = "float32",
-        request_timeout_s: float = 900, prompts: list[str] | None = None) -> dict:
-    """Benchmark the endpoint at `url`, or (url=None) an app started here without and with the head.
+        request_timeout_s: float = 900, prompts: list[str] | None = None, threads: int | None = None,
+        engine_baseline: bool = True) -> dict:
+    """Benchmark the endpoint at `url`, or (url=None) an app started here without and with the head,
+    after the engine itself with the same threads (`engine_baseline`).
 
     Each concurrency level sends max(num_prompts, concurrency) prompts (Spec-Bench questions, or
     `prompts` cycled). Returns the report (also printed as a markdown table and written to
     `json_out` unless that is None)."""
+    from cluster.cpu_threads import usable_cores
+
     concurrencies = tuple(int(c) for c in concurrencies)
+    threads = int(threads or usable_cores())
     pool = list(prompts) if prompts else [render(r) for r in load_questions()]
 
     def prompts_for(c):
@@ -231,6 +275,12 @@ def run(url: str | None = None, model: str = "gemma-3-270m", concurrencies: tupl
             print(f"bench serve: {note}", flush=True)
         setups = [("plain", None)] + ([("eagle", head)] if head else [])
     port = _free_port()
+    engine_rows: dict[int, dict] = {}
+    if url is None and engine_baseline:   # before Ray starts: nothing else computes meanwhile
+        base_cfg = local_config(model, None, "bench-engine", port, max(concurrencies), max_tokens, dtype, threads)
+        for row in engine_levels(base_cfg, prompts_for, concurrencies, max_tokens, threads):
+            engine_rows[row["concurrency"]] = row
+            results.append(row)
     try:
         for name, setup_draft in setups:
             app = f"bench-{name}"
@@ -239,7 +289,7 @@ def run(url: str | None = None, model: str = "gemma-3-270m", concurrencies: tupl
                 if base is None:
                     t0 = time.perf_counter()
                     base = _start_local(model, setup_draft, app, port, max_num_seqs=max(concurrencies),
-                                        max_tokens=max_tokens, dtype=dtype)
+                                        max_tokens=max_tokens, dtype=dtype, threads=threads)
                     print(f"bench serve: {name} up in {time.perf_counter() - t0:.0f}s at {base}", flush=True)
                 served = _served_model(base)
                 warm = _stream_one(requests.Session(), base, served, pool[0], 4, request_timeout_s)  # load/compile paths
@@ -250,6 +300,9 @@ def run(url: str | None = None, model: str = "gemma-3-270m", concurrencies: tupl
                     row.update(setup=name, draft=setup_draft)
                     if name == "plain":
                         row["tau"] = None  # no speculation: tokens per forward says nothing there
+                        eng = engine_rows.get(c)
+                        if eng and eng["output_throughput"]:
+                            row["vs_engine"] = row["output_throughput"] / eng["output_throughput"]
                     results.append(row)
                     print(f"bench serve: {name} c={c}: {row['completed']}/{row['num_prompts']} done, "
                           f"{row['output_throughput']:.2f} out tok/s, TTFT median {_fmt(row['ttft_ms']['median'], 0)} ms",
@@ -260,11 +313,15 @@ def run(url: str | None = None, model: str = "gemma-3-270m", concurrencies: tupl
     finally:
         _RAY.shutdown()
     report = {"meta": {"model": model, "url": url, "draft": head, "concurrencies": list(concurrencies),
-                       "num_prompts": num_prompts, "max_tokens": max_tokens, "dtype": dtype,
+                       "num_prompts": num_prompts, "max_tokens": max_tokens, "dtype": dtype, "threads": threads,
                        "cpus": os.cpu_count(), "machine": platform.machine(), "notes": notes,
-                       "method": "streamed /v1/completions, greedy, ignore_eos, closed loop at each concurrency"},
+                       "method": "streamed /v1/completions, greedy, ignore_eos, closed loop at each concurrency; "
+                                 "engine: LLM.generate of the same prompts, concurrency at a time, same threads"},
               "results": results}
     table = markdown(results)
+    ratios = [f"c={r['concurrency']}: {r['vs_engine']:.2f}x" for r in results if r.get("vs_engine")]
+    if ratios:
+        table += "\n\nHTTP (no head) vs LLM.generate, same threads: " + ", ".join(ratios)
     print(table + ("\n\n" + "\n".join(f"note: {n}" for n in notes) if notes else ""), flush=True)
     if json_out:
         Path(json_out).parent.mkdir(parents=True, exist_ok=True)
@@ -276,15 +333,19 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--url", default=None)
     p.add_argument("--model", default="gemma-3-270m")
-    p.add_argument("--concurrencies", default="1,4,16")
+    p.add_argument("--concurrencies", default="1,8")
     p.add_argument("--num-prompts", type=int, default=8)
-    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--threads", type=int, default=None, help="torch threads of the replica and the engine "
+                   "[default: every core]")
+    p.add_argument("--no-engine", action="store_true", help="skip the LLM.generate baseline")
     p.add_argument("--draft", default="default")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--json", dest="json_out", default="bench/results/serve.json")
     a = p.parse_args(argv)
     run(url=a.url, model=a.model, concurrencies=tuple(int(c) for c in a.concurrencies.split(",")),
-        num_prompts=a.num_prompts, max_tokens=a.max_tokens, draft=a.draft, json_out=a.json_out, dtype=a.dtype)
+        num_prompts=a.num_prompts, max_tokens=a.max_tokens, draft=a.draft, json_out=a.json_out, dtype=a.dtype,
+        threads=a.threads, engine_baseline=not a.no_engine)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""`eaglectl bench decode|spec|job|serve|prefix`: the benchmarks in bench/, results as a table and JSON."""
+"""`eaglectl bench decode|spec|job|serve|mixed|prefix`: the benchmarks in bench/, results as a table and JSON."""
 from __future__ import annotations
 
 import click
@@ -111,17 +111,43 @@ def bench_job(model, rows, max_tokens, json_out):
 @bench.command("serve")
 @click.option("--url", default=None, help="An already running endpoint [default: start one on this machine].")
 @click.option("--model", default="gemma-3-270m", show_default=True)
-@click.option("--concurrencies", default="1,4,16", show_default=True)
+@click.option("--concurrencies", default="1,8", show_default=True)
 @click.option("--num-prompts", default=8, show_default=True, type=int)
-@click.option("--max-tokens", default=32, show_default=True, type=int)
-@click.option("--draft", default="default", show_default=True, help="Head for the with-head run: folder or 'default'.")
+@click.option("--max-tokens", default=48, show_default=True, type=int)
+@click.option("--draft", default="default", show_default=True,
+              help="Head for the with-head run: folder, 'default', or 'none' (no head: plain only).")
+@click.option("--threads", default=None, type=click.IntRange(min=1),
+              help="torch threads of the replica and of the LLM.generate baseline [default: every core].")
+@click.option("--engine/--no-engine", "engine_baseline", default=True, show_default=True,
+              help="Also run the same prompts through LLM.generate here (same threads, no head) and report HTTP/engine.")
 @click.option("--json", "json_out", default="bench/results/serve.json", show_default=True)
-def bench_serve(url, model, concurrencies, num_prompts, max_tokens, draft, json_out):
-    """HTTP load: request throughput, output tok/s, TTFT, TPOT, ITL at several concurrencies."""
+def bench_serve(url, model, concurrencies, num_prompts, max_tokens, draft, threads, engine_baseline, json_out):
+    """HTTP load vs the engine itself: request throughput, output tok/s, TTFT, TPOT, ITL per concurrency."""
     from bench.serve import run
 
     run(url=url, model=model, concurrencies=tuple(int(c) for c in concurrencies.split(",")),
-        num_prompts=num_prompts, max_tokens=max_tokens, draft=draft, json_out=json_out)
+        num_prompts=num_prompts, max_tokens=max_tokens, draft=draft, json_out=json_out, threads=threads,
+        engine_baseline=engine_baseline)
+
+
+@bench.command("mixed")
+@click.option("--model", default="gemma-3-270m", show_default=True)
+@click.option("--rows", default=200, show_default=True, type=click.IntRange(min=1), help="The job's rows.")
+@click.option("--online-requests", default=16, show_default=True, type=click.IntRange(min=1))
+@click.option("--concurrency", default=4, show_default=True, type=click.IntRange(min=1), help="Online requests in flight.")
+@click.option("--max-tokens", default=32, show_default=True, type=click.IntRange(min=1))
+@click.option("--draft", default="none", show_default=True, help="none, auto, default or a head folder.")
+@click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16"]))
+@click.option("--max-num-seqs", default=16, show_default=True, type=click.IntRange(min=1))
+@click.option("--threads", default=None, type=click.IntRange(min=1), help="The replica's torch threads [default: every core].")
+@click.option("--json", "json_out", default="bench/results/mixed.json", show_default=True)
+def bench_mixed(model, rows, online_requests, concurrency, max_tokens, draft, dtype, max_num_seqs, threads, json_out):
+    """Online load alone, a job alone, and both on one app: online TTFT/TPOT with the job, job rows/s."""
+    from bench.mixed import run
+
+    run(model=model, rows=rows, online_requests=online_requests, concurrency=concurrency, max_tokens=max_tokens,
+        draft=None if draft == "none" else draft, dtype=dtype, max_num_seqs=max_num_seqs, threads=threads,
+        json_out=json_out)
 
 
 @bench.command("prefix")
