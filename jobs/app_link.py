@@ -26,6 +26,11 @@ BACKLOG_EVERY_S = 2.0
 BACKLOG_REFRESH_S = 15.0   # the app forgets a report after its TTL (cluster/backlog.py: 60 s)
 
 
+def backlog_key(output: str) -> str:
+    """A job's key on the app's backlog board: its output location (one driver per output)."""
+    return "job-" + hashlib.blake2b(output.encode(), digest_size=6).hexdigest()
+
+
 @dataclass
 class AppLink:
     name: str
@@ -60,7 +65,7 @@ class AppLink:
             if owns:
                 ray.shutdown()
             raise JobConfigError(str(e)) from None
-        key = "job-" + hashlib.blake2b((cfg.output or cfg.input).encode(), digest_size=6).hexdigest()
+        key = backlog_key(cfg.output or cfg.input)
         logger.info("serve app %s: model %s, dtype %s, draft %s", cfg.serve_app, engine.get("model"),
                     engine.get("dtype"), engine.get("draft"))
         return cls(cfg.serve_app, client, engine, key, owns)

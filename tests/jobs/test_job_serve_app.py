@@ -41,13 +41,13 @@ def cluster():
     import ray
     from ray import serve
 
-    c = LocalCluster(node_cpus=(4,))
+    c = LocalCluster(node_cpus=(4,), dashboard=True)   # the dashboard: the Jobs API for submit-job --address
     c.env["RAY_AUTH_MODE"] = "disabled"
     with c:
         ray.init(address=c.gcs, namespace="eagle-serve", logging_level="WARNING", log_to_driver=False)
         port = free_ports(1)[0]
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        yield {"gcs": c.gcs, "env": c.env, "port": port}
+        yield {"gcs": c.gcs, "env": c.env, "port": port, "dashboard": c.dashboard_address}
         serve.shutdown()
         ray.shutdown()
 
@@ -271,3 +271,42 @@ def test_an_app_deleted_mid_job_fails_it_and_a_rerun_resumes_once_it_is_back(tmp
     ids = [r["id"] for r in read_rows(tmp_path / "in.out")]
     assert m["complete"] and m["error_rows"] == 0 and len(ids) == n and len(set(ids)) == n
     serve.delete("doomed")
+
+
+@pytest.mark.slow
+def test_submit_job_serve_app_on_the_cluster_cancel_status_and_resume(tmp_path, cluster, tiny_app):
+    """`eaglectl submit-job --serve-app --address`: the driver is a Ray job on the app's cluster;
+    `job cancel` stops it (committed rows kept, backlog cleared), submitting again finishes it."""
+    import ray
+
+    from cluster import backlog
+    from jobs.app_link import backlog_key
+
+    n = 1200
+    inp = write_parquet(tmp_path / "in.parquet", prompt=[_prompt(i) for i in range(n)])
+    out = tmp_path / "in.out"
+    args = ["submit-job", inp, "--serve-app", "tiny", "--max-tokens", "8", "--rows-per-file", "50",
+            "--address", cluster["dashboard"]]
+    res = cli(*args, "--job-id", "app-job-1", "--no-wait", env=cluster["env"], timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    t0 = time.monotonic()
+    while len(_committed(out)) < 2:
+        assert time.monotonic() - t0 < 300, "no progress"
+        time.sleep(0.1)
+    res = cli("job", "cancel", "app-job-1", "--address", cluster["dashboard"], env=cluster["env"], timeout=60)
+    assert res.returncode == 0 and "stopping" in res.stdout, res.stdout + res.stderr
+    res = cli("job", "status", "app-job-1", "--address", cluster["dashboard"], "--follow", env=cluster["env"],
+              timeout=300)
+    assert "app-job-1: STOPPED" in res.stdout, res.stdout + res.stderr
+    m = read_manifest(out)
+    assert m["status"] == "cancelled" and 0 < m["rows"] < n and m["config"]["serve_app"] == "tiny", m["status"]
+    board = backlog.board("tiny", create=False)
+    assert backlog_key(str(out)) not in ray.get(board.snapshot.remote())   # the driver cleared its backlog
+
+    res = cli(*args, "--job-id", "app-job-2", env=cluster["env"], timeout=900)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert f"job completed: {n}/{n} rows" in res.stdout and "app-job-2: SUCCEEDED" in res.stdout
+    ids = pq.read_table(out, columns=["id"]).column("id").to_pylist()
+    assert len(ids) == n and set(ids) == {f"in.parquet:{i}" for i in range(n)}
+    status = cli("job", "status", "app-job-2", "--address", cluster["dashboard"], env=cluster["env"], timeout=60)
+    assert "app-job-2: SUCCEEDED" in status.stdout and f"{n}/{n} rows" in status.stdout, status.stdout
