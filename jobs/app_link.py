@@ -53,8 +53,10 @@ class AppLink:
                 ray.init(address=address, namespace=SERVE_NAMESPACE, logging_level=logging.WARNING)
             except (ConnectionError, RuntimeError, ValueError) as e:
                 first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-                raise JobConfigError(f"--serve-app {cfg.serve_app}: no Ray cluster to join here ({first}); start "
-                                     "the app with `eaglectl serve`, or pass --address of the cluster it runs on") from None
+                raise JobConfigError(f"--serve-app {cfg.serve_app}: no Ray cluster to join here ({first}); pass "
+                                     "--address of the cluster the app runs on (its dashboard, e.g. "
+                                     "http://127.0.0.1:8265 for an `eaglectl serve` on this machine), or start Ray "
+                                     "with `ray start --head` and the app with `eaglectl serve --address auto`") from None
             owns = True
         from cluster.app_client import AppClient, AppNotFoundError
 

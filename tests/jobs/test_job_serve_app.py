@@ -24,7 +24,7 @@ import pytest
 from jobs.job_config import JobConfig, JobConfigError
 from tests.ray_cluster import LocalCluster, free_ports
 
-from .conftest import REPO, cli, read_manifest, read_rows, write_parquet
+from .conftest import REPO, cli, cli_env, read_manifest, read_rows, write_parquet
 
 BLOCK_BYTES = 16 * 2 * 4 * 2 * 16 * 4      # tiny llama: block of 16 tokens x K,V x 4 layers x 2 heads x 16 dims x fp32
 
@@ -90,10 +90,15 @@ def test_serve_app_refuses_own_replica_options():
     JobConfig.from_options(input="x.parquet", serve_app="eagle", max_tokens=8, max_in_flight=4)   # job settings: fine
 
 
-@pytest.mark.slow   # a CLI subprocess (no Ray)
-def test_submit_job_serve_app_refusal_is_one_line():
+@pytest.mark.slow   # CLI subprocesses (no Ray)
+def test_submit_job_serve_app_refusals_are_one_line(tmp_path):
     res = cli("submit-job", "x.parquet", "--serve-app", "eagle", "--tp-size", "2")
     assert res.returncode == 2 and "--tp-size" in res.stderr and "Traceback" not in res.stderr, res.stderr
+    # no cluster to join (RAY_TMPDIR: an empty Ray temp dir, so `auto` cannot find anyone else's)
+    inp = write_parquet(tmp_path / "in.parquet", prompt=["a"])
+    res = cli("submit-job", inp, "--serve-app", "eagle", env=cli_env(RAY_TMPDIR=str(tmp_path)), timeout=120)
+    assert res.returncode == 2 and "--serve-app eagle: no Ray cluster to join here" in res.stderr, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1 and not (tmp_path / "in.out").exists()   # nothing written
 
 
 @pytest.mark.slow
