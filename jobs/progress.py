@@ -125,7 +125,9 @@ def summary(manifest: dict) -> str:
         f"{manifest.get('duplicate_ids_skipped', 0)} duplicate ids skipped)",
         f"this run: {run.get('rows', 0)} rows in {fmt_duration(run.get('wall_s'))} | "
         f"{run.get('rows_per_s', 0):.2f} rows/s | {run.get('output_tokens_per_s', 0):.1f} output tok/s | "
-        f"tau {run.get('tau', 1.0):.2f} | {run.get('replicas', 0)} replica(s) | "
+        f"tau {run.get('tau', 1.0):.2f} | {run.get('replicas') or 0} replica(s)"
+        f"{' of serve app ' + manifest['serve_app']['name'] if manifest.get('serve_app') else ''}"
+        f"{' | %d rows preempted (recomputed)' % run['preempted_rows'] if run.get('preempted_rows') else ''} | "
         f"driver peak RSS {run.get('driver_peak_rss_mb') or 0:.0f} MB",
     ]
     noop = manifest.get("last_noop_rerun")
