@@ -20,6 +20,8 @@ import click
 from eaglectl.common import fail
 from jobs.driver import EXIT_CANCELLED, EXIT_FAILED, EXIT_WITH_ERRORS, RESULT_MARKER  # light imports
 
+DEFAULT_APP = "eagle"   # cluster.config.ServeConfig.app_name's default (tests/jobs/test_job_serve_app.py checks)
+
 
 def _address(address: str | None) -> str | None:
     address = address or os.environ.get("RAY_ADDRESS") or None
@@ -66,9 +68,10 @@ def _run_local(cfg, ray_address: str) -> None:
 @click.option("--rows-per-file", type=int, help="Rows per committed output file [default: 10000].")
 @click.option("--commit-interval", "commit_interval_s", type=float, help="Commit at least every N seconds [default: 30].")
 @click.option("--engine", hidden=True)
-@click.option("--serve-app", help="Send the rows to this running Serve application (the name `eaglectl serve` "
-              "deployed, default there: eagle) at offline priority instead of starting replicas; the app's model, "
-              "dtype and draft are used. Without --address: the Ray cluster running here.")
+@click.option("--serve-app", is_flag=False, flag_value=DEFAULT_APP, default=None,
+              help=f"Send the rows to this running Serve application at offline priority instead of starting "
+              f"replicas; the app's model, dtype and draft are used. Alone (after INPUT): {DEFAULT_APP}, the app "
+              "`eaglectl serve` deploys by default. Without --address: the Ray cluster running here.")
 @click.option("--address", help="Ray cluster: host:GCS-port (head:6379), dashboard http://head:8265, "
               "ray://head:10001 or auto [default: RAY_ADDRESS; none = run here].")
 @click.option("--job-id", help="Submission id on the cluster [default: generated].")

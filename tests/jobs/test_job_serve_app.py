@@ -90,6 +90,17 @@ def test_serve_app_refuses_own_replica_options():
     JobConfig.from_options(input="x.parquet", serve_app="eagle", max_tokens=8, max_in_flight=4)   # job settings: fine
 
 
+def test_bare_serve_app_means_the_app_eaglectl_serve_deploys():
+    from click.testing import CliRunner
+
+    from cluster.config import ServeConfig
+    from eaglectl.jobs import DEFAULT_APP, submit_job
+
+    assert DEFAULT_APP == ServeConfig().app_name
+    res = CliRunner().invoke(submit_job, ["x.parquet", "--serve-app", "--replicas", "2"])
+    assert res.exit_code == 2 and f"--serve-app {DEFAULT_APP}: --replicas" in res.output, res.output
+
+
 @pytest.mark.slow   # CLI subprocesses (no Ray)
 def test_submit_job_serve_app_refusals_are_one_line(tmp_path):
     res = cli("submit-job", "x.parquet", "--serve-app", "eagle", "--tp-size", "2")
