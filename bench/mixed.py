@@ -121,15 +121,21 @@ def run(model: str = "gemma-3-270m", rows: int = 200, online_requests: int = 16,
             print("bench mixed: the job with the online load beside it", flush=True)
             before, deferred0 = _replica_counters(APP), AppClient.router_counters()["offline_deferred"]
             mixed: dict = {}
+            job_done = threading.Event()
 
             def online_beside_job():
-                deadline = time.monotonic() + 600
-                while _replica_counters(APP)["num_running"] == 0 and time.monotonic() < deadline:
-                    time.sleep(0.2)       # the job's rows run: now the online load starts
+                while not job_done.is_set():   # once the job's rows run, the online load starts
+                    st = _replica_counters(APP)
+                    if st["num_running"] or st["offline_finished"] > before["offline_finished"]:
+                        break
+                    time.sleep(0.1)
                 mixed["online"] = _online(url, served, online_prompts, concurrency, max_tokens)
             side = threading.Thread(target=online_beside_job, daemon=True)
             side.start()
-            job_mixed = _job(inp, Path(tmp) / "mixed.out", max_tokens, APP)
+            try:
+                job_mixed = _job(inp, Path(tmp) / "mixed.out", max_tokens, APP)
+            finally:
+                job_done.set()
             side.join(900)
             after = _replica_counters(APP)
         with_job = mixed.get("online")

@@ -40,3 +40,57 @@ def test_resolve_head(tmp_path):
     assert resolve_head("gemma-3-270m", str(tmp_path)) == (str(tmp_path.resolve()), None)
     with pytest.raises(ValueError, match="not a head folder"):
         resolve_head("gemma-3-270m", str(tmp_path / "missing"))
+
+
+def _bench_subprocess(tmp_path, code: str) -> str:
+    """A benchmark in its own process and Ray (as `eaglectl bench` runs it), bounded by a timeout."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.cluster.conftest import REPO
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
+    env.pop("RAY_ADDRESS", None)
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, text=True, capture_output=True, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    return done.stdout
+
+
+SHORT = [f"Question {i}: what comes next?" for i in range(6)]
+
+
+@pytest.mark.slow   # Ray, Serve and a tiny real model in a subprocess
+def test_bench_serve_measures_http_against_the_engine_with_the_same_threads(tmp_path, tiny_model_dir):
+    out = tmp_path / "serve.json"
+    _bench_subprocess(tmp_path, f"""
+from bench.serve import run
+run(model={str(tiny_model_dir("llama"))!r}, concurrencies=(1, 2), num_prompts=2, max_tokens=4, draft="none",
+    json_out={str(out)!r}, threads=1, prompts={SHORT!r})
+""")
+    report = json.loads(out.read_text())
+    rows = {(r["setup"], r["concurrency"]): r for r in report["results"]}
+    assert set(rows) == {("engine", 1), ("engine", 2), ("plain", 1), ("plain", 2)}
+    assert report["meta"]["threads"] == 1 and rows[("engine", 1)]["threads"] == 1
+    for (setup, c), r in rows.items():
+        assert r["completed"] == r["num_prompts"] == 2 and r["total_output_tokens"] == 8, r
+    assert all(rows[("plain", c)]["vs_engine"] > 0 for c in (1, 2))
+
+
+@pytest.mark.slow
+def test_bench_mixed_runs_online_load_and_a_job_through_one_app(tmp_path, tiny_model_dir):
+    out = tmp_path / "mixed.json"
+    stdout = _bench_subprocess(tmp_path, f"""
+from bench.mixed import run
+run(model={str(tiny_model_dir("llama"))!r}, rows=12, online_requests=4, concurrency=2, max_tokens=6,
+    max_num_seqs=4, threads=1, json_out={str(out)!r}, prompts={SHORT!r})
+""")
+    report = json.loads(out.read_text())
+    phases = {r["phase"]: r for r in report["summary"]}
+    assert set(phases) == {"online alone", "job alone", "online + job"}
+    assert phases["online alone"]["online_done"] == "4/4" and phases["online + job"]["online_done"] == "4/4"
+    assert phases["job alone"]["job_rows"] == phases["online + job"]["job_rows"] == 12
+    assert phases["job alone"]["job_error_rows"] == 0 and phases["job alone"]["job_rows_per_s"] > 0
+    assert report["counters_during_mixed"]["offline_finished"] == 12
+    assert report["counters_during_mixed"]["online_finished"] >= 1
+    assert "| online + job |" in stdout
