@@ -63,9 +63,10 @@ class AppClient:
         self._board = None
 
     def engine_config(self) -> dict[str, Any]:
-        """What the app's engine runs (model, dtype, device, draft, spec, tp_size, max_model_len,
-        chat_template, engine module, ...), as a replica reports it: what a job records in its manifest
-        and checks on resume, and what it needs to load the matching tokenizer."""
+        """What the app's engine runs (model, served_model_name, dtype, device, engine module, draft,
+        speculation, tp_size, max_model_len, chat_template, enable_prefix_caching, max_num_seqs,
+        max_queued_requests, app_name), as a replica reports it: what a job records in its manifest and
+        checks on resume, what it needs to load the matching tokenizer and size its window."""
         if self._engine_config is None:
             self._engine_config = dict(self.handle.engine_info.remote().result(timeout_s=300))
         return dict(self._engine_config)
@@ -83,6 +84,16 @@ class AppClient:
         async for out in stream_outputs(self.handle, request_id, prompt, params, priority, messages,
                                         restartable=True):
             yield out
+
+    def num_replicas(self) -> int:
+        """Engine replicas of the app running now (Serve's view; autoscaling changes it)."""
+        from ray import serve
+
+        try:
+            dep = serve.status().applications[self.app_name].deployments[self.deployment]
+        except KeyError:
+            return 0
+        return int(dep.replica_states.get("RUNNING", 0))
 
     def replica_stats(self) -> dict[str, dict]:
         """Stats of every engine replica this process's router knows (about 1 s old; {} before the

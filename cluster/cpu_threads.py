@@ -6,7 +6,8 @@ not how many cores a rank may use. Tying the two made the default config (one re
 else on the node. So the thread count is its own setting, `resources_per_rank.threads`; when it is
 unset, a Serve replica takes the cores of its node divided by the engine ranks of its deployment
 that can be there at once (`auto_threads`): one replica on a machine gets every core, four
-replicas packed on a 16-core node get 4 each. Ranks started outside Serve (a job's own replicas,
+replicas packed on a 16-core node get 4 each. A node's cores are the process's CPU affinity capped by
+its cgroup CPU quota (a pod's CPU limit). Ranks started outside Serve (a job's own replicas,
 which already size `cpu` as the cores each replica gets) keep `threads = int(cpu)`.
 """
 from __future__ import annotations
@@ -17,11 +18,32 @@ from cluster.config import ServeConfig
 
 
 def usable_cores() -> int:
-    """Cores this process may run on (its CPU affinity, e.g. a container's cpuset), else all."""
+    """Cores this process may run on: its CPU affinity (a container's cpuset), capped by its cgroup's
+    CPU quota (a Kubernetes CPU limit, which leaves the affinity at the whole node)."""
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        cores = max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
+        cores = max(1, os.cpu_count() or 1)
+    quota = cgroup_cpu_limit()
+    return max(1, min(cores, quota)) if quota else cores
+
+
+def cgroup_cpu_limit(root: str = "/sys/fs/cgroup") -> int | None:
+    """ceil(quota / period) of this process's cgroup (v2 `cpu.max`, v1 `cpu.cfs_quota_us`), None if unlimited."""
+    import math
+    from pathlib import Path
+
+    try:
+        quota, period = Path(root, "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else max(1, math.ceil(int(quota) / int(period)))
+    except (OSError, ValueError):
+        pass
+    try:
+        quota = int(Path(root, "cpu", "cpu.cfs_quota_us").read_text())
+        period = int(Path(root, "cpu", "cpu.cfs_period_us").read_text())
+        return None if quota <= 0 or period <= 0 else max(1, math.ceil(quota / period))
+    except (OSError, ValueError):
+        return None
 
 
 def auto_threads(cores: int, cpu: float, node_cpus: float, engine_ranks: int) -> int:

@@ -243,7 +243,7 @@ class EngineReplica:
                 "speculation": c.speculation.model_dump() if c.speculation is not None else None,
                 "enable_prefix_caching": c.enable_prefix_caching, "chat_template": c.chat_template,
                 "max_model_len": self.max_model_len, "max_num_seqs": c.limits.max_num_seqs,
-                "app_name": c.app_name}
+                "max_queued_requests": c.limits.max_queued_requests, "app_name": c.app_name}
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom autoscaling metrics: the offline rows jobs still have to send to this app

@@ -8,7 +8,7 @@ import pytest
 
 from cluster.autoscale import BACKLOG_METRIC, offline_backlog_policy
 from cluster.config import ServeConfig
-from cluster.cpu_threads import auto_threads, rank_threads
+from cluster.cpu_threads import auto_threads, cgroup_cpu_limit, rank_threads
 from cluster.placement import InsufficientResourcesError, check_fits
 from cluster.priority_stats import PriorityStats
 
@@ -32,6 +32,24 @@ def test_threads_setting_wins_and_plain_actors_keep_their_reservation():
     cfg = ServeConfig(resources_per_rank={"cpu": 1, "threads": 3})
     assert rank_threads(cfg, under_serve=True) == 3 and rank_threads(cfg, under_serve=False) == 3
     assert rank_threads(ServeConfig(resources_per_rank={"cpu": 2}), under_serve=False) == 2   # a job's own replicas
+
+
+def test_a_cgroup_cpu_quota_caps_the_cores(tmp_path):
+    """A pod's CPU limit is a CFS quota: its affinity still shows every core of the node."""
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "cpu.max").write_text("250000 100000\n")
+    assert cgroup_cpu_limit(str(v2)) == 3
+    (v2 / "cpu.max").write_text("max 100000\n")
+    assert cgroup_cpu_limit(str(v2)) is None
+    v1 = tmp_path / "v1" / "cpu"
+    v1.mkdir(parents=True)
+    (v1 / "cpu.cfs_quota_us").write_text("200000")
+    (v1 / "cpu.cfs_period_us").write_text("100000")
+    assert cgroup_cpu_limit(str(tmp_path / "v1")) == 2
+    (v1 / "cpu.cfs_quota_us").write_text("-1")
+    assert cgroup_cpu_limit(str(tmp_path / "v1")) is None
+    assert cgroup_cpu_limit(str(tmp_path / "none")) is None
 
 
 # ---- placement ---------------------------------------------------------------------------------------
