@@ -232,6 +232,8 @@ class LLMEngine:
             "batch_size_last_step": self._last_step["batch_size"],
             "tokens_last_step": self._last_step["num_tokens"],
             **self.totals,
+            "num_preemptions_total": sum(self.scheduler.preemptions.values()),
+            "num_preemptions_by_priority": {str(k): v for k, v in sorted(self.scheduler.preemptions.items())},
             **self._prefix_cache_stats(),
             **self.worker.stats(),
         }

@@ -4,7 +4,9 @@ Every step: running sequences first (decodes before prefill chunks, so long prom
 them), then waiting requests by (priority, arrival) while the token budget, the sequence limit
 and free KV blocks allow. Long prompts are split into chunks. When KV blocks run out, the
 least urgent, most recently arrived running sequence is preempted: its blocks are freed and it
-is recomputed later (vLLM's recompute preemption), so a full cache never crashes the engine.
+is recomputed later (vLLM's recompute preemption), so a full cache never crashes the engine. A
+waiting request more urgent than a running one (online before offline) preempts it the same way
+when the batch is full or memory is short, so it never waits for less urgent work to finish.
 
 With prefix caching, a request admitted takes its longest cached prefix first and is fed only the
 rest. One whose next block another running request is computing right now waits a step for it
@@ -51,6 +53,7 @@ class Scheduler:
         self.max_model_len = max_model_len or sys.maxsize     # lookahead never reaches past the context
         self.waiting: list[tuple[tuple[int, float], Sequence]] = []   # sorted by (priority, arrival)
         self.running: list[Sequence] = []
+        self.preemptions: dict[int, int] = {}   # priority -> sequences preempted (for memory or for a more urgent one)
 
     def add(self, seq: Sequence) -> None:
         key = (seq.priority, seq.metrics.arrival_time)
@@ -78,13 +81,8 @@ class Scheduler:
                 break
             n = min(seq.num_pending_tokens, budget)
             while not self.block_manager.can_append(seq, n):
-                victim = max(self.running, key=lambda s: (s.priority, s.metrics.arrival_time))
-                for item in batch:
-                    if item.seq is victim:
-                        batch.remove(item)
-                        budget += item.num_tokens
-                        break
-                self.preempt(victim)
+                victim = self._least_urgent()
+                budget += self._preempt_scheduled(victim, batch)
                 if victim is seq:
                     break
             if seq not in self.running:
@@ -93,11 +91,18 @@ class Scheduler:
             batch.append(ScheduledSeq(seq, n))
             budget -= n
         i = 0
-        while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while i < len(self.waiting) and budget > 0:
             seq = self.waiting[i][1]
             if self._wait_for_prefix(seq):
                 i += 1
                 continue
+            if len(self.running) >= self.config.max_num_seqs:
+                if not self._outranks(seq):
+                    self.block_manager.free(seq)
+                    break
+                budget += self._preempt_scheduled(self._least_urgent(), batch)
+            while not self.block_manager.can_append(seq, min(seq.num_pending_tokens, budget)) and self._outranks(seq):
+                budget += self._preempt_scheduled(self._least_urgent(), batch)
             n = min(seq.num_pending_tokens, budget)
             if not self.block_manager.can_append(seq, n):
                 self.block_manager.free(seq)
@@ -112,6 +117,25 @@ class Scheduler:
         if self.num_lookahead_slots:
             self._reserve_lookahead(batch)
         return batch
+
+    def _least_urgent(self) -> Sequence:
+        return max(self.running, key=lambda s: (s.priority, s.metrics.arrival_time))
+
+    def _outranks(self, seq: Sequence) -> bool:
+        """A running sequence is less urgent than waiting `seq` (a larger priority value): it may be
+        preempted for it, so an online request never waits for offline work to finish."""
+        return bool(self.running) and self._least_urgent().priority > seq.priority
+
+    def _preempt_scheduled(self, victim: Sequence, batch: list[ScheduledSeq]) -> int:
+        """Preempt `victim`, dropping it from this step's batch; returns the token budget it frees."""
+        freed = 0
+        for item in batch:
+            if item.seq is victim:
+                batch.remove(item)
+                freed = item.num_tokens
+                break
+        self.preempt(victim)
+        return freed
 
     def _wait_for_prefix(self, seq: Sequence) -> bool:
         """Take `seq`'s cached prefix; True (and nothing taken) when it should wait for a running
@@ -149,6 +173,7 @@ class Scheduler:
             bm.append_slots(seq, 1 + item.num_lookahead)
 
     def preempt(self, seq: Sequence) -> None:
+        self.preemptions[seq.priority] = self.preemptions.get(seq.priority, 0) + 1
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING

@@ -142,3 +142,34 @@ def test_lookahead_slots_come_from_what_real_tokens_leave_and_are_freed_on_commi
         near_end.block_manager.commit(item.seq, item.num_tokens)
     c.token_ids.append(5)                        # 11 tokens: the 12-token context leaves 1 draft slot
     assert [i.num_lookahead for i in near_end.schedule()] == [1]
+
+
+def test_an_urgent_request_preempts_less_urgent_work_when_the_batch_is_full(tiny_model_dir):
+    """Online (priority 0) before offline (1): with every batch slot taken by offline rows, an online
+    request preempts the least urgent, latest of them (recompute) instead of waiting for one to end;
+    one of equal priority waits. Outputs are unchanged by the preemption."""
+    from eagle_worker import LLM, SamplingParams
+
+    llm = LLM(model=str(tiny_model_dir("llama")), block_size=4, num_kv_blocks=256, max_num_seqs=2)
+    eng = llm.engine
+    p = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    expected = {o.request_id: o.token_ids for o in llm.generate(["offline a", "offline b", "online"], p)}
+    eng.add_request("a", "offline a", p, priority=1)
+    eng.add_request("b", "offline b", p, priority=1)
+    eng.step()
+    eng.add_request("same", "offline a", p, priority=1)      # as urgent as the running rows: waits
+    eng.step()
+    assert {s.request_id for s in eng.scheduler.running} == {"a", "b"}
+    eng.add_request("on", "online", p, priority=0)
+    eng.step()
+    assert "on" in {s.request_id for s in eng.scheduler.running}
+    assert eng.requests["b"].metrics.num_preemptions == 1 and eng.requests["a"].metrics.num_preemptions == 0
+    done = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+    assert done["a"] == done["same"] == expected["llm-0"] and done["b"] == expected["llm-1"]
+    assert done["on"] == expected["llm-2"]
+    st = eng.stats()
+    assert st["num_preemptions_by_priority"] == {"1": 1} and st["num_preemptions_total"] == 1
