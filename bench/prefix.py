@@ -21,7 +21,7 @@ on. Total tok/s = (prompt + generated tokens) / wall time of the burst(s), as `v
 `num_prompt_tokens` summed over requests; c: the job manifest's `prefix_cache`). "same" = the
 fraction of requests whose tokens equal the caching-off run's (c: texts by row id). tau (tokens per
 target forward) is split into requests that hit the cache and those that missed, with the head.
-c reports no TTFT: a job's rows carry none (offline work; throughput is what counts there).
+c's TTFT is each row's `ttft_s` in the job output (sent to the replica -> first token).
 
 Rounds: the off and on engines of one draft are loaded side by side and take turns, the order
 alternating; each round uses its own system prompt / documents / preamble (a distinct first line),
@@ -148,9 +148,7 @@ def run_b(llm, text: Text, sizes: Sizes, rnd: int) -> dict:
 
 def run_c_engine(llm, text: Text, sizes: Sizes, rnd: int) -> dict:
     """c without the jobs runner (a job config without `enable_prefix_caching`): the rows as one burst."""
-    rec = _record(*_burst(llm, rows_c(text, sizes, rnd), sizes.max_tokens))
-    rec["ttft_s"] = []   # comparable with the job path, which has none
-    return rec
+    return _record(*_burst(llm, rows_c(text, sizes, rnd), sizes.max_tokens))
 
 
 def run_c_job(model: str, dtype: str, draft: str | None, caching: bool, text: Text, sizes: Sizes, rnd: int,
@@ -171,8 +169,10 @@ def run_c_job(model: str, dtype: str, draft: str | None, caching: bool, text: Te
     m = run_job(cfg)
     run = m["runs"][-1]
     cache = m.get("prefix_cache") or {}
-    texts = {r["id"]: r["text"] for r in pq.read_table(out, columns=["id", "text"]).to_pylist()}
-    return {"wall_s": run.get("generation_s") or run["wall_s"], "ttft_s": [],
+    table = pq.read_table(out)
+    texts = {r["id"]: r["text"] for r in table.select(["id", "text"]).to_pylist()}
+    ttft = [t for t in table.column("ttft_s").to_pylist() if t is not None] if "ttft_s" in table.column_names else []
+    return {"wall_s": run.get("generation_s") or run["wall_s"], "ttft_s": ttft,
             "prompt_tokens": int(cache.get("prompt_tokens") or m.get("prompt_tokens") or 0),
             "cached_tokens": int(cache.get("cached_prompt_tokens") or 0),
             "output_tokens": int(run["completion_tokens"]), "tau": [(None, float(run.get("tau") or 1.0), 1)],
