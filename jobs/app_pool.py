@@ -18,8 +18,9 @@ app that autoscales for the job's backlog (`report_backlog`) gets more rows. `--
 sets the whole window instead.
 
 Failures: a row the router gave up on because its replica died twice (PoisonRequestError) is an
-error row, as on own replicas; a row lost otherwise (replica lost, system overloaded) goes back to
-the driver's queue and is sent again (at most `max_row_retries` times, then an error row). If the
+error row, as on own replicas; a row lost otherwise (replica lost, system overloaded, the call
+failing in Serve) goes back to the driver's queue and is sent again (at most `max_row_retries`
+times, then an error row). If the
 app itself is gone (checked with the window, every few seconds: a deleted app's calls just hang),
 the job fails (committed output kept; rerun to resume once the app is back).
 """
@@ -217,12 +218,14 @@ class AppPool:
                 retry.append(call.row)
                 self._lost_streak += 1
                 logger.warning("row %r lost (%s); it is sent again", call.row.id, res)
-            elif isinstance(res, BaseException):  # the app gone (JobFailed), else a bug on this row: an error row
+            elif isinstance(res, BaseException):
+                # not the row's answer (those are Rejected/Failed outputs): the app going away, Serve
+                # failing the call... The app gone fails the job; else the row is sent again (then, after
+                # max_row_retries, an error row)
                 self._check_app()
-                if self._missing:       # the app may be gone: the row is sent again (or the job fails)
-                    retry.append(call.row)
-                else:
-                    done.append((call.row, {"error": f"internal error: {type(res).__name__}: {_first_line(res)}"}))
+                retry.append(call.row)
+                logger.warning("row %r: the call failed (%s: %s); it is sent again", call.row.id,
+                               type(res).__name__, _first_line(res))
             else:
                 self._lost_streak = 0
                 done.append((call.row, res))
@@ -241,7 +244,10 @@ class AppPool:
         except Exception as e:      # Serve's controller busy for a moment: ask again next time
             logger.debug("serve status unavailable: %s", e)
             return
-        if self.cfg.serve_app in apps:
+        status = apps.get(self.cfg.serve_app)
+        if status == "DELETING":
+            self._missing = 2
+        elif status is not None:
             self._missing = 0
         else:
             self._missing += 1      # twice in a row: one empty answer may be a controller hiccup
