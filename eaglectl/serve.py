@@ -13,7 +13,8 @@ from eaglectl.common import fail
 @click.option("--port", default=None, type=int, help="HTTP port [default: the config's, 8000].")
 @click.option("--address", default=None, help="Ray cluster to join [default: RAY_ADDRESS, else a local Ray].")
 def serve(config_path, host, port, address):
-    """Serve the OpenAI-compatible HTTP API on Ray Serve (default model when no config)."""
+    """Serve the OpenAI-compatible HTTP API on Ray Serve (default model when no config: one replica on
+    every core of this machine)."""
     import os
 
     from cluster.config import ServeConfig
@@ -29,4 +30,9 @@ def serve(config_path, host, port, address):
             cfg.check_draft_here()
     except ValueError as e:
         fail(str(e))
-    run_serve(cfg, address=address, blocking=True)
+    from cluster.placement import InsufficientResourcesError
+
+    try:
+        run_serve(cfg, address=address, blocking=True)
+    except InsufficientResourcesError as e:   # the cluster can never hold this config: say what is missing
+        fail(str(e))

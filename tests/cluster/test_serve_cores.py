@@ -93,3 +93,13 @@ def test_eaglectl_serve_without_a_config_runs_one_replica_on_every_core(tmp_path
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.communicate()
+
+
+def test_eaglectl_serve_says_what_is_missing_and_exits(tmp_path):
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(f"model: fake\nengine: {FAKE}\nport: {_free_port()}\nresources_per_rank: {{cpu: 1000}}\n"
+                   "limits: {max_model_len: 256, max_tokens: 32}\n")
+    done = subprocess.run([sys.executable, "-m", "eaglectl.main", "serve", "--config", str(cfg)], cwd=REPO, env=_env(),
+                          text=True, capture_output=True, timeout=300)
+    assert done.returncode == 2, (done.stdout + done.stderr)[-3000:]
+    assert "error: serve app 'eagle' cannot be scheduled" in done.stderr and "missing CPU " in done.stderr
