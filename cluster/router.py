@@ -147,14 +147,14 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         self._hashes: dict[str, list[int]] = {}       # request id -> its prompt's hashes, until it is routed
         state.routers.add(self)  # live_replica_stats reads the replica set
 
-    def ongoing(self, replica: RunningReplica) -> int:
-        """Requests on the replica: what this caller sent there, or what its stats (less what finished
-        here since they were taken: they are up to a second old) or Serve's queue-length cache say,
-        the most."""
+    def ongoing(self, replica: RunningReplica, fresh: bool = False) -> int:
+        """Requests on the replica: what this caller sent there, or what its stats or Serve's
+        queue-length cache say, the most. `fresh`: less what finished here since the stats were taken
+        (they are up to a second old), so a freed batch slot is refilled at once."""
         stats = replica.routing_stats or {}
         queued = int(stats.get("num_running", 0)) + int(stats.get("num_waiting", 0))
         done = self._completed.get(replica.replica_id)
-        if done and queued and stats.get("updated_at"):
+        if fresh and done and queued and stats.get("updated_at"):
             queued -= sum(1 for t in done if t > float(stats["updated_at"]))
         return max(self._inflight.get(replica.replica_id, 0), queued,
                    self.replica_queue_len_cache.get(replica.replica_id) or 0)
@@ -177,7 +177,7 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
                 self._promised.pop(other, None)
         promised = sum(1 for other, (r, _) in list(self._promised.items())
                        if other != rid and r == replica.replica_id)
-        return self.ongoing(replica) + promised < max(1, slots)
+        return self.ongoing(replica, fresh=True) + promised < max(1, slots)
 
     def has_headroom(self, replica: RunningReplica) -> bool:
         stats = replica.routing_stats or {}
