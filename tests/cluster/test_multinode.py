@@ -43,6 +43,7 @@ def app(two_nodes, tiny_model_dir):
     port = free_ports(1)[0]
     cfg = ServeConfig(model=str(tiny_model_dir("gemma3")), served_model_name=MODEL, num_replicas=2,
                       resources_per_rank={"cpu": 1}, kv_cache_gb=0.02, app_name="multinode",
+                      ingress={"num_cpus": 0.1},   # the sizing above: a second replica never fits on the head
                       limits={"max_model_len": 128, "max_tokens": 64, "max_num_seqs": 4, "max_queued_requests": 8})
     actors = two_nodes.driver("deploy", json.dumps(cfg.model_dump(mode="json")), str(port))["replicas"]
     url = f"http://127.0.0.1:{port}"
