@@ -115,6 +115,13 @@ class _PriorityCollector:
                 if key in st:
                     fam.add_metric([model, rid], float(st[key] or 0))
             yield fam
+        engine = CounterMetricFamily("eagle_replica_engine_preemptions", "sequences the engine preempted "
+                                     "(recompute) for more urgent work or KV memory, by the preempted one's priority",
+                                     labels=labels + ["priority"])
+        for rid, st in replicas.items():
+            for prio, n in (st.get("num_preemptions_by_priority") or {}).items():
+                engine.add_metric([model, rid, str(prio)], float(n or 0))
+        yield engine
         threads = GaugeMetricFamily("eagle_replica_torch_threads", "torch threads of the replica's engine on CPU",
                                     labels=labels)
         for rid, st in replicas.items():

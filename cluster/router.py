@@ -20,7 +20,7 @@ its stats), never the queue slots beyond it: those stay free for online requests
 wait for one engine slot at most; an offline row finding every batch full waits in its caller's
 router (`offline_deferred`). When every replica is full, a freed slot goes to the oldest waiting
 online request before any offline one; inside a replica the engine schedules by priority too
-(0 = online first) and preempts the least urgent sequence when KV memory runs out.
+(0 = online first) and preempts the least urgent sequence for a more urgent one.
 
 Replica death (`stream_outputs`): if a replica dies (actor gone, engine loop crashed) before any
 token of a request reached the client, the request is transparently re-submitted and Serve

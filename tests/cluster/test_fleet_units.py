@@ -116,3 +116,18 @@ def test_policy_is_serves_rule_plus_the_backlog():
     assert offline_backlog_policy(_ctx(4, backlog=0))[0] == 2
     assert offline_backlog_policy(_ctx(2, backlog=100))[0] == 51   # Serve bounds it by max_replicas
     assert offline_backlog_policy(_ctx(0, backlog=0, current=3))[0] == 0   # job done: shrink (to min_replicas)
+
+
+def test_prometheus_shows_offline_work_making_way():
+    from cluster.metrics import ServeMetrics
+
+    st = {"online_finished": 3, "offline_finished": 9, "offline_preemptions": 4, "offline_rows_preempted": 2,
+          "offline_deferred_in_engine": 5, "torch_threads": 2, "num_preemptions_by_priority": {"1": 4}}
+    text = ServeMetrics("m").render({"r1": st}).decode()
+    for line in ('eagle_replica_offline_preemptions_total{model="m",replica="r1"} 4.0',
+                 'eagle_replica_offline_rows_preempted_total{model="m",replica="r1"} 2.0',
+                 'eagle_replica_offline_deferred_total{model="m",replica="r1"} 5.0',
+                 'eagle_replica_engine_preemptions_total{model="m",priority="1",replica="r1"} 4.0',
+                 'eagle_replica_torch_threads{model="m",replica="r1"} 2.0',
+                 'eagle_router_offline_deferred_total{model="m"}'):
+        assert line in text, line
