@@ -191,9 +191,11 @@ class AppPool:
     def tokenizer(self):
         """The app's tokenizer, loaded on first need (rows asking for logprobs: token texts)."""
         if self._tokenizer is None:
-            from eagle_worker.prompt_tokenizer import PromptTokenizer
+            from eagle_worker.engine_api import load_engine_module
 
-            self._tokenizer = PromptTokenizer.load(self.cfg.model, self.cfg.chat_template)
+            engine = load_engine_module(self.cfg.engine)
+            self._tokenizer = engine.load_prompt_tokenizer(
+                engine.EngineConfig(model=self.cfg.model, chat_template=self.cfg.chat_template, draft=None))
         return self._tokenizer
 
     # ---- collecting --------------------------------------------------------------------------

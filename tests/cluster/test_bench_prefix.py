@@ -56,7 +56,7 @@ def test_smoke_every_scenario_with_and_without_the_head(copying_target, tmp_path
     for (scn, head_on, caching), r in rows.items():
         assert r["same"] == 1.0, (scn, head_on, caching)              # greedy: caching never changes the tokens
         assert (r["hit_rate"] > 0) == caching, (scn, head_on, caching, r["hit_rate"])
-        assert (r["ttft_p50_ms"] is None) == (scn == "c")
+        assert r["ttft_p50_ms"] is not None                          # c through the engine has TTFT too
     assert rows[("a", True, True)]["tau_hit"] and rows[("a", True, True)]["tau_miss"]   # the first request misses
     assert rows[("b", True, True)]["requests"] == SMALL.conversations * SMALL.turns
     saved = json.loads(out.read_text())
