@@ -93,8 +93,10 @@ def test_a_venv_from_the_wheel_loads_the_default_head_and_finds_the_bench_prompt
     site = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                capture_output=True, text=True, check=True).stdout.strip())
     (site / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")   # dependencies, not this repo
+    # --ignore-installed: the project's editable install is visible through deps.pth, and pip must
+    # neither take it for this wheel nor touch it
     r = subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "--no-deps", "--no-index", "-q",
-                        str(wheel)], capture_output=True, text=True, timeout=300)
+                        "--ignore-installed", str(wheel)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
 
     elsewhere = tmp_path / "elsewhere"
