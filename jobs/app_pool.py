@@ -40,7 +40,7 @@ from cluster.replica import Failed, Rejected
 from jobs.input_reader import Row
 from jobs.job_config import JobConfig
 from jobs.openai_batch import context_error, openai_logprobs
-from jobs.replica_pool import OFFLINE_PRIORITY, JobFailed, _first_line
+from jobs.replica_pool import OFFLINE_PRIORITY, JobFailed, _first_line, row_result
 
 logger = logging.getLogger(__name__)
 WINDOW_REFRESH_S = 5.0
@@ -176,12 +176,7 @@ class AppPool:
             raise _Lost(_first_line(e)) from None
         if last is None:
             raise _Lost("the app returned no output")
-        m = last.metrics or {}
-        res = {"text": last.text, "finish_reason": last.finish_reason,
-               "prompt_tokens": len(last.prompt_token_ids), "completion_tokens": len(last.token_ids),
-               "accepted_tokens_per_step": float(m.get("mean_accepted_tokens", 1.0)),
-               "latency_s": m.get("latency_s"), "forwards": int(m.get("num_target_forwards", 0)),
-               "cached_tokens": m.get("num_cached_tokens"), "num_preemptions": int(m.get("num_preemptions", 0))}
+        res = row_result(last)
         if params.get("logprobs") is not None:
             tok = await asyncio.to_thread(self.tokenizer)
             res["logprobs"] = openai_logprobs(list(last.logprobs or []), list(last.token_ids), tok.token_text,

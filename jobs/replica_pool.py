@@ -35,6 +35,16 @@ logger = logging.getLogger(__name__)
 OFFLINE_PRIORITY = 1
 
 
+def row_result(last) -> dict:
+    """A finished row's output columns and counters from its last RequestOutput (both row backends)."""
+    m = last.metrics or {}
+    return {"text": last.text, "finish_reason": last.finish_reason,
+            "prompt_tokens": len(last.prompt_token_ids), "completion_tokens": len(last.token_ids),
+            "accepted_tokens_per_step": float(m.get("mean_accepted_tokens", 1.0)),
+            "latency_s": m.get("latency_s"), "forwards": int(m.get("num_target_forwards", 0)),
+            "cached_tokens": m.get("num_cached_tokens"), "num_preemptions": int(m.get("num_preemptions", 0))}
+
+
 class JobFailed(RuntimeError):
     """The job cannot go on (no replica can start, every restart used); committed output stays."""
 
@@ -68,12 +78,7 @@ class JobReplica(EngineReplica):
                     return {"error": context_error(n, params["max_tokens"], self.max_model_len),
                             "error_param": "max_tokens", "error_code": "context_length_exceeded"}
             last = out
-        m = last.metrics or {}
-        res = {"text": last.text, "finish_reason": last.finish_reason,
-               "prompt_tokens": len(last.prompt_token_ids), "completion_tokens": len(last.token_ids),
-               "accepted_tokens_per_step": float(m.get("mean_accepted_tokens", 1.0)),
-               "latency_s": m.get("latency_s"), "forwards": int(m.get("num_target_forwards", 0)),
-               "cached_tokens": m.get("num_cached_tokens"), "num_preemptions": int(m.get("num_preemptions", 0))}
+        res = row_result(last)
         if params.get("logprobs") is not None:
             tok = self.engine.tokenizer
             res["logprobs"] = openai_logprobs(list(last.logprobs or []), list(last.token_ids),
