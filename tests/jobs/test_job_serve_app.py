@@ -14,7 +14,6 @@ import json
 import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 
@@ -159,6 +158,27 @@ def test_kill_9_mid_job_through_the_app_then_rerun_has_every_id_once(tmp_path, c
     assert res.returncode == 2 and "model='another-model'" in res.stderr and "serve app 'tiny' serves" in res.stderr
 
 
+def _start(cluster, cfg: JobConfig) -> subprocess.Popen:
+    return subprocess.Popen(_driver_args(cluster, cfg), cwd=REPO, env=cluster["env"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out + err
+
+
+def _wait_rows(proc: subprocess.Popen, out, parts: int, timeout: float = 300) -> None:
+    t0 = time.monotonic()
+    while len(_committed(out)) < parts:
+        assert proc.poll() is None, _finish(proc, 30)
+        assert time.monotonic() - t0 < timeout, "the job does not progress"
+        time.sleep(0.05)
+
+
+# The drivers below run as processes (`python -m jobs.driver`, as `eaglectl submit-job` runs them), not
+# in pytest's process: Serve's handles in a process that already talked to another Ray cluster (the
+# cluster tests' one) can hang (Ray Serve keeps its router state per process).
 @pytest.mark.slow
 def test_job_through_the_app_equals_own_replicas_and_online_requests_preempt_it(tmp_path, cluster, tiny_app,
                                                                                  tiny_model):
@@ -166,14 +186,17 @@ def test_job_through_the_app_equals_own_replicas_and_online_requests_preempt_it(
     import ray
 
     from cluster import backlog
-    from jobs.runner import JobRunner, run_job
+    from jobs.app_link import backlog_key
 
     n = 40
     inp = write_parquet(tmp_path / "in.parquet", prompt=[_prompt(i) for i in range(n)],
                         max_tokens=[4 + i % 5 for i in range(n)])
-    via_app = run_job(JobConfig(input=str(inp), output=str(tmp_path / "app.out"), serve_app="tiny", max_tokens=8))
-    own = run_job(JobConfig(input=str(inp), output=str(tmp_path / "own.out"), model=tiny_model, draft="none",
-                            max_model_len=128, max_num_seqs=4, cpus_per_replica=1, max_tokens=8))
+    for cfg in (JobConfig(input=str(inp), output=str(tmp_path / "app.out"), serve_app="tiny", max_tokens=8),
+                JobConfig(input=str(inp), output=str(tmp_path / "own.out"), model=tiny_model, draft="none",
+                          max_model_len=128, max_num_seqs=4, cpus_per_replica=1, max_tokens=8)):
+        res = _drive(cluster, cfg)
+        assert res.returncode == 0, res.stdout + res.stderr
+    via_app, own = read_manifest(tmp_path / "app.out"), read_manifest(tmp_path / "own.out")
     assert via_app["complete"] and own["complete"] and via_app["error_rows"] == own["error_rows"] == 0
     a = {r["id"]: (r["text"], r["completion_tokens"], r["finish_reason"]) for r in read_rows(tmp_path / "app.out")}
     b = {r["id"]: (r["text"], r["completion_tokens"], r["finish_reason"]) for r in read_rows(tmp_path / "own.out")}
@@ -181,29 +204,25 @@ def test_job_through_the_app_equals_own_replicas_and_online_requests_preempt_it(
 
     # a long job runs through the app while online requests come over HTTP
     big = write_parquet(tmp_path / "big.parquet", prompt=[_prompt(i) for i in range(5000)])
-    runner = JobRunner(JobConfig(input=str(big), serve_app="tiny", max_tokens=8, rows_per_file=100))
-    box: dict = {}
-    thread = threading.Thread(target=lambda: box.setdefault("m", runner.run()), daemon=True)
-    thread.start()
-    t0 = time.monotonic()
-    while runner.stats.rows < 20:
-        assert time.monotonic() - t0 < 300 and thread.is_alive(), "the job does not progress"
-        time.sleep(0.05)
+    out = tmp_path / "big.out"
+    proc = _start(cluster, JobConfig(input=str(big), output=str(out), serve_app="tiny", max_tokens=8,
+                                     rows_per_file=20, commit_interval_s=1))
+    _wait_rows(proc, out, 1)
     client = openai.OpenAI(base_url=tiny_app["url"], api_key="unused", max_retries=0, timeout=300)
     done = []
     for i in range(4):      # each grows to 8 KV blocks (24 + 100 tokens) next to the job's rows: they make room
         r = client.completions.create(model=tiny_model, prompt="the quick brown fox jumps over the dog " + str(i),
                                       max_tokens=100, temperature=0, extra_body={"ignore_eos": True})
         done.append((r.choices[0].finish_reason, r.usage.completion_tokens))
-    during = runner.stats.rows
+    during = len(pq.read_table(out, columns=["id"]))
     board = backlog.board("tiny", create=False)                      # the job's rows to send, for autoscaling
-    assert 0 < ray.get(board.snapshot.remote())[runner.app.job_key] <= 5000
-    runner.stopping = "test"                                         # what SIGTERM / `job cancel` does
-    thread.join(120)
-    m = box["m"]
-    assert runner.app.job_key not in ray.get(board.snapshot.remote())   # cleared when the driver ends
+    assert 0 < ray.get(board.snapshot.remote())[backlog_key(str(out))] <= 5000
+    proc.send_signal(signal.SIGTERM)                                 # what `job cancel` does
+    code, log = _finish(proc, 120)
+    m = read_manifest(out)
+    assert backlog_key(str(out)) not in ray.get(board.snapshot.remote())   # cleared when the driver ends
     assert done == [("length", 100)] * 4                             # every online request finished, whole
-    assert m["status"] == "cancelled" and m["rows"] >= during > 20 and m["error_rows"] == 0
+    assert m["status"] == "cancelled" and m["rows"] >= during >= 20 and m["error_rows"] == 0, (code, log)
     # offline rows gave way: preempted for online requests (row metrics, summed in the manifest; the
     # same job alone never is, see the kill -9 test), or deferred in the engine while an online request
     # got its first token (the app's /metrics)
@@ -224,7 +243,6 @@ def test_default_model_job_through_the_app_equals_own_replicas(tmp_path, cluster
     import openai
 
     from cluster.config import ServeConfig
-    from jobs.runner import JobRunner, run_job
 
     app = _deploy(ServeConfig(app_name="gemma", num_replicas=1, resources_per_rank={"cpu": 1},
                               limits={"max_num_seqs": 4}))
@@ -232,18 +250,17 @@ def test_default_model_job_through_the_app_equals_own_replicas(tmp_path, cluster
     messages = [None, None, [{"role": "user", "content": "Name three colors."}], None,
                 [{"role": "user", "content": "What is 2+2?"}]]
     inp = write_parquet(tmp_path / "in.parquet", id=list(range(len(prompts))), prompt=prompts, messages=messages)
-    runner = JobRunner(JobConfig(input=str(inp), output=str(tmp_path / "app.out"), serve_app=app, max_tokens=12))
-    box: dict = {}
-    thread = threading.Thread(target=lambda: box.setdefault("m", runner.run()), daemon=True)
-    thread.start()
+    proc = _start(cluster, JobConfig(input=str(inp), output=str(tmp_path / "app.out"), serve_app=app, max_tokens=12))
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{cluster['port']}/gemma/v1", api_key="unused", max_retries=0,
                            timeout=300)
     online = client.chat.completions.create(model="gemma-3-270m", messages=[{"role": "user", "content": "Hi!"}],
                                             max_tokens=8, temperature=0)
-    thread.join(600)
-    via_app = box["m"]
-    own = run_job(JobConfig(input=str(inp), output=str(tmp_path / "own.out"), max_num_seqs=4, cpus_per_replica=1,
-                            max_tokens=12))
+    code, log = _finish(proc, 600)
+    assert code == 0, log
+    res = _drive(cluster, JobConfig(input=str(inp), output=str(tmp_path / "own.out"), max_num_seqs=4,
+                                    cpus_per_replica=1, max_tokens=12))
+    assert res.returncode == 0, res.stdout + res.stderr
+    via_app, own = read_manifest(tmp_path / "app.out"), read_manifest(tmp_path / "own.out")
     assert online.choices[0].finish_reason in ("stop", "length") and online.usage.completion_tokens > 0
     assert via_app["complete"] and own["complete"] and via_app["error_rows"] == own["error_rows"] == 0
     assert via_app["serve_app"]["engine"]["model"] == "gemma-3-270m" and via_app["fingerprint"]["draft"] == "default"
@@ -257,38 +274,28 @@ def test_an_app_deleted_mid_job_fails_it_and_a_rerun_resumes_once_it_is_back(tmp
     from ray import serve
 
     from cluster.config import ServeConfig
-    from jobs.replica_pool import JobFailed
-    from jobs.runner import JobRunner, run_job
 
     app_cfg = ServeConfig(model=tiny_model, draft=None, app_name="doomed", num_replicas=1,
                           resources_per_rank={"cpu": 0.5}, limits={"max_model_len": 128, "max_num_seqs": 8})
     _deploy(app_cfg)
-    n = 3000
+    n = 1200
     inp = write_parquet(tmp_path / "in.parquet", prompt=[_prompt(i) for i in range(n)])
-    cfg = JobConfig(input=str(inp), serve_app="doomed", max_tokens=8, rows_per_file=50, commit_interval_s=1)
-    runner = JobRunner(cfg)
-    box: dict = {}
-
-    def run():
-        try:
-            box["m"] = runner.run()
-        except BaseException as e:
-            box["e"] = e
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    t0 = time.monotonic()
-    while runner.stats.rows < 60:
-        assert time.monotonic() - t0 < 300 and thread.is_alive(), box
-        time.sleep(0.05)
+    out = tmp_path / "in.out"
+    cfg = JobConfig(input=str(inp), output=str(out), serve_app="doomed", max_tokens=8, rows_per_file=50,
+                    commit_interval_s=1)
+    proc = _start(cluster, cfg)
+    _wait_rows(proc, out, 2)
     serve.delete("doomed")
-    thread.join(300)
-    assert isinstance(box.get("e"), JobFailed) and "'doomed' is gone" in str(box["e"]), box
-    m = read_manifest(tmp_path / "in.out")
-    assert m["status"] == "failed" and 60 <= m["rows"] < n and m["error_rows"] == 0, m   # no row became an error
+    code, log = _finish(proc, 300)
+    assert code == 1 and "job failed" in log and "'doomed' is gone" in log, (code, log)
+    m = read_manifest(out)
+    assert m["status"] == "failed" and 100 <= m["rows"] < n and m["error_rows"] == 0, m   # no row became an error
 
     _deploy(app_cfg)                                                 # the app is back: the same job resumes
-    m = run_job(cfg)
-    ids = [r["id"] for r in read_rows(tmp_path / "in.out")]
+    res = _drive(cluster, cfg)
+    assert res.returncode == 0, res.stdout + res.stderr
+    m = read_manifest(out)
+    ids = [r["id"] for r in read_rows(out)]
     assert m["complete"] and m["error_rows"] == 0 and len(ids) == n and len(set(ids)) == n
     serve.delete("doomed")
 
