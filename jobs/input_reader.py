@@ -28,7 +28,7 @@ __all__ = ["InputError", "InputPlan", "Row", "iter_rows", "open_input"]
 
 OVERRIDES = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
 OUTPUT_COLUMNS = ("id", "text", "finish_reason", "prompt_tokens", "completion_tokens",
-                  "accepted_tokens_per_step", "latency_s", "error")
+                  "accepted_tokens_per_step", "latency_s", "ttft_s", "error")
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 
 

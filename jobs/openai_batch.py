@@ -33,7 +33,7 @@ def openai_line(rec: dict) -> dict:
     body = {"id": f"{prefix}-{digest}", "object": obj, "created": int(time.time()),
             "model": rec.get("model"), "choices": [choice], "usage": usage,
             "eagle": {"accepted_tokens_per_step": rec.get("accepted_tokens_per_step"),
-                      "latency_s": rec.get("latency_s")}}
+                      "latency_s": rec.get("latency_s"), "ttft_s": rec.get("ttft_s")}}
     return {"id": f"batch_req_{digest}", "custom_id": rec["id"],
             "response": {"status_code": 200, "request_id": digest, "body": body}, "error": None}
 

@@ -40,7 +40,8 @@ MANIFEST = "_manifest.json"
 BASE_SCHEMA = pa.schema([
     ("id", pa.string()), ("text", pa.string()), ("finish_reason", pa.string()),
     ("prompt_tokens", pa.int32()), ("completion_tokens", pa.int32()),
-    ("accepted_tokens_per_step", pa.float32()), ("latency_s", pa.float64()), ("error", pa.string()),
+    ("accepted_tokens_per_step", pa.float32()), ("latency_s", pa.float64()), ("ttft_s", pa.float64()),
+    ("error", pa.string()),
 ])
 EXT = {"parquet": ".parquet", "openai-batch": ".jsonl"}
 

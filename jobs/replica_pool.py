@@ -41,7 +41,7 @@ def row_result(last) -> dict:
     return {"text": last.text, "finish_reason": last.finish_reason,
             "prompt_tokens": len(last.prompt_token_ids), "completion_tokens": len(last.token_ids),
             "accepted_tokens_per_step": float(m.get("mean_accepted_tokens", 1.0)),
-            "latency_s": m.get("latency_s"), "forwards": int(m.get("num_target_forwards", 0)),
+            "latency_s": m.get("latency_s"), "ttft_s": m.get("ttft_s"), "forwards": int(m.get("num_target_forwards", 0)),
             "cached_tokens": m.get("num_cached_tokens"), "num_preemptions": int(m.get("num_preemptions", 0))}
 
 

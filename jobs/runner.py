@@ -32,7 +32,8 @@ from jobs.progress import Progress, RowCounts
 
 logger = logging.getLogger(__name__)
 _EMPTY = {"text": None, "finish_reason": None, "prompt_tokens": None, "completion_tokens": None,
-          "accepted_tokens_per_step": None, "latency_s": None, "error": None}
+          "accepted_tokens_per_step": None, "latency_s": None, "ttft_s": None,
+          "error": None}
 
 
 def row_seed(row_id: str | int) -> int:

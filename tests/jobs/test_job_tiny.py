@@ -73,6 +73,8 @@ def test_job_matches_llm_generate_with_overrides_and_bad_rows(tmp_path, tiny_mod
             (i, r, out.text, out.token_ids)
         assert r["completion_tokens"] == max_tokens[i] or r["finish_reason"] == "stop"
         assert r["prompt_tokens"] == len(out.prompt_token_ids) and r["accepted_tokens_per_step"] == 1.0
+        assert 0 < r["ttft_s"] <= r["latency_s"]                     # the engine's times of the row
+    assert rows["q4"]["ttft_s"] is None and rows["q4"]["latency_s"] is None
     chats = llm.chat([messages[9], messages[10]], [SamplingParams(max_tokens=max_tokens[9], temperature=0.0),
                                                    SamplingParams(max_tokens=max_tokens[10], temperature=0.0)])
     assert rows["q9"]["text"] == chats[0].text and rows["q10"]["text"] == chats[1].text, (rows["q9"], rows["q10"], chats)
