@@ -278,7 +278,7 @@ def test_an_app_deleted_mid_job_fails_it_and_a_rerun_resumes_once_it_is_back(tmp
     app_cfg = ServeConfig(model=tiny_model, draft=None, app_name="doomed", num_replicas=1,
                           resources_per_rank={"cpu": 0.5}, limits={"max_model_len": 128, "max_num_seqs": 8})
     _deploy(app_cfg)
-    n = 1200
+    n = 600
     inp = write_parquet(tmp_path / "in.parquet", prompt=[_prompt(i) for i in range(n)])
     out = tmp_path / "in.out"
     cfg = JobConfig(input=str(inp), output=str(out), serve_app="doomed", max_tokens=8, rows_per_file=50,
