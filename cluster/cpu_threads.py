@@ -20,7 +20,7 @@ from cluster.config import ServeConfig
 def rank_env(config: ServeConfig) -> dict[str, str]:
     """Environment of a serving rank's process. On CPU its OpenMP threads sleep when idle instead of
     spinning (OMP_WAIT_POLICY=PASSIVE): the proxy, ingress and streams of a node need those cores
-    between the engine's ops (measured: +7% tok/s at concurrency 1 and +15% at 8 over HTTP, 2 cores);
+    between the engine's ops (measured: +4% tok/s at concurrency 1 and +16% at 8 over HTTP, 2 cores);
     an OMP_WAIT_POLICY the caller set is kept."""
     if config.device != "cpu":
         return {}

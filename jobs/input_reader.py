@@ -22,13 +22,13 @@ import pyarrow.parquet as pq
 
 from jobs.id_set import IdSet
 from jobs.input_files import InputError, file_identity, kind_of, label_of, resolve_files
+from jobs.output_writer import BASE_SCHEMA
 from jobs.storage import is_uri
 
 __all__ = ["InputError", "InputPlan", "Row", "iter_rows", "open_input"]
 
 OVERRIDES = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
-OUTPUT_COLUMNS = ("id", "text", "finish_reason", "prompt_tokens", "completion_tokens",
-                  "accepted_tokens_per_step", "latency_s", "ttft_s", "error")
+OUTPUT_COLUMNS = tuple(BASE_SCHEMA.names)
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 
 

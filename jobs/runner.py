@@ -27,13 +27,11 @@ from cluster.signals import on_stop_signals, restore_signals
 from jobs.id_set import IdSet
 from jobs.input_reader import Row, iter_rows, open_input
 from jobs.job_config import JobConfig, JobConfigError, builtin_head_error
-from jobs.output_writer import OutputDir, OutputError, PartWriter, new_run_id, output_schema
+from jobs.output_writer import BASE_SCHEMA, OutputDir, OutputError, PartWriter, new_run_id, output_schema
 from jobs.progress import Progress, RowCounts
 
 logger = logging.getLogger(__name__)
-_EMPTY = {"text": None, "finish_reason": None, "prompt_tokens": None, "completion_tokens": None,
-          "accepted_tokens_per_step": None, "latency_s": None, "ttft_s": None,
-          "error": None}
+_EMPTY = dict.fromkeys(n for n in BASE_SCHEMA.names if n != "id")   # every output column of a row not generated
 
 
 def row_seed(row_id: str | int) -> int:
