@@ -57,9 +57,9 @@ def check_engine(target: Path, head: Path, device: str) -> dict:
     cpu = _greedy(LLM(model=str(target), draft=None), PROMPTS)
     plain = _greedy(LLM(model=str(target), device=device, draft=None), PROMPTS)
     out = {"greedy_equals_cpu": plain == cpu}
-    methods = {"chain": SpecConfig(draft=str(head), tree="chain", adaptive=False),
-               "static": SpecConfig(draft=str(head), tree="static", adaptive=False),
-               "dynamic": SpecConfig(draft=str(head), tree="dynamic", adaptive=False),
+    methods = {"chain": SpecConfig(draft=str(head), lookup=False, tree="chain", adaptive=False),
+               "static": SpecConfig(draft=str(head), lookup=False, tree="static", adaptive=False),
+               "dynamic": SpecConfig(draft=str(head), lookup=False, tree="dynamic", adaptive=False),
                "lookup": SpecConfig(lookup=True, adaptive=False),
                "hybrid": SpecConfig(draft=str(head), tree="dynamic", lookup=True, adaptive=False)}
     for name, spec in methods.items():
@@ -160,7 +160,7 @@ def time_decoding(target: Path, head: Path, device: str, sizes=(1, 16, 64)) -> l
     from eagle_worker.speculative.config import SpecConfig
 
     engines = {"vanilla": LLM(model=str(target), device=device, draft=None),
-               "dynamic": LLM(model=str(target), device=device, spec=SpecConfig(draft=str(head), adaptive=False))}
+               "dynamic": LLM(model=str(target), device=device, spec=SpecConfig(draft=str(head), lookup=False, adaptive=False))}
     rows = []
     for bs in sizes:
         batch = (PROMPTS * bs)[:bs]
@@ -192,7 +192,7 @@ def check_training(target: Path, work: Path, device: str) -> dict:
                  progress=False)
     seconds = time.perf_counter() - t0
     plain = _greedy(LLM(model=str(target), device=device, draft=None), PROMPTS)
-    spec = _greedy(LLM(model=str(target), device=device, spec=SpecConfig(draft=str(out), adaptive=False)), PROMPTS)
+    spec = _greedy(LLM(model=str(target), device=device, spec=SpecConfig(draft=str(out), lookup=False, adaptive=False)), PROMPTS)
     return {"train_head_steps": record["steps"], "train_head_s": round(seconds, 1),
             "heldout_acc": record["metrics"].get("heldout_acc"), "trained_head_lossless": spec == plain,
             "trained_head_ran": record["steps"] == 24}

@@ -39,8 +39,8 @@ def _spec_config(method: str, draft: str, tree: dict | None = None):
     if method == "hybrid":
         return SpecConfig(draft=draft, tree="dynamic", lookup=True, adaptive=False, **tree)
     if method == "chain":
-        return SpecConfig(draft=draft, tree="chain", adaptive=False, depth=5, num_draft_tokens=5)
-    return SpecConfig(draft=draft, tree=method, adaptive=False, **(tree if method == "dynamic" else {}))
+        return SpecConfig(draft=draft, lookup=False, tree="chain", adaptive=False, depth=5, num_draft_tokens=5)
+    return SpecConfig(draft=draft, lookup=False, tree=method, adaptive=False, **(tree if method == "dynamic" else {}))
 
 
 def _random_head(llm, out: Path, draft_vocab: int = 8192) -> str:
@@ -271,7 +271,7 @@ def _sweep(model: str, dtype: str, draft: str, prompts: list[str], sizes, max_to
 
     rows = []
     engines = {"no head": LLM(model=model, dtype=dtype, device=device, draft=None),
-               "head (adaptive)": LLM(model=model, dtype=dtype, device=device, spec=SpecConfig(draft=draft, adaptive=True))}
+               "head (adaptive)": LLM(model=model, dtype=dtype, device=device, spec=SpecConfig(draft=draft, lookup=False, adaptive=True))}
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for bs in sizes:
         batch = (prompts * (bs // max(len(prompts), 1) + 1))[:bs]

@@ -11,9 +11,9 @@ Example YAML (every key optional)::
 
     model: gemma-3-270m
     served_model_name: gemma-3-270m   # name clients pass as "model"; defaults to `model`
-    draft: auto                       # auto (the model's built-in EAGLE head, if any), default, a head
-                                      # folder, or null = plain decoding
-    # speculation: {tree: dynamic, depth: 5, top_k: 8, num_draft_tokens: 16, adaptive: true, lookup: false}
+    draft: auto                       # auto (the hybrid with the model's built-in EAGLE head, or prompt
+                                      # lookup where it has none), default, a head folder, or null = plain decoding
+    # speculation: {tree: dynamic, depth: 5, top_k: 8, num_draft_tokens: 16, adaptive: true, lookup: true}
     dtype: float32
     device: cpu                       # cpu | cuda
     tp_size: 1                        # ranks per replica (tensor parallel)
@@ -175,7 +175,7 @@ class SpeculationConfig(_Strict):
     top_k: int = Field(8, ge=1, description="dynamic tree: nodes expanded per level")
     num_draft_tokens: int = Field(16, ge=1, description="tree nodes verified per step")
     adaptive: bool = Field(True, description="size the tree per step from batch size and measured speed")
-    lookup: bool = Field(False, description="also propose prompt-lookup continuations")
+    lookup: bool = Field(True, description="also propose prompt-lookup continuations (false: the head alone)")
 
 
 class IngressConfig(_Strict):
@@ -200,7 +200,8 @@ class ServeConfig(_Strict):
     kv_cache_gb: float | None = Field(None, gt=0, description="KV-cache budget per replica; None = engine default")
     enable_prefix_caching: bool = Field(True, description="automatic prefix caching in the engine (vLLM's name) "
                                         "and prefix-aware routing across replicas")
-    speculation: SpeculationConfig | None = None
+    speculation: SpeculationConfig | None = Field(None, description="omit for the engine's default (the hybrid, or "
+                                                  "prompt lookup where the model has no head)")
     num_replicas: int | None = Field(None, ge=1)
     autoscaling: AutoscalingConfig | None = None
     placement_strategy: PlacementStrategy = PlacementStrategy.PACK
@@ -291,7 +292,7 @@ class ServeConfig(_Strict):
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for the engine's `EngineConfig`."""
         kw: dict[str, Any] = dict(
-            model=self.model, dtype=self.dtype, device=self.device, draft=self.resolved_draft,
+            model=self.model, dtype=self.dtype, device=self.device, draft=self.draft,   # the engine's default_spec
             tp_size=self.tp_size, max_num_seqs=self.limits.max_num_seqs,
             enable_prefix_caching=self.enable_prefix_caching,
         )

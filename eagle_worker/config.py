@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eagle_worker.speculative.config import SpecConfig, choose_draft
+from eagle_worker.speculative.config import SpecConfig, default_spec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -22,8 +22,8 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"
     draft: str | None = "auto"         # EAGLE head folder, "default" (built-in head), "auto" (the built-in
-                                       # head when the model has one), or None/"none"
-    spec: SpecConfig | None = None     # full speculation settings; built from `draft` when not given
+                                       # head when the model has one), or None/"none": no speculation
+    spec: SpecConfig | None = None     # full speculation settings; default_spec(draft) when not given
     tp_size: int = 1
     block_size: int = 16
     kv_cache_gb: float = 1.0           # KV memory budget; blocks = budget / bytes per block
@@ -39,9 +39,9 @@ class EngineConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"EngineConfig.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         check_device(self.device)
-        self.draft = choose_draft(self.draft, self.model)
-        if self.spec is None and self.draft is not None:
-            self.spec = SpecConfig(draft=self.draft)
+        if self.spec is None:
+            self.spec = default_spec(self.draft, self.model)
+        self.draft = self.spec.draft if self.spec is not None else None   # as resolved
         if self.block_size <= 0 or self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
             raise ValueError("EngineConfig.block_size, max_num_seqs and max_num_batched_tokens must be positive")
 

@@ -1,6 +1,7 @@
 """`eaglectl generate`: one completion from the engine (eagle_worker), printed."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import click
@@ -18,18 +19,22 @@ from eaglectl.common import fail
 @click.option("--seed", default=None, type=int)
 @click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16", "float16"]))
 @click.option("--device", default="cpu", show_default=True)
-@click.option("--draft", default="none", show_default=True, help="EAGLE head: a folder, 'default' (the built-in head) or 'none'.")
+@click.option("--draft", default="auto", show_default=True,
+              help="'auto' (the hybrid with the model's built-in head, or prompt lookup), a head folder, "
+                   "'default' (the built-in head) or 'none' (no speculation).")
 @click.option("--tree", default="dynamic", show_default=True, type=click.Choice(["dynamic", "static", "chain"]))
 @click.option("--num-draft-tokens", default=16, show_default=True, type=int)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the text.")
 def generate(model, prompt, max_tokens, temperature, top_p, top_k, seed, dtype, device, draft, tree, num_draft_tokens, as_json):
     """Generate a completion for one prompt."""
     from eagle_worker import LLM, SamplingParams
-    from eagle_worker.speculative.config import SpecConfig
+    from eagle_worker.speculative.config import default_spec
 
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-        spec = None if draft == "none" else SpecConfig(draft=draft, tree=tree, num_draft_tokens=num_draft_tokens)
+        spec = default_spec(draft, model)
+        if spec is not None:
+            spec = dataclasses.replace(spec, tree=tree, num_draft_tokens=num_draft_tokens)
         llm = LLM(model=model, dtype=dtype, device=device, spec=spec)
         out = llm.generate([prompt], params)[0]
     except ValueError as e:

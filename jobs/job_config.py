@@ -37,8 +37,9 @@ class JobConfig(BaseModel):
 
     # the model
     model: str = "gemma-3-270m"
-    draft: str = Field("auto", description="'auto' (the model's built-in EAGLE head if it has one, else none), "
-                                           "'default' (that head, required), 'none', or a head folder")
+    draft: str = Field("auto", description="'auto' (the hybrid with the model's built-in EAGLE head, or prompt "
+                                           "lookup where it has none), 'default' (that head, required), "
+                                           "'none' (no speculation), or a head folder")
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
     device: Literal["cpu", "cuda"] = "cpu"
     engine: str = Field("eagle_worker", description="module exposing LLMEngine/EngineConfig/SamplingParams")

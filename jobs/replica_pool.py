@@ -100,7 +100,7 @@ def serve_config(cfg: JobConfig, cpus: float) -> ServeConfig:
     extra = {}
     if "enable_prefix_caching" in ServeConfig.model_fields:   # the serve config passes it to the engine
         extra["enable_prefix_caching"] = cfg.enable_prefix_caching
-    return ServeConfig(model=cfg.model, draft=cfg.resolved_draft(), dtype=cfg.dtype, device=cfg.device,
+    return ServeConfig(model=cfg.model, draft=cfg.draft, dtype=cfg.dtype, device=cfg.device,
                        engine=cfg.engine, tp_size=cfg.tp_size, chat_template=cfg.chat_template,
                        limits=Limits(**limits), **extra,
                        resources_per_rank=RankResources(cpu=cpus, gpu=1 if cfg.device == "cuda" else 0))

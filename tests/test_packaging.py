@@ -77,7 +77,7 @@ import bench.prompts, eagle_worker
 from eagle_worker import LLM, SamplingParams
 from eagle_worker.speculative.config import SpecConfig, choose_draft, resolve_draft
 head = Path(resolve_draft(choose_draft("auto", "gemma-3-270m"), "gemma-3-270m")).resolve()
-out = LLM(model="gemma-3-270m", spec=SpecConfig(draft="default", tree="chain", adaptive=False)).generate(
+out = LLM(model="gemma-3-270m", spec=SpecConfig(draft="default", lookup=False, tree="chain", adaptive=False)).generate(
     ["Question: What is 12 times 12?\nAnswer:"], SamplingParams(max_tokens=16, temperature=0.0))
 print(json.dumps({"package": str(Path(eagle_worker.__file__).resolve()), "head": str(head),
                   "prompts": str(bench.prompts.SPEC_BENCH.resolve()), "questions": len(bench.prompts.load_questions()),

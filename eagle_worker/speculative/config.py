@@ -9,6 +9,9 @@ TREES = ("dynamic", "static", "chain")
 
 @dataclass
 class SpecConfig:
+    """The defaults are the default method: the hybrid (lookup merged with the head's tree), sized
+    per sequence and step (hybrid.py); `lookup=False` is the head alone, `draft=None` lookup alone."""
+
     draft: str | None = None            # head folder, "default" (the built-in head of a built-in model), None
     method: str | None = None           # "eagle" (EAGLE-1/2) | "eagle3"; None: whatever the checkpoint is
     tree: str = "dynamic"               # EAGLE-2 dynamic tree, EAGLE-1 static tree, or a chain
@@ -16,8 +19,8 @@ class SpecConfig:
     top_k: int = 8                      # dynamic: nodes expanded per level, children per node
     num_draft_tokens: int = 16          # tree nodes verified per step, root excluded
     static_choices: list[list[int]] | None = None   # static tree paths; default EAGLE-1's 25-node tree
-    adaptive: bool = True               # choose the budget per step from batch size and measured speed
-    lookup: bool = False                # also propose prompt-lookup continuations, merged into the tree
+    adaptive: bool = True               # size each step's trees from measured costs (False: always the full tree)
+    lookup: bool = True                 # also propose prompt-lookup continuations, merged into the tree
     lookup_ngram: tuple[int, int] = (2, 5)   # n-gram lengths matched, longest first
     lookup_max_tokens: int = 8          # tokens per lookup branch
     lookup_max_branches: int = 3        # matches (branches) per step
@@ -57,6 +60,16 @@ def choose_draft(draft: str | None, model: str) -> str | None:
     if draft == "auto":
         return "default" if has_builtin_head(model) else None
     return draft
+
+
+def default_spec(draft: str | None, model: str) -> SpecConfig | None:
+    """The speculation a `draft` setting gets, on every front door (`LLM()`, `eaglectl generate`,
+    `eaglectl serve`, `submit-job`): None, "" and "none" turn it off; anything else gets the fastest
+    lossless method for the model: the hybrid with the head `choose_draft` names, or prompt lookup
+    alone where the model has no head (measured in `eaglectl bench spec --batch-sizes`)."""
+    if draft in (None, "", "none"):
+        return None
+    return SpecConfig(draft=choose_draft(draft, model))
 
 
 def resolve_draft(draft: str | None, model: str) -> str | None:

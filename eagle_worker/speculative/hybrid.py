@@ -1,12 +1,17 @@
 """Hybrid drafting: per request and step, which sources draft (prompt lookup, the head, both or
-neither), and how the node budget is split when both do.
+neither) and how many nodes each gets: the batch-aware budget.
 
 Prompt lookup is nearly free to draft but its branches cost verification rows; the head costs a
-drafting pass and rows too. So each step picks, per request, the mode with the most expected
-tokens per second: plain (1 token per step), lookup (1 + what lookup's proposal is expected to
-add), head (1 + the head's recent accepted tokens) or merged (lookup's + what the head's own nodes
-recently added beside lookup), each over its measured step seconds (per mode and batch-size
-bucket). Lookup's expectation depends on how its previous proposal for the request did: a copy
+drafting pass and rows too. So each step picks, per request, the drafting with the fewest expected
+seconds per token: plain (1 token per step), lookup with its branches cut to the depth that pays
+best (1 + what that much of lookup's proposal is expected to add), head (1 + the head's recent
+accepted tokens) or merged (lookup's + what the head's own nodes recently added beside lookup).
+A request's seconds are its share of the step's fixed cost (the fixed cost over the batch size),
+its rows and its share of the head's passes, priced by `StepCost`, the device's measured cost of a
+row: at batch 1 the fixed cost dominates and a likely token is worth a row; at batch 64 a row
+costs about as much as a request's whole share, so only a source that is likely to hit keeps its
+nodes (a copy lookup is certain of keeps its branch, a head that rarely hits drafts nothing).
+Lookup's expectation depends on how its previous proposal for the request did: a copy
 that was followed to the end keeps going, a miss is usually followed by more misses; the worker
 keeps, after each outcome, the share of proposals that reached each depth, so a merged tree whose
 lookup branches are cut short to make room for the head is charged for the tokens they give up. A
@@ -31,7 +36,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from eagle_worker.speculative.draft_tree import StepMode
-from eagle_worker.speculative.policy import StepMeans, bucket
+from eagle_worker.speculative.policy import StepMeans
+from eagle_worker.speculative.step_cost import StepCost, StepWork
 
 GAINS = ("extra", "head")       # accepted per step: the head's own nodes beside lookup; the head alone
 LOOKUP_OUTCOMES = ("new", "miss", "partial", "complete")   # how a request's previous lookup proposal did
@@ -69,18 +75,43 @@ class HybridState:
                                                     # carry, and all tokens per step (None: new request)
 
 
+@dataclass(frozen=True)
+class Choice:
+    """One request's drafting for this step: which sources, lookup's branches cut to how many
+    tokens, and how many nodes the head keeps."""
+
+    mode: StepMode
+    lookup_depth: int = 0
+    head_nodes: int = 0
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What the chooser knows of the step it sizes trees for."""
+
+    batch_size: int            # decoding sequences this step
+    head: bool = True          # a head exists
+    head_seqs: int = 1         # sequences expected to share the head's passes (last step's count)
+
+
+def trie_nodes(branches: list[list[int]], depth: int) -> int:
+    """Nodes the branches make as a trie when each is cut to `depth` tokens."""
+    return len({tuple(br[:d]) for br in branches for d in range(1, min(depth, len(br)) + 1)})
+
+
 class HybridSplit:
     PROBE_EVERY = 16           # a skipped head still drafts on the 16th skipped step, then the 32nd after
     MAX_PROBE_EVERY = 64       # that, ... up to every 64th while skipping keeps being right
     PROBE_SHARE = 0.05         # a probe's catch-up may cost at most this share of the remaining time
 
-    def __init__(self, ema: float = 0.2, prior_ema: float = 0.05):
+    def __init__(self, cost: StepCost | None = None, depth: int = 5, top_k: int = 8, prior_ema: float = 0.05):
         self.prior_ema = prior_ema
-        self.steps = StepMeans(ema)                            # (bucket, mode) -> (step seconds,)
+        self.cost = cost or StepCost()                         # seconds of a step's rows on this device
+        self.depth, self.top_k = depth, top_k                  # the head's tree shape (its drafting rows)
         self.prior = dict.fromkeys(GAINS, 1.0)                 # accepted per step, all requests
         # by previous outcome: P(lookup accepts >= j + 1 tokens) at index j (its sum: the mean)
         self.lookup_reach = {o: [1.0] for o in LOOKUP_OUTCOMES}
-        self.catch_up = StepMeans(ema)                         # ("catch_up",) -> (tokens, seconds)
+        self.catch_up = StepMeans(0.2)                         # ("catch_up",) -> (tokens, seconds)
         self.free_tokens = (0.5, 1.0)      # tokens per step made on steps lookup did not carry, all tokens per step
 
     def new_gains(self) -> dict[str, float]:
@@ -88,53 +119,72 @@ class HybridSplit:
         return dict(self.prior)
 
     # ---- the choice ----------------------------------------------------------------------------
-    def choose(self, st: HybridState, branches, batch_size: int, remaining: int | None = None,
-               stretch: int = 0, budget: int | None = None) -> StepMode:
-        """This step's mode for one request. `remaining`: tokens it may still generate (None:
+    def choose(self, st: HybridState, branches, step: StepContext | int, remaining: int | None = None,
+               stretch: int = 0, budget: int = 16) -> Choice:
+        """This step's drafting for one request. `remaining`: tokens it may still generate (None:
         unbounded); `stretch`: pending tokens the head must catch up on beyond one step's worth;
-        `budget`: the step's node budget (None: lookup's branches are never cut short)."""
-        b = bucket(batch_size)
+        `budget`: the most draft nodes its tree may have."""
+        step = step if isinstance(step, StepContext) else StepContext(step)
         M = StepMode
-        candidates = (M.MERGED, M.LOOKUP, M.HEAD, M.PLAIN) if branches else (M.HEAD, M.PLAIN)
+        heads = (M.MERGED, M.HEAD) if step.head else ()
+        candidates = (*heads, M.LOOKUP, M.PLAIN) if branches else (*heads[1:], M.PLAIN)
         if stretch and (branches or st.free_tokens is None):
             # a head that sat out rejoins where lookup has nothing, not beside it, and not at a new
             # request's first step: whether lookup will carry the request is not known yet
             candidates = (M.LOOKUP, M.PLAIN) if branches else (M.PLAIN,)
-        untried = [m for m in candidates if self.steps.samples[(b, m)] < 2]
-        if untried:                                            # measure every mode's step time first
-            return untried[0]
         if remaining is not None:      # the head's catch-up is repaid only on steps lookup leaves to it
             remaining = max(1, round(remaining * self.free_share(st)))
         catch_up_s = self.catch_up_seconds(stretch)
-        cost = {m: self._seconds(st, b, m, remaining, catch_up_s, budget) for m in candidates}
-        mode = min(candidates, key=lambda m: cost[m])
-        if mode in _HEAD_MODES:               # the head drafts on its merits: probing starts over
+        options = {m: self._best(st, m, branches, step, remaining, catch_up_s, budget) for m in candidates}
+        choice, cost = min(options.values(), key=lambda o: o[1])
+        if choice.mode in _HEAD_MODES:        # the head drafts on its merits: probing starts over
             st.skipped_steps, st.probe_every = 0, self.PROBE_EVERY
-            return mode
+            return choice
         st.skipped_steps += 1
         every = st.probe_every or self.PROBE_EVERY
-        affordable = remaining is None or catch_up_s <= self.PROBE_SHARE * cost[mode]
+        affordable = remaining is None or catch_up_s <= self.PROBE_SHARE * cost
         if st.skipped_steps < every or not affordable or M.HEAD not in candidates:
-            return mode
+            return choice
         st.skipped_steps, st.probe_every = 0, min(2 * every, self.MAX_PROBE_EVERY)
-        return min((m for m in candidates if m in _HEAD_MODES), key=lambda m: cost[m])   # the cheaper probe
+        return min((options[m] for m in candidates if m in _HEAD_MODES), key=lambda o: o[1])[0]   # the cheaper probe
 
-    def _seconds(self, st: HybridState, b: int, mode: StepMode, remaining: int | None, catch_up_s: float,
-                 budget: int | None) -> float:
-        """Expected seconds for the request's remaining tokens in `mode` (per token when unbounded).
-        Beside the head, lookup keeps only what `head_nodes` leaves it of the budget."""
-        g = st.gains or self.prior
+    def _best(self, st: HybridState, mode: StepMode, branches, step: StepContext, remaining: int | None,
+              catch_up_s: float, budget: int) -> tuple[Choice, float]:
+        """The cheapest way to draft in `mode` (lookup's depth), and its expected seconds for the
+        request's remaining tokens (per token when unbounded)."""
+        head_n = 0
         if mode == StepMode.MERGED:
-            beside_head = budget - self.head_nodes(st, budget) if budget else None
-            tokens = 1.0 + self.expected_lookup(st.lookup_outcome, beside_head) + g["extra"]
-        elif mode == StepMode.LOOKUP:
-            tokens = 1.0 + self.expected_lookup(st.lookup_outcome, budget)
-        else:
-            tokens = 1.0 + g["head"] if mode == StepMode.HEAD else 1.0
-        per_token = self.steps.means[(b, mode)][0] / tokens
+            head_n = self.head_nodes(st, budget)
+        elif mode == StepMode.HEAD:
+            head_n = self.alone_nodes(budget)
+        best = None
+        depths = range(1, max(map(len, branches)) + 1) if mode in (StepMode.LOOKUP, StepMode.MERGED) else (0,)
+        for k in depths:
+            nodes = trie_nodes(branches, k) if k else 0
+            if k > 1 and head_n + nodes > budget:
+                break
+            per_token = self._seconds(st, mode, k, head_n + nodes, head_n, step)
+            if best is None or per_token < best[1]:
+                best = (Choice(mode, k, head_n), per_token)
+        choice, per_token = best
         if remaining is None:
-            return per_token
-        return remaining * per_token + (catch_up_s if mode in _HEAD_MODES else 0.0)
+            return choice, per_token
+        return choice, remaining * per_token + (catch_up_s if head_n else 0.0)
+
+    def _seconds(self, st: HybridState, mode: StepMode, lookup_depth: int, nodes: int, head_n: int,
+                 step: StepContext) -> float:
+        """Expected seconds per token of one step drafted so: the request's share of the step's
+        fixed cost, its rows, and its share of the head's passes, over the tokens it should make."""
+        g = st.gains or self.prior
+        tokens = 1.0 + (self.expected_lookup(st.lookup_outcome, lookup_depth) if lookup_depth else 0.0)
+        tokens += {StepMode.MERGED: g["extra"], StepMode.HEAD: g["head"]}.get(mode, 0.0)
+        c = self.cost
+        seconds = c.coefficient("fixed") / step.batch_size + c.coefficient("per_row") * (1 + nodes)
+        if head_n:
+            levels = min(self.depth, head_n)
+            seconds += c.coefficient("per_head_row") * (1 + (levels - 1) * min(self.top_k, head_n))
+            seconds += c.coefficient("per_head_pass") * levels / max(1, step.head_seqs)
+        return seconds / tokens
 
     def free_share(self, st: HybridState | None = None) -> float:
         """The share of tokens made on steps lookup did not carry: the request's recent share, or the
@@ -239,6 +289,6 @@ class HybridSplit:
         self._learn(sh.outcome_before, best)
         st.lookup_outcome = lookup_outcome(best, complete)
 
-    def observe(self, batch_size: int, mode: StepMode | str, seconds: float) -> None:
-        """Seconds of one pure-decode step whose trees were drafted in `mode`."""
-        self.steps.observe((bucket(batch_size), StepMode(mode)), seconds)
+    def observe(self, work: StepWork, seconds: float) -> None:
+        """Seconds of one pure-decode step and the rows it ran."""
+        self.cost.observe(work, seconds)

@@ -2,9 +2,11 @@
 forward as every other sequence's prefill chunk or plain decode, accept losslessly, keep the KV
 of the accepted path only.
 
-Per step: (1) the policy picks a tree budget for this batch size; (2) each decoding sequence
-drafts within the lookahead KV slots the scheduler reserved for it (fewer slots, a smaller tree)
-and the head drafts all trees together; (3) one target forward over prefill chunks, plain
+Per step: (1) each decoding sequence gets its tree budget: with prompt lookup the hybrid sizes
+each sequence's tree from its sources' expected yield and the device's cost of a row at this batch
+size (hybrid.py), a head alone gets the budget the policy measured best for this batch size
+(policy.py); (2) each sequence drafts within the lookahead KV slots the scheduler reserved for it
+(fewer slots, a smaller tree) and the head drafts all trees together; (3) one target forward over prefill chunks, plain
 decodes and tree tokens (tree-shaped attention masks); (4) greedy or sampling acceptance per tree,
 the accepted path's KV is compacted in place and the rest dropped; (5) the target's features of
 every newly committed token become the head's pending input.
@@ -35,9 +37,10 @@ from eagle_worker.speculative.draft_tree import DraftTree, StepMode
 from eagle_worker.speculative.drafter import Drafter, DraftSeq, DraftState
 from eagle_worker.speculative.head_loader import load_draft_head
 from eagle_worker.speculative.heads import DraftHead, TargetVocab
-from eagle_worker.speculative.hybrid import HybridSplit, HybridState
+from eagle_worker.speculative.hybrid import HybridSplit, HybridState, StepContext
 from eagle_worker.speculative.lookup import NgramIndex, merge_branches, prune_to_best
 from eagle_worker.speculative.policy import SpecPolicy
+from eagle_worker.speculative.step_cost import StepWork
 from eagle_worker.speculative.tree import MC_SIM_7B_63, TreeBatch, ancestor_mask, chain, static_tree
 
 
@@ -90,8 +93,10 @@ class EagleWorker:
             full = min(full, self.shape.num_nodes - 1)
         self.policy = SpecPolicy(full, spec.adaptive)
         self.num_lookahead_slots = self._slots_needed(full) - 1   # the scheduler reserves these per decode
-        self.hybrid = HybridSplit()
+        self.hybrid = HybridSplit(depth=spec.depth, top_k=spec.top_k)
         self.stretch_s = 0.0               # this step's seconds catching the head up on a stretch
+        self.head_work = [0, 0]            # this step's head rows with logits and head passes
+        self.head_seqs = 1                 # sequences the head drafted for last step
         self.states: dict[str, RequestState] = {}
         depth = max(spec.depth if self.shape is None else self.shape.max_depth, spec.lookup_max_tokens if spec.lookup else 0)
         self.totals = {"draft_s": 0.0, "verify_s": 0.0, "spec_steps": 0, "plain_steps": 0, "trees_shrunk_for_memory": 0,
@@ -132,9 +137,11 @@ class EagleWorker:
     # ---- one step ---------------------------------------------------------------------------
     def execute(self, batch: list[ScheduledSeq]) -> NewTokens:
         t0 = time.perf_counter()
-        self.stretch_s = 0.0
+        self.stretch_s, self.head_work = 0.0, [0, 0]
         decodes = [it for it in batch if it.num_tokens == 1 and it.completes and self._ready(it.seq)]
-        budget = self.policy.choose(len(decodes)) if decodes else 0
+        # with lookup the hybrid sizes each sequence's tree (the budget is its cap); a head alone
+        # draws one budget per step from the policy
+        budget = (self.policy.full if self.spec.lookup else self.policy.choose(len(decodes))) if decodes else 0
         trees = self._draft(decodes, budget) if budget else {}
         t1 = time.perf_counter()
         items = [self._tree_item(it.seq, trees[it.seq.request_id]) if it.seq.request_id in trees
@@ -148,7 +155,8 @@ class EagleWorker:
         if self.head is not None:
             self._write_prompt_head_kv(prefill)
         t2 = time.perf_counter()
-        self._account(batch, decodes, budget if trees else 0, new_tokens, t0, t1, t2, trees)
+        self._account(batch, decodes, budget if trees else 0, new_tokens, t0, t1, t2,
+                      sum(len(x.logit_rows) for x in items))
         return new_tokens
 
     def _ready(self, seq: Sequence) -> bool:
@@ -194,24 +202,33 @@ class EagleWorker:
         return cands
 
     def _choose_sources(self, cands: list[Candidate], budget: int) -> None:
-        """Who drafts for each candidate: the head alone, lookup alone, both or neither (the hybrid
-        decides per request); the head drafts only the nodes it keeps: beside lookup its share of
-        the budget, alone a small tree."""
-        if self.head is None or not self.spec.lookup:
+        """What each candidate drafts. A head alone drafts the step's budget. With lookup and
+        `adaptive`, the hybrid decides per request: the sources, lookup's depth and the head's
+        nodes (beside lookup its share of the budget, alone a small tree), priced at this batch
+        size; without `adaptive` every source drafts its share of the full tree."""
+        if not self.spec.lookup:
             for c in cands:
                 c.head_nodes = c.budget if self.head is not None else 0
             return
+        if not self.spec.adaptive:
+            for c in cands:
+                hs = self.states[c.seq.request_id].hybrid
+                if self.head is not None:
+                    c.head_nodes = self.hybrid.head_nodes(hs, c.budget) if c.branches else c.budget
+            return
+        step = StepContext(len(cands), head=self.head is not None, head_seqs=self.head_seqs)
         for c in cands:
             seq, hs = c.seq, self.states[c.seq.request_id].hybrid
             self.hybrid.score_shadow(hs, seq.token_ids)
-            mode = self.hybrid.choose(hs, c.branches, len(cands), remaining=seq.params.max_tokens - seq.num_output_tokens,
-                                      stretch=max(0, len(c.draft.state.tokens) - (budget + 1)), budget=c.budget)
-            if c.branches and mode in (StepMode.PLAIN, StepMode.HEAD):   # lookup sits out: score its proposal later
+            choice = self.hybrid.choose(hs, c.branches, step, remaining=seq.params.max_tokens - seq.num_output_tokens,
+                                        stretch=max(0, len(c.draft.state.tokens) - (budget + 1)), budget=c.budget)
+            if c.branches and choice.mode in (StepMode.PLAIN, StepMode.HEAD):   # lookup sits out: score its proposal later
                 self.hybrid.shadow(hs, len(seq.token_ids), c.branches, c.budget)
                 c.branches = []
-            if mode in (StepMode.HEAD, StepMode.MERGED):
-                c.head_nodes = (self.hybrid.head_nodes(hs, c.budget) if c.branches
-                                else self.hybrid.alone_nodes(c.budget))
+            elif c.branches:
+                c.branches = [br[:choice.lookup_depth] for br in c.branches]
+            c.head_nodes = choice.head_nodes
+        self.head_seqs = max(1, sum(1 for c in cands if c.head_nodes))
 
     def _draft_head(self, cands: list[Candidate], budget: int) -> dict[str, DraftTree]:
         """The head's trees, one batched draft per tree budget (one unless memory shrank some),
@@ -242,6 +259,9 @@ class EagleWorker:
         stretch = max(len(d.state.tokens) for d in batch) > stretch_after     # more than one step's worth
         t = time.perf_counter()
         root_hidden, root_lp = self.drafter.catch_up(batch)
+        forwarded = levels - 1 if self.shape is None else min(budget, self.shape.num_nodes - 1)
+        self.head_work[0] += len(batch) * (1 + forwarded * (top_k if self.shape is None else 1))
+        self.head_work[1] += levels
         if stretch:
             seconds = time.perf_counter() - t
             self.stretch_s += seconds
@@ -387,7 +407,7 @@ class EagleWorker:
         if mode in (StepMode.HEAD, StepMode.MERGED):     # only steps the head drafted say how well it does
             hs.ema_head = 0.7 * hs.ema_head + 0.3 * h
         hs.ema_lookup = 0.7 * hs.ema_lookup + 0.3 * lk
-        if self.head is not None and self.spec.lookup:
+        if self.spec.lookup:
             m.steps_by_source[mode.value] = m.steps_by_source.get(mode.value, 0) + 1
             head_only = sum(1 for i in accepted if tree.from_head[i] and not tree.from_lookup[i])
             self.hybrid.observe_accepted(hs, mode, head_only, len(accepted) + 1)
@@ -404,7 +424,7 @@ class EagleWorker:
                 self.totals["accepted_at_depth"][d - 1] += 1
                 per[d - 1] += 1
 
-    def _account(self, batch, decodes, budget, new_tokens, t0, t1, t2, trees) -> None:
+    def _account(self, batch, decodes, budget, new_tokens, t0, t1, t2, rows) -> None:
         self.totals["draft_s"] += t1 - t0
         self.totals["verify_s"] += t2 - t1
         self.totals["spec_steps" if budget else "plain_steps"] += 1
@@ -414,13 +434,13 @@ class EagleWorker:
         if decodes and len(decodes) == len(batch):
             produced = sum(len(new_tokens.get(it.seq.request_id, ())) for it in decodes)
             self.policy.observe(len(decodes), budget, produced, step_s)
-            if self.head is not None and self.spec.lookup and trees:   # the hybrid times each mode
-                order = list(StepMode)
-                self.hybrid.observe(len(decodes), max((t.mode for t in trees.values()), key=order.index), step_s)
+            if self.spec.lookup:        # the hybrid prices rows from every step's rows and seconds
+                self.hybrid.observe(StepWork(rows, *self.head_work), step_s)
 
     def stats(self) -> dict:
         t = self.totals
         rates = [a / d if d else 0.0 for a, d in zip(t["accepted_at_depth"], t["drafted_at_depth"])]
         return {"spec_draft_s": t["draft_s"], "spec_verify_s": t["verify_s"], "spec_steps": t["spec_steps"],
                 "plain_steps": t["plain_steps"], "spec_trees_shrunk_for_memory": t["trees_shrunk_for_memory"],
-                "acceptance_rate_per_depth": rates, "policy": self.policy.snapshot()}
+                "acceptance_rate_per_depth": rates,
+                "policy": self.policy.snapshot() if not self.spec.lookup else self.hybrid.cost.snapshot()}

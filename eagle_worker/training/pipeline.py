@@ -154,7 +154,7 @@ def engine_tau(target: str, dtype: str, head_dir: str | Path, prompts: list[list
     from eagle_worker.speculative.config import SpecConfig
 
     llm = LLM(model=target, dtype=dtype, device=device,
-              spec=SpecConfig(draft=str(head_dir), tree=tree, depth=depth, adaptive=False))
+              spec=SpecConfig(draft=str(head_dir), lookup=False, tree=tree, depth=depth, adaptive=False))
     outs = llm.generate(prompts, SamplingParams(max_tokens=new_tokens, temperature=0.0))
     taus = [o.metrics.get("mean_accepted_tokens", 1.0) for o in outs]
     return {"engine_tau": sum(taus) / len(taus), "engine_tau_per_prompt": taus, "tree": tree, "depth": depth,

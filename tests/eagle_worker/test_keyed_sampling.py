@@ -27,9 +27,9 @@ PARAMS = {
 def methods(head: str) -> dict[str, SpecConfig | None]:
     fixed = dict(adaptive=False, depth=3, top_k=3, num_draft_tokens=6)
     return {"plain": None,
-            "head": SpecConfig(draft=head, **fixed),
-            "head-adaptive": SpecConfig(draft=head),
-            "chain": SpecConfig(draft=head, tree="chain", depth=4, adaptive=False),
+            "head": SpecConfig(draft=head, lookup=False, **fixed),
+            "head-adaptive": SpecConfig(draft=head, lookup=False),
+            "chain": SpecConfig(draft=head, lookup=False, tree="chain", depth=4, adaptive=False),
             "lookup": SpecConfig(lookup=True, lookup_ngram=(1, 3), adaptive=False),
             "hybrid": SpecConfig(draft=head, lookup=True, lookup_ngram=(1, 3), **fixed)}
 
@@ -65,7 +65,7 @@ def test_same_tokens_after_preemption_and_in_chunked_prefill(copying_target):
     target, head = copying_target
     expected = run(LLM(model=str(target), draft=None, **KV), seeded("processed", max_tokens=24), batch=False)
     tight = LLM(model=str(target), block_size=4, num_kv_blocks=24, max_num_batched_tokens=6,
-                spec=SpecConfig(draft=str(head), adaptive=False, depth=3, top_k=3, num_draft_tokens=6))
+                spec=SpecConfig(draft=str(head), lookup=False, adaptive=False, depth=3, top_k=3, num_draft_tokens=6))
     outs = tight.generate(PROMPTS, seeded("processed", max_tokens=24))
     assert sum(o.metrics["num_preemptions"] for o in outs) > 0
     assert [o.token_ids for o in outs] == expected
@@ -75,7 +75,7 @@ def test_logprobs_under_speculation_are_the_targets(copying_target):
     target, head = copying_target
     params = seeded("filters", logprobs=3)
     plain = LLM(model=str(target), draft=None, **KV).generate(PROMPTS, params)
-    spec = LLM(model=str(target), spec=SpecConfig(draft=str(head), adaptive=False), **KV).generate(PROMPTS, params)
+    spec = LLM(model=str(target), spec=SpecConfig(draft=str(head), lookup=False, adaptive=False), **KV).generate(PROMPTS, params)
     for p, s in zip(plain, spec):
         assert s.token_ids == p.token_ids and [x.token_id for x in s.logprobs] == s.token_ids
         for a, b in zip(p.logprobs, s.logprobs):
@@ -88,7 +88,7 @@ def test_new_logprobs_stream_and_prompt_logprobs_match_generated_logprobs(copyin
     """prompt_logprobs of (prompt + generated tokens), scored in 5-token prefill chunks, equal the
     logprobs those tokens had when generated; each output's new_logprobs align with new_token_ids."""
     target, head = copying_target
-    engine = LLMEngine(EngineConfig(model=str(target), spec=SpecConfig(draft=str(head), adaptive=False), **KV))
+    engine = LLMEngine(EngineConfig(model=str(target), spec=SpecConfig(draft=str(head), lookup=False, adaptive=False), **KV))
     engine.add_request("gen", PROMPTS[0], SamplingParams(max_tokens=12, ignore_eos=True, seed=3, logprobs=2))
     streamed, final = [], None
     while engine.has_unfinished_requests():
@@ -116,7 +116,7 @@ def test_new_logprobs_stream_and_prompt_logprobs_match_generated_logprobs(copyin
 
 def test_logit_bias_forces_and_forbids_tokens_under_speculation(copying_target):
     target, head = copying_target
-    llm = LLM(model=str(target), spec=SpecConfig(draft=str(head), adaptive=False), **KV)
+    llm = LLM(model=str(target), spec=SpecConfig(draft=str(head), lookup=False, adaptive=False), **KV)
     forced = llm.generate(PROMPTS[:3], SamplingParams(max_tokens=8, seed=1, ignore_eos=True, logit_bias={42: 100}))
     assert all(o.token_ids == [42] * 8 for o in forced)
     greedy = llm.generate(PROMPTS[0], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0].token_ids

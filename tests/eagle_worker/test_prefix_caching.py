@@ -22,7 +22,7 @@ KV = dict(block_size=4, num_kv_blocks=1024)
 def methods(head: str) -> dict[str, SpecConfig | None]:
     fixed = dict(adaptive=False, depth=3, top_k=3, num_draft_tokens=6)
     return {"plain": None,
-            "head": SpecConfig(draft=head, **fixed),
+            "head": SpecConfig(draft=head, lookup=False, **fixed),
             "lookup": SpecConfig(lookup=True, lookup_ngram=(1, 3), adaptive=False),
             "hybrid": SpecConfig(draft=head, lookup=True, lookup_ngram=(1, 3), **fixed)}
 

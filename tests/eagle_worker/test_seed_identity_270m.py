@@ -18,7 +18,7 @@ def _params(i: int, **kw) -> SamplingParams:
 
 def test_same_seed_same_tokens_with_every_method_on_the_default_model(default_model_dir):
     llms = {"plain": LLM(model="gemma-3-270m", draft=None, **KV),
-            "head": LLM(model="gemma-3-270m", spec=SpecConfig(draft="default"), **KV),
+            "head": LLM(model="gemma-3-270m", spec=SpecConfig(draft="default", lookup=False), **KV),
             "lookup": LLM(model="gemma-3-270m", spec=SpecConfig(lookup=True), **KV),
             "hybrid": LLM(model="gemma-3-270m", spec=SpecConfig(draft="default", lookup=True), **KV)}
     for kw in ({}, {"top_k": 50, "top_p": 0.9}):

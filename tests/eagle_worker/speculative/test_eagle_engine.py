@@ -37,7 +37,7 @@ def test_greedy_with_random_head_equals_plain(family, kind, tiny_model_dir, tmp_
     expected = [o.token_ids for o in plain.generate(PROMPTS, params)]
     head = random_head(plain, kind, tmp_path / "head")
     spec = LLM(model=str(path), block_size=4, num_kv_blocks=256,
-               spec=SpecConfig(draft=str(head), depth=3, top_k=3, num_draft_tokens=5, adaptive=False))
+               spec=SpecConfig(draft=str(head), lookup=False, depth=3, top_k=3, num_draft_tokens=5, adaptive=False))
     assert spec.generate(PROMPTS[0], params)[0].token_ids == expected[0]
     assert [o.token_ids for o in spec.generate(PROMPTS, params)] == expected
     assert spec.engine.stats()["spec_steps"] > 0
@@ -51,7 +51,7 @@ def test_accepting_head_is_lossless_and_fast_in_mixed_batches(tree, copying_targ
     expected = [o.token_ids for o in LLM(model=str(target), block_size=4, num_kv_blocks=512).generate(PROMPTS, params)]
     # a 7-token step budget chunks prompts, so prefill chunks, plain decodes and trees share steps
     spec = LLM(model=str(target), block_size=4, num_kv_blocks=512, max_num_batched_tokens=7,
-               spec=SpecConfig(draft=str(head), tree=tree, adaptive=False))
+               spec=SpecConfig(draft=str(head), lookup=False, tree=tree, adaptive=False))
     outs = spec.generate(PROMPTS, params)
     assert [o.token_ids for o in outs] == expected
     taus = [o.metrics["mean_accepted_tokens"] for o in outs]
@@ -79,7 +79,7 @@ def test_tight_kv_shrinks_trees_and_stays_exact(lookup, copying_target):
     assert sum(o.metrics["num_trees_shrunk_for_memory"] for o in outs) == stats["spec_trees_shrunk_for_memory"]
     assert max(o.metrics["mean_accepted_tokens"] for o in outs) > 1.5        # trees still drafted and accepted
     assert_no_leaks(spec.engine)
-    roomy = LLM(model=str(target), block_size=4, num_kv_blocks=512, spec=SpecConfig(draft=str(head), adaptive=False))
+    roomy = LLM(model=str(target), block_size=4, num_kv_blocks=512, spec=SpecConfig(draft=str(head), lookup=False, adaptive=False))
     roomy.generate(PROMPTS, params)
     assert roomy.engine.stats()["spec_trees_shrunk_for_memory"] == 0
 
@@ -88,7 +88,7 @@ def test_kv_cache_holds_exactly_the_committed_tokens(copying_target):
     target, head = copying_target
     params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
     plain = LLMEngine(_config(target))
-    spec = LLMEngine(_config(target, SpecConfig(draft=str(head), adaptive=False)))
+    spec = LLMEngine(_config(target, SpecConfig(draft=str(head), lookup=False, adaptive=False)))
     for e in (plain, spec):
         for i, p in enumerate(PROMPTS[:3]):
             e.add_request(str(i), p, params)

@@ -1,16 +1,18 @@
-"""The hybrid's per-request choice of sources: the mode with the most expected tokens per second."""
+"""The hybrid's per-request choice: sources, lookup's depth and the head's nodes, priced by the
+device's cost of a step's rows at the step's batch size (the costs are given, not measured)."""
 from __future__ import annotations
 
 from eagle_worker.speculative.draft_tree import StepMode
-from eagle_worker.speculative.hybrid import HybridSplit, HybridState
+from eagle_worker.speculative.hybrid import Choice, HybridSplit, HybridState, StepContext, trie_nodes
+from eagle_worker.speculative.step_cost import StepCost, StepWork
+
+# seconds: a step's fixed cost, a verified row, a head row with logits, a head pass. A plain step at
+# batch 1 costs 32 ms, the head alone (2 nodes: 3 rows, 3 head rows, 2 passes) 52 ms.
+CPU = (0.030, 0.002, 0.002, 0.005)
 
 
-def _measured(**seconds: float) -> HybridSplit:
-    split = HybridSplit()
-    for _ in range(3):
-        for mode, s in seconds.items():
-            split.observe(1, mode, s)
-    return split
+def _split(costs=CPU) -> HybridSplit:
+    return HybridSplit(cost=StepCost(coefficients=costs))
 
 
 def _state(outcome: str = "new", **gains: float) -> HybridState:
@@ -23,49 +25,80 @@ def _expect(split: HybridSplit, **means: float) -> None:
         split.lookup_reach[outcome] = [1.0] * int(m) + ([m - int(m)] if m % 1 else [])
 
 
-ALL = dict(merged=0.100, lookup=0.080, head=0.090, plain=0.040)
+def _mode(split, st, branches, step=1, **kw) -> str:
+    return split.choose(st, branches, step, **kw).mode
 
 
 def test_head_drafts_only_where_its_trees_pay():
-    split = _measured(head=0.090, plain=0.040)                # a head step costs 2.25 plain steps
-    weak, strong = _state(head=0.8), _state(head=2.0)
-    weak_choices = [split.choose(weak, None, 1) for _ in range(60)]
+    split = _split()
+    weak, strong = _state(head=0.5), _state(head=2.0)          # 52 ms / 1.5 tokens > 32 ms / 1 token
+    weak_choices = [_mode(split, weak, None) for _ in range(60)]
     assert [i for i, c in enumerate(weak_choices) if c == "head"] == [15, 47]   # probes after 16, then 32 skips
     assert set(weak_choices) == {"plain", "head"}
-    assert all(split.choose(strong, None, 1) == "head" for _ in range(40))
-    # the same head pays on a machine where drafting and verifying are cheap
-    cheap = _measured(head=0.050, plain=0.040)
-    assert all(cheap.choose(_state(head=0.8), None, 1) == "head" for _ in range(10))
+    assert all(split.choose(strong, None, 1) == Choice(StepMode.HEAD, 0, 2) for _ in range(40))
+    # the same head pays on a device where its rows and passes are cheap
+    cheap = _split((0.030, 0.002, 0.0005, 0.001))
+    assert all(_mode(cheap, _state(head=0.5), None) == "head" for _ in range(10))
+
+
+def test_at_a_large_batch_only_a_confident_source_keeps_its_nodes():
+    """Batch 64 on a device where a row costs 2 ms and a step's fixed cost 30 ms: a request's share
+    of the fixed cost is under half a millisecond, so a draft node must be likely to pay its row."""
+    split = _split()
+    _expect(split, miss=0.3, complete=8.0)
+    unsure = _state("miss", head=0.3)                            # a weak head, lookup after a miss
+    copying = _state("complete", head=0.3)                       # lookup after a whole branch came true
+    branch = [list(range(10, 18))]
+    assert split.choose(unsure, branch, 64) == Choice(StepMode.PLAIN)
+    assert split.choose(unsure, None, 64) == Choice(StepMode.PLAIN)
+    assert split.choose(copying, branch, 64) == Choice(StepMode.LOOKUP, 8, 0)   # its whole branch
+    # at batch 1 the fixed cost dominates: the unsure lookup's one node is worth its row
+    assert split.choose(unsure, branch, 1) == Choice(StepMode.LOOKUP, 1, 0)
+
+
+def test_lookup_is_cut_to_the_depth_that_pays_at_this_batch_size():
+    split = _split()
+    split.lookup_reach["partial"] = [1.0, 0.9, 0.5, 0.2, 0.1, 0.05, 0.02, 0.01]
+    _expect(split, miss=0.3)
+    st, branch = _state("partial", head=0.0), [list(range(8))]
+    assert split.choose(st, branch, 1) == Choice(StepMode.LOOKUP, 4, 0)    # 40 ms / 3.6 tokens
+    assert split.choose(st, branch, 64) == Choice(StepMode.LOOKUP, 2, 0)   # 6.5 ms / 2.9 tokens
+    assert trie_nodes([[1, 2, 3], [1, 2, 4], [5]], 2) == 3 and trie_nodes([[1, 2, 3], [1, 2, 4]], 3) == 4
+    # without a head the same rule sizes prompt lookup alone
+    assert split.choose(st, branch, StepContext(64, head=False)) == Choice(StepMode.LOOKUP, 2, 0)
+    assert split.choose(_state("miss"), branch, StepContext(64, head=False)).mode == "plain"
 
 
 def test_head_joins_lookup_only_when_the_merged_tree_is_faster():
-    split = _measured(**ALL)
-    _expect(split, complete=3.0)                      # after a whole branch was accepted
-    copying = _state("complete", extra=0.2)                   # merged 4.2 / 0.10 s < lookup 4.0 / 0.08 s
-    assert [split.choose(copying, [[5, 6]], 1) for _ in range(16)] == ["lookup"] * 15 + ["merged"]
-    assert [split.choose(copying, [[5, 6]], 1) for _ in range(10)] == ["lookup"] * 10
-    copying.gains["extra"] = 1.5                              # 5.5 / 0.10 > 4.0 / 0.08: the head joins
-    assert split.choose(copying, [[5, 6]], 1) == "merged" and copying.probe_every == split.PROBE_EVERY
+    split = _split()
+    _expect(split, complete=3.0)                              # after a whole branch was accepted
+    copying = _state("complete", extra=0.2)                   # lookup: 36 ms / 3 tokens; merged: 56 ms / 3.2
+    copying.ema_lookup, copying.ema_head = 7.0, 1.0           # the head takes 2 of 16 nodes
+    assert [_mode(split, copying, [[5, 6]]) for _ in range(16)] == ["lookup"] * 15 + ["merged"]
+    assert [_mode(split, copying, [[5, 6]]) for _ in range(10)] == ["lookup"] * 10
+    copying.gains["extra"] = 2.0                              # 56 ms / 5 tokens < 12 ms a token: the head joins
+    assert split.choose(copying, [[5, 6]], 1) == Choice(StepMode.MERGED, 2, 2)
+    assert copying.probe_every == split.PROBE_EVERY
     copying.gains["extra"] = 0.2                              # the next probe is 16 skipped steps away
-    assert [split.choose(copying, [[5, 6]], 1) for _ in range(16)] == ["lookup"] * 15 + ["merged"]
+    assert [_mode(split, copying, [[5, 6]]) for _ in range(16)] == ["lookup"] * 15 + ["merged"]
 
 
 def test_lookup_sits_out_after_a_miss_and_its_proposals_are_still_scored():
-    split = _measured(**ALL)
-    _expect(split, miss=0.3, partial=4.0, complete=6.0)
-    missed = _state("miss", head=0.5)                         # lookup 1.3 / 0.08 s, head 1.5 / 0.09 s < plain 1 / 0.04 s
-    assert split.choose(missed, [[7, 8, 9]], 1) == "plain"
+    split = _split()
+    _expect(split, miss=0.05, partial=4.0, complete=6.0)
+    missed = _state("miss", head=0.5)                         # lookup 34 ms / 1.05, head 52 ms / 1.5 > plain 32 ms / 1
+    assert _mode(split, missed, [[7, 8, 9]]) == "plain"
     split.shadow(missed, 3, [[7, 8, 9], [7, 5]], budget=8)    # proposed after tokens [1, 2, 3]
     split.score_shadow(missed, [1, 2, 3])                     # nothing followed yet
     assert missed.shadow is not None and missed.lookup_outcome == "miss"
     split.score_shadow(missed, [1, 2, 3, 7])                  # [7, 8, 9] may still match: not settled,
     assert missed.shadow is not None and missed.lookup_outcome == "partial"   # but copying has resumed
-    assert split.choose(missed, [[8, 9]], 1) == "lookup"
+    assert _mode(split, missed, [[8, 9]]) == "lookup"
     missed.lookup_outcome = "miss"
     split.score_shadow(missed, [1, 2, 3, 7, 8, 9])            # the whole branch came true
     assert missed.shadow is None and missed.lookup_outcome == "complete"
-    assert split.expected_lookup("miss") > 0.3                   # a miss was followed by 3 tokens
-    assert split.choose(missed, [[4, 4]], 1) == "lookup"      # copying resumed: 7 / 0.08 s
+    assert split.expected_lookup("miss") > 0.05                  # a miss was followed by 3 tokens
+    assert _mode(split, missed, [[4, 4]]) == "lookup"         # copying resumed
     split.shadow(missed, 6, [[4, 4]], budget=8)
     split.score_shadow(missed, [1, 2, 3, 7, 8, 9, 5])
     assert missed.lookup_outcome == "miss"
@@ -74,93 +107,101 @@ def test_lookup_sits_out_after_a_miss_and_its_proposals_are_still_scored():
     assert missed.lookup_outcome == "complete"
 
 
-def test_unmeasured_modes_are_tried_and_new_requests_start_from_the_worker_average():
-    split = HybridSplit()
-    fresh = HybridState()
-    assert split.choose(fresh, None, 1) == "head"              # nothing measured yet: draft
-    split.observe(1, "head", 0.50)                             # the first step of a mode runs cold: ignored
-    split.observe(1, "head", 0.09)
-    assert split.choose(fresh, None, 1) == "head"              # one measurement is not enough
-    split.observe(1, "head", 0.09)
-    assert split.choose(fresh, None, 1) == "plain"             # now measure what a plain step costs
-    assert split.choose(fresh, [[1, 2]], 1) == "merged"        # and, with branches, the modes with lookup
-    for _ in range(3):
-        split.observe(1, "plain", 0.04)
-    assert split.steps.means[(1, "head")] == (0.09,)
-    for _ in range(200):                                       # earlier requests: the head's trees paid
-        split.observe_accepted(HybridState(), "head", 2, 3)
-    assert split.new_gains()["head"] > 1.9
-    assert split.choose(HybridState(), None, 1) == "head"       # a new request trusts that at once
+def test_new_requests_start_from_the_worker_average():
+    split = _split()
+    assert _mode(split, HybridState(), None) == "head"         # nothing seen yet: the head is trusted (1 token)
+    for _ in range(200):                                       # earlier requests: the head's trees missed
+        split.observe_accepted(HybridState(), "head", 0, 1)
+    assert split.new_gains()["head"] < 0.01
+    assert _mode(split, HybridState(), None) == "plain"         # a new request starts from that
     st = HybridState()
     for _ in range(10):                                        # ... until its own head steps say otherwise
-        split.observe_accepted(st, "head", 0, 1)
-    assert split.choose(st, None, 1) == "plain"
+        split.observe_accepted(st, "head", 3, 4)
+    assert _mode(split, st, None) == "head"
+
+
+def test_the_step_cost_is_fitted_from_every_steps_rows():
+    """No step explores: the rows each step happened to run are enough to price a row."""
+    cost = StepCost()
+    assert not cost.measured
+    truth = lambda w: 0.030 + 0.002 * w.target_rows + 0.001 * w.head_rows + 0.004 * w.head_passes   # noqa: E731
+    works = [StepWork(r, h, p) for r, h, p in ((1, 0, 0), (9, 3, 2), (4, 0, 0), (17, 33, 5), (8, 2, 2), (64, 0, 0))]
+    cost.observe(works[0], 1.0)                                # the first step runs cold: not counted
+    assert not cost.measured
+    for _ in range(40):
+        for w in works:
+            cost.observe(w, truth(w))
+    assert cost.measured
+    got = cost.snapshot()
+    assert abs(got["per_row"] - 0.002) < 2e-4 and abs(got["fixed"] - 0.030) < 3e-3
+    assert abs(cost.seconds(StepWork(32, 6, 2)) - truth(StepWork(32, 6, 2))) < 2e-3
 
 
 def test_a_head_that_sat_out_rejoins_only_if_the_rest_of_the_request_repays_its_catch_up():
-    split = _measured(head=0.050, plain=0.040)       # 1.8 tokens / 50 ms beat 1 / 40 ms: 12.2 ms saved a token
+    split = _split()                                   # 1.8 tokens / 52 ms beat 1 / 32 ms: 3.1 ms saved a token
     for _ in range(3):
         split.observe_catch_up(100, 0.010)            # 0.1 ms per token the head catches up on
     assert split.catch_up_seconds(600) == 0.060
     st = _state(head=0.8)
-    assert split.choose(st, None, 1, remaining=100, stretch=600) == "plain"   # a new request's first step
-    st.free_tokens = (0.5, 1.0)                                                       # a step later
-    assert split.choose(st, None, 1, remaining=100, stretch=600) == "head"    # 1.2 s saved > 60 ms
-    assert split.choose(st, None, 1, remaining=4, stretch=600) == "plain"     # 49 ms saved < 60 ms
-    assert split.choose(st, None, 1, remaining=4, stretch=0) == "head"        # nothing to catch up: it pays
-    assert split.choose(st, None, 1, stretch=600) == "head"                   # no end in sight: it pays
+    assert _mode(split, st, None, remaining=100, stretch=600) == "plain"   # a new request's first step
+    st.free_tokens = (0.5, 1.0)                                           # a step later: 50 tokens left to it
+    assert _mode(split, st, None, remaining=100, stretch=600) == "head"    # 155 ms saved > 60 ms
+    assert _mode(split, st, None, remaining=4, stretch=600) == "plain"     # 6 ms saved < 60 ms
+    assert _mode(split, st, None, remaining=4, stretch=0) == "head"        # nothing to catch up: it pays
+    assert _mode(split, st, None, stretch=600) == "head"                   # no end in sight: it pays
 
 
 def test_no_probe_when_its_catch_up_outweighs_a_twentieth_of_the_remaining_time():
-    split = _measured(**ALL)
+    split = _split()
     _expect(split, complete=3.0)
     for _ in range(3):
         split.observe_catch_up(100, 0.010)
-    copying = _state("complete", extra=0.2)           # lookup alone: 20 ms a token
-    assert [split.choose(copying, [[5, 6]], 1, remaining=100, stretch=600) for _ in range(15)] == ["lookup"] * 15
-    # 100 tokens left (2 s), all of them the head's to help with: a probe catching up on 600
-    # tokens (60 ms) costs 3% -> probed, but not beside lookup's branches: at the next step lookup
-    # leaves free
+    copying = _state("complete", head=0.5, extra=0.2)  # lookup alone: 12 ms a token
+    assert [_mode(split, copying, [[5, 6]], remaining=100, stretch=600) for _ in range(15)] == ["lookup"] * 15
+    # 100 tokens left, all of them the head's to help with (3.2 s plain): a probe catching up on
+    # 600 tokens (60 ms) costs 2% -> probed, but not beside lookup's branches: at the next step
+    # lookup leaves free
     copying.free_tokens = (1.0, 1.0)
-    assert split.choose(copying, [[5, 6]], 1, remaining=100, stretch=600) == "lookup"
+    assert _mode(split, copying, [[5, 6]], remaining=100, stretch=600) == "lookup"
     copying.free_tokens = (1.0, 1.0)
-    assert split.choose(copying, None, 1, remaining=100, stretch=600) == "head"
-    # 20 tokens left (0.4 s): 60 ms is 15% -> the head stays out
-    assert [split.choose(copying, [[5, 6]], 1, remaining=20, stretch=600) for _ in range(15)] == ["lookup"] * 15
+    assert _mode(split, copying, None, remaining=100, stretch=600) == "head"
+    # 20 tokens left (0.64 s): 60 ms is 9% -> the head stays out
+    assert [_mode(split, copying, [[5, 6]], remaining=20, stretch=600) for _ in range(15)] == ["lookup"] * 15
     copying.free_tokens = (1.0, 1.0)
-    assert {split.choose(copying, None, 1, remaining=20, stretch=600) for _ in range(80)} == {"plain"}
+    assert {_mode(split, copying, None, remaining=20, stretch=600) for _ in range(80)} == {"plain"}
 
 
 def test_a_head_that_sat_out_does_not_catch_up_beside_lookups_branches():
-    split = _measured(**ALL)
+    split = _split()
     copying = _state("complete", extra=3.0)                   # merged would win on its merits ...
+    copying.ema_lookup, copying.ema_head = 7.0, 1.0
     _expect(split, complete=3.0)
-    assert split.choose(copying, [[5, 6]], 1, stretch=0) == "merged"
-    assert split.choose(copying, [[5, 6]], 1, stretch=600) == "lookup"      # ... but not with a catch-up
+    assert _mode(split, copying, [[5, 6]], stretch=0) == "merged"
+    assert _mode(split, copying, [[5, 6]], stretch=600) == "lookup"      # ... but not with a catch-up
 
 
 def test_catch_up_is_repaid_only_on_the_steps_lookup_leaves_to_the_head():
-    split = _measured(head=0.050, plain=0.040, lookup=0.060, merged=0.080)   # head: 12.2 ms saved a token
+    split = _split()                                          # head: 3.1 ms saved a token
     for _ in range(3):
         split.observe_catch_up(100, 0.010)
     st = _state("new", head=0.8)
     st.free_tokens = (1.0, 1.0)                               # lookup carries nothing: 100 tokens repay 60 ms
-    assert split.choose(st, None, 1, remaining=100, stretch=600) == "head"
-    st.free_tokens = (0.04, 1.0)                              # lookup carries 96% of the steps: 4 tokens do not
-    assert split.choose(st, None, 1, remaining=100, stretch=600) == "plain"
-    copying = _state("complete")                      # a request lookup keeps carrying ...
+    assert _mode(split, st, None, remaining=100, stretch=600) == "head"
+    st.free_tokens = (0.04, 1.0)                              # lookup carries 96% of the tokens: 4 do not
+    assert _mode(split, st, None, remaining=100, stretch=600) == "plain"
+    copying = _state("complete", head=0.8)            # a request lookup keeps carrying ...
     for _ in range(30):
         split.observe_accepted(copying, "lookup", 0, 7)
     assert split.free_share(copying) < 0.01
     assert split.free_share() < 0.5                   # ... and the worker's prior for new requests follow
-    assert split.choose(copying, None, 1, remaining=100, stretch=600) == "plain"
+    assert _mode(split, copying, None, remaining=100, stretch=600) == "plain"
 
 
 def test_the_share_lookup_leaves_counts_tokens_not_steps():
     """One step in three left to the head, but lookup's steps make 7 tokens and the others 1: the
-    head has about 1 token in 11 to speed up, not 1 in 3, and 40 remaining tokens do not repay a
-    60-ms catch-up (4 tokens at 12.2 ms saved each; 13 would)."""
-    split = _measured(head=0.050, plain=0.040, lookup=0.060, merged=0.080)
+    head has about 1 token in 15 to speed up, not 1 in 3, and 100 remaining tokens do not repay a
+    60-ms catch-up (7 tokens at 3.1 ms saved each; 20 would)."""
+    split = _split()
     for _ in range(3):
         split.observe_catch_up(100, 0.010)
     st = _state("complete", head=0.8)
@@ -168,8 +209,8 @@ def test_the_share_lookup_leaves_counts_tokens_not_steps():
         for mode, tokens in (("lookup", 7), ("lookup", 7), ("plain", 1)):
             split.observe_accepted(st, mode, 0, tokens)
     assert 0.04 < split.free_share(st) < 0.1
-    assert split.choose(st, None, 1, remaining=40, stretch=600) == "plain"
-    assert split.choose(st, None, 1, remaining=40, stretch=0) == "head"     # nothing to catch up: it pays
+    assert _mode(split, st, None, remaining=100, stretch=600) == "plain"
+    assert _mode(split, st, None, remaining=100, stretch=0) == "head"     # nothing to catch up: it pays
 
 
 def test_step_modes():
@@ -180,39 +221,36 @@ def test_a_skipped_proposal_that_copying_resumed_on_counts_for_the_outcome_it_fo
     """After a miss, lookup's next proposal often has a new, right match: when the following tokens
     take it up and lookup is then verified, the miss is credited with the whole run (matched while
     sitting out plus accepted after), not left to the proposals that broke at once."""
-    split = _measured(**ALL)
-    _expect(split, miss=0.3, partial=4.0)
+    split = _split()
+    _expect(split, miss=0.05, partial=4.0)
     missed = _state("miss", head=0.5)
-    assert split.choose(missed, [[7, 8, 9, 10, 11]], 1) == "plain"
+    assert _mode(split, missed, [[7, 8, 9, 10, 11]]) == "plain"
     split.shadow(missed, 3, [[7, 8, 9, 10, 11]], budget=8)
     split.score_shadow(missed, [1, 2, 3, 7])                     # the plain step's token follows it
-    assert missed.lookup_outcome == "partial" and split.expected_lookup("miss") == 0.3
-    assert split.choose(missed, [[8, 9, 10, 11]], 1) == "lookup"
+    assert missed.lookup_outcome == "partial" and split.expected_lookup("miss") == 0.05
+    assert _mode(split, missed, [[8, 9, 10, 11]]) == "lookup"
     split.observe_lookup(missed, 3, False)                       # verified: 3 more of its tokens
     assert missed.shadow is None and missed.lookup_outcome == "partial"
-    assert abs(split.expected_lookup("miss") - (0.95 * 0.3 + 0.05 * 4)) < 1e-9    # 1 matched + 3 accepted
+    assert abs(split.expected_lookup("miss") - (0.95 * 0.05 + 0.05 * 4)) < 1e-9    # 1 matched + 3 accepted
     assert abs(split.expected_lookup("partial") - (0.95 * 4.0 + 0.05 * 3)) < 1e-9
     # a kept proposal that broke at once counts as nothing, as before
     split.shadow(missed, 7, [[5, 5]], budget=8)
     split.observe_lookup(missed, 2, True)
-    assert abs(split.expected_lookup("miss") - (0.95 * 0.3 + 0.05 * 4)) < 1e-9
+    assert abs(split.expected_lookup("miss") - (0.95 * 0.05 + 0.05 * 4)) < 1e-9
 
 
 def test_a_merged_tree_is_charged_for_the_lookup_tokens_its_shorter_branches_give_up():
-    split = _measured(lookup=0.048, merged=0.050)
-    for _ in range(3):
-        split.observe(1, "head", 0.09)
-        split.observe(1, "plain", 0.04)
+    split = _split((0.030, 0.002, 0.0001, 0.0001))             # a cheap head
     copying = _state("complete", extra=1.0)
     copying.ema_lookup, copying.ema_head = 7.0, 1.0
     assert HybridSplit.head_nodes(copying, 8) == 1             # the head would take 1 of 8 nodes
     _expect(split, complete=8.0)                               # after a complete copy lookup accepts 8
-    # uncut, the merged tree would add the head's token: 10 / 50 ms > 9 / 48 ms; with 7 lookup
-    # nodes it adds one and loses one: 9 / 50 ms < 9 / 48 ms
-    assert split.choose(copying, [[5] * 8], 1) == "merged"
-    assert split.choose(copying, [[5] * 8], 1, budget=8) == "lookup"
+    # with room for all 8 lookup nodes the merged tree adds the head's token: 52.5 ms / 10 < 48 ms / 9;
+    # in 8 nodes lookup keeps 7 and the merged tree gains nothing: 48.2 ms / 9 > 48 ms / 9
+    assert split.choose(copying, [[5] * 8], 1, budget=16) == Choice(StepMode.MERGED, 8, 2)
+    assert split.choose(copying, [[5] * 8], 1, budget=8) == Choice(StepMode.LOOKUP, 8, 0)
     _expect(split, complete=2.5)                               # copies that end early lose nothing to the cut
-    assert split.choose(copying, [[5] * 8], 1, budget=8) == "merged"
+    assert _mode(split, copying, [[5] * 8], budget=8) == "merged"
 
 
 def test_lookup_reach_is_learned_per_depth():

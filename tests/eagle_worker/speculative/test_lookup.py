@@ -3,6 +3,8 @@ the engine: greedy identical to plain decoding, lookup really accepted, per-sour
 sampling with a negative control."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -11,8 +13,8 @@ from eagle_worker.speculative.config import SpecConfig
 from eagle_worker.speculative.draft_tree import DraftTree, StepMode
 from eagle_worker.speculative.head_init import new_head
 from eagle_worker.speculative.head_loader import save_draft_head
-from eagle_worker.speculative.hybrid import HybridSplit
 from eagle_worker.speculative.lookup import NgramIndex, merge_branches, prune_to_best
+from eagle_worker.speculative.step_cost import StepCost
 
 
 def test_index_is_incremental_and_matches_longest_suffix_first():
@@ -83,14 +85,13 @@ def test_hybrid_skips_the_head_while_lookup_carries_the_request():
     prompt = "Question: Repeat the list.\nAnswer: " + "red, green, blue, yellow, black, white, " * 6
     params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
     expected = LLM(model="gemma-3-270m", draft=None).generate(prompt, params)[0].token_ids
-    llm = LLM(model="gemma-3-270m", spec=SpecConfig(draft="default", lookup=True, adaptive=False))
+    llm = LLM(model="gemma-3-270m")                      # the default: the hybrid, sized per step
     worker = llm.engine.worker
     split = worker.hybrid
-    for _ in range(3):                      # seconds per step by mode at batch 1 (the first is a warm-up)
-        for mode, seconds in dict(merged=0.040, lookup=0.033, head=0.036, plain=0.030).items():
-            split.observe(1, mode, seconds)
+    split.cost = StepCost(coefficients=(0.030, 0.002, 0.002, 0.005))   # this CPU's, roughly
+    for _ in range(3):
         split.observe_catch_up(100, 0.05)
-    split.observe = split.observe_catch_up = lambda *a, **k: None
+    split.observe_catch_up = lambda *a, **k: None
     grown = []
     grow = worker.drafter.grow_dynamic
     worker.drafter.grow_dynamic = lambda batch, *a, **k: grown.append(len(batch)) or grow(batch, *a, **k)
@@ -105,7 +106,7 @@ def test_hybrid_skips_the_head_while_lookup_carries_the_request():
     assert by_source["lookup"] > by_source.get("plain", 0)
 
 
-def test_hybrid_sampling_same_seed_same_tokens(copying_target, monkeypatch):
+def test_hybrid_sampling_same_seed_same_tokens(copying_target):
     """Keyed sampling: the hybrid samples exactly plain decoding's tokens, seed for seed."""
     target, head = copying_target
     n = 48
@@ -113,12 +114,11 @@ def test_hybrid_sampling_same_seed_same_tokens(copying_target, monkeypatch):
     params = [SamplingParams(max_tokens=12, temperature=1.0, top_k=3, seed=i, ignore_eos=True) for i in range(n)]
     prompts = ["The quick brown fox", "def add(a, b):\n"] * (n // 2)
     plain = [o.token_ids for o in LLM(model=str(target), **kw).generate(prompts, params)]
-    spec = SpecConfig(draft=str(head), lookup=True, lookup_ngram=(1, 3), top_k=3, depth=3, num_draft_tokens=8, adaptive=False)
+    spec = SpecConfig(draft=str(head), lookup=True, lookup_ngram=(1, 3), top_k=3, depth=3, num_draft_tokens=8)
     assert [o.token_ids for o in LLM(model=str(target), spec=spec, **kw).generate(prompts, params)] == plain
-    # which sources draft follows measured step times; with both drafting at every step the trees
-    # hold head and lookup siblings wherever they can
-    monkeypatch.setattr(HybridSplit, "choose", lambda self, st, branches, *a, **k: "merged" if branches else "head")
-    llm = LLM(model=str(target), spec=spec, **kw)
+    # which sources draft follows measured step costs; with both drafting at every step (the fixed
+    # tree) the trees hold head and lookup siblings wherever they can
+    llm = LLM(model=str(target), spec=dataclasses.replace(spec, adaptive=False), **kw)
     assert [o.token_ids for o in llm.generate(prompts, params)] == plain
     assert llm.engine.stats()["acceptance_rate_per_depth"][0] > 0.3
 
@@ -126,14 +126,15 @@ def test_hybrid_sampling_same_seed_same_tokens(copying_target, monkeypatch):
 def test_hybrid_head_trees_are_small_where_lookup_has_nothing(copying_target):
     """Where lookup proposes nothing the head drafts an eighth-budget tree (cheap to be wrong);
     beside lookup branches it drafts only its share of the budget, no deeper or wider than that
-    share; the output stays greedy decoding's."""
+    share; the output stays greedy decoding's. Rows cost next to nothing here, so both draft."""
     target, head = copying_target
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     prompts = ["x", "The quick brown fox"]
     expected = [o.token_ids for o in LLM(model=str(target), block_size=4, num_kv_blocks=512).generate(prompts, params)]
     llm = LLM(model=str(target), block_size=4, num_kv_blocks=512,
-              spec=SpecConfig(draft=str(head), lookup=True, adaptive=False, num_draft_tokens=8, depth=4))
+              spec=SpecConfig(draft=str(head), lookup=True, num_draft_tokens=8, depth=4))
     worker = llm.engine.worker
+    worker.hybrid.cost = StepCost(coefficients=(0.030, 1e-6, 1e-6, 1e-6))
     calls, shares = [], []
     grow = worker.drafter.grow_dynamic
     worker.drafter.grow_dynamic = (lambda batch, h, lp, n, k, levels:
@@ -148,9 +149,9 @@ def test_hybrid_head_trees_are_small_where_lookup_has_nothing(copying_target):
 
 
 def test_hybrid_with_the_adaptive_budget_in_continuous_batches(copying_target):
-    """More requests than batch slots, so requests join and leave mid-run while the adaptive budget
-    moves between no speculation and trees: outputs stay plain greedy decoding's and every KV block
-    comes back."""
+    """More requests than batch slots, so requests join and leave mid-run while the hybrid sizes
+    each request's tree from the device's measured costs: outputs stay plain greedy decoding's
+    and every KV block comes back."""
     target, head = copying_target
     base = LLM(model=str(target), block_size=4, num_kv_blocks=512)
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
@@ -160,11 +161,13 @@ def test_hybrid_with_the_adaptive_budget_in_continuous_batches(copying_target):
     expected = [o.token_ids for o in base.generate(prompts, params)]
     llm = LLM(model=str(target), block_size=4, num_kv_blocks=512, max_num_seqs=3,
               spec=SpecConfig(draft=str(head), lookup=True, num_draft_tokens=8))
-    budgets = []
-    choose = llm.engine.worker.policy.choose
-    llm.engine.worker.policy.choose = lambda bs: budgets.append(choose(bs)) or budgets[-1]
+    split = llm.engine.worker.hybrid
+    choices = []
+    choose = split.choose
+    split.choose = lambda *a, **k: choices.append(choose(*a, **k)) or choices[-1]
     outs = llm.generate(prompts, params)
     assert [o.token_ids for o in outs] == expected
-    assert 0 in budgets and any(budgets), sorted(set(budgets))       # both plain and speculative steps
+    assert split.cost.measured and len(split.cost.window) > 10        # every pure-decode step priced rows
+    assert {c.mode for c in choices} - {StepMode.PLAIN}, choices      # trees were drafted
     assert llm.engine.worker.stats()["spec_steps"] > 0
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks

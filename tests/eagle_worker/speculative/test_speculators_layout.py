@@ -208,7 +208,7 @@ def test_greedy_with_speculators_eagle3_head_equals_plain_and_our_layout(plain_l
     stats = {}
     for name, head in (("ours", ours), ("speculators", spec_dir)):
         spec = LLM(model=str(tiny_model_dir("llama")), block_size=4, num_kv_blocks=256,
-                   spec=SpecConfig(draft=str(head), depth=3, top_k=3, num_draft_tokens=5, adaptive=False))
+                   spec=SpecConfig(draft=str(head), lookup=False, depth=3, top_k=3, num_draft_tokens=5, adaptive=False))
         assert [o.token_ids for o in spec.generate(PROMPTS, params)] == expected
         stats[name] = spec.engine.stats()
         assert stats[name]["spec_steps"] > 0
@@ -227,7 +227,7 @@ def test_accepting_head_in_speculators_layout_is_lossless_and_accepts(copying_ta
     expected = [o.token_ids for o in plain.generate(PROMPTS, params)]
     spec_dir = to_speculators(head, tmp_path / "spec", plain.engine.runner.model)
     assert json.loads((spec_dir / "config.json").read_text())["fusion_bias"] is True
-    spec = LLM(model=str(target), block_size=4, num_kv_blocks=512, spec=SpecConfig(draft=str(spec_dir), adaptive=False))
+    spec = LLM(model=str(target), block_size=4, num_kv_blocks=512, spec=SpecConfig(draft=str(spec_dir), lookup=False, adaptive=False))
     outs = spec.generate(PROMPTS, params)
     assert [o.token_ids for o in outs] == expected
     assert min(o.metrics["mean_accepted_tokens"] for o in outs) > 2.0

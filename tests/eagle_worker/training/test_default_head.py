@@ -31,7 +31,7 @@ def test_default_head_is_lossless_and_accepts():
     params = SamplingParams(max_tokens=48, temperature=0.0)
     plain = LLM(model="gemma-3-270m", dtype="float32").generate(PROMPTS, params)
     spec = LLM(model="gemma-3-270m", dtype="float32",
-               spec=SpecConfig(draft="default", tree="dynamic", adaptive=False)).generate(PROMPTS, params)
+               spec=SpecConfig(draft="default", lookup=False, tree="dynamic", adaptive=False)).generate(PROMPTS, params)
     for a, b in zip(plain, spec):
         assert a.token_ids == b.token_ids
     tau = sum(o.metrics["mean_accepted_tokens"] for o in spec) / len(spec)

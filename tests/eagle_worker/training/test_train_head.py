@@ -48,7 +48,7 @@ def _tau(model_dir, head_dir, prompts):
     from eagle_worker.sampling_params import SamplingParams
     from eagle_worker.speculative.config import SpecConfig
 
-    llm = LLM(model=str(model_dir), spec=SpecConfig(draft=str(head_dir), tree="chain", depth=4, adaptive=False))
+    llm = LLM(model=str(model_dir), spec=SpecConfig(draft=str(head_dir), lookup=False, tree="chain", depth=4, adaptive=False))
     outs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0))
     return sum(o.metrics["mean_accepted_tokens"] for o in outs) / len(outs)
 
@@ -137,7 +137,7 @@ def test_train_head_eagle1_online(sharp_model, data_file, tmp_path):
     assert rec["online"] and rec["metrics"]["heldout_acc"][0] > 0.3
     params = SamplingParams(max_tokens=16, temperature=0.0)
     plain = LLM(model=str(sharp_model)).generate(PROMPTS[:4], params)
-    spec = LLM(model=str(sharp_model), spec=SpecConfig(draft=str(out), tree="chain", depth=3, adaptive=False))
+    spec = LLM(model=str(sharp_model), spec=SpecConfig(draft=str(out), lookup=False, tree="chain", depth=3, adaptive=False))
     outs = spec.generate(PROMPTS[:4], params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     assert sum(o.metrics["mean_accepted_tokens"] for o in outs) / 4 > 1.3

@@ -1,0 +1,84 @@
+"""What a decode step costs on this device, as a function of the rows it runs.
+
+Verification rows all need logits (on Gemma 3 the 262k-vocab LM head is most of a row's cost),
+so a step's seconds grow with its rows; the head's drafting adds its own rows and one pass per
+level. The model is linear:
+
+    seconds = fixed + per_row * target_rows + per_head_row * head_rows + per_head_pass * head_passes
+
+fitted by least squares over the latest pure-decode steps, pulled towards a prior worth a few
+steps so the first steps (and features that have not varied yet) have sane values. Every step
+measures it, whatever it chose: no step is spent on exploring, and what an extra row costs at
+batch 64 is learned from the rows of every batch size. The prior's shape is this CPU's (an extra
+row costs ~1/30 of a batch-1 step), scaled by the first measured step; on a GPU the fit moves
+the row costs towards 0 within a few dozen steps.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+FEATURES = ("fixed", "per_row", "per_head_row", "per_head_pass")
+PRIOR_SHAPE = np.array([1.0, 1 / 32, 1 / 32, 1 / 16])   # relative to a plain batch-1 step
+
+
+@dataclass(frozen=True)
+class StepWork:
+    """The rows one decode step ran."""
+
+    target_rows: int            # verified rows: one per sequence plus its draft nodes
+    head_rows: int = 0          # rows through the head's forwards that produced logits
+    head_passes: int = 0        # the head's forwards (catch-up and one per level; 0: it sat out)
+
+    def vector(self) -> np.ndarray:
+        return np.array([1.0, self.target_rows, self.head_rows, self.head_passes])
+
+
+class StepCost:
+    def __init__(self, window: int = 256, prior_weight: float = 4.0,
+                 coefficients: tuple[float, float, float, float] | None = None):
+        """`coefficients` (FEATURES' order) fix the model (tests, or a device measured before)."""
+        self.window: deque[tuple[np.ndarray, float]] = deque(maxlen=window)
+        self.prior_weight = prior_weight
+        self.fixed = coefficients is not None
+        self.theta = np.array(coefficients if coefficients is not None else PRIOR_SHAPE, dtype=float)
+        self._prior: np.ndarray | None = self.theta.copy() if self.fixed else None
+        self._warm = False
+
+    @property
+    def measured(self) -> bool:
+        return self.fixed or self._prior is not None
+
+    def seconds(self, work: StepWork) -> float:
+        return float(self.theta @ work.vector())
+
+    def coefficient(self, name: str) -> float:
+        return float(self.theta[FEATURES.index(name)])
+
+    def observe(self, work: StepWork, seconds: float) -> None:
+        """One pure-decode step. The first one runs cold (kernel choice, allocation) and is skipped."""
+        if self.fixed or seconds <= 0:
+            return
+        if not self._warm:
+            self._warm = True
+            return
+        x = work.vector()
+        if self._prior is None:          # the prior's scale: this step as if it had run plain at batch 1
+            self._prior = PRIOR_SHAPE * seconds / float(PRIOR_SHAPE @ x)
+        self.window.append((x, seconds))
+        self._fit()
+
+    def _fit(self) -> None:
+        """Least squares over the window plus the prior worth `prior_weight` steps per feature
+        (scaled by each feature's mean square), coefficients kept positive."""
+        X = np.array([x for x, _ in self.window])
+        y = np.array([s for _, s in self.window])
+        w = self.prior_weight * np.maximum((X ** 2).mean(axis=0), 1e-9)
+        theta = np.linalg.solve(X.T @ X + np.diag(w), X.T @ y + w * self._prior)
+        floor = 1e-3 * self._prior
+        self.theta = np.maximum(theta, floor)
+
+    def snapshot(self) -> dict[str, float]:
+        return {name: round(float(v), 6) for name, v in zip(FEATURES, self.theta)}
