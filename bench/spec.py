@@ -3,7 +3,8 @@
 Methods: our vanilla decoding, `transformers` generate, `transformers` prompt-lookup decoding,
 our prompt lookup, our EAGLE chain, static tree and dynamic tree, and the hybrid (lookup branches
 merged into the dynamic tree). Per category: tokens/s, speedup over our vanilla
-and tau (output tokens per target forward). Then a batch-size sweep with and without the head.
+and tau (output tokens per target forward), at batch 1. `--batch-sizes` measures the default
+against the fixed methods at every batch size instead (bench/spec_batch.py).
 Usage: `eaglectl bench spec [--prompts FILE] [--draft DIR|default|random] [--json OUT]`.
 """
 from __future__ import annotations
@@ -100,7 +101,7 @@ class MethodsError(ValueError):
 def run(model: str = "gemma-3-270m", prompts_file: str | Path = SPEC_BENCH, per_category: int = 2,
         max_tokens: int = 128, dtype: str = "bfloat16", draft: str = "default",
         methods: tuple[str, ...] = ("vanilla", "hf", "hf_lookup", "lookup", "chain", "static", "dynamic", "hybrid"),
-        sweep: tuple[int, ...] = (1, 2, 4, 8, 16, 32), json_out: str | None = "bench/results/spec.json",
+        json_out: str | None = "bench/results/spec.json",
         threads: int | None = None, temperature: float = 0.0, tree: dict | None = None, rounds: int = 1,
         device: str = "cpu", warmup: int = 4) -> dict:
     """Batch 1, one request after another; `temperature` > 0 samples (seed 0 per request on our
@@ -158,19 +159,16 @@ def run(model: str = "gemma-3-270m", prompts_file: str | Path = SPEC_BENCH, per_
                 row["steps_by_source"] = steps
         if method in engines and method != "vanilla":
             per_cat["_acceptance_per_depth"] = engines[method].engine.stats().get("acceptance_rate_per_depth")
-    runners.clear()                 # free the engines before the sweep loads its own
-    engines.clear()
     summary = _summarise(results)
     paired = {f"hybrid/{m}": _paired(runs, [c for c, _ in prompts], "hybrid", m)
               for m in methods if "hybrid" in methods and m != "hybrid"}
-    sweep_rows = _sweep(model, dtype, draft, [p for ps in by_cat.values() for p in ps], sweep, 32, device) if sweep else []
-    _print(summary, sweep_rows, paired)
+    _print(summary, paired)
     report = {"meta": {"model": model, "dtype": dtype, "device": device, "max_tokens": max_tokens, "prompt_format": PROMPT_FORMAT,
                        "torch": torch.__version__, "transformers": transformers.__version__,
                        "temperature": temperature, "tree": tree or {}, "rounds": rounds, "warmup": warmup,
                        "prompts": str(prompts_file), "per_category": per_category, "draft": draft,
                        "threads": torch.get_num_threads()},
-              "results": results, "summary": summary, "paired": paired, "sweep": sweep_rows}
+              "results": results, "summary": summary, "paired": paired}
     if json_out:
         Path(json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(json_out).write_text(json.dumps(report, indent=2))
@@ -263,31 +261,7 @@ def _paired(runs: dict, categories: list[str], a: str, b: str, resamples: int = 
     return out
 
 
-def _sweep(model: str, dtype: str, draft: str, prompts: list[str], sizes, max_tokens: int,
-           device: str = "cpu") -> list[dict]:
-    """Throughput at each batch size, plain vs with the head (adaptive budget, as served)."""
-    from eagle_worker import LLM, SamplingParams
-    from eagle_worker.speculative.config import SpecConfig
-
-    rows = []
-    engines = {"no head": LLM(model=model, dtype=dtype, device=device, draft=None),
-               "head (adaptive)": LLM(model=model, dtype=dtype, device=device, spec=SpecConfig(draft=draft, lookup=False, adaptive=True))}
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    for bs in sizes:
-        batch = (prompts * (bs // max(len(prompts), 1) + 1))[:bs]
-        row = {"batch": bs}
-        for name, llm in engines.items():
-            llm.generate(batch, params)                  # warm-up (and lets the policy measure)
-            t0 = time.perf_counter()
-            n = sum(len(o.token_ids) for o in llm.generate(batch, params))
-            row[name] = n / (time.perf_counter() - t0)
-        row["ratio"] = row["head (adaptive)"] / row["no head"]
-        rows.append(row)
-        print(f"sweep batch {bs:2d}: {row}", flush=True)
-    return rows
-
-
-def _print(summary: dict, sweep_rows: list[dict], paired: dict | None = None) -> None:
+def _print(summary: dict, paired: dict | None = None) -> None:
     methods = list(summary)
     cats = list(next(iter(summary.values())))
     print("\n| category | " + " | ".join(methods) + " |")
@@ -303,10 +277,6 @@ def _print(summary: dict, sweep_rows: list[dict], paired: dict | None = None) ->
     for name, per_cat in (paired or {}).items():
         print(f"\n{name} (paired, 95% interval): " + ", ".join(
             f"{c} {r['ratio']:.3f} [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}]" for c, r in per_cat.items()))
-    if sweep_rows:
-        print("\n| batch | no head tok/s | head (adaptive) tok/s | ratio |\n|---:|---:|---:|---:|")
-        for r in sweep_rows:
-            print(f"| {r['batch']} | {r['no head']:.1f} | {r['head (adaptive)']:.1f} | {r['ratio']:.2f} |")
 
 
 if __name__ == "__main__":

@@ -354,8 +354,9 @@ class EngineReplica:
 
 
 def engine_config(config: ServeConfig) -> Any:
-    """The engine's EngineConfig for `config`; `speculation` becomes its SpecConfig, with the draft
-    the engine resolved (`auto` -> the model's built-in head, or none)."""
+    """The engine's EngineConfig for `config`: without `speculation` the engine's default for `draft`
+    (default_spec); with it, its SpecConfig with the draft the engine resolved (`auto` -> the
+    model's built-in head, or none)."""
     backend = load_engine_module(config.engine)
     kw = config.engine_kwargs()
     spec = kw.pop("spec", None)
@@ -366,7 +367,8 @@ def engine_config(config: ServeConfig) -> Any:
     if isinstance(spec, dict):
         spec["draft"] = ec.draft
         if spec["draft"] is None and not spec.get("lookup"):
-            logger.warning("speculation settings ignored: model %s has no draft head", config.model)
+            logger.warning("speculation off: model %s has no draft head and speculation.lookup is false", config.model)
+            ec.spec = None
             return ec
         ec.spec = backend.SpecConfig(**spec)
     return ec

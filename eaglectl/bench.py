@@ -33,10 +33,12 @@ def bench_decode(model, dtypes, batch_sizes, max_tokens, json_out, threads, roun
 @click.option("--max-tokens", default=128, show_default=True, type=int)
 @click.option("--dtype", default="bfloat16", show_default=True, type=click.Choice(["float32", "bfloat16"]))
 @click.option("--draft", default="default", show_default=True, help="Head folder, 'default', or 'random' (cost only).")
-@click.option("--methods", default="vanilla,hf,hf_lookup,lookup,chain,static,dynamic,hybrid", show_default=True)
-@click.option("--sweep", default="1,2,4,8,16,32", show_default=True, help="Batch sizes for the head/no-head sweep ('' to skip).")
+@click.option("--methods", default=None,
+              help="[default: vanilla,hf,hf_lookup,lookup,chain,static,dynamic,hybrid; with --batch-sizes "
+                   "vanilla,default,head,lookup,hybrid]")
 @click.option("--json", "json_out", default=None,
-              help="[default: bench/results/spec.json; with --tp-size 2 bench/results/spec_tp.json]")
+              help="[default: bench/results/spec.json; with --batch-sizes bench/results/spec_batch_DTYPE.json; "
+                   "with --tp-size 2 bench/results/spec_tp.json]")
 @click.option("--threads", default=None, type=int,
               help="torch intra-op threads [default: torch's; with --tp-size 2 always 1 per rank].")
 @click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy; > 0 samples.")
@@ -44,8 +46,8 @@ def bench_decode(model, dtypes, batch_sizes, max_tokens, json_out, threads, roun
               help="Node budget of the dynamic tree, the hybrid and lookup [default: SpecConfig's].")
 @click.option("--depth", default=None, type=int, help="Dynamic tree / hybrid draft levels [default: SpecConfig's].")
 @click.option("--top-k", default=None, type=int, help="Dynamic tree / hybrid expansion width [default: SpecConfig's].")
-@click.option("--rounds", default=1, show_default=True, type=click.IntRange(min=1),
-              help="Passes over the prompts; each prompt's median time counts.")
+@click.option("--rounds", default=None, type=click.IntRange(min=1),
+              help="Passes over the prompts; each prompt's median time counts [default: 1; with --batch-sizes 3].")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N (every method runs there).")
 @click.option("--warmup", default=4, show_default=True, type=click.IntRange(min=0),
               help="Prompts each engine serves first, from outside the measured set (adaptive state settles).")
@@ -53,14 +55,25 @@ def bench_decode(model, dtypes, batch_sizes, max_tokens, json_out, threads, roun
               help="2: vanilla TP 1 (1 and 2 threads), vanilla/head/hybrid TP 2 on CPU (gloo), greedy, with the "
                    "collectives' share of a step (bench/spec_tp.py; --methods, --sweep, --draft, --temperature, "
                    "tree and --warmup options do not apply).")
-@click.option("--batch-sizes", default="1,8", show_default=True, help="With --tp-size 2: batch sizes measured.")
-def bench_spec(model, prompts_file, per_category, max_tokens, dtype, draft, methods, sweep, json_out, threads,
+@click.option("--batch-sizes", default=None,
+              help="Batch sizes: every method at each (bench/spec_batch.py: vanilla, the default, the fixed head, "
+                   "lookup and hybrid trees); with --tp-size 2 [default 1,8] the sizes the TP run measures.")
+def bench_spec(model, prompts_file, per_category, max_tokens, dtype, draft, methods, json_out, threads,
                temperature, num_draft_tokens, depth, top_k, rounds, device, warmup, tp_size, batch_sizes):
-    """Vanilla, transformers (plain, prompt lookup), our lookup, EAGLE chain/static/dynamic, hybrid."""
+    """Vanilla, transformers (plain, prompt lookup), our lookup, EAGLE chain/static/dynamic, hybrid at
+    batch 1; or, with --batch-sizes, the default against the fixed methods at every batch size."""
     from bench.prompts import SPEC_BENCH
     from bench.spec import MethodsError, run
     from eagle_worker.config import check_device
 
+    sizes = None
+    if batch_sizes is not None or tp_size == "2":
+        try:
+            sizes = tuple(int(b) for b in (batch_sizes or "1,8").split(",") if b)
+        except ValueError:
+            raise click.BadParameter(f"not a list of integers: {batch_sizes!r}", param_hint="--batch-sizes") from None
+        if not sizes or min(sizes) < 1:
+            raise click.BadParameter("batch sizes must be positive integers", param_hint="--batch-sizes")
     if tp_size == "2":
         from bench.spec_tp import run as run_tp
 
@@ -70,28 +83,32 @@ def bench_spec(model, prompts_file, per_category, max_tokens, dtype, draft, meth
         if device != "cpu":
             raise click.BadParameter("the TP benchmark runs on CPU (gloo); bench/cuda_check.py checks TP 2 on GPUs",
                                      param_hint="--device")
-        try:
-            sizes = tuple(int(b) for b in batch_sizes.split(",") if b)
-        except ValueError:
-            raise click.BadParameter(f"not a list of integers: {batch_sizes!r}", param_hint="--batch-sizes") from None
-        if not sizes or min(sizes) < 1:
-            raise click.BadParameter("batch sizes must be positive integers", param_hint="--batch-sizes")
         run_tp(model=model, prompts_file=prompts_file or SPEC_BENCH, per_category=per_category, max_tokens=max_tokens,
-               dtype=dtype, batch_sizes=sizes, json_out=json_out or "bench/results/spec_tp.json", rounds=rounds)
+               dtype=dtype, batch_sizes=sizes, json_out=json_out or "bench/results/spec_tp.json", rounds=rounds or 1)
         return
-    json_out = json_out or "bench/results/spec.json"
-
     try:
         check_device(device)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--device") from None
+    if sizes is not None:
+        from bench.spec_batch import METHODS, run as run_batch
+
+        chosen = tuple(methods.split(",")) if methods else METHODS
+        if "vanilla" not in chosen or set(chosen) - set(METHODS):
+            raise click.BadParameter(f"with --batch-sizes: vanilla plus any of {', '.join(METHODS[1:])}",
+                                     param_hint="--methods")
+        run_batch(model=model, prompts_file=prompts_file or SPEC_BENCH, per_category=per_category,
+                  max_tokens=max_tokens, dtype=dtype, draft=draft, methods=chosen, batch_sizes=sizes,
+                  rounds=rounds or 3, temperature=temperature, device=device, threads=threads,
+                  json_out=json_out or f"bench/results/spec_batch_{dtype}.json")
+        return
     try:
         run(model=model, prompts_file=prompts_file or SPEC_BENCH, per_category=per_category, max_tokens=max_tokens,
-            dtype=dtype, draft=draft, methods=tuple(methods.split(",")),
-            sweep=tuple(int(b) for b in sweep.split(",") if b), json_out=json_out, threads=threads,
+            dtype=dtype, draft=draft, methods=tuple((methods or "vanilla,hf,hf_lookup,lookup,chain,static,dynamic,hybrid").split(",")),
+            json_out=json_out or "bench/results/spec.json", threads=threads,
             temperature=temperature, tree={k: v for k, v in (("num_draft_tokens", num_draft_tokens), ("depth", depth),
                                                              ("top_k", top_k)) if v is not None},
-            rounds=rounds, device=device, warmup=warmup)
+            rounds=rounds or 1, device=device, warmup=warmup)
     except MethodsError as e:
         raise click.BadParameter(str(e), param_hint="--methods") from None
 

@@ -112,9 +112,9 @@ def test_a_venv_from_the_wheel_loads_the_default_head_and_finds_the_bench_prompt
         assert Path(got[key]).is_relative_to(site), (key, got)   # the wheel's copy, not the repository's
     assert got["questions"] > 0 and got["tau"] > 1.0, got            # prompts read; the head drafts and is accepted
 
-    # the console script finds its prompts (and the head): one prompt a category, one token, no sweep
+    # the console script finds its prompts (and the head): one prompt a category, one token
     res = subprocess.run([str(venv / "bin" / "eaglectl"), "bench", "spec", "--methods", "vanilla,chain", "--per-category", "1",
-                          "--max-tokens", "1", "--sweep", "", "--warmup", "0", "--json", str(tmp_path / "spec.json")],
+                          "--max-tokens", "1", "--warmup", "0", "--json", str(tmp_path / "spec.json")],
                          cwd=elsewhere, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
     report = (tmp_path / "spec.json").read_text()

@@ -100,6 +100,7 @@ class EagleWorker:
         self.states: dict[str, RequestState] = {}
         depth = max(spec.depth if self.shape is None else self.shape.max_depth, spec.lookup_max_tokens if spec.lookup else 0)
         self.totals = {"draft_s": 0.0, "verify_s": 0.0, "spec_steps": 0, "plain_steps": 0, "trees_shrunk_for_memory": 0,
+                       "decode_seq_steps": 0, "draft_nodes": 0,
                        "drafted_at_depth": [0] * depth, "accepted_at_depth": [0] * depth}
 
     def release(self, seq: Sequence) -> None:
@@ -143,6 +144,8 @@ class EagleWorker:
         # draws one budget per step from the policy
         budget = (self.policy.full if self.spec.lookup else self.policy.choose(len(decodes))) if decodes else 0
         trees = self._draft(decodes, budget) if budget else {}
+        self.totals["decode_seq_steps"] += len(decodes)
+        self.totals["draft_nodes"] += sum(t.num_draft_nodes for t in trees.values())
         t1 = time.perf_counter()
         items = [self._tree_item(it.seq, trees[it.seq.request_id]) if it.seq.request_id in trees
                  else forward_item(self.block_manager, it) for it in batch]

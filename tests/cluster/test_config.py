@@ -11,7 +11,7 @@ from cluster.serve_app import app_builder, engine_deployment_options
 def test_defaults_are_servable():
     cfg = ServeConfig()
     assert cfg.model_name == "gemma-3-270m" and cfg.replica_count_options() == {"num_replicas": 1}
-    assert cfg.engine_kwargs() == dict(model="gemma-3-270m", dtype="float32", device="cpu", draft="default",
+    assert cfg.engine_kwargs() == dict(model="gemma-3-270m", dtype="float32", device="cpu", draft="auto",
                                        tp_size=1, max_num_seqs=64, enable_prefix_caching=True)
     assert not cfg.auth_enabled and cfg.resolve_api_keys() == frozenset()
 
@@ -118,10 +118,10 @@ def test_speculation_settings():
                       limits={"max_num_batched_tokens": 256})
     kw = cfg.engine_kwargs()
     assert kw["spec"] == {"draft": "default", "tree": "chain", "depth": 3, "top_k": 8, "num_draft_tokens": 16,
-                          "adaptive": False, "lookup": False}
+                          "adaptive": False, "lookup": True}
     assert kw["max_num_batched_tokens"] == 256
     with pytest.raises(ConfigError, match="speculation needs a draft head"):
-        ServeConfig.from_dict({"draft": None, "speculation": {"depth": 2}})
+        ServeConfig.from_dict({"draft": None, "speculation": {"lookup": False}})
     assert ServeConfig.from_dict({"draft": None, "speculation": {"lookup": True}}).engine_kwargs()["spec"]["draft"] is None
     with pytest.raises(ConfigError, match="speculation.tree"):
         ServeConfig.from_dict({"draft": "default", "speculation": {"tree": "bushy"}})
@@ -189,6 +189,8 @@ def test_speculation_with_auto_draft_on_a_model_without_head(tiny_model_dir):
     from cluster.replica import engine_config
 
     ec = engine_config(ServeConfig(model=str(tiny_model_dir("llama")), speculation={"depth": 2}))
+    assert ec.draft is None and ec.spec.lookup and ec.spec.depth == 2   # no head: prompt lookup alone
+    ec = engine_config(ServeConfig(model=str(tiny_model_dir("llama")), speculation={"lookup": False}))
     assert ec.draft is None and ec.spec is None  # nothing to speculate with: plain decoding
 
 

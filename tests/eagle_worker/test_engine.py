@@ -33,7 +33,7 @@ def family_setup(request, tiny_model_dir):
 
 def test_greedy_matches_transformers_alone_and_in_batch(family_setup):
     path, ref = family_setup
-    llm = LLM(model=str(path), block_size=4, num_kv_blocks=256)
+    llm = LLM(model=str(path), block_size=4, num_kv_blocks=256, draft=None)   # plain decoding
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     expected = [hf_greedy(ref, llm.tokenizer, p, 16) for p in PROMPTS]
     alone = [llm.generate(p, params)[0].token_ids for p in PROMPTS[:3]]

@@ -9,20 +9,20 @@ from eaglectl.bench import bench_spec
 
 
 def test_bench_spec_needs_vanilla():
-    res = CliRunner().invoke(bench_spec, ["--methods", "dynamic,hybrid", "--sweep", ""])
+    res = CliRunner().invoke(bench_spec, ["--methods", "dynamic,hybrid"])
     assert res.exit_code == 2
     assert "--methods" in res.output and "vanilla" in res.output
 
 
 def test_bench_spec_needs_at_least_one_round():
-    res = CliRunner().invoke(bench_spec, ["--rounds", "0", "--sweep", ""])
+    res = CliRunner().invoke(bench_spec, ["--rounds", "0"])
     assert res.exit_code == 2
     assert "--rounds" in res.output
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
 def test_bench_spec_on_a_missing_gpu_says_so():
-    res = CliRunner().invoke(bench_spec, ["--device", "cuda", "--sweep", ""])
+    res = CliRunner().invoke(bench_spec, ["--device", "cuda"])
     assert res.exit_code == 2
     assert "--device" in res.output and "CUDA is not available" in res.output
 
@@ -40,7 +40,7 @@ def test_bench_spec_warms_up_on_prompts_it_does_not_measure(tmp_path):
     small = tmp_path / "q.jsonl"                             # a file with nothing else: its own prompts
     small.write_text('{"category": "a", "turns": ["hi"]}\n')
     assert _warmup_prompts(small, 2, 4) == [render({"turns": ["hi"]})]
-    res = CliRunner().invoke(bench_spec, ["--warmup", "-1", "--sweep", ""])
+    res = CliRunner().invoke(bench_spec, ["--warmup", "-1"])
     assert res.exit_code == 2 and "--warmup" in res.output
 
 
@@ -67,7 +67,7 @@ def test_bench_spec_rotates_the_order_and_takes_each_prompts_median_time(monkeyp
     monkeypatch.setattr(bs, "_runners", fake_runners)
     q = tmp_path / "q.jsonl"
     q.write_text("".join(json.dumps({"category": c, "turns": [f"{c}q{i}"]}) + "\n" for c in ("a", "b") for i in range(2)))
-    rep = bs.run(model="x", prompts_file=q, per_category=2, methods=("vanilla", "lookup", "hybrid"), sweep=(),
+    rep = bs.run(model="x", prompts_file=q, per_category=2, methods=("vanilla", "lookup", "hybrid"),
                  json_out=None, rounds=3, warmup=0)
     assert len(calls) == 3 * 4 * 3                               # every method, prompt and round
     firsts = [calls[i][0] for i in range(0, len(calls), 3)]

@@ -1,0 +1,155 @@
+"""Speculation at every batch size: `eaglectl bench spec --batch-sizes 1,4,8,16,32,64`.
+
+Methods: `vanilla` (no speculation), `default` (what `LLM()` gives: `default_spec("auto")`, the
+hybrid sized per sequence and step), and the fixed methods it chooses between, each drafting its
+full tree at every step: `head` (the EAGLE-2 dynamic tree), `lookup` (prompt lookup) and `hybrid`
+(lookup merged with the head's tree). Spec-Bench prompts (`per_category` of each category) are
+cycled to fill each batch; every request makes `max_tokens` tokens (ignore_eos, so every method
+does the same work). One engine per method serves every batch size, as a server would, after a
+warm-up batch; at each batch size the methods take turns, the order rotating each round, and a
+method's median over rounds counts. `paired` gives each method over vanilla per round (same batch,
+back to back) with the range over rounds. For the default it reports where the policy's choices
+went: draft nodes per sequence and step, and steps by source. The report is rewritten after each
+batch size, so a run cut short keeps what it measured.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+from bench.prompts import PROMPT_FORMAT, SPEC_BENCH, load_questions, render
+
+METHODS = ("vanilla", "default", "head", "lookup", "hybrid")
+
+
+def spec_for(method: str, model: str, draft: str):
+    from eagle_worker.speculative.config import SpecConfig, default_spec
+
+    if method == "vanilla":
+        return None
+    if method == "default":
+        return default_spec("auto" if draft == "default" else draft, model)
+    if method == "head":
+        return SpecConfig(draft=draft, lookup=False, adaptive=False)
+    if method == "lookup":
+        return SpecConfig(draft=None, lookup=True, adaptive=False)
+    if method == "hybrid":
+        return SpecConfig(draft=draft, lookup=True, adaptive=False)
+    raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+
+
+def _engine_counts(llm) -> dict:
+    worker = getattr(llm.engine, "worker", None)
+    totals = getattr(worker, "totals", None)
+    if not totals or "draft_nodes" not in totals:
+        return {"draft_nodes": 0, "decode_seq_steps": 0}
+    return {"draft_nodes": totals["draft_nodes"], "decode_seq_steps": totals["decode_seq_steps"]}
+
+
+def _once(llm, batch: list[str], params) -> dict:
+    before = _engine_counts(llm)
+    t0 = time.perf_counter()
+    outs = llm.generate(batch, params)
+    seconds = time.perf_counter() - t0
+    after = _engine_counts(llm)
+    tokens = sum(len(o.token_ids) for o in outs)
+    forwards = sum(o.metrics["num_target_forwards"] + 1 for o in outs)
+    steps: dict[str, int] = {}
+    for o in outs:
+        for mode, n in o.metrics.get("steps_by_source", {}).items():
+            steps[mode] = steps.get(mode, 0) + n
+    seq_steps = after["decode_seq_steps"] - before["decode_seq_steps"]
+    return {"seconds": seconds, "tokens": tokens, "tok_s": tokens / seconds, "tau": tokens / forwards,
+            "nodes_per_seq_step": (after["draft_nodes"] - before["draft_nodes"]) / seq_steps if seq_steps else 0.0,
+            "steps_by_source": steps}
+
+
+def run(model: str = "gemma-3-270m", prompts_file: str | Path = SPEC_BENCH, per_category: int = 2,
+        max_tokens: int = 128, dtype: str = "float32", draft: str = "default",
+        methods: tuple[str, ...] = METHODS, batch_sizes: tuple[int, ...] = (1, 4, 8, 16, 32, 64),
+        rounds: int = 3, temperature: float = 0.0, device: str = "cpu", threads: int | None = None,
+        json_out: str | None = "bench/results/spec_batch.json") -> dict:
+    from eagle_worker import LLM, SamplingParams
+
+    if "vanilla" not in methods:
+        raise ValueError("methods must include vanilla: every ratio is measured against it")
+    if threads:
+        torch.set_num_threads(threads)
+    prompts = [render(r) for r in load_questions(prompts_file, per_category=per_category)]
+    kv_gb = max(1.0, 36e3 * max(batch_sizes) * (max_tokens + 400) / 2**30 * (1 if dtype == "float32" else 0.5) * 1.5)
+    engines = {m: LLM(model=model, dtype=dtype, device=device, spec=spec_for(m, model, draft), kv_cache_gb=kv_gb,
+                      max_num_seqs=max(batch_sizes)) for m in methods}
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True,
+                            seed=0 if temperature else None)
+    warm = (prompts * 8)[:8]
+    for m, llm in engines.items():                        # the adaptive state settles as in a running server
+        llm.generate(warm, SamplingParams(max_tokens=32, temperature=temperature, ignore_eos=True))
+        print(f"warmed {m}", flush=True)
+    report = {"meta": {"model": model, "dtype": dtype, "device": device, "max_tokens": max_tokens,
+                       "prompt_format": PROMPT_FORMAT, "prompts": str(prompts_file), "per_category": per_category,
+                       "rounds": rounds, "temperature": temperature, "draft": draft, "methods": list(methods),
+                       "torch": torch.__version__, "transformers": transformers.__version__,
+                       "threads": torch.get_num_threads()},
+              "batches": []}
+    for bs in batch_sizes:
+        batch = (prompts * (bs // len(prompts) + 1))[:bs]
+        runs: dict[str, list[dict]] = {m: [] for m in methods}
+        for rnd in range(rounds):
+            k = rnd % len(methods)
+            for m in methods[k:] + methods[:k]:
+                r = _once(engines[m], batch, params)
+                runs[m].append(r)
+                print(f"batch {bs:3d} round {rnd + 1} {m:8s} {r['tok_s']:8.1f} tok/s tau {r['tau']:.2f} "
+                      f"nodes/seq-step {r['nodes_per_seq_step']:.2f} {r['steps_by_source']}", flush=True)
+        report["batches"].append(_summarise(bs, runs))
+        _print_row(report["batches"][-1])
+        if json_out:
+            Path(json_out).parent.mkdir(parents=True, exist_ok=True)
+            Path(json_out).write_text(json.dumps(report, indent=2))
+    _print(report)
+    return report
+
+
+def _summarise(bs: int, runs: dict[str, list[dict]]) -> dict:
+    row = {"batch": bs, "methods": {}}
+    base = runs["vanilla"]
+    for m, rs in runs.items():
+        ratios = [r["tok_s"] / b["tok_s"] for r, b in zip(rs, base)]   # same round: back to back
+        steps: dict[str, int] = {}
+        for r in rs:
+            for mode, n in r["steps_by_source"].items():
+                steps[mode] = steps.get(mode, 0) + n
+        total = sum(steps.values())
+        row["methods"][m] = {
+            "tok_s": statistics.median(r["tok_s"] for r in rs),
+            "ratio": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)],
+            "tau": statistics.mean(r["tau"] for r in rs),
+            "nodes_per_seq_step": statistics.mean(r["nodes_per_seq_step"] for r in rs),
+            "steps_by_source": {k: v / total for k, v in sorted(steps.items())} if total else {}}
+    return row
+
+
+def _cell(r: dict) -> str:
+    return f"{r['tok_s']:.1f} ({r['ratio']:.2f}x [{r['ratio_range'][0]:.2f}-{r['ratio_range'][1]:.2f}], τ {r['tau']:.2f})"
+
+
+def _print_row(row: dict) -> None:
+    print(f"| {row['batch']} | " + " | ".join(_cell(r) for r in row["methods"].values()) + " |", flush=True)
+
+
+def _print(report: dict) -> None:
+    methods = report["meta"]["methods"]
+    print("\n| batch | " + " | ".join(methods) + " |\n|---:|" + "---:|" * len(methods))
+    for row in report["batches"]:
+        _print_row(row)
+    print("\n| batch | default: nodes per sequence-step | default: steps by source |\n|---:|---:|---|")
+    for row in report["batches"]:
+        d = row["methods"].get("default")
+        if d:
+            src = ", ".join(f"{k} {v:.0%}" for k, v in d["steps_by_source"].items())
+            print(f"| {row['batch']} | {d['nodes_per_seq_step']:.2f} | {src} |")
