@@ -31,7 +31,7 @@ def spec_for(method: str, model: str, draft: str):
     from eagle_worker.speculative.config import SpecConfig, default_spec
 
     if method == "vanilla":
-        return None
+        return None                     # spec=None: no speculation
     if method == "default":
         return default_spec("auto" if draft == "default" else draft, model)
     if method == "head":

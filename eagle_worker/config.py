@@ -23,7 +23,8 @@ class EngineConfig:
     device: str = "cpu"
     draft: str | None = "auto"         # EAGLE head folder, "default" (built-in head), "auto" (the built-in
                                        # head when the model has one), or None/"none": no speculation
-    spec: SpecConfig | None = None     # full speculation settings; default_spec(draft) when not given
+    spec: SpecConfig | None | str = "auto"   # full speculation settings; "auto": default_spec(draft);
+                                             # None: no speculation
     tp_size: int = 1
     block_size: int = 16
     kv_cache_gb: float = 1.0           # KV memory budget; blocks = budget / bytes per block
@@ -39,7 +40,9 @@ class EngineConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"EngineConfig.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         check_device(self.device)
-        if self.spec is None:
+        if isinstance(self.spec, str):
+            if self.spec != "auto":
+                raise ValueError(f"EngineConfig.spec must be a SpecConfig, None or 'auto', got {self.spec!r}")
             self.spec = default_spec(self.draft, self.model)
         self.draft = self.spec.draft if self.spec is not None else None   # as resolved
         if self.block_size <= 0 or self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:

@@ -40,6 +40,8 @@ class LLMEngine:
         self.worker = self._make_worker(config)
         self.scheduler = Scheduler(config, self.block_manager, self.worker.num_lookahead_slots, self.max_model_len,
                                    need_head_kv=getattr(self.worker, "head", None) is not None)
+        if hasattr(self.worker, "queue_depth"):        # the hybrid prices a finished slot by who waits for it
+            self.worker.queue_depth = lambda: len(self.scheduler.waiting)
         self.chat_template = resolve_chat_template(self.tokenizer, self.runner.hf_config, config.chat_template)
         self.requests: dict[str, Sequence] = {}
         self._aborted: list[RequestOutput] = []

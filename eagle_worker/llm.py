@@ -12,7 +12,8 @@ from eagle_worker.sampling_params import SamplingParams
 class LLM:
     """`draft` (via kwargs): "auto" (default: the hybrid with the model's built-in EAGLE head, or
     prompt lookup where it has none), a head folder, "default", or None (no speculation);
-    `spec=SpecConfig(...)` for full control of speculation (speculative/config.py `default_spec`)."""
+    `spec=SpecConfig(...)` for full control of speculation, `spec=None` for none
+    (speculative/config.py `default_spec`)."""
 
     def __init__(self, model: str = "gemma-3-270m", dtype: str = "float32", device: str = "cpu", **kwargs):
         self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, device=device, **kwargs))

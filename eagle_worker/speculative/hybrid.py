@@ -52,12 +52,14 @@ def lookup_outcome(accepted: int, complete: bool) -> str:
 
 @dataclass
 class ShadowProposal:
-    """A lookup proposal that was not verified, kept to score against the tokens that follow."""
+    """A lookup proposal that was not verified (or only cut short), kept to score against the
+    tokens that follow."""
 
     position: int                  # the proposal continues the first `position` tokens
     branches: list[list[int]]
     outcome_before: str            # the request's lookup outcome when it was proposed
     matched: int = 0               # tokens the generated text has followed so far
+    cut: bool = False              # verified cut short this step: the verification does not learn
 
 
 @dataclass
@@ -120,10 +122,11 @@ class HybridSplit:
 
     # ---- the choice ----------------------------------------------------------------------------
     def choose(self, st: HybridState, branches, step: StepContext | int, remaining: int | None = None,
-               stretch: int = 0, budget: int = 16) -> Choice:
+               stretch: int = 0, budget: int = 16, share: float = 1.0) -> Choice:
         """This step's drafting for one request. `remaining`: tokens it may still generate (None:
         unbounded); `stretch`: pending tokens the head must catch up on beyond one step's worth;
-        `budget`: the most draft nodes its tree may have."""
+        `budget`: the most draft nodes its tree may have; `share`: how much of its part of the
+        step's fixed cost its tokens save (1: all; less when the batch waits for a slower one)."""
         step = step if isinstance(step, StepContext) else StepContext(step)
         M = StepMode
         heads = (M.MERGED, M.HEAD) if step.head else ()
@@ -135,7 +138,7 @@ class HybridSplit:
         if remaining is not None:      # the head's catch-up is repaid only on steps lookup leaves to it
             remaining = max(1, round(remaining * self.free_share(st)))
         catch_up_s = self.catch_up_seconds(stretch)
-        options = {m: self._best(st, m, branches, step, remaining, catch_up_s, budget) for m in candidates}
+        options = {m: self._best(st, m, branches, step, remaining, catch_up_s, budget, share) for m in candidates}
         choice, cost = min(options.values(), key=lambda o: o[1])
         if choice.mode in _HEAD_MODES:        # the head drafts on its merits: probing starts over
             st.skipped_steps, st.probe_every = 0, self.PROBE_EVERY
@@ -149,7 +152,7 @@ class HybridSplit:
         return min((options[m] for m in candidates if m in _HEAD_MODES), key=lambda o: o[1])[0]   # the cheaper probe
 
     def _best(self, st: HybridState, mode: StepMode, branches, step: StepContext, remaining: int | None,
-              catch_up_s: float, budget: int) -> tuple[Choice, float]:
+              catch_up_s: float, budget: int, share: float) -> tuple[Choice, float]:
         """The cheapest way to draft in `mode` (lookup's depth), and its expected seconds for the
         request's remaining tokens (per token when unbounded)."""
         head_n = 0
@@ -163,7 +166,7 @@ class HybridSplit:
             nodes = trie_nodes(branches, k) if k else 0
             if k > 1 and head_n + nodes > budget:
                 break
-            per_token = self._seconds(st, mode, k, head_n + nodes, head_n, step)
+            per_token = self._seconds(st, mode, k, head_n + nodes, head_n, step, share)
             if best is None or per_token < best[1]:
                 best = (Choice(mode, k, head_n), per_token)
         choice, per_token = best
@@ -172,14 +175,14 @@ class HybridSplit:
         return choice, remaining * per_token + (catch_up_s if head_n else 0.0)
 
     def _seconds(self, st: HybridState, mode: StepMode, lookup_depth: int, nodes: int, head_n: int,
-                 step: StepContext) -> float:
+                 step: StepContext, share: float = 1.0) -> float:
         """Expected seconds per token of one step drafted so: the request's share of the step's
         fixed cost, its rows, and its share of the head's passes, over the tokens it should make."""
         g = st.gains or self.prior
         tokens = 1.0 + (self.expected_lookup(st.lookup_outcome, lookup_depth) if lookup_depth else 0.0)
         tokens += {StepMode.MERGED: g["extra"], StepMode.HEAD: g["head"]}.get(mode, 0.0)
         c = self.cost
-        seconds = c.coefficient("fixed") / step.batch_size + c.coefficient("per_row") * (1 + nodes)
+        seconds = c.coefficient("fixed") * share / step.batch_size + c.coefficient("per_row") * (1 + nodes)
         if head_n:
             levels = min(self.depth, head_n)
             seconds += c.coefficient("per_head_row") * (1 + (levels - 1) * min(self.top_k, head_n))
@@ -238,7 +241,12 @@ class HybridSplit:
     def observe_lookup(self, st: HybridState, accepted: int, complete: bool) -> None:
         """How a verified lookup proposal did: `accepted` of its tokens, `complete` when a whole
         branch was. A kept proposal the tokens were still following settles with it: it would have
-        given what it matched so far plus what lookup has now accepted (at most its longest branch)."""
+        given what it matched so far plus what lookup has now accepted (at most its longest branch).
+        A proposal verified cut short learns from its shadow instead, which the tokens settle."""
+        if st.shadow is not None and st.shadow.cut:
+            st.shadow.cut = False
+            st.lookup_outcome = "partial" if accepted else "miss"
+            return
         if st.shadow is not None:
             sh = st.shadow
             if sh.matched:
@@ -264,6 +272,14 @@ class HybridSplit:
         with the outcome it followed and the tokens matched so far."""
         if st.shadow is None:
             st.shadow = ShadowProposal(position, [br[:budget] for br in branches], st.lookup_outcome)
+
+    def shadow_cut(self, st: HybridState, position: int, branches: list[list[int]], budget: int) -> None:
+        """Lookup is verified cut short: its whole proposal is kept and scored against the tokens
+        that follow, so its reach past the cut is still learned (a cut verified alone would only
+        ever teach the depths it kept, and the chooser would never see a reason to go deeper)."""
+        if st.shadow is not None and st.shadow.matched:
+            self._learn(st.shadow.outcome_before, st.shadow.matched)
+        st.shadow = ShadowProposal(position, [br[:budget] for br in branches], st.lookup_outcome, cut=True)
 
     def score_shadow(self, st: HybridState, token_ids: list[int]) -> None:
         """Score the kept proposal once the tokens that followed it settle every branch. While they

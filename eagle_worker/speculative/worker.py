@@ -97,6 +97,7 @@ class EagleWorker:
         self.stretch_s = 0.0               # this step's seconds catching the head up on a stretch
         self.head_work = [0, 0]            # this step's head rows with logits and head passes
         self.head_seqs = 1                 # sequences the head drafted for last step
+        self.queue_depth = lambda: 0       # requests waiting for a batch slot (the engine sets it)
         self.states: dict[str, RequestState] = {}
         depth = max(spec.depth if self.shape is None else self.shape.max_depth, spec.lookup_max_tokens if spec.lookup else 0)
         self.totals = {"draft_s": 0.0, "verify_s": 0.0, "spec_steps": 0, "plain_steps": 0, "trees_shrunk_for_memory": 0,
@@ -220,18 +221,36 @@ class EagleWorker:
                     c.head_nodes = self.hybrid.head_nodes(hs, c.budget) if c.branches else c.budget
             return
         step = StepContext(len(cands), head=self.head is not None, head_seqs=self.head_seqs)
-        for c in cands:
+        for c, share in zip(cands, self._fixed_shares(cands)):
             seq, hs = c.seq, self.states[c.seq.request_id].hybrid
             self.hybrid.score_shadow(hs, seq.token_ids)
             choice = self.hybrid.choose(hs, c.branches, step, remaining=seq.params.max_tokens - seq.num_output_tokens,
-                                        stretch=max(0, len(c.draft.state.tokens) - (budget + 1)), budget=c.budget)
+                                        stretch=max(0, len(c.draft.state.tokens) - (budget + 1)), budget=c.budget,
+                                        share=share)
             if c.branches and choice.mode in (StepMode.PLAIN, StepMode.HEAD):   # lookup sits out: score its proposal later
                 self.hybrid.shadow(hs, len(seq.token_ids), c.branches, c.budget)
                 c.branches = []
-            elif c.branches:
+            elif c.branches and choice.lookup_depth < max(map(len, c.branches)):
+                self.hybrid.shadow_cut(hs, len(seq.token_ids), c.branches, c.budget)
                 c.branches = [br[:choice.lookup_depth] for br in c.branches]
             c.head_nodes = choice.head_nodes
         self.head_seqs = max(1, sum(1 for c in cands if c.head_nodes))
+
+    def _fixed_shares(self, cands: list[Candidate]) -> list[float]:
+        """How much of its part of the step's fixed cost each request's extra tokens save. While
+        requests wait, a sequence that finishes sooner frees its slot for one: all of it. With none
+        waiting, the batch pays the fixed cost until its slowest sequence is done, so a sequence
+        ahead saves in proportion to its expected remaining steps against the slowest's (sequences
+        that started together draft alike; one that pulled ahead leaves its rows to the others)."""
+        if self.queue_depth() or len(cands) == 1:
+            return [1.0] * len(cands)
+        steps = []
+        for c in cands:
+            hs = self.states[c.seq.request_id].hybrid
+            per_step = (hs.free_tokens or self.hybrid.free_tokens)[1]
+            steps.append((c.seq.params.max_tokens - c.seq.num_output_tokens) / max(per_step, 1.0))
+        slowest = max(steps)
+        return [s / slowest if slowest > 0 else 1.0 for s in steps]
 
     def _draft_head(self, cands: list[Candidate], budget: int) -> dict[str, DraftTree]:
         """The head's trees, one batched draft per tree budget (one unless memory shrank some),

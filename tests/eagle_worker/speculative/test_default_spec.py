@@ -26,6 +26,9 @@ def test_llm_door(tiny_model_dir):
 
     assert EngineConfig().spec == HYBRID and EngineConfig().draft == "default"
     assert EngineConfig(draft=None).spec is None and EngineConfig(draft="none").spec is None
+    assert EngineConfig(spec=None).spec is None and EngineConfig(spec=None).draft is None   # `spec: null`: off
+    with pytest.raises(ValueError, match="EngineConfig.spec"):
+        EngineConfig(spec="hybrid")
     llm = LLM(model=str(tiny_model_dir("llama")), num_kv_blocks=64, block_size=4)   # no built-in head
     assert llm.engine.config.spec == default_spec("auto", str(tiny_model_dir("llama")))
     worker = llm.engine.worker
