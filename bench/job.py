@@ -1,10 +1,10 @@
-"""`eaglectl bench job`: one offline job over Spec-Bench prompts, without and with the EAGLE head.
+"""`eaglectl bench job`: one offline job over Spec-Bench prompts, without speculation and with the default.
 
 The same Parquet input (`rows` Spec-Bench questions taken round-robin over its 13 categories,
 rendered as `Question: ...\nAnswer:` for the base model) goes through the real job path
 (`jobs.runner`: Ray replicas, continuous batching, atomic Parquet output) at temperature 0, once
-with `--draft none` and once with the head (`draft`: "auto" = the model's built-in head when it
-has one, or a head folder). Throughput counts generation only (from the first replica ready to
+with `--draft none` and once with `draft` (default "auto": what `submit-job` does by default, the
+hybrid with the model's built-in head, or prompt lookup where it has none; or a head folder). Throughput counts generation only (from the first replica ready to
 the last row written), not model loading. At temperature 0 speculative decoding is lossless, so
 the two runs' texts are compared row by row as a check.
 Usage: `eaglectl bench job [--rows 200 --max-tokens 64]` or `python -m bench.job [--draft PATH]`.
@@ -63,16 +63,16 @@ def run(model: str = "gemma-3-270m", rows: int = 200, max_tokens: int = 64, json
 
     head = JobConfig(input="x", model=model, draft=draft).resolved_draft() if draft != "none" else None
     note = None
-    if head is None:
-        note = ("no EAGLE head for this model yet (" + (builtin_head_error("eagle_worker", model) or "--draft none")
-                + "): only the baseline ran")
+    if head is None and draft != "none":
+        note = ("no EAGLE head for this model (" + (builtin_head_error("eagle_worker", model) or "")
+                + "): the default is prompt lookup alone")
     with tempfile.TemporaryDirectory(prefix="bench-job-") as tmp:
         tmp = Path(tmp)
         inp = tmp / "spec_bench.parquet"
         write_input(inp, rows)
-        results = [_variant("no head", "none", inp, tmp / "base.out", model, max_tokens, replicas, max_num_seqs)]
-        if head is not None:
-            results.append(_variant("EAGLE head", draft, inp, tmp / "eagle.out", model, max_tokens, replicas,
+        results = [_variant("none", "none", inp, tmp / "base.out", model, max_tokens, replicas, max_num_seqs)]
+        if draft != "none":
+            results.append(_variant("default", draft, inp, tmp / "eagle.out", model, max_tokens, replicas,
                                     max_num_seqs))
             base = {r["id"]: r["text"] for r in pq.read_table(tmp / "base.out", columns=["id", "text"]).to_pylist()}
             spec = {r["id"]: r["text"] for r in pq.read_table(tmp / "eagle.out", columns=["id", "text"]).to_pylist()}
