@@ -3,17 +3,20 @@
 Methods: `vanilla` (no speculation), `default` (what `LLM()` gives: `default_spec("auto")`, the
 hybrid sized per sequence and step), and the fixed methods it chooses between, each drafting its
 full tree at every step: `head` (the EAGLE-2 dynamic tree), `lookup` (prompt lookup) and `hybrid`
-(lookup merged with the head's tree). Spec-Bench prompts (`per_category` of each category) are
-cycled to fill each batch; every request makes `max_tokens` tokens (ignore_eos, so every method
-does the same work). One engine per method serves every batch size, as a server would, after a
-warm-up batch; at each batch size the methods take turns, the order rotating each round, and a
-method's median over rounds counts. `paired` gives each method over vanilla per round (same batch,
-back to back) with the range over rounds. For the default it reports where the policy's choices
-went: draft nodes per sequence and step, and steps by source. The report is rewritten after each
-batch size, so a run cut short keeps what it measured.
+(lookup merged with the head's tree). Spec-Bench prompts (`per_category` of each category, taken
+round-robin over the categories) are cycled to fill batches: each batch size runs at least
+`min_prompts` prompts (batch 1: one category after another; batch 64: one batch of the whole set
+cycled), every request makes `max_tokens` tokens (ignore_eos, so every method does the same work).
+One engine per method serves every batch size, as a server would, after a warm-up batch. The
+methods take turns batch by batch, the order rotating each batch and round; a batch counts with
+its median time over rounds. Each method's ratio over vanilla is the median over batches of the
+paired ratio (the same batch back to back), with the range of those pairs. For the default it
+reports where the policy's choices went: draft nodes per sequence and step, and steps by source.
+The report is rewritten after each batch size, so a run cut short keeps what it measured.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 import time
@@ -72,15 +75,18 @@ def _once(llm, batch: list[str], params) -> dict:
 def run(model: str = "gemma-3-270m", prompts_file: str | Path = SPEC_BENCH, per_category: int = 2,
         max_tokens: int = 128, dtype: str = "float32", draft: str = "default",
         methods: tuple[str, ...] = METHODS, batch_sizes: tuple[int, ...] = (1, 4, 8, 16, 32, 64),
-        rounds: int = 3, temperature: float = 0.0, device: str = "cpu", threads: int | None = None,
-        json_out: str | None = "bench/results/spec_batch.json") -> dict:
+        rounds: int = 1, temperature: float = 0.0, device: str = "cpu", threads: int | None = None,
+        json_out: str | None = "bench/results/spec_batch.json", min_prompts: int = 13) -> dict:
     from eagle_worker import LLM, SamplingParams
 
     if "vanilla" not in methods:
         raise ValueError("methods must include vanilla: every ratio is measured against it")
     if threads:
         torch.set_num_threads(threads)
-    prompts = [render(r) for r in load_questions(prompts_file, per_category=per_category)]
+    by_cat: dict[str, list[str]] = {}
+    for r in load_questions(prompts_file, per_category=per_category):
+        by_cat.setdefault(r.get("category", "default"), []).append(render(r))
+    prompts = [p for group in itertools.zip_longest(*by_cat.values()) for p in group if p is not None]
     kv_gb = max(1.0, 36e3 * max(batch_sizes) * (max_tokens + 400) / 2**30 * (1 if dtype == "float32" else 0.5) * 1.5)
     engines = {m: LLM(model=model, dtype=dtype, device=device, spec=spec_for(m, model, draft), kv_cache_gb=kv_gb,
                       max_num_seqs=max(batch_sizes)) for m in methods}
@@ -92,20 +98,24 @@ def run(model: str = "gemma-3-270m", prompts_file: str | Path = SPEC_BENCH, per_
         print(f"warmed {m}", flush=True)
     report = {"meta": {"model": model, "dtype": dtype, "device": device, "max_tokens": max_tokens,
                        "prompt_format": PROMPT_FORMAT, "prompts": str(prompts_file), "per_category": per_category,
-                       "rounds": rounds, "temperature": temperature, "draft": draft, "methods": list(methods),
+                       "rounds": rounds, "min_prompts": min_prompts, "temperature": temperature, "draft": draft, "methods": list(methods),
                        "torch": torch.__version__, "transformers": transformers.__version__,
                        "threads": torch.get_num_threads()},
               "batches": []}
     for bs in batch_sizes:
-        batch = (prompts * (bs // len(prompts) + 1))[:bs]
-        runs: dict[str, list[dict]] = {m: [] for m in methods}
+        n = max(bs, -(-min_prompts // bs) * bs)
+        cycled = (prompts * (n // len(prompts) + 1))[:n]
+        batches = [cycled[i:i + bs] for i in range(0, n, bs)]
+        runs: dict[str, list[list[dict]]] = {m: [[] for _ in batches] for m in methods}   # per batch, per round
         for rnd in range(rounds):
-            k = rnd % len(methods)
-            for m in methods[k:] + methods[:k]:
-                r = _once(engines[m], batch, params)
-                runs[m].append(r)
-                print(f"batch {bs:3d} round {rnd + 1} {m:8s} {r['tok_s']:8.1f} tok/s tau {r['tau']:.2f} "
-                      f"nodes/seq-step {r['nodes_per_seq_step']:.2f} {r['steps_by_source']}", flush=True)
+            for j, batch in enumerate(batches):
+                k = (j + rnd) % len(methods)
+                for m in methods[k:] + methods[:k]:
+                    r = _once(engines[m], batch, params)
+                    runs[m][j].append(r)
+                    print(f"batch {bs:3d} #{j + 1}/{len(batches)} round {rnd + 1} {m:8s} {r['tok_s']:8.1f} tok/s "
+                          f"tau {r['tau']:.2f} nodes/seq-step {r['nodes_per_seq_step']:.2f} {r['steps_by_source']}",
+                          flush=True)
         report["batches"].append(_summarise(bs, runs))
         _print_row(report["batches"][-1])
         if json_out:
@@ -115,21 +125,25 @@ def run(model: str = "gemma-3-270m", prompts_file: str | Path = SPEC_BENCH, per_
     return report
 
 
-def _summarise(bs: int, runs: dict[str, list[dict]]) -> dict:
-    row = {"batch": bs, "methods": {}}
+def _summarise(bs: int, runs: dict[str, list[list[dict]]]) -> dict:
+    """Per method: tokens over the batches' median seconds, and the paired ratio over vanilla
+    (the same batch in the same round, back to back), its median and range over those pairs."""
+    row = {"batch": bs, "batches": len(runs["vanilla"]), "methods": {}}
     base = runs["vanilla"]
-    for m, rs in runs.items():
-        ratios = [r["tok_s"] / b["tok_s"] for r, b in zip(rs, base)]   # same round: back to back
+    for m, per_batch in runs.items():
+        flat = [r for rs in per_batch for r in rs]
+        ratios = [b["seconds"] / r["seconds"] for rs, bs_ in zip(per_batch, base) for r, b in zip(rs, bs_)]
         steps: dict[str, int] = {}
-        for r in rs:
+        for r in flat:
             for mode, n in r["steps_by_source"].items():
                 steps[mode] = steps.get(mode, 0) + n
         total = sum(steps.values())
+        tokens = sum(rs[0]["tokens"] for rs in per_batch)
         row["methods"][m] = {
-            "tok_s": statistics.median(r["tok_s"] for r in rs),
-            "ratio": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)],
-            "tau": statistics.mean(r["tau"] for r in rs),
-            "nodes_per_seq_step": statistics.mean(r["nodes_per_seq_step"] for r in rs),
+            "tok_s": tokens / sum(statistics.median(r["seconds"] for r in rs) for rs in per_batch),
+            "ratio": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)], "pairs": len(ratios),
+            "tau": statistics.mean(r["tau"] for r in flat),
+            "nodes_per_seq_step": statistics.mean(r["nodes_per_seq_step"] for r in flat),
             "steps_by_source": {k: v / total for k, v in sorted(steps.items())} if total else {}}
     return row
 

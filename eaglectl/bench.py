@@ -47,7 +47,7 @@ def bench_decode(model, dtypes, batch_sizes, max_tokens, json_out, threads, roun
 @click.option("--depth", default=None, type=int, help="Dynamic tree / hybrid draft levels [default: SpecConfig's].")
 @click.option("--top-k", default=None, type=int, help="Dynamic tree / hybrid expansion width [default: SpecConfig's].")
 @click.option("--rounds", default=None, type=click.IntRange(min=1),
-              help="Passes over the prompts; each prompt's median time counts [default: 1; with --batch-sizes 3].")
+              help="Passes over the prompts; each prompt's (with --batch-sizes each batch's) median time counts.")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N (every method runs there).")
 @click.option("--warmup", default=4, show_default=True, type=click.IntRange(min=0),
               help="Prompts each engine serves first, from outside the measured set (adaptive state settles).")
@@ -99,7 +99,7 @@ def bench_spec(model, prompts_file, per_category, max_tokens, dtype, draft, meth
                                      param_hint="--methods")
         run_batch(model=model, prompts_file=prompts_file or SPEC_BENCH, per_category=per_category,
                   max_tokens=max_tokens, dtype=dtype, draft=draft, methods=chosen, batch_sizes=sizes,
-                  rounds=rounds or 3, temperature=temperature, device=device, threads=threads,
+                  rounds=rounds or 1, temperature=temperature, device=device, threads=threads,
                   json_out=json_out or f"bench/results/spec_batch_{dtype}.json")
         return
     try:
