@@ -37,8 +37,8 @@ def _spec_config(method: str, draft: str, tree: dict | None = None):
         return None
     if method == "lookup":
         return SpecConfig(lookup=True, adaptive=False, **{k: v for k, v in tree.items() if k == "num_draft_tokens"})
-    if method == "hybrid":
-        return SpecConfig(draft=draft, tree="dynamic", lookup=True, adaptive=False, **tree)
+    if method == "hybrid":              # the default method (each request's sources chosen per step)
+        return SpecConfig(draft=draft, tree="dynamic", lookup=True, **tree)
     if method == "chain":
         return SpecConfig(draft=draft, lookup=False, tree="chain", adaptive=False, depth=5, num_draft_tokens=5)
     return SpecConfig(draft=draft, lookup=False, tree=method, adaptive=False, **(tree if method == "dynamic" else {}))

@@ -192,7 +192,8 @@ class ServeConfig(_Strict):
 
     model: str = "gemma-3-270m"
     served_model_name: str | None = None
-    draft: str | None = Field("auto", description='head folder, "default", "auto" (built-in head if any) or None')
+    draft: str | None = Field("auto", description='"auto" (the hybrid with the built-in head, or prompt lookup '
+                              'where the model has none), a head folder, "default", or None/"none" (no speculation)')
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
     device: Literal["cpu", "cuda"] = "cpu"
     engine: str = Field("eagle_worker", description="module exposing LLMEngine/EngineConfig/SamplingParams")

@@ -42,8 +42,8 @@ def _run_local(cfg, ray_address: str) -> None:
 @click.option("--format", "fmt", type=click.Choice(["auto", "parquet", "openai-batch"]), default="auto",
               show_default=True, help="Output format; auto = openai-batch for .jsonl input, else parquet.")
 @click.option("--model", help="Built-in name, local folder or hub id [default: gemma-3-270m].")
-@click.option("--draft", help="EAGLE head: auto (the model's built-in head if it has one), default (that head, "
-              "required), none, or a head folder [default: auto].")
+@click.option("--draft", help="Speculation: auto (the hybrid with the model's built-in head, or prompt lookup "
+              "where it has none), default (that head, required), none (off), or a head folder [default: auto].")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]))
 @click.option("--device", type=click.Choice(["cpu", "cuda"]))
 @click.option("--max-tokens", type=int, help="Per-row default, overridden by a max_tokens column [default: 256].")
