@@ -261,3 +261,28 @@ def test_lookup_reach_is_learned_per_depth():
     assert abs(split.expected_lookup("miss", 2) - 1.05) < 1e-9
     split._learn("miss", 0)
     assert split.lookup_reach["miss"] == [0.95, 0.0475, 0.0475]
+
+
+def test_with_no_request_waiting_a_sequence_ahead_of_the_slowest_saves_less_of_the_fixed_cost():
+    """While requests wait, finishing sooner frees a slot: every sequence saves its whole share.
+    With none waiting the batch runs until its slowest sequence is done: one with half the slowest's
+    expected remaining steps saves half its share."""
+    from types import SimpleNamespace
+
+    from eagle_worker.speculative.worker import EagleWorker
+
+    worker = EagleWorker.__new__(EagleWorker)
+    worker.hybrid = HybridSplit()
+    fast, slow, new = HybridState(free_tokens=(0.0, 4.0)), HybridState(free_tokens=(1.0, 1.0)), HybridState()
+    worker.states = {i: SimpleNamespace(hybrid=st) for i, st in enumerate((fast, slow, new))}
+
+    def cand(i, remaining):
+        return SimpleNamespace(seq=SimpleNamespace(request_id=i, num_output_tokens=0,
+                                                   params=SimpleNamespace(max_tokens=remaining)))
+
+    cands = [cand(0, 80), cand(1, 40), cand(2, 40)]        # 20, 40 and 40 steps left (a new one: 1 token a step)
+    worker.queue_depth = lambda: 3
+    assert worker._fixed_shares(cands) == [1.0, 1.0, 1.0]
+    worker.queue_depth = lambda: 0
+    assert worker._fixed_shares(cands) == [0.5, 1.0, 1.0]
+    assert worker._fixed_shares(cands[:1]) == [1.0]         # alone, a sequence is its batch's slowest
