@@ -177,12 +177,14 @@ class HybridSplit:
     def _seconds(self, st: HybridState, mode: StepMode, lookup_depth: int, nodes: int, head_n: int,
                  step: StepContext, share: float = 1.0) -> float:
         """Expected seconds per token of one step drafted so: the request's share of the step's
-        fixed cost, its rows, and its share of the head's passes, over the tokens it should make."""
+        fixed cost, its own cost as a sequence, its rows, and its share of the head's passes, over
+        the tokens it should make."""
         g = st.gains or self.prior
         tokens = 1.0 + (self.expected_lookup(st.lookup_outcome, lookup_depth) if lookup_depth else 0.0)
         tokens += {StepMode.MERGED: g["extra"], StepMode.HEAD: g["head"]}.get(mode, 0.0)
         c = self.cost
-        seconds = c.coefficient("fixed") * share / step.batch_size + c.coefficient("per_row") * (1 + nodes)
+        seconds = (c.coefficient("fixed") * share / step.batch_size + c.coefficient("per_seq")
+                   + c.coefficient("per_row") * (1 + nodes))
         if head_n:
             levels = min(self.depth, head_n)
             seconds += c.coefficient("per_head_row") * (1 + (levels - 1) * min(self.top_k, head_n))

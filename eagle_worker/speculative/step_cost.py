@@ -1,10 +1,12 @@
 """What a decode step costs on this device, as a function of the rows it runs.
 
 Verification rows all need logits (on Gemma 3 the 262k-vocab LM head is most of a row's cost),
-so a step's seconds grow with its rows; the head's drafting adds its own rows and one pass per
-level. The model is linear:
+so a step's seconds grow with its rows; each sequence adds its own attention and bookkeeping,
+however many rows its tree has; the head's drafting adds its own rows and one pass per level.
+The model is linear:
 
-    seconds = fixed + per_row * target_rows + per_head_row * head_rows + per_head_pass * head_passes
+    seconds = fixed + per_seq * sequences + per_row * target_rows
+              + per_head_row * head_rows + per_head_pass * head_passes
 
 fitted by least squares over the latest pure-decode steps, pulled towards a prior worth a few
 steps so the first steps (and features that have not varied yet) have sane values. Every step
@@ -20,25 +22,26 @@ from dataclasses import dataclass
 
 import numpy as np
 
-FEATURES = ("fixed", "per_row", "per_head_row", "per_head_pass")
-PRIOR_SHAPE = np.array([1.0, 1 / 32, 1 / 32, 1 / 16])   # relative to a plain batch-1 step
+FEATURES = ("fixed", "per_seq", "per_row", "per_head_row", "per_head_pass")
+PRIOR_SHAPE = np.array([1.0, 1 / 32, 1 / 32, 1 / 32, 1 / 16])   # relative to a plain batch-1 step
 
 
 @dataclass(frozen=True)
 class StepWork:
-    """The rows one decode step ran."""
+    """The sequences and rows one decode step ran."""
 
+    sequences: int              # decoding sequences
     target_rows: int            # verified rows: one per sequence plus its draft nodes
     head_rows: int = 0          # rows through the head's forwards that produced logits
     head_passes: int = 0        # the head's forwards (catch-up and one per level; 0: it sat out)
 
     def vector(self) -> np.ndarray:
-        return np.array([1.0, self.target_rows, self.head_rows, self.head_passes])
+        return np.array([1.0, self.sequences, self.target_rows, self.head_rows, self.head_passes])
 
 
 class StepCost:
     def __init__(self, window: int = 256, prior_weight: float = 4.0,
-                 coefficients: tuple[float, float, float, float] | None = None):
+                 coefficients: tuple[float, ...] | None = None):
         """`coefficients` (FEATURES' order) fix the model (tests, or a device measured before)."""
         self.window: deque[tuple[np.ndarray, float]] = deque(maxlen=window)
         self.prior_weight = prior_weight

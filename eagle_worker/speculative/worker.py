@@ -457,7 +457,7 @@ class EagleWorker:
             produced = sum(len(new_tokens.get(it.seq.request_id, ())) for it in decodes)
             self.policy.observe(len(decodes), budget, produced, step_s)
             if self.spec.lookup:        # the hybrid prices rows from every step's rows and seconds
-                self.hybrid.observe(StepWork(rows, *self.head_work), step_s)
+                self.hybrid.observe(StepWork(len(batch), rows, *self.head_work), step_s)
 
     def stats(self) -> dict:
         t = self.totals

@@ -27,7 +27,7 @@ def test_the_default_is_lossless_at_batch_1_8_and_32(default_model_dir):
         worker = llm.engine.worker
         assert worker.head is not None and worker.spec.lookup and worker.spec.adaptive
         if rows == "free":
-            worker.hybrid.cost = StepCost(coefficients=(0.030, 1e-7, 1e-7, 1e-7))
+            worker.hybrid.cost = StepCost(coefficients=(0.030, 1e-7, 1e-7, 1e-7, 1e-7))
         drafted = {}
         for size in (1, 8, 32):
             before = worker.totals["draft_nodes"]

@@ -6,9 +6,9 @@ from eagle_worker.speculative.draft_tree import StepMode
 from eagle_worker.speculative.hybrid import Choice, HybridSplit, HybridState, StepContext, trie_nodes
 from eagle_worker.speculative.step_cost import StepCost, StepWork
 
-# seconds: a step's fixed cost, a verified row, a head row with logits, a head pass. A plain step at
-# batch 1 costs 32 ms, the head alone (2 nodes: 3 rows, 3 head rows, 2 passes) 52 ms.
-CPU = (0.030, 0.002, 0.002, 0.005)
+# seconds: a step's fixed cost, a sequence, a verified row, a head row with logits, a head pass. A
+# plain step at batch 1 costs 32 ms, the head alone (2 nodes: 3 rows, 3 head rows, 2 passes) 52 ms.
+CPU = (0.030, 0.0, 0.002, 0.002, 0.005)
 
 
 def _split(costs=CPU) -> HybridSplit:
@@ -37,7 +37,7 @@ def test_head_drafts_only_where_its_trees_pay():
     assert set(weak_choices) == {"plain", "head"}
     assert all(split.choose(strong, None, 1) == Choice(StepMode.HEAD, 0, 2) for _ in range(40))
     # the same head pays on a device where its rows and passes are cheap
-    cheap = _split((0.030, 0.002, 0.0005, 0.001))
+    cheap = _split((0.030, 0.0, 0.002, 0.0005, 0.001))
     assert all(_mode(cheap, _state(head=0.5), None) == "head" for _ in range(10))
 
 
@@ -124,8 +124,10 @@ def test_the_step_cost_is_fitted_from_every_steps_rows():
     """No step explores: the rows each step happened to run are enough to price a row."""
     cost = StepCost()
     assert not cost.measured
-    truth = lambda w: 0.030 + 0.002 * w.target_rows + 0.001 * w.head_rows + 0.004 * w.head_passes   # noqa: E731
-    works = [StepWork(r, h, p) for r, h, p in ((1, 0, 0), (9, 3, 2), (4, 0, 0), (17, 33, 5), (8, 2, 2), (64, 0, 0))]
+    truth = lambda w: (0.030 + 0.001 * w.sequences + 0.002 * w.target_rows + 0.001 * w.head_rows   # noqa: E731
+                       + 0.004 * w.head_passes)
+    works = [StepWork(*w) for w in ((1, 1, 0, 0), (1, 9, 3, 2), (4, 4, 0, 0), (8, 17, 33, 5), (4, 8, 2, 2),
+                                    (64, 64, 0, 0), (32, 70, 0, 0), (8, 8, 0, 0))]
     cost.observe(works[0], 1.0)                                # the first step runs cold: not counted
     assert not cost.measured
     for _ in range(40):
@@ -133,8 +135,8 @@ def test_the_step_cost_is_fitted_from_every_steps_rows():
             cost.observe(w, truth(w))
     assert cost.measured
     got = cost.snapshot()
-    assert abs(got["per_row"] - 0.002) < 2e-4 and abs(got["fixed"] - 0.030) < 3e-3
-    assert abs(cost.seconds(StepWork(32, 6, 2)) - truth(StepWork(32, 6, 2))) < 2e-3
+    assert abs(got["per_row"] - 0.002) < 2e-4 and abs(got["per_seq"] - 0.001) < 2e-4 and abs(got["fixed"] - 0.030) < 3e-3
+    assert abs(cost.seconds(StepWork(16, 32, 6, 2)) - truth(StepWork(16, 32, 6, 2))) < 2e-3
 
 
 def test_a_head_that_sat_out_rejoins_only_if_the_rest_of_the_request_repays_its_catch_up():
@@ -240,7 +242,7 @@ def test_a_skipped_proposal_that_copying_resumed_on_counts_for_the_outcome_it_fo
 
 
 def test_a_merged_tree_is_charged_for_the_lookup_tokens_its_shorter_branches_give_up():
-    split = _split((0.030, 0.002, 0.0001, 0.0001))             # a cheap head
+    split = _split((0.030, 0.0, 0.002, 0.0001, 0.0001))             # a cheap head
     copying = _state("complete", extra=1.0)
     copying.ema_lookup, copying.ema_head = 7.0, 1.0
     assert HybridSplit.head_nodes(copying, 8) == 1             # the head would take 1 of 8 nodes

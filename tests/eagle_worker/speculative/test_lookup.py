@@ -88,7 +88,7 @@ def test_hybrid_skips_the_head_while_lookup_carries_the_request():
     llm = LLM(model="gemma-3-270m")                      # the default: the hybrid, sized per step
     worker = llm.engine.worker
     split = worker.hybrid
-    split.cost = StepCost(coefficients=(0.030, 0.002, 0.002, 0.005))   # this CPU's, roughly
+    split.cost = StepCost(coefficients=(0.030, 0.0, 0.002, 0.002, 0.005))   # this CPU's, roughly
     for _ in range(3):
         split.observe_catch_up(100, 0.05)
     split.observe_catch_up = lambda *a, **k: None
@@ -134,7 +134,7 @@ def test_hybrid_head_trees_are_small_where_lookup_has_nothing(copying_target):
     llm = LLM(model=str(target), block_size=4, num_kv_blocks=512,
               spec=SpecConfig(draft=str(head), lookup=True, num_draft_tokens=8, depth=4))
     worker = llm.engine.worker
-    worker.hybrid.cost = StepCost(coefficients=(0.030, 1e-6, 1e-6, 1e-6))
+    worker.hybrid.cost = StepCost(coefficients=(0.030, 1e-6, 1e-6, 1e-6, 1e-6))
     calls, shares = [], []
     grow = worker.drafter.grow_dynamic
     worker.drafter.grow_dynamic = (lambda batch, h, lp, n, k, levels:
