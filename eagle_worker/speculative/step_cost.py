@@ -2,13 +2,16 @@
 
 Verification rows all need logits (on Gemma 3 the 262k-vocab LM head is most of a row's cost),
 so a step's seconds grow with its rows; each sequence adds its own attention and bookkeeping,
-however many rows its tree has; the head's drafting adds its own rows and one pass per level.
-The model is linear:
+however many rows its tree has; the head's drafting adds its own rows and one pass per level; the
+prompt tokens of prefill chunks in the same step cost the body without the LM head. The model is
+linear:
 
     seconds = fixed + per_seq * sequences + per_row * target_rows
-              + per_head_row * head_rows + per_head_pass * head_passes
+              + per_head_row * head_rows + per_head_pass * head_passes + per_prefill_token * prefill_tokens
 
-fitted by least squares over the latest pure-decode steps, pulled towards a prior worth a few
+fitted by least squares over the latest steps (prefill chunks and all: in a job with requests
+arriving, most steps carry one, and a model fitted to pure-decode steps alone would not see the
+rows it prices there), pulled towards a prior worth a few
 steps so the first steps (and features that have not varied yet) have sane values. Every step
 measures it, whatever it chose: no step is spent on exploring, and what an extra row costs at
 batch 64 is learned from the rows of every batch size. The prior's shape is this CPU's (an extra
@@ -22,30 +25,35 @@ from dataclasses import dataclass
 
 import numpy as np
 
-FEATURES = ("fixed", "per_seq", "per_row", "per_head_row", "per_head_pass")
-PRIOR_SHAPE = np.array([1.0, 1 / 32, 1 / 32, 1 / 32, 1 / 16])   # relative to a plain batch-1 step
+FEATURES = ("fixed", "per_seq", "per_row", "per_head_row", "per_head_pass", "per_prefill_token")
+PRIOR_SHAPE = np.array([1.0, 1 / 32, 1 / 32, 1 / 32, 1 / 16, 1 / 256])   # relative to a plain batch-1 step
 
 
 @dataclass(frozen=True)
 class StepWork:
     """The sequences and rows one decode step ran."""
 
-    sequences: int              # decoding sequences
-    target_rows: int            # verified rows: one per sequence plus its draft nodes
+    sequences: int              # sequences in the step
+    target_rows: int            # rows with logits: one per decode plus its draft nodes, one per finished prefill
     head_rows: int = 0          # rows through the head's forwards that produced logits
     head_passes: int = 0        # the head's forwards (catch-up and one per level; 0: it sat out)
+    prefill_tokens: int = 0     # prompt tokens of prefill chunks (no logits)
 
     def vector(self) -> np.ndarray:
-        return np.array([1.0, self.sequences, self.target_rows, self.head_rows, self.head_passes])
+        return np.array([1.0, self.sequences, self.target_rows, self.head_rows, self.head_passes,
+                         self.prefill_tokens])
 
 
 class StepCost:
     def __init__(self, window: int = 256, prior_weight: float = 4.0,
                  coefficients: tuple[float, ...] | None = None):
-        """`coefficients` (FEATURES' order) fix the model (tests, or a device measured before)."""
+        """`coefficients` (FEATURES' order, missing ones 0) fix the model (tests, or a device
+        measured before)."""
         self.window: deque[tuple[np.ndarray, float]] = deque(maxlen=window)
         self.prior_weight = prior_weight
         self.fixed = coefficients is not None
+        if coefficients is not None:
+            coefficients = (*coefficients, *[0.0] * (len(FEATURES) - len(coefficients)))
         self.theta = np.array(coefficients if coefficients is not None else PRIOR_SHAPE, dtype=float)
         self._prior: np.ndarray | None = self.theta.copy() if self.fixed else None
         self._warm = False
@@ -61,7 +69,7 @@ class StepCost:
         return float(self.theta[FEATURES.index(name)])
 
     def observe(self, work: StepWork, seconds: float) -> None:
-        """One pure-decode step. The first one runs cold (kernel choice, allocation) and is skipped."""
+        """One step. The first one runs cold (kernel choice, allocation) and is skipped."""
         if self.fixed or seconds <= 0:
             return
         if not self._warm:

@@ -456,8 +456,9 @@ class EagleWorker:
         if decodes and len(decodes) == len(batch):
             produced = sum(len(new_tokens.get(it.seq.request_id, ())) for it in decodes)
             self.policy.observe(len(decodes), budget, produced, step_s)
-            if self.spec.lookup:        # the hybrid prices rows from every step's rows and seconds
-                self.hybrid.observe(StepWork(len(batch), rows, *self.head_work), step_s)
+        if self.spec.lookup:            # the hybrid prices rows from every step's rows and seconds
+            prefill = sum(it.num_tokens for it in batch if it.num_tokens > 1 or not it.completes)
+            self.hybrid.observe(StepWork(len(batch), rows, *self.head_work, prefill_tokens=prefill), step_s)
 
     def stats(self) -> dict:
         t = self.totals
