@@ -4,8 +4,9 @@ The same Parquet input (`rows` Spec-Bench questions taken round-robin over its 1
 rendered as `Question: ...\nAnswer:` for the base model) goes through the real job path
 (`jobs.runner`: Ray replicas, continuous batching, atomic Parquet output) at temperature 0, once
 with `--draft none` and once with `draft` (default "auto": what `submit-job` does by default, the
-hybrid with the model's built-in head, or prompt lookup where it has none; or a head folder). Throughput counts generation only (from the first replica ready to
-the last row written), not model loading. At temperature 0 speculative decoding is lossless, so
+hybrid with the model's built-in head, or prompt lookup where it has none; or a head folder).
+Throughput counts generation only (from the first replica ready to the last row written), not
+model loading. At temperature 0 speculative decoding is lossless, so
 the two runs' texts are compared row by row as a check.
 Usage: `eaglectl bench job [--rows 200 --max-tokens 64]` or `python -m bench.job [--draft PATH]`.
 """

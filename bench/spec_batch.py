@@ -98,7 +98,8 @@ def run(model: str = "gemma-3-270m", prompts_file: str | Path = SPEC_BENCH, per_
         print(f"warmed {m}", flush=True)
     report = {"meta": {"model": model, "dtype": dtype, "device": device, "max_tokens": max_tokens,
                        "prompt_format": PROMPT_FORMAT, "prompts": str(prompts_file), "per_category": per_category,
-                       "rounds": rounds, "min_prompts": min_prompts, "temperature": temperature, "draft": draft, "methods": list(methods),
+                       "rounds": rounds, "min_prompts": min_prompts, "temperature": temperature, "draft": draft,
+                       "methods": list(methods),
                        "torch": torch.__version__, "transformers": transformers.__version__,
                        "threads": torch.get_num_threads()},
               "batches": []}

@@ -91,7 +91,8 @@ def bench_spec(model, prompts_file, per_category, max_tokens, dtype, draft, meth
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--device") from None
     if sizes is not None:
-        from bench.spec_batch import METHODS, run as run_batch
+        from bench.spec_batch import METHODS
+        from bench.spec_batch import run as run_batch
 
         chosen = tuple(methods.split(",")) if methods else METHODS
         if "vanilla" not in chosen or set(chosen) - set(METHODS):
@@ -104,7 +105,8 @@ def bench_spec(model, prompts_file, per_category, max_tokens, dtype, draft, meth
         return
     try:
         run(model=model, prompts_file=prompts_file or SPEC_BENCH, per_category=per_category, max_tokens=max_tokens,
-            dtype=dtype, draft=draft, methods=tuple((methods or "vanilla,hf,hf_lookup,lookup,chain,static,dynamic,hybrid").split(",")),
+            dtype=dtype, draft=draft,
+            methods=tuple((methods or "vanilla,hf,hf_lookup,lookup,chain,static,dynamic,hybrid").split(",")),
             json_out=json_out or "bench/results/spec.json", threads=threads,
             temperature=temperature, tree={k: v for k, v in (("num_draft_tokens", num_draft_tokens), ("depth", depth),
                                                              ("top_k", top_k)) if v is not None},

@@ -79,7 +79,8 @@ def test_tight_kv_shrinks_trees_and_stays_exact(lookup, copying_target):
     assert sum(o.metrics["num_trees_shrunk_for_memory"] for o in outs) == stats["spec_trees_shrunk_for_memory"]
     assert max(o.metrics["mean_accepted_tokens"] for o in outs) > 1.5        # trees still drafted and accepted
     assert_no_leaks(spec.engine)
-    roomy = LLM(model=str(target), block_size=4, num_kv_blocks=512, spec=SpecConfig(draft=str(head), lookup=False, adaptive=False))
+    roomy = LLM(model=str(target), block_size=4, num_kv_blocks=512,
+                spec=SpecConfig(draft=str(head), lookup=False, adaptive=False))
     roomy.generate(PROMPTS, params)
     assert roomy.engine.stats()["spec_trees_shrunk_for_memory"] == 0
 

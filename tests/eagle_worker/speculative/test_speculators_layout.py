@@ -227,7 +227,8 @@ def test_accepting_head_in_speculators_layout_is_lossless_and_accepts(copying_ta
     expected = [o.token_ids for o in plain.generate(PROMPTS, params)]
     spec_dir = to_speculators(head, tmp_path / "spec", plain.engine.runner.model)
     assert json.loads((spec_dir / "config.json").read_text())["fusion_bias"] is True
-    spec = LLM(model=str(target), block_size=4, num_kv_blocks=512, spec=SpecConfig(draft=str(spec_dir), lookup=False, adaptive=False))
+    spec = LLM(model=str(target), block_size=4, num_kv_blocks=512,
+               spec=SpecConfig(draft=str(spec_dir), lookup=False, adaptive=False))
     outs = spec.generate(PROMPTS, params)
     assert [o.token_ids for o in outs] == expected
     assert min(o.metrics["mean_accepted_tokens"] for o in outs) > 2.0
