@@ -41,7 +41,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager, self.worker.num_lookahead_slots, self.max_model_len,
                                    need_head_kv=getattr(self.worker, "head", None) is not None)
         if hasattr(self.worker, "queue_depth"):        # the hybrid prices a finished slot by who waits for it
-            self.worker.queue_depth = lambda: len(self.scheduler.waiting)
+            self.worker.queue_depth = self.scheduler.num_waiting   # no closure over the engine: no cycle
         self.chat_template = resolve_chat_template(self.tokenizer, self.runner.hf_config, config.chat_template)
         self.requests: dict[str, Sequence] = {}
         self._aborted: list[RequestOutput] = []

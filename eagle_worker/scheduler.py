@@ -59,6 +59,9 @@ class Scheduler:
         key = (seq.priority, seq.metrics.arrival_time)
         bisect.insort(self.waiting, (key, seq), key=lambda item: item[0])
 
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
