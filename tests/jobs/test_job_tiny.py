@@ -218,4 +218,5 @@ def test_a_tp2_job_with_a_head_speculates_and_matches_llm_generate(tmp_path, cop
     assert m["status"] == "completed" and m["error_rows"] == 0
     rows = sorted(read_rows(tmp_path / "in.out"), key=lambda r: int(r["id"].rsplit(":", 1)[1]))
     assert [r["text"] for r in rows] == want
-    assert sum(r["accepted_tokens_per_step"] for r in rows) / len(rows) > 1.5
+    # the default hybrid sizes trees from measured costs: it drafts, but not a fixed tree every step
+    assert sum(r["accepted_tokens_per_step"] for r in rows) / len(rows) > 1.15
