@@ -174,8 +174,11 @@ def local_config(model: str, draft: str | None, name: str, port: int, max_num_se
 def _start_local(model: str, draft: str | None, name: str, port: int, max_num_seqs: int, max_tokens: int,
                  dtype: str, threads: int) -> str:
     """Deploy the app on this machine's Ray (started here if needed); its base URL."""
+    from cluster.cpu_threads import serve_env
     from cluster.serve_app import run_serve
 
+    if not os.environ.get("RAY_ADDRESS"):   # as `eaglectl serve` starts its Ray (run_serve)
+        os.environ.update(serve_env())
     _RAY.start(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False,
                namespace="eagle-bench", log_to_driver=False, logging_level="WARNING")
     return run_serve(local_config(model, draft, name, port, max_num_seqs, max_tokens, dtype, threads), blocking=False)

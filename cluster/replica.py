@@ -128,24 +128,23 @@ class EngineReplica:
 
             self.tp = TPGroup.create(self.config, threads=self.torch_threads)  # rank 0 joins the group here
             self.tp.start_workers()   # ranks 1..n-1 build their shards and wait for rank 0's commands
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._priority_stats = PriorityStats()    # engine thread only
+        self._backlog = None                      # BacklogReader, made on Serve's first autoscaling poll
+        self._dead: BaseException | None = None
+        self._stopping = False
+        built: concurrent.futures.Future = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._run_loop, args=(backend, built), name="engine-loop", daemon=True)
+        self._thread.start()
         try:
-            self.engine: Engine = backend.LLMEngine(engine_config(self.config))
+            built.result()   # the engine, as self.engine
         except BaseException as e:
             if self.tp is not None:
                 self.tp.shutdown()
             if isinstance(e, ValueError):
                 raise ReplicaConfigError(f"the engine refused this replica's settings: {e}") from e
             raise
-        self.max_model_len = self.engine.max_model_len
-        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, _Stream] = {}
-        self._priority_stats = PriorityStats()    # engine thread only
-        self._backlog = None                      # BacklogReader, made on Serve's first autoscaling poll
-        self._stats: dict[str, Any] = self._snapshot_stats(step_s=0.0)
-        self._dead: BaseException | None = None
-        self._stopping = False
-        self._thread = threading.Thread(target=self._run_loop, name="engine-loop", daemon=True)
-        self._thread.start()
         logger.info("replica %s ready (model=%s tp=%d)", self.replica_id, self.config.model, self.config.tp_size)
 
     # ---- public API (async actor methods) --------------------------------------------------
@@ -284,7 +283,20 @@ class EngineReplica:
             pass
 
     # ---- engine thread ---------------------------------------------------------------------
-    def _run_loop(self) -> None:
+    def _run_loop(self, backend: EngineModule, built: concurrent.futures.Future) -> None:
+        """Build the engine, then step it. Both on this thread: every torch op of the process then
+        runs from one thread, so OpenMP keeps one thread team, whose workers spin between ops as
+        they do under `LLM` (a second team, e.g. from building the model on the actor's thread,
+        makes libgomp count more threads than cores and put every worker to sleep after each op:
+        about 20% of a CPU engine's speed)."""
+        try:
+            self.engine: Engine = backend.LLMEngine(engine_config(self.config))
+            self.max_model_len = self.engine.max_model_len
+            self._stats: dict[str, Any] = self._snapshot_stats(step_s=0.0)
+        except BaseException as e:
+            built.set_exception(e)
+            return
+        built.set_result(self.engine)
         try:
             while not self._stopping:
                 self._drain_commands(block=not self.engine.has_unfinished_requests())

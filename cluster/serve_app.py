@@ -14,6 +14,7 @@ KubeRay RayService specs; args are a ServeConfig dict), `build_app(config)` and
 import asyncio
 import logging
 import threading
+import os
 import time
 from typing import Any, AsyncIterator
 
@@ -26,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster import openai_api as oa
 from cluster.config import ServeConfig
-from cluster.cpu_threads import rank_env
+from cluster.cpu_threads import serve_env
 from cluster.ingress_prompts import IngressPrompts
 from cluster.metrics import ServeMetrics, StatusCounter, note_status, set_active
 from cluster.openai_render import ChatRender, CompletionRender, all_or_none, merge_streams
@@ -331,7 +332,7 @@ def engine_deployment_options(config: ServeConfig) -> dict[str, Any]:
         graceful_shutdown_timeout_s=30.0,
         max_constructor_retry_count=3,  # a model that fails to load fails the deploy, not 20 reloads
         ray_actor_options={"num_cpus": bundle["CPU"], "num_gpus": bundle.get("GPU", 0),
-                           "runtime_env": {"env_vars": rank_env(config)}},
+                           "runtime_env": {"env_vars": serve_env()}},
         **config.replica_count_options(),
     )
     if config.tp_size > 1:  # rank 0 is the replica actor in bundle 0; ranks 1.. go in the other bundles
@@ -346,7 +347,8 @@ def build_app(config: ServeConfig):
     llm = serve.deployment(EngineReplica).options(**engine_deployment_options(config))
     ingress = OpenAIIngress.options(num_replicas=config.ingress.num_replicas, max_constructor_retry_count=3,
                                     max_ongoing_requests=config.ingress.max_ongoing_requests,
-                                    ray_actor_options={"num_cpus": config.ingress.num_cpus})
+                                    ray_actor_options={"num_cpus": config.ingress.num_cpus,
+                                                       "runtime_env": {"env_vars": serve_env()}})
     return ingress.bind(cfg, llm.bind(cfg))
 
 
@@ -386,6 +388,8 @@ def run_serve(config: ServeConfig, address: str | None = None, blocking: bool = 
     previous = _stop_on_signals() if blocking else {}
     try:
         if not ray.is_initialized():
+            if address is None:   # a Ray started here: its Serve proxy takes the streaming fast path too
+                os.environ.update(serve_env())
             ray.init(address=address, namespace="eagle-serve", ignore_reinit_error=True)
         serve.start(http_options={"host": config.host, "port": config.port})
         deploy_app(config)

@@ -31,7 +31,6 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.config import ServeConfig
-from cluster.cpu_threads import rank_env
 from eagle_worker.engine_api import load_engine_module
 
 logger = logging.getLogger(__name__)
@@ -128,8 +127,7 @@ class TPGroup:
         res = config.resources_per_rank
         workers = []
         for rank in range(1, world):
-            opts: dict[str, Any] = {"num_cpus": res.cpu, "num_gpus": res.gpu,
-                                    "runtime_env": {"env_vars": rank_env(config)}}
+            opts: dict[str, Any] = {"num_cpus": res.cpu, "num_gpus": res.gpu}
             if pg is not None:
                 opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=rank,

@@ -22,6 +22,7 @@ import hashlib
 import os
 import random
 import re
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -202,6 +203,8 @@ class LLMEngine:
         self.text_prompts = 0  # prompts that arrived as text: tokenized here, on the engine thread
         self.blocks: set[int] = set()   # the emulated prefix cache: hashes of every full prompt block seen
         self.prefix = dict.fromkeys(("queried_tokens", "hit_tokens", "queried_requests", "hit_requests"), 0)
+        self.built_on = threading.get_ident()   # the thread that built the engine, and those that stepped it
+        self.stepped_on: set[int] = set()
 
     def apply_chat_template(self, messages: list[dict]) -> str:
         if any("content" not in m for m in messages):
@@ -277,6 +280,7 @@ class LLMEngine:
             raise RuntimeError("injected engine crash")
 
     def step(self) -> list[RequestOutput]:
+        self.stepped_on.add(threading.get_ident())
         outs = [RequestOutput(s.rid, s.prompt, list(s.out), self.tokenizer.decode(s.out),
                               finished=True, finish_reason="abort") for s in self.aborted]
         self.aborted.clear()

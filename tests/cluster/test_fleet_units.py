@@ -8,7 +8,7 @@ import pytest
 
 from cluster.autoscale import BACKLOG_METRIC, offline_backlog_policy
 from cluster.config import ServeConfig
-from cluster.cpu_threads import auto_threads, cgroup_cpu_limit, rank_env, rank_threads
+from cluster.cpu_threads import SERVE_STREAMING_ENV, auto_threads, cgroup_cpu_limit, rank_threads, serve_env
 from cluster.placement import InsufficientResourcesError, check_fits
 from cluster.priority_stats import PriorityStats
 
@@ -34,15 +34,18 @@ def test_threads_setting_wins_and_plain_actors_keep_their_reservation():
     assert rank_threads(ServeConfig(resources_per_rank={"cpu": 2}), under_serve=False) == 2   # a job's own replicas
 
 
-def test_cpu_ranks_sleep_between_ops_unless_told_otherwise(monkeypatch):
-    from cluster.serve_app import engine_deployment_options
+def test_serve_processes_take_the_streaming_fast_path_unless_told_otherwise(monkeypatch):
+    from cluster.serve_app import build_app, engine_deployment_options
 
-    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    for k in SERVE_STREAMING_ENV:
+        monkeypatch.delenv(k, raising=False)
     env = engine_deployment_options(ServeConfig())["ray_actor_options"]["runtime_env"]["env_vars"]
-    assert env == {"OMP_WAIT_POLICY": "PASSIVE"}
-    assert rank_env(ServeConfig(device="cuda", resources_per_rank={"cpu": 1, "gpu": 1})) == {}
-    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")                 # the operator's choice is kept
-    assert rank_env(ServeConfig()) == {"OMP_WAIT_POLICY": "ACTIVE"}
+    assert env == {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
+    assert "OMP_WAIT_POLICY" not in env          # libgomp's default: spin a little between ops
+    ingress = build_app(ServeConfig())._bound_deployment
+    assert ingress.ray_actor_options["runtime_env"]["env_vars"] == env
+    monkeypatch.setenv("RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD", "1")   # the operator's choice is kept
+    assert serve_env()["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] == "1"
 
 
 def test_a_cgroup_cpu_quota_caps_the_cores(tmp_path):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -31,6 +32,14 @@ def test_stream_is_consistent(replica):
     assert "".join(o.delta_text for o in outs) == final.text
     assert [t for o in outs for t in o.new_token_ids] == final.token_ids
     assert final.metrics["replica_id"] == replica.replica_id and "kv_usage" in final.metrics["replica_stats"]
+
+
+def test_the_engine_is_built_and_stepped_on_one_thread(replica):
+    """Every torch op of a replica runs from its engine thread: one OpenMP thread team, whose workers
+    spin between ops (a team per thread makes libgomp put them to sleep after every op)."""
+    _collect(replica, "t", "hello", {"max_tokens": 4, "temperature": 0})
+    assert replica.engine.stepped_on == {replica.engine.built_on} == {replica._thread.ident}
+    assert replica._thread.ident != threading.get_ident()
 
 
 def test_refusals_are_items_not_exceptions(replica):
