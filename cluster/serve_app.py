@@ -13,8 +13,8 @@ KubeRay RayService specs; args are a ServeConfig dict), `build_app(config)` and
 
 import asyncio
 import logging
-import threading
 import os
+import threading
 import time
 from typing import Any, AsyncIterator
 
