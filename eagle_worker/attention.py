@@ -97,12 +97,14 @@ def _build_group(seqs: list[SeqAttention], device: torch.device) -> AttentionGro
 
 def build_context(seqs: list[SeqAttention], slot_mapping: torch.Tensor | list[int], device: torch.device,
                   use_cache: bool = True, max_pad_ratio: float = 2.0) -> AttentionContext:
-    """Group sequences by query length so padding stays bounded, then build each group's masks."""
+    """Group sequences by query length so padding stays bounded, then build each group's masks.
+    Plain decodes (one query) keep a group of their own: padded into a tree's group, every one of
+    them would pay the tree's query length (and the masked path) for the whole batch."""
     order = sorted(range(len(seqs)), key=lambda i: seqs[i].q_len)
     groups: list[list[SeqAttention]] = []
     for i in order:
         s = seqs[i]
-        if groups and s.q_len <= max(8, groups[-1][0].q_len * max_pad_ratio):
+        if groups and (s.q_len == 1) == (groups[-1][0].q_len == 1) and s.q_len <= max(8, groups[-1][0].q_len * max_pad_ratio):
             groups[-1].append(s)
         else:
             groups.append([s])

@@ -42,3 +42,29 @@ def test_bf16_attention_matches_float32_for_decodes_and_chunks():
             rows = slice(s.q_start, s.q_start + s.q_len)
             expect = _reference(q[rows].view(-1, H, D), attn.k_cache[s.kv_slots], attn.v_cache[s.kv_slots], D ** -0.5)
             assert (out[rows].float() - expect).abs().max() < 2e-2, (q_lens, s.q_start)
+
+
+def test_plain_decodes_keep_their_own_group_beside_a_tree():
+    """A batch of decodes with one 5-token tree: the decodes are not padded to the tree's 5 queries
+    (nor put on the masked path), and every sequence still gets its own attention."""
+    g = torch.Generator().manual_seed(1)
+    attn = Attention(H, HKV, D, scale=D ** -0.5)
+    attn.k_cache = torch.randn(128, HKV, D, generator=g)
+    attn.v_cache = torch.randn(128, HKV, D, generator=g)
+    seqs, new_slots, start = [], [], 0
+    for b, q_len in enumerate([1, 5, 1, 1]):
+        c = 6 + b
+        slots = list(range(32 * b, 32 * b + c + q_len))
+        seqs.append(SeqAttention(q_start=start, q_positions=list(range(c, c + q_len)), kv_slots=slots,
+                                 kv_positions=list(range(c + q_len))))
+        new_slots += slots[c:]
+        start += q_len
+    ctx = build_context(seqs, new_slots, torch.device("cpu"))
+    assert sorted(tuple(gr.token_index.shape) for gr in ctx.groups) == [(1, 5), (3, 1)]
+    q, k, v = (torch.randn(start, n * D, generator=g) for n in (H, HKV, HKV))
+    with torch.no_grad(), attention_context(ctx):
+        out = attn(q, k, v)
+    for s in seqs:
+        rows = slice(s.q_start, s.q_start + s.q_len)
+        expect = _reference(q[rows].view(-1, H, D), attn.k_cache[s.kv_slots], attn.v_cache[s.kv_slots], D ** -0.5)
+        assert torch.allclose(out[rows], expect, atol=1e-5), s.q_start
