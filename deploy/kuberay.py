@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from cluster.config import ConfigError
+from cluster.cpu_threads import SERVE_STREAMING_ENV
 from deploy.deploy_config import GPU_PRODUCT_LABEL, DeployConfig, JobData, PodResources, RayJobConfig
 from jobs.job_config import submit_job_args_error
 
@@ -70,7 +71,7 @@ def _env(cfg: DeployConfig, data: DataAccess | None, api_keys: bool) -> list[dic
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": k.storage.hf_token_secret.model_dump()}})
     if k.api_keys_secret and api_keys:
         env.append({"name": cfg.serve.api_keys_env, "valueFrom": {"secretKeyRef": k.api_keys_secret.model_dump()}})
-    plain = dict(k.env)
+    plain = {**SERVE_STREAMING_ENV, **k.env}   # the Serve proxy too takes the streaming fast path
     store = data.object_store if data is not None else None
     if store is not None:
         plain.update(store.env)

@@ -167,6 +167,16 @@ def test_api_keys_come_from_the_secret():
     assert "sk-" not in yaml.safe_dump(render(cfg))
 
 
+def test_serve_pods_take_the_streaming_fast_path_unless_told_otherwise():
+    """The Serve proxy on every pod runs its router on its own loop (cluster/cpu_threads.serve_env)."""
+    head = render(_cfg({}, {}))["rayservice.yaml"]["spec"]["rayClusterConfig"]["headGroupSpec"]
+    env = {e["name"]: e.get("value") for e in head["template"]["spec"]["containers"][0]["env"]}
+    assert env["RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP"] == "0" and env["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] == "0"
+    mine = render(_cfg({}, {"env": {"RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1"}}))["rayservice.yaml"]
+    env = {e["name"]: e.get("value") for e in _group(mine)["template"]["spec"]["containers"][0]["env"]}
+    assert env["RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP"] == "1"
+
+
 # ---- objects fit together ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("setup", SETUPS)
 def test_pdb_selects_serving_workers_only(setup):
