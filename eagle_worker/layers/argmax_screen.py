@@ -67,3 +67,50 @@ class Int8ArgmaxScreen:
         if post is not None:
             exact = post(exact)
         return cand[exact.argmax(1)].view(hidden.shape[:-1])
+
+
+class Bf16ArgmaxScreen:
+    """Exact greedy argmax of a float32 LM head at more rows than the int8 screen serves, screened
+    by a bfloat16 GEMM (about twice as fast as float32 on a CPU with bf16 dot products, at 8-64
+    rows) and a rigorous error bound; the candidates are scored exactly in float32.
+
+    With h = hb + eh (hb = bf16(h)) and w = wb + dw per vocabulary row (wb = bf16(w)):
+    h.w = hb.wb + hb.dw + eh.w, so |h.w - screened| <= |hb| |dw_v| + |eh| |w_v| (Cauchy-Schwarz)
+    + the float32 accumulation of hb.wb (gamma_K |hb| |wb_v|) + the GEMM's bf16 output rounding
+    (2^-8 of the screened value), and the float32 reference differs from h.w by gamma_K |h| |w_v|.
+    One bound per hidden row, from the largest row norms of the weight: a little looser than per
+    logit, but the screen then makes two light passes over its [rows, vocab] output, not eight."""
+
+    def __init__(self, weight: torch.Tensor):
+        w = weight.detach().float()
+        self.weight_bf16 = w.to(torch.bfloat16)
+        k = w.shape[1]
+        gamma = k * 2.0 ** -24 / (1 - k * 2.0 ** -24)
+        self.max_dw = float(((w - self.weight_bf16.float()).norm(dim=1) + gamma * self.weight_bf16.float().norm(dim=1)).max())
+        self.max_w = float(w.norm(dim=1).max())
+        self.gamma = gamma
+        self.source = weight
+
+    @staticmethod
+    def usable(weight: torch.Tensor, hidden: torch.Tensor) -> bool:
+        return (weight.dtype == torch.float32 and weight.device.type == "cpu" and hidden.device.type == "cpu"
+                and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+                and not torch.is_grad_enabled())
+
+    def argmax(self, hidden: torch.Tensor, weight: torch.Tensor, post=None) -> torch.Tensor:
+        h = hidden.reshape(-1, hidden.shape[-1]).float()
+        hb = h.to(torch.bfloat16)
+        n_h, n_hb = h.norm(dim=1, keepdim=True), hb.float().norm(dim=1, keepdim=True)
+        n_eh = (h - hb.float()).norm(dim=1, keepdim=True)
+        approx = F.linear(hb, self.weight_bf16)                                      # [M, V] bf16
+        top = approx.amax(1, keepdim=True).float()
+        low = approx.amin(1, keepdim=True).float()
+        big = torch.maximum(top.abs(), low.abs())                                    # max |screened| per row
+        bound = ((n_hb * self.max_dw + (n_eh + self.gamma * n_h) * self.max_w + big * 2.0 ** -8)
+                 * (1 + 1e-3) + 1e-6)
+        # a logit can be the reference maximum only if its upper end reaches the best lower end
+        cand = (approx >= (top - 2 * bound)).any(0).nonzero().flatten()            # union over rows
+        exact = F.linear(h, weight.index_select(0, cand))                           # [M, C], float32
+        if post is not None:
+            exact = post(exact)
+        return cand[exact.argmax(1)].view(hidden.shape[:-1])

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle_worker.layers.argmax_screen import Int8ArgmaxScreen
+from eagle_worker.layers.argmax_screen import Bf16ArgmaxScreen, Int8ArgmaxScreen
 from eagle_worker.layers.linear import check_shape, linear
 from eagle_worker.parallel import all_gather_last_dim, all_reduce, tp_rank, tp_size
 
@@ -46,6 +46,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def __init__(self, num_embeddings: int, embedding_dim: int):
         super().__init__(num_embeddings, embedding_dim)
         self._screen: Int8ArgmaxScreen | None = None
+        self._bf16_screen: Bf16ArgmaxScreen | None = None   # more rows than the int8 screen serves
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
@@ -63,6 +64,10 @@ class ParallelLMHead(VocabParallelEmbedding):
             if self._screen is None or self._screen.source is not self.weight:
                 self._screen = Int8ArgmaxScreen(self.weight)
             return self._screen.argmax(hidden, self.weight, post)
+        if self.tp_size == 1 and len(hidden) and Bf16ArgmaxScreen.usable(self.weight, hidden):
+            if self._bf16_screen is None or self._bf16_screen.source is not self.weight:
+                self._bf16_screen = Bf16ArgmaxScreen(self.weight)
+            return self._bf16_screen.argmax(hidden, self.weight, post)
         if self.tp_size > 1 and len(hidden):
             return self._sharded_argmax(hidden, post)
         logits = self(hidden)

@@ -1,10 +1,11 @@
-"""The int8 argmax screen returns exactly the full logits' argmax, near-ties and exact ties included."""
+"""The argmax screens (int8, and bf16 for more rows) return exactly the full logits' argmax, near-ties
+and exact ties included."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from eagle_worker.layers.argmax_screen import Int8ArgmaxScreen
+from eagle_worker.layers.argmax_screen import Bf16ArgmaxScreen, Int8ArgmaxScreen
 from eagle_worker.layers.embedding import ParallelLMHead
 
 
@@ -53,4 +54,22 @@ def test_lm_head_greedy_uses_the_screen_only_where_it_applies():
         assert head._screen is not None
         assert torch.equal(head.greedy(h), head(h).argmax(-1))        # 8 rows
         many = torch.cat([h, h, h])
-        assert torch.equal(head.greedy(many), head(many).argmax(-1))  # 24 rows: full logits
+        assert torch.equal(head.greedy(many), head(many).argmax(-1))  # 24 rows: the bf16 screen
+        assert head._bf16_screen is not None
+
+
+def test_bf16_screen_equals_full_argmax_on_near_ties_and_ties():
+    rows = []
+    for seed in range(4):                              # 32 rows, each with a twin a hair above its best
+        w, h = _near_tie_weight(seed=0, eps=1e-5)
+        rows.append(h * (1 + seed))
+    h = torch.cat(rows)
+    w[-1] = w[int((h[0] @ w.T).argmax())]              # and an exact copy of row 0's best at the last index
+    screen = Bf16ArgmaxScreen(w)
+    want = torch.nn.functional.linear(h, w).argmax(-1)
+    assert torch.equal(screen.argmax(h, w), want)
+    cap = lambda x: torch.tanh(x / 30.0) * 30.0        # noqa: E731
+    assert torch.equal(screen.argmax(h, w, cap), cap(torch.nn.functional.linear(h, w)).argmax(-1))
+    # negative control: the bf16 logits alone pick the wrong row on some of these near-ties
+    approx = torch.nn.functional.linear(h.bfloat16(), w.bfloat16()).float()
+    assert not torch.equal(approx.argmax(-1), want)
