@@ -10,6 +10,8 @@ model's own dtype: the argmax is the exact logits' argmax, and greedy output doe
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -94,8 +96,7 @@ class Bf16ArgmaxScreen:
     @staticmethod
     def usable(weight: torch.Tensor, hidden: torch.Tensor) -> bool:
         return (weight.dtype == torch.float32 and weight.device.type == "cpu" and hidden.device.type == "cpu"
-                and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-                and not torch.is_grad_enabled())
+                and native_bf16() and not torch.is_grad_enabled())
 
     def argmax(self, hidden: torch.Tensor, weight: torch.Tensor, post=None) -> torch.Tensor:
         h = hidden.reshape(-1, hidden.shape[-1]).float()
@@ -114,3 +115,15 @@ class Bf16ArgmaxScreen:
         if post is not None:
             exact = post(exact)
         return cand[exact.argmax(1)].view(hidden.shape[:-1])
+
+
+@functools.cache
+def native_bf16() -> bool:
+    """The CPU has bf16 dot products (AVX512-BF16 or AMX): without them oneDNN emulates bf16 GEMMs,
+    which then lose their edge over float32."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(next((line for line in f if line.startswith("flags")), "").split())
+    except OSError:
+        return False
+    return bool(flags & {"avx512_bf16", "amx_bf16"}) and torch.backends.mkldnn.is_available()
