@@ -7,7 +7,8 @@ sampling runs; bfloat16 runs; `train-head` trains a head there that reloads and 
 losslessly; with 2 GPUs, speculation under tensor parallelism (two NCCL processes on cuda:0 and
 cuda:1, the head and the hybrid) reproduces TP 1 plain greedy output (skipped, saying why, with
 fewer; `--device cpu` runs it on gloo). It times decoding at a few batch sizes, and with `--spec-bench` also runs
-`bench spec` on the default model when its weights are on the machine. Writes DIR/cuda_check.json;
+`bench spec --batch-sizes 1,8,32` (every method, bf16) on the default model when its weights are on the machine
+(DIR/spec_batch_cuda.json). Writes DIR/cuda_check.json;
 exits 1 if any check failed. `--device cpu` dry-runs the same checks here.
 """
 from __future__ import annotations
@@ -198,6 +199,15 @@ def check_training(target: Path, work: Path, device: str) -> dict:
             "trained_head_ran": record["steps"] == 24}
 
 
+def spec_bench_step(device: str, out: Path) -> list[dict]:
+    """`bench spec --batch-sizes 1,8,32` on the default model in bf16 on `device`, every method: the
+    speedups the README reports for this CPU, measured on the GPU; its rows per batch size."""
+    from bench.spec_batch import METHODS, run
+
+    return run(dtype="bfloat16", per_category=1, device=device, batch_sizes=(1, 8, 32), methods=METHODS,
+               json_out=str(out / "spec_batch_cuda.json"))["batches"]
+
+
 @click.command()
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Folder for cuda_check.json.")
 @click.option("--device", default="cuda", show_default=True)
@@ -221,10 +231,7 @@ def main(out, device, spec_bench):
               ("decode_tok_s", lambda: time_decoding(targets["llama"], heads["llama"], device)),
               ("train_head", lambda: check_training(targets["llama"], root / "train", device))]
     if spec_bench:
-        from bench.spec import run as bench_spec
-        steps.append(("spec_bench", lambda: bench_spec(dtype="bfloat16", per_category=1, device=device, sweep=(1, 8, 32),
-                                                       methods=("vanilla", "hf_lookup", "lookup", "dynamic", "hybrid"),
-                                                       json_out=str(out / "spec_cuda.json"))["summary"]))
+        steps.append(("spec_bench", lambda: spec_bench_step(device, out)))
     failed = []
     for name, fn in steps:
         t0 = time.perf_counter()

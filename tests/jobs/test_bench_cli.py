@@ -103,6 +103,25 @@ def test_cuda_check_dry_runs_on_cpu(tmp_path):
     assert [r["batch"] for r in report["decode_tok_s"]] == [1, 16, 64]
 
 
+def test_cuda_check_spec_bench_calls_the_batch_bench_as_it_is(monkeypatch, tmp_path):
+    """`--spec-bench` (GPU only, so never run end to end here) calls bench/spec_batch.run with
+    arguments it takes, and reports its rows per batch size."""
+    import inspect
+
+    from bench import cuda_check, spec_batch
+
+    calls = []
+
+    def fake_run(*args, **kwargs):
+        inspect.signature(spec_batch.run).bind(*args, **kwargs)      # raises on an argument it does not take
+        calls.append(kwargs)
+        return {"batches": [{"batch": b} for b in kwargs["batch_sizes"]]}
+
+    monkeypatch.setattr(spec_batch, "run", fake_run)
+    assert cuda_check.spec_bench_step("cuda", tmp_path) == [{"batch": 1}, {"batch": 8}, {"batch": 32}]
+    assert calls[0]["device"] == "cuda" and "vanilla" in calls[0]["methods"] and "default" in calls[0]["methods"]
+
+
 def test_comm_stats_count_each_collective_only_while_on(monkeypatch):
     """eagle_worker/parallel.py's counters: off, nothing is kept; on, calls and seconds per collective
     (the command broadcast included); reset starts over. dist is faked: no process group here."""
