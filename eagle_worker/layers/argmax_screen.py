@@ -81,13 +81,15 @@ class Bf16ArgmaxScreen:
     + the float32 accumulation of hb.wb (gamma_K |hb| |wb_v|) + the GEMM's bf16 output rounding
     (2^-8 of the screened value), and the float32 reference differs from h.w by gamma_K |h| |w_v|.
     One bound per hidden row, from the largest row norms of the weight: a little looser than per
-    logit, but the screen then makes two light passes over its [rows, vocab] output, not eight."""
+    logit, but the screen then reads its [rows, vocab] output three times (max, min, the candidate
+    test) instead of building a bound of that size."""
 
     def __init__(self, weight: torch.Tensor):
         w = weight.detach().float()
         self.weight_bf16 = w.to(torch.bfloat16)
         k = w.shape[1]
         gamma = k * 2.0 ** -24 / (1 - k * 2.0 ** -24)
+        # the largest |dw_v| + gamma |wb_v|: what rounding w to bf16 and summing in float32 can move a logit, per |hb|
         self.max_dw = float(((w - self.weight_bf16.float()).norm(dim=1) + gamma * self.weight_bf16.float().norm(dim=1)).max())
         self.max_w = float(w.norm(dim=1).max())
         self.gamma = gamma
