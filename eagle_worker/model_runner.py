@@ -71,6 +71,7 @@ class ModelRunner:
             torch.set_default_dtype(prev_dtype)
         load_weights(self.model, self.model_path)
         self.model.eval()
+        self.model.lm_head.prepare_greedy()
         self.attn_layers = self.model.attention_layers()
         self.num_kv_blocks = self._allocate_kv_cache()
         self.max_model_len = self._max_model_len()

@@ -24,21 +24,30 @@ class Int8ArgmaxScreen:
     MAX_ROWS = 12          # the integer GEMM and the bound grow with rows until a float GEMM is as fast: stay below that
 
     def __init__(self, weight: torch.Tensor):
-        w = weight.detach().float()
-        row_max = w.abs().amax(1)
-        self.scale = torch.where(row_max > 0, row_max / 127 * (1 + 1e-6), torch.ones_like(row_max))
+        w = weight.detach()
+        qweight = torch.empty(w.shape, dtype=torch.int8, device=w.device)
+        self.scale = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
+        for rows in _chunks(w.shape[0]):        # a block at a time: no full-size float temporaries
+            c = w[rows].float()
+            row_max = c.abs().amax(1)
+            scale = torch.where(row_max > 0, row_max / 127 * (1 + 1e-6), torch.ones_like(row_max))
+            qweight[rows] = torch.round(c / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+            self.scale[rows] = scale
         # [H, V] view of a [V, H] int8 tensor: the layout the CPU integer GEMM reads fastest (measured)
-        self.qweight_t = torch.round(w / self.scale[:, None]).clamp_(-127, 127).to(torch.int8).t()
+        self.qweight_t = qweight.t()
         self.scale_max = float(self.scale.max())
         self.rounds_to_bf16 = weight.dtype == torch.bfloat16
         self.source = weight
 
     @staticmethod
+    def serves(weight: torch.Tensor) -> bool:
+        return _int_mm is not None and weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
+
+    @staticmethod
     def usable(weight: torch.Tensor, hidden: torch.Tensor) -> bool:
         rows = hidden.numel() // hidden.shape[-1]
-        return (_int_mm is not None and weight.device.type == "cpu" and hidden.device.type == "cpu"
-                and weight.dtype in (torch.float32, torch.bfloat16) and 1 <= rows <= Int8ArgmaxScreen.MAX_ROWS
-                and not torch.is_grad_enabled())
+        return (Int8ArgmaxScreen.serves(weight) and hidden.device.type == "cpu"
+                and 1 <= rows <= Int8ArgmaxScreen.MAX_ROWS and not torch.is_grad_enabled())
 
     def argmax(self, hidden: torch.Tensor, weight: torch.Tensor, post=None) -> torch.Tensor:
         """`post`: the model's monotone logit transform (softcapping), applied to the exact rows."""
@@ -85,20 +94,30 @@ class Bf16ArgmaxScreen:
     test) instead of building a bound of that size."""
 
     def __init__(self, weight: torch.Tensor):
-        w = weight.detach().float()
-        self.weight_bf16 = w.to(torch.bfloat16)
+        w = weight.detach()
         k = w.shape[1]
         gamma = k * 2.0 ** -24 / (1 - k * 2.0 ** -24)
-        # the largest |dw_v| + gamma |wb_v|: what rounding w to bf16 and summing in float32 can move a logit, per |hb|
-        self.max_dw = float(((w - self.weight_bf16.float()).norm(dim=1) + gamma * self.weight_bf16.float().norm(dim=1)).max())
-        self.max_w = float(w.norm(dim=1).max())
+        self.weight_bf16 = torch.empty(w.shape, dtype=torch.bfloat16, device=w.device)
+        max_dw = max_w = 0.0
+        for rows in _chunks(w.shape[0]):        # a block at a time: no full-size float temporaries
+            c = w[rows].float()
+            cb = c.to(torch.bfloat16)
+            self.weight_bf16[rows] = cb
+            cbf = cb.float()
+            # the largest |dw_v| + gamma |wb_v|: what rounding w to bf16 and summing in float32 can move a logit, per |hb|
+            max_dw = max(max_dw, float(((c - cbf).norm(dim=1) + gamma * cbf.norm(dim=1)).max()))
+            max_w = max(max_w, float(c.norm(dim=1).max()))
+        self.max_dw, self.max_w = max_dw, max_w
         self.gamma = gamma
         self.source = weight
 
     @staticmethod
+    def serves(weight: torch.Tensor) -> bool:
+        return weight.dtype == torch.float32 and weight.device.type == "cpu" and native_bf16()
+
+    @staticmethod
     def usable(weight: torch.Tensor, hidden: torch.Tensor) -> bool:
-        return (weight.dtype == torch.float32 and weight.device.type == "cpu" and hidden.device.type == "cpu"
-                and native_bf16() and not torch.is_grad_enabled())
+        return Bf16ArgmaxScreen.serves(weight) and hidden.device.type == "cpu" and not torch.is_grad_enabled()
 
     def argmax(self, hidden: torch.Tensor, weight: torch.Tensor, post=None) -> torch.Tensor:
         h = hidden.reshape(-1, hidden.shape[-1]).float()
@@ -117,6 +136,10 @@ class Bf16ArgmaxScreen:
         if post is not None:
             exact = post(exact)
         return cand[exact.argmax(1)].view(hidden.shape[:-1])
+
+
+def _chunks(n: int, size: int = 16384):
+    return (slice(i, min(i + size, n)) for i in range(0, n, size))
 
 
 @functools.cache

@@ -70,3 +70,32 @@ def test_bf16_screen_equals_full_argmax_on_near_ties_and_ties():
     # negative control: the bf16 logits alone pick the wrong row on some of these near-ties
     approx = torch.nn.functional.linear(h.bfloat16(), w.bfloat16()).float()
     assert not torch.equal(approx.argmax(-1), want)
+
+
+def test_screens_built_block_by_block_equal_the_whole_tensor_formulas():
+    w = torch.randn(40_000, 16, generator=torch.Generator().manual_seed(3)) * 0.05   # three blocks of rows
+    w[123] = 0                                                                        # a zero row keeps scale 1
+    screen = Int8ArgmaxScreen(w)
+    row_max = w.abs().amax(1)
+    scale = torch.where(row_max > 0, row_max / 127 * (1 + 1e-6), torch.ones_like(row_max))
+    assert torch.equal(screen.scale, scale)
+    assert torch.equal(screen.qweight_t.t(), torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
+    if native_bf16():
+        b = Bf16ArgmaxScreen(w)
+        wb = w.to(torch.bfloat16)
+        assert torch.equal(b.weight_bf16, wb)
+        assert b.max_dw == pytest.approx(float(((w - wb.float()).norm(dim=1) + b.gamma * wb.float().norm(dim=1)).max()))
+        assert b.max_w == pytest.approx(float(w.norm(dim=1).max()))
+
+
+def test_prepare_greedy_builds_the_screens_once_at_load():
+    head = ParallelLMHead(4096, 64)
+    head.weight.data.copy_(_near_tie_weight()[0])
+    head.prepare_greedy()
+    int8, bf16 = head._screen, head._bf16_screen
+    assert int8 is not None and (bf16 is not None) == native_bf16()
+    h = _near_tie_weight()[1]
+    with torch.no_grad():
+        assert torch.equal(head.greedy(h[:2]), torch.nn.functional.linear(h[:2], head.weight).argmax(-1))
+        head.greedy(torch.cat([h, h]))                                  # 16 rows: the bf16 screen where it serves
+    assert head._screen is int8 and head._bf16_screen is bf16          # used as built, not rebuilt
