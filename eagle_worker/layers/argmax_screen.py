@@ -11,6 +11,7 @@ model's own dtype: the argmax is the exact logits' argmax, and greedy output doe
 from __future__ import annotations
 
 import functools
+import itertools
 
 import torch
 import torch.nn.functional as F
@@ -93,6 +94,8 @@ class Bf16ArgmaxScreen:
     logit, but the screen then reads its [rows, vocab] output three times (max, min, the candidate
     test) instead of building a bound of that size."""
 
+    BLOCK_BYTES = 8 << 20
+
     def __init__(self, weight: torch.Tensor):
         w = weight.detach()
         k = w.shape[1]
@@ -124,14 +127,25 @@ class Bf16ArgmaxScreen:
         hb = h.to(torch.bfloat16)
         n_h, n_hb = h.norm(dim=1, keepdim=True), hb.float().norm(dim=1, keepdim=True)
         n_eh = (h - hb.float()).norm(dim=1, keepdim=True)
-        approx = F.linear(hb, self.weight_bf16)                                      # [M, V] bf16
-        top = approx.amax(1, keepdim=True).float()
-        low = approx.amin(1, keepdim=True).float()
+        # the [rows, vocab] output in vocabulary blocks of at most BLOCK_BYTES: every temporary
+        # stays below glibc's 32 MB mmap threshold (past it, each call maps and faults in fresh pages)
+        n = max(1, -(-h.shape[0] * self.weight_bf16.shape[0] * 2 // self.BLOCK_BYTES))
+        approx = [F.linear(hb, w) for w in self.weight_bf16.tensor_split(n)]          # [M, V/n] bf16 each
+        top = torch.stack([a.amax(1) for a in approx], 1).amax(1, keepdim=True).float()
+        low = torch.stack([a.amin(1) for a in approx], 1).amin(1, keepdim=True).float()
         big = torch.maximum(top.abs(), low.abs())                                    # max |screened| per row
         bound = ((n_hb * self.max_dw + (n_eh + self.gamma * n_h) * self.max_w + big * 2.0 ** -8)
                  * (1 + 1e-3) + 1e-6)
-        # a logit can be the reference maximum only if its upper end reaches the best lower end
-        cand = (approx >= (top - 2 * bound)).any(0).nonzero().flatten()            # union over rows
+        # a logit can be the reference maximum only if its upper end reaches the best lower end;
+        # compared in bf16 against the floor rounded down (a float32 threshold would promote the
+        # output to a float32 temporary twice its size)
+        floor = top - 2 * bound
+        floor_bf16 = floor.to(torch.bfloat16)
+        floor_bf16 = torch.where(floor_bf16.float() > floor, torch.nextafter(floor_bf16, torch.full_like(floor_bf16, -torch.inf)),
+                                 floor_bf16)
+        starts = [0, *itertools.accumulate(a.shape[1] for a in approx)]
+        cand = torch.cat([(a >= floor_bf16).any(0).nonzero().flatten() + start     # union over rows
+                          for a, start in zip(approx, starts)])
         exact = F.linear(h, weight.index_select(0, cand))                           # [M, C], float32
         if post is not None:
             exact = post(exact)

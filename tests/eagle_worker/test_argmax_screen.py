@@ -58,7 +58,9 @@ def test_lm_head_greedy_uses_the_screen_only_where_it_applies():
         assert (head._bf16_screen is not None) == native_bf16()      # only where the CPU has bf16 dot products
 
 
-def test_bf16_screen_equals_full_argmax_on_near_ties_and_ties():
+@pytest.mark.parametrize("block_bytes", [Bf16ArgmaxScreen.BLOCK_BYTES, 40_000])   # one vocabulary block; seven
+def test_bf16_screen_equals_full_argmax_on_near_ties_and_ties(block_bytes, monkeypatch):
+    monkeypatch.setattr(Bf16ArgmaxScreen, "BLOCK_BYTES", block_bytes)
     w, h = _near_tie_weight(seed=0, eps=1e-5)        # 8 rows, each with a twin a hair above its best
     h = torch.cat([h * (1 + k) for k in range(4)])   # 32 rows: past the int8 screen's 12
     w[-1] = w[int((h[0] @ w.T).argmax())]              # and an exact copy of row 0's best at the last index
