@@ -57,7 +57,7 @@ def _run_local(cfg, ray_address: str) -> None:
 @click.option("--tp-size", type=int, help="Tensor-parallel ranks per replica [default: 1].")
 @click.option("--cpus-per-replica", type=float, help="[default: the cluster's CPUs split over the replicas]")
 @click.option("--max-num-seqs", type=int, help="Batch size of each engine [default: 64].")
-@click.option("--max-in-flight", type=int, help="Rows queued per replica [default: 2 x max-num-seqs].")
+@click.option("--max-in-flight", type=int, help="Rows sent to one replica at once [default: max-num-seqs plus a quarter].")
 @click.option("--min-ready-replicas", type=int, help="Replicas loaded before rows are sent [default: 1].")
 @click.option("--keep-columns", is_flag=True, help="Carry the input's other columns into the output.")
 @click.option("--overwrite", is_flag=True, help="Delete existing output instead of resuming it.")

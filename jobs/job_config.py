@@ -64,7 +64,7 @@ class JobConfig(BaseModel):
     tp_size: int = Field(1, ge=1)
     cpus_per_replica: float | None = Field(None, gt=0, description="default: the CPUs of the cluster split evenly")
     max_num_seqs: int = Field(64, ge=1)
-    max_in_flight: int | None = Field(None, ge=1, description="rows sent to one replica at once; default 2*max_num_seqs")
+    max_in_flight: int | None = Field(None, ge=1, description="rows sent to one replica at once; default a batch plus a quarter")
     min_ready_replicas: int = Field(1, ge=1, description="replicas loaded before rows are sent (benchmarks: all)")
     max_row_retries: int = Field(1, ge=0, description="re-runs of a row whose replica died, then an error row")
     max_replica_restarts: int | None = Field(None, ge=0, description="default: 2 per replica + 2")
@@ -112,8 +112,11 @@ class JobConfig(BaseModel):
     # ---- derived values --------------------------------------------------------------------
     @property
     def in_flight_per_replica(self) -> int:
-        """Enough queued rows that a replica never waits for the driver between two steps."""
-        return self.max_in_flight or 2 * self.max_num_seqs
+        """A full batch plus a quarter queued: a replica does not wait for the driver between two
+        steps (the driver answers a finished row within milliseconds), while a row does not wait
+        in the engine's queue behind a whole batch (its `ttft_s` is then its own prefill, not the
+        batch ahead of it, and fewer rows are in flight to send again if a replica dies)."""
+        return self.max_in_flight or self.max_num_seqs + max(4, self.max_num_seqs // 4)
 
     @property
     def replica_restarts(self) -> int:

@@ -7,8 +7,8 @@ engine thread, same command queue, same rejection handling, offline priority 1) 
 method, `generate`, that consumes the stream inside the actor and returns one small dict per row.
 
 Distribution: each row goes to the ready replica with the fewest rows in flight, and a replica
-holds at most `in_flight_per_replica` rows (2x its batch by default), so every engine always has
-its next rows queued while the driver holds only a bounded window of work.
+holds at most `in_flight_per_replica` rows (its batch plus a quarter by default), so every engine always
+has its next rows queued while the driver holds only a bounded window of work.
 
 Failures: a replica that dies (actor lost, node lost, engine loop crashed) is killed and replaced
 (at most `replica_restarts` times per job); its in-flight rows go back to the driver, which sends

@@ -142,6 +142,8 @@ def test_replica_death_then_cancel_then_resume(tmp_path, tiny_model, local_ray):
     local_ray.kill(victim.actor, no_restart=True)                  # the replica dies mid-job
     _wait(lambda: runner.stats.rows >= 120)
     assert runner.pool.restarts_left == cfg.replica_restarts - 1 and lost > 0
+    # a batch and a few rows queued, not a second whole batch that would wait behind the first
+    assert lost <= cfg.in_flight_per_replica and cfg.max_num_seqs < cfg.in_flight_per_replica < 2 * cfg.max_num_seqs
     runner.stopping = "test"                                        # what SIGTERM / `job cancel` does
     thread.join(60)
     m = box["manifest"]
