@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster import openai_api as oa
 from cluster.config import ServeConfig
-from cluster.cpu_threads import serve_env
+from cluster.cpu_threads import engine_env, serve_env
 from cluster.ingress_prompts import IngressPrompts
 from cluster.metrics import ServeMetrics, StatusCounter, note_status, set_active
 from cluster.openai_render import ChatRender, CompletionRender, all_or_none, merge_streams
@@ -332,7 +332,7 @@ def engine_deployment_options(config: ServeConfig) -> dict[str, Any]:
         graceful_shutdown_timeout_s=30.0,
         max_constructor_retry_count=3,  # a model that fails to load fails the deploy, not 20 reloads
         ray_actor_options={"num_cpus": bundle["CPU"], "num_gpus": bundle.get("GPU", 0),
-                           "runtime_env": {"env_vars": serve_env()}},
+                           "runtime_env": {"env_vars": {**serve_env(), **engine_env()}}},
         **config.replica_count_options(),
     )
     if config.tp_size > 1:  # rank 0 is the replica actor in bundle 0; ranks 1.. go in the other bundles

@@ -11,6 +11,7 @@ from eagle_worker import default_models
 from eagle_worker.attention import SeqAttention, attention_context, build_context
 from eagle_worker.config import EngineConfig
 from eagle_worker.loader import load_weights, resolve_model_path
+from eagle_worker.malloc_tuning import keep_large_allocations
 from eagle_worker.models.registry import model_class_for
 from eagle_worker.outputs import TokenLogprob
 from eagle_worker.parallel import all_gather_rows, broadcast_from_rank0, tp_rank, tp_size
@@ -57,6 +58,8 @@ class ModelRunner:
         if config.tp_size != tp_size():
             raise ValueError(f"tp_size={config.tp_size} but this process is in a tensor-parallel group of {tp_size()}; "
                              "tp_size > 1 runs through the cluster package (a Ray TP group)")
+        if self.device.type == "cpu":
+            keep_large_allocations()
         self.model_path = resolve_model(config.model)
         self.hf_config = AutoConfig.from_pretrained(self.model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)

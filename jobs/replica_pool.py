@@ -26,6 +26,7 @@ import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from cluster.config import Limits, RankResources, ServeConfig
+from cluster.cpu_threads import engine_env
 from cluster.replica import EngineDiedError, EngineReplica, Failed, Rejected, ReplicaConfigError
 from jobs.input_reader import Row
 from jobs.job_config import JobConfig
@@ -159,7 +160,7 @@ class ReplicaPool:
 
     def _spawn(self, index: int) -> _Replica:
         opts: dict[str, Any] = dict(num_cpus=self.cpus, max_restarts=0, max_concurrency=4 * self.cfg.in_flight_per_replica,
-                                    scheduling_strategy="SPREAD")
+                                    scheduling_strategy="SPREAD", runtime_env={"env_vars": engine_env()})
         if self.cfg.device == "cuda":
             opts["num_gpus"] = 1
         pg = None

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from cluster.config import ConfigError, ServeConfig
-from cluster.cpu_threads import serve_env
+from cluster.cpu_threads import engine_env, serve_env
 from cluster.serve_app import app_builder, engine_deployment_options
 
 
@@ -88,7 +88,8 @@ def test_deployment_options():
     opts = engine_deployment_options(cfg)
     assert opts["placement_group_bundles"] == [{"CPU": 3.0}, {"CPU": 3.0}]
     assert opts["placement_group_strategy"] == "STRICT_PACK"
-    assert opts["ray_actor_options"] == {"num_cpus": 3.0, "num_gpus": 0, "runtime_env": {"env_vars": serve_env()}}
+    assert opts["ray_actor_options"] == {"num_cpus": 3.0, "num_gpus": 0,
+                                         "runtime_env": {"env_vars": {**serve_env(), **engine_env()}}}
     # Serve's caller queue counts requests as queued until routed: off; the ingress admits
     # max_replicas x (max_num_seqs + max_queued_requests) + max_router_queue instead
     assert opts["max_ongoing_requests"] == 12 and opts["max_queued_requests"] == -1

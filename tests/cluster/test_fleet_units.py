@@ -8,7 +8,7 @@ import pytest
 
 from cluster.autoscale import BACKLOG_METRIC, offline_backlog_policy
 from cluster.config import ServeConfig
-from cluster.cpu_threads import SERVE_STREAMING_ENV, auto_threads, cgroup_cpu_limit, rank_threads, serve_env
+from cluster.cpu_threads import ENGINE_MALLOC_ENV, SERVE_STREAMING_ENV, auto_threads, cgroup_cpu_limit, rank_threads, serve_env
 from cluster.placement import InsufficientResourcesError, check_fits
 from cluster.priority_stats import PriorityStats
 
@@ -39,11 +39,13 @@ def test_serve_processes_take_the_streaming_fast_path_unless_told_otherwise(monk
 
     for k in SERVE_STREAMING_ENV:
         monkeypatch.delenv(k, raising=False)
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
     env = engine_deployment_options(ServeConfig())["ray_actor_options"]["runtime_env"]["env_vars"]
-    assert env == {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
+    streaming = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
+    assert env == {**streaming, **ENGINE_MALLOC_ENV}   # the engine's process: malloc keeps large blocks too
     assert "OMP_WAIT_POLICY" not in env          # libgomp's default: spin a little between ops
     ingress = build_app(ServeConfig())._bound_deployment
-    assert ingress.ray_actor_options["runtime_env"]["env_vars"] == env
+    assert ingress.ray_actor_options["runtime_env"]["env_vars"] == streaming
     monkeypatch.setenv("RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD", "1")   # the operator's choice is kept
     assert serve_env()["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] == "1"
 
