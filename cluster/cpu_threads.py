@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 
 from cluster.config import ServeConfig
+from eagle_worker.engine_api import GLIBC_TUNABLES
 
 
 def serve_env() -> dict[str, str]:
@@ -31,17 +32,12 @@ SERVE_STREAMING_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_S
 
 def engine_env() -> dict[str, str]:
     """Environment for engine processes (Serve's engine replicas, a job's own replicas): glibc's
-    malloc keeps large freed blocks for reuse (eagle_worker/malloc_tuning.py says why) and every
-    thread allocates from the main heap. The replica's engine runs on its own thread, whose malloc
-    arena grows in 64 MB heaps that are unmapped when empty, so a 39 MB temporary faulted in fresh
-    pages almost every time: a job replica at batch 64 spent half its CPU time in the kernel. Tunables
-    are read when a process starts, hence the environment (for the process `LLM` runs in, the engine
-    raises the thresholds itself). Values the operator set are kept."""
+    malloc keeps large freed blocks for reuse (eagle_worker/malloc_tuning.py says why; without it a
+    job replica at batch 64 spent half its CPU time in the kernel). Values the operator set are kept."""
     return {k: os.environ.get(k, v) for k, v in ENGINE_MALLOC_ENV.items()}
 
 
-ENGINE_MALLOC_ENV = {"GLIBC_TUNABLES": "glibc.malloc.arena_max=1:glibc.malloc.mmap_threshold=67108864:"
-                                       "glibc.malloc.trim_threshold=268435456"}
+ENGINE_MALLOC_ENV = {"GLIBC_TUNABLES": GLIBC_TUNABLES}
 
 
 def usable_cores() -> int:

@@ -16,6 +16,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
+from eagle_worker.malloc_tuning import GLIBC_TUNABLES  # noqa: F401  (the env of the engine processes the fleet starts)
 from eagle_worker.prefix_hash import block_hashes  # noqa: F401  (the fleet's prefix-aware routing hashes as engines cache)
 
 # Keys of `Engine.stats()` the fleet reads (routing, metrics); an engine may report more.

@@ -18,6 +18,10 @@ import sys
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 MMAP_THRESHOLD = 64 << 20      # the largest a non-main arena's heap (64 MB) can still serve
 TRIM_THRESHOLD = 256 << 20     # free memory kept at a heap's top before it is handed back
+# the same for a process the fleet starts (read at its start), and every thread on the main heap: an
+# engine thread's own arena grows in 64 MB heaps that are unmapped whenever they empty
+GLIBC_TUNABLES = (f"glibc.malloc.arena_max=1:glibc.malloc.mmap_threshold={MMAP_THRESHOLD}:"
+                  f"glibc.malloc.trim_threshold={TRIM_THRESHOLD}")
 
 
 @functools.cache
