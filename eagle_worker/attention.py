@@ -176,16 +176,30 @@ class Attention(nn.Module):
         for g in ctx.groups:
             B, Q = g.token_index.shape
             K = g.kv_slots.shape[1]
-            # CPU SDPA in bf16/fp16 is several times slower than in float32 for one query per sequence
-            # (decode), so decode groups are upcast; with more queries per sequence the two break even
-            dt = torch.float32 if Q == 1 and q.device.type == "cpu" else q.dtype
             # index_select on flat indices: cheaper than advanced indexing for these gathers
-            qg = q.index_select(0, g.token_index.flatten()).to(dt).view(B, Q, self.num_heads, self.head_dim).transpose(1, 2)
+            qg = q.index_select(0, g.token_index.flatten())
             slots = g.kv_slots.flatten()
-            kg = k_src.index_select(0, slots).to(dt).view(B, K, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            vg = v_src.index_select(0, slots).to(dt).view(B, K, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask(self.sliding_window),
-                                               scale=self.scale, enable_gqa=self.num_kv_heads != self.num_heads)
-            o = o.to(q.dtype).transpose(1, 2).reshape(-1, self.num_heads, self.head_dim)
+            kg = k_src.index_select(0, slots).view(B, K, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            vg = v_src.index_select(0, slots).view(B, K, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            mask = g.mask(self.sliding_window)
+            if Q == 1:
+                o = self._decode(qg, kg, vg, mask)
+            else:
+                qg = qg.view(B, Q, self.num_heads, self.head_dim).transpose(1, 2)
+                o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=self.scale,
+                                                   enable_gqa=self.num_kv_heads != self.num_heads)
+                o = o.transpose(1, 2).reshape(-1, self.num_heads, self.head_dim)
             out.index_copy_(0, g.out_index, o.index_select(0, g.valid_index))
         return out.view(T, self.num_heads * self.head_dim)
+
+    def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """One query per sequence: the query heads sharing a KV head become that head's queries
+        ([B, kv_heads, group, D]), so SDPA reads each sequence's keys once per KV head, in the
+        cache's own dtype. On CPU, B=32, K=560, 4 heads on 1 KV head: 2.3 ms in bf16 against
+        4.3 ms for enable_gqa in float32 (plus upcasting the keys) and 19 ms for enable_gqa in bf16."""
+        B, kvh = k.shape[0], self.num_kv_heads
+        group = self.num_heads // kvh
+        q = q.view(B, kvh, group, self.head_dim)
+        mask = mask.expand(B, 1, group, mask.shape[-1])       # [B, 1, 1, K] -> every query of a head
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        return o.reshape(B, self.num_heads, self.head_dim)

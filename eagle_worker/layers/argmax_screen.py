@@ -152,6 +152,12 @@ class Bf16ArgmaxScreen:
         return cand[exact.argmax(1)].view(hidden.shape[:-1])
 
 
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """`x.argmax(-1)`, the same ids (first of ties, NaN wins): CPU argmax over bfloat16 is about 3x
+    slower than `max(-1)` (17 vs 5 ms for [32, 262K]), float32 the same."""
+    return x.max(-1).indices
+
+
 def _chunks(n: int, size: int = 16384):
     return (slice(i, min(i + size, n)) for i in range(0, n, size))
 

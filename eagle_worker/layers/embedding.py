@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle_worker.layers.argmax_screen import Bf16ArgmaxScreen, Int8ArgmaxScreen
+from eagle_worker.layers.argmax_screen import Bf16ArgmaxScreen, Int8ArgmaxScreen, row_argmax
 from eagle_worker.layers.linear import check_shape, linear
 from eagle_worker.parallel import all_gather_last_dim, all_reduce, tp_rank, tp_size
 
@@ -67,7 +67,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         if self.tp_size > 1 and len(hidden):
             return self._sharded_argmax(hidden, post)
         logits = self(hidden)
-        return (post(logits) if post is not None else logits).argmax(-1)
+        return row_argmax(post(logits) if post is not None else logits)
 
     def prepare_greedy(self) -> None:
         """Build the screens `greedy` uses on this device now (at load, about 1.2 s for a 262K
@@ -94,7 +94,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         logits = linear(hidden, self.weight)[:, : self.vocab_end - self.vocab_start]
         if post is not None:
             logits = post(logits)
-        local = logits.argmax(-1, keepdim=True)
+        local = row_argmax(logits)[:, None]
         best = all_gather_last_dim(logits.gather(-1, local).float())        # [rows, tp]
         ids = all_gather_last_dim(local + self.vocab_start)
         return ids.gather(-1, best.argmax(-1, keepdim=True))[:, 0]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle_worker.layers.argmax_screen import Bf16ArgmaxScreen, Int8ArgmaxScreen, native_bf16
+from eagle_worker.layers.argmax_screen import Bf16ArgmaxScreen, Int8ArgmaxScreen, native_bf16, row_argmax
 from eagle_worker.layers.embedding import ParallelLMHead
 
 
@@ -101,3 +101,17 @@ def test_prepare_greedy_builds_the_screens_once_at_load():
         assert torch.equal(head.greedy(h[:2]), torch.nn.functional.linear(h[:2], head.weight).argmax(-1))
         head.greedy(torch.cat([h, h]))                                  # 16 rows: the bf16 screen where it serves
     assert head._screen is int8 and head._bf16_screen is bf16          # used as built, not rebuilt
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_row_argmax_is_argmax_with_ties_and_nan(dtype):
+    """row_argmax stands in for argmax on the LM head's logits: same id on exact ties (the first) and
+    rows with a NaN (the NaN), at vocabulary widths that are not a multiple of a vector."""
+    g = torch.Generator().manual_seed(3)
+    for width in (3, 17, 4099, 262144):
+        x = torch.randn(6, width, generator=g).to(dtype)
+        top = x.max() + 1
+        for r, cols in enumerate(([0], [width - 1], [width // 3, width - 1], [width // 2, width // 2 + 1])):
+            x[r, cols] = top
+        x[4, width // 5] = float("nan")
+        assert torch.equal(row_argmax(x), x.argmax(-1)), width

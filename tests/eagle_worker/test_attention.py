@@ -1,5 +1,5 @@
-"""Paged attention against a plain float32 softmax over the same cached keys and values, in bf16:
-decode groups (one query per sequence) run in float32 on CPU, the rest in the cache's dtype."""
+"""Paged attention against a plain float32 softmax over the same cached keys and values: bf16 decode
+groups and chunks, and decodes whose query heads share several KV heads, with a sliding window."""
 from __future__ import annotations
 
 import torch
@@ -9,13 +9,17 @@ from eagle_worker.attention import Attention, SeqAttention, attention_context, b
 H, HKV, D = 4, 1, 16
 
 
-def _reference(q, k, v, scale):
-    """q [Q, H, D], k/v [K, HKV, D], causal over the last Q keys; float32."""
-    q, k, v = q.float(), k.float().repeat_interleave(H // HKV, 1), v.float().repeat_interleave(H // HKV, 1)
+def _reference(q, k, v, scale, window=None):
+    """q [Q, H, D], k/v [K, HKV, D], causal over the last Q keys (and within `window`); float32."""
+    h, hkv = q.shape[1], k.shape[1]
+    q, k, v = q.float(), k.float().repeat_interleave(h // hkv, 1), v.float().repeat_interleave(h // hkv, 1)
     s = torch.einsum("qhd,khd->hqk", q, k) * scale
     Q, K = q.shape[0], k.shape[0]
-    s = s.masked_fill(~torch.ones(Q, K, dtype=torch.bool).tril(K - Q), float("-inf"))
-    return torch.einsum("hqk,khd->qhd", s.softmax(-1), v).reshape(Q, H * D)
+    seen = torch.ones(Q, K, dtype=torch.bool).tril(K - Q)
+    if window is not None:
+        seen &= ~torch.ones(Q, K, dtype=torch.bool).tril(K - Q - window)
+    s = s.masked_fill(~seen, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", s.softmax(-1), v).reshape(Q, h * q.shape[-1])
 
 
 def test_bf16_attention_matches_float32_for_decodes_and_chunks():
@@ -68,3 +72,28 @@ def test_plain_decodes_keep_their_own_group_beside_a_tree():
         rows = slice(s.q_start, s.q_start + s.q_len)
         expect = _reference(q[rows].view(-1, H, D), attn.k_cache[s.kv_slots], attn.v_cache[s.kv_slots], D ** -0.5)
         assert torch.allclose(out[rows], expect, atol=1e-5), s.q_start
+
+
+def test_decodes_with_several_kv_heads_and_a_window_match_the_reference():
+    """Decode folds each KV head's query heads into that head's queries: with 3 KV heads of 2 query
+    heads each, every query head must still read its own KV head (a wrong fold mixes them)."""
+    h, hkv, window = 6, 3, 4
+    g = torch.Generator().manual_seed(2)
+    attn = Attention(h, hkv, D, scale=D ** -0.5, sliding_window=window)
+    attn.k_cache = torch.randn(96, hkv, D, generator=g)
+    attn.v_cache = torch.randn(96, hkv, D, generator=g)
+    seqs, new_slots = [], []
+    for b, c in enumerate([2, 7, 11]):
+        slots = list(range(32 * b, 32 * b + c + 1))
+        seqs.append(SeqAttention(q_start=b, q_positions=[c], kv_slots=slots, kv_positions=list(range(c + 1))))
+        new_slots.append(slots[-1])
+    q, k, v = (torch.randn(3, n * D, generator=g) for n in (h, hkv, hkv))
+    with torch.no_grad(), attention_context(build_context(seqs, new_slots, torch.device("cpu"))):
+        out = attn(q, k, v)
+    for s in seqs:
+        rows = slice(s.q_start, s.q_start + 1)
+        expect = _reference(q[rows].view(1, h, D), attn.k_cache[s.kv_slots], attn.v_cache[s.kv_slots], D ** -0.5, window)
+        assert torch.allclose(out[rows], expect, atol=1e-5), s.q_start
+        if len(s.kv_slots) > window:    # the window matters here: without it the answer differs
+            assert not torch.allclose(out[rows], _reference(q[rows].view(1, h, D), attn.k_cache[s.kv_slots],
+                                                             attn.v_cache[s.kv_slots], D ** -0.5), atol=1e-3)
