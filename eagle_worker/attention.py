@@ -8,6 +8,8 @@ given by a [q_len, q_len] mask (lower-triangular for normal tokens, ancestor mas
 A drafting level is one more case: its queries see the context plus every draft node so far
 through a [q_len, m] mask over those m trailing keys.
 Sequences are grouped so that a long prefill does not pad every decode to its length.
+When every sequence of a group starts with the same cache slots (a prefix-cache hit: a system
+prompt, a job's preamble), those keys are read once for the whole group (cascade attention).
 """
 from __future__ import annotations
 
@@ -46,6 +48,8 @@ class AttentionGroup:
     k_pos: torch.Tensor         # [B, K]
     out_index: torch.Tensor     # [N] flat token index of each valid query, row-major
     valid_index: torch.Tensor   # [N] position of each valid query in the flattened [B*Q] grid
+    shared_slots: torch.Tensor | None = None   # [L] the context every sequence starts with; kv_slots is the rest
+    shared_pos: torch.Tensor | None = None     # [L]
     _window_masks: dict = field(default_factory=dict)
 
     def mask(self, sliding_window: int | None) -> torch.Tensor:
@@ -57,6 +61,16 @@ class AttentionGroup:
             m = self.base_mask & near[:, None]  # a query always sees itself, so rows stay finite
             self._window_masks[sliding_window] = m
         return m
+
+    def shared_mask(self, sliding_window: int | None) -> torch.Tensor | None:
+        """[B, 1, Q, L] over the shared keys; None: all of them are visible (they are context)."""
+        if sliding_window is None:
+            return None
+        key = ("shared", sliding_window)
+        if key not in self._window_masks:
+            near = (self.q_pos[:, :, None] - self.shared_pos[None, None, :]) < sliding_window
+            self._window_masks[key] = near[:, None]
+        return self._window_masks[key]
 
 
 @dataclass
@@ -91,8 +105,29 @@ def _build_group(seqs: list[SeqAttention], device: torch.device) -> AttentionGro
     out_index = token_index[query_valid]
     valid_index = query_valid.flatten().nonzero().flatten()   # host-side, so no device sync per layer
     to = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+    shared = _shared_prefix_len(seqs, kv_slots)
+    shared_slots = shared_pos = None
+    if shared:
+        shared_slots, shared_pos = to(kv_slots[0, :shared]), to(k_pos[0, :shared])
+        kv_slots, mask, k_pos = kv_slots[:, shared:], mask[..., shared:], k_pos[:, shared:]
     return AttentionGroup(to(token_index), to(query_valid), to(kv_slots), to(mask), to(q_pos), to(k_pos),
-                          to(out_index), to(valid_index))
+                          to(out_index), to(valid_index), shared_slots, shared_pos)
+
+
+MIN_SHARED_KEYS = 64    # below this, reading the keys per sequence costs about as much as the split
+
+
+def _shared_prefix_len(seqs: list[SeqAttention], kv_slots: torch.Tensor) -> int:
+    """How many leading context slots every sequence of the group shares (0 when it is not worth a
+    split). Only context is shared: each sequence's new tokens have slots of their own."""
+    if len(seqs) < 2:
+        return 0
+    ctx = min(len(s.kv_slots) - (s.new_token_mask.shape[1] if s.new_token_mask is not None else s.q_len) for s in seqs)
+    if ctx < MIN_SHARED_KEYS:
+        return 0
+    differs = (kv_slots[1:, :ctx] != kv_slots[:1, :ctx]).any(0).nonzero()
+    shared = int(differs[0]) if len(differs) else ctx
+    return shared if shared >= MIN_SHARED_KEYS else 0
 
 
 def build_context(seqs: list[SeqAttention], slot_mapping: torch.Tensor | list[int], device: torch.device,
@@ -182,7 +217,9 @@ class Attention(nn.Module):
             kg = k_src.index_select(0, slots).view(B, K, self.num_kv_heads, self.head_dim).transpose(1, 2)
             vg = v_src.index_select(0, slots).view(B, K, self.num_kv_heads, self.head_dim).transpose(1, 2)
             mask = g.mask(self.sliding_window)
-            if Q == 1:
+            if g.shared_slots is not None:
+                o = self._cascade(qg, kg, vg, mask, g, k_src, v_src)
+            elif Q == 1:
                 o = self._decode(qg, kg, vg, mask)
             else:
                 qg = qg.view(B, Q, self.num_heads, self.head_dim).transpose(1, 2)
@@ -203,3 +240,26 @@ class Attention(nn.Module):
         mask = mask.expand(B, 1, group, mask.shape[-1])       # [B, 1, 1, K] -> every query of a head
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         return o.reshape(B, self.num_heads, self.head_dim)
+
+    def _cascade(self, q, k, v, mask, g: AttentionGroup, k_src, v_src) -> torch.Tensor:
+        """Attention over [shared keys | each sequence's own keys]: the shared ones are gathered
+        once and scored for every query of the group in one GEMM per KV head, the rest per
+        sequence; one softmax over both. float32 throughout (the group's shared keys are one copy)."""
+        B, kvh, S = k.shape[0], self.num_kv_heads, k.shape[2]
+        group, D = self.num_heads // kvh, self.head_dim
+        Q = q.shape[0] // B
+        L = len(g.shared_slots)
+        qf = q.float().view(B, Q, kvh, group, D).permute(2, 0, 3, 1, 4)               # [kvh, B, G, Q, D]
+        kp = k_src.index_select(0, g.shared_slots).float().permute(1, 2, 0)          # [kvh, D, L]
+        vp = v_src.index_select(0, g.shared_slots).float().transpose(0, 1)           # [kvh, L, D]
+        shared = torch.bmm(qf.reshape(kvh, -1, D), kp).view(kvh, B, group, Q, L).transpose(0, 1)
+        own = qf.transpose(0, 1).reshape(B, kvh, group * Q, D) @ k.float().transpose(-1, -2)
+        scores = torch.cat([shared, own.view(B, kvh, group, Q, S)], -1).mul_(self.scale)  # [B, kvh, G, Q, L+S]
+        scores[..., L:].masked_fill_(~mask[:, :, None], float("-inf"))
+        shared_mask = g.shared_mask(self.sliding_window)
+        if shared_mask is not None:
+            scores[..., :L].masked_fill_(~shared_mask[:, :, None], float("-inf"))
+        probs = scores.softmax(-1)
+        o = torch.bmm(probs[..., :L].transpose(0, 1).reshape(kvh, -1, L), vp).view(kvh, B, group, Q, D).transpose(0, 1)
+        o = o + (probs[..., L:].reshape(B, kvh, group * Q, S) @ v.float()).view(B, kvh, group, Q, D)
+        return o.permute(0, 3, 1, 2, 4).reshape(B * Q, self.num_heads, D).to(q.dtype)

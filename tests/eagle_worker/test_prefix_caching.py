@@ -220,3 +220,26 @@ def test_requests_sharing_blocks_never_write_into_them(copying_target):
     after = [c[..., slots, :, :] if c.dim() == 5 else c[slots] for c in caches]
     assert all(torch.equal(a, b) for a, b in zip(before, after))
     assert_no_leaks(llm.engine)
+
+
+@pytest.mark.parametrize("method", ["plain", "head", "hybrid"])
+def test_a_batch_on_one_long_cached_prefix_reads_it_once_and_stays_exact(method, copying_target, monkeypatch):
+    """Every request of the batch starts with the same cached blocks: attention reads them once for
+    the whole batch (decodes, trees and the head's drafts), and the tokens are those of no caching."""
+    from eagle_worker.attention import MIN_SHARED_KEYS, Attention
+
+    target, head = copying_target
+    calls = []
+    split = Attention._cascade
+    monkeypatch.setattr(Attention, "_cascade", lambda self, *a: calls.append(a[0].shape[0]) or split(self, *a))
+    prompts = [SYSTEM * 5 + q for q in QUESTIONS]
+    on = LLM(model=str(target), spec=methods(str(head))[method], **KV)
+    assert len(on.tokenizer.encode(SYSTEM * 5)) > MIN_SHARED_KEYS + 8
+    on.generate(prompts[:1], greedy(4))                                   # fills the cache
+    outs = on.generate(prompts, greedy(16))
+    assert all(o.metrics["num_cached_tokens"] > MIN_SHARED_KEYS for o in outs)
+    assert calls, "the shared-prefix path never ran"
+    monkeypatch.undo()
+    off = LLM(model=str(target), spec=methods(str(head))[method], enable_prefix_caching=False, **KV)
+    assert tokens(outs) == tokens(off.generate(prompts, greedy(16)))
+    assert_no_leaks(on.engine)
