@@ -115,12 +115,14 @@ def _build_group(seqs: list[SeqAttention], device: torch.device) -> AttentionGro
 
 
 MIN_SHARED_KEYS = 64    # below this, reading the keys per sequence costs about as much as the split
+MAX_SHARED_QUERIES = 64    # decodes, trees, short chunks: the split materialises its [queries, keys] scores
 
 
 def _shared_prefix_len(seqs: list[SeqAttention], kv_slots: torch.Tensor) -> int:
     """How many leading context slots every sequence of the group shares (0 when it is not worth a
-    split). Only context is shared: each sequence's new tokens have slots of their own."""
-    if len(seqs) < 2:
+    split). Only context is shared: each sequence's new tokens have slots of their own. Long prefill
+    chunks keep SDPA, which does not hold all their scores at once."""
+    if len(seqs) < 2 or max(s.q_len for s in seqs) > MAX_SHARED_QUERIES:
         return 0
     ctx = min(len(s.kv_slots) - (s.new_token_mask.shape[1] if s.new_token_mask is not None else s.q_len) for s in seqs)
     if ctx < MIN_SHARED_KEYS:

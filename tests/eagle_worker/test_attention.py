@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle_worker.attention import MIN_SHARED_KEYS, Attention, SeqAttention, attention_context, build_context
+from eagle_worker.attention import MAX_SHARED_QUERIES, MIN_SHARED_KEYS, Attention, SeqAttention, attention_context, build_context
 
 H, HKV, D = 4, 1, 16
 
@@ -108,25 +108,26 @@ def test_decodes_with_several_kv_heads_and_a_window_match_the_reference():
 def test_groups_sharing_a_cached_prefix_read_it_once_and_match_the_reference(window, dtype):
     """Sequences whose context starts with the same cache slots (a prefix-cache hit) attend through
     the shared-prefix split, decodes and a group of 3-query trees alike, with and without a
-    sliding window that cuts into the shared keys; a group whose common start is short does not split."""
+    sliding window that cuts into the shared keys; a group whose common start is short, or whose
+    chunks are long, does not split."""
     h, hkv, P = 6, 3, MIN_SHARED_KEYS + 6
     g = torch.Generator().manual_seed(4)
     attn = Attention(h, hkv, D, scale=D ** -0.5, sliding_window=window)
-    attn.k_cache = torch.randn(512, hkv, D, generator=g).to(dtype)
-    attn.v_cache = torch.randn(512, hkv, D, generator=g).to(dtype)
+    attn.k_cache = torch.randn(1024, hkv, D, generator=g).to(dtype)
+    attn.v_cache = torch.randn(1024, hkv, D, generator=g).to(dtype)
     prefix = list(range(100, 100 + P))
     tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)       # a root and two children
-    for q_len, shared in ((1, P), (3, P), (1, 10)):
+    for q_len, shared in ((1, P), (3, P), (1, 10), (MAX_SHARED_QUERIES + 1, P)):
         seqs, new_slots, start = [], [], 0
         for b, own in enumerate([3, 9, 0]):
-            slots = prefix[:shared] + list(range(300 + 40 * b, 300 + 40 * b + own + (P - shared) + q_len))
+            slots = prefix[:shared] + list(range(300 + 200 * b, 300 + 200 * b + own + (P - shared) + q_len))
             c = len(slots) - q_len
             seqs.append(SeqAttention(q_start=start, q_positions=list(range(c, c + q_len)), kv_slots=slots,
                                      kv_positions=list(range(c + q_len)), new_token_mask=tree if q_len == 3 else None))
             new_slots += slots[c:]
             start += q_len
         ctx = build_context(seqs, new_slots, torch.device("cpu"))
-        assert [gr.shared_slots is not None for gr in ctx.groups] == [shared >= MIN_SHARED_KEYS]
+        assert [gr.shared_slots is not None for gr in ctx.groups] == [shared >= MIN_SHARED_KEYS and q_len <= MAX_SHARED_QUERIES]
         q, k, v = (torch.randn(start, n * D, generator=g).to(dtype) for n in (h, hkv, hkv))
         with torch.no_grad(), attention_context(ctx):
             out = attn(q, k, v)
