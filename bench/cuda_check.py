@@ -3,7 +3,8 @@
 `python -m bench.cuda_check --out DIR [--device cuda]` builds tiny random targets (the test suite's),
 then on the device: greedy output equals the CPU's; every draft method (chain, static and dynamic
 trees with a random head, prompt lookup, the hybrid) reproduces plain greedy decoding; seeded
-sampling runs; bfloat16 runs; `train-head` trains a head there that reloads and speculates
+sampling runs; bfloat16 runs; a batch on one cached prefix (cascade attention) reproduces plain
+greedy decoding; `train-head` trains a head there that reloads and speculates
 losslessly; with 2 GPUs, speculation under tensor parallelism (two NCCL processes on cuda:0 and
 cuda:1, the head and the hybrid) reproduces TP 1 plain greedy output (skipped, saying why, with
 fewer; `--device cpu` runs it on gloo). It times decoding at a few batch sizes, and with `--spec-bench` also runs
@@ -70,6 +71,15 @@ def check_engine(target: Path, head: Path, device: str) -> dict:
     out["sampling_runs"] = all(len(o.token_ids) > 0 for o in sampled)
     out["bf16_runs"] = all(len(t) == 24 for t in _greedy(LLM(model=str(target), device=device, dtype="bfloat16",
                                                              spec=methods["hybrid"]), PROMPTS))
+    # a batch on one cached prefix: its keys are read once for all (cascade attention, trees included)
+    cached = LLM(model=str(target), device=device, spec=methods["hybrid"])
+    prefix = "A shared system prompt, sent with every request. "
+    while len(cached.tokenizer.encode(prefix)) < 96:
+        prefix += prefix
+    shared = [prefix + p for p in PROMPTS]
+    cached.generate(shared[:1], SamplingParams(max_tokens=4, temperature=0.0))
+    uncached = LLM(model=str(target), device=device, draft=None, enable_prefix_caching=False)
+    out["cached_prefix_lossless"] = _greedy(cached, shared) == _greedy(uncached, shared)
     return out
 
 
