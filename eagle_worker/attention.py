@@ -90,9 +90,11 @@ def _build_group(seqs: list[SeqAttention], device: torch.device) -> AttentionGro
     mask = torch.zeros(B, 1, Q, K, dtype=torch.bool)
     q_pos = torch.zeros(B, Q, dtype=torch.long)
     k_pos = torch.zeros(B, K, dtype=torch.long)
+    shortest_ctx = K
     for b, s in enumerate(seqs):
         q, k = s.q_len, len(s.kv_slots)
         ctx = k - (s.new_token_mask.shape[1] if s.new_token_mask is not None else q)
+        shortest_ctx = min(shortest_ctx, ctx)
         token_index[b, :q] = torch.arange(s.q_start, s.q_start + q)
         query_valid[b, :q] = True
         kv_slots[b, :k] = torch.as_tensor(s.kv_slots)
@@ -105,7 +107,7 @@ def _build_group(seqs: list[SeqAttention], device: torch.device) -> AttentionGro
     out_index = token_index[query_valid]
     valid_index = query_valid.flatten().nonzero().flatten()   # host-side, so no device sync per layer
     to = lambda t: t.to(device, non_blocking=True)  # noqa: E731
-    shared = _shared_prefix_len(seqs, kv_slots)
+    shared = _shared_prefix_len(kv_slots, Q, shortest_ctx)
     shared_slots = shared_pos = None
     if shared:
         shared_slots, shared_pos = to(kv_slots[0, :shared]), to(k_pos[0, :shared])
@@ -118,14 +120,11 @@ MIN_SHARED_KEYS = 64    # below this, reading the keys per sequence costs about 
 MAX_SHARED_QUERIES = 64    # decodes, trees, short chunks: the split materialises its [queries, keys] scores
 
 
-def _shared_prefix_len(seqs: list[SeqAttention], kv_slots: torch.Tensor) -> int:
-    """How many leading context slots every sequence of the group shares (0 when it is not worth a
-    split). Only context is shared: each sequence's new tokens have slots of their own. Long prefill
-    chunks keep SDPA, which does not hold all their scores at once."""
-    if len(seqs) < 2 or max(s.q_len for s in seqs) > MAX_SHARED_QUERIES:
-        return 0
-    ctx = min(len(s.kv_slots) - (s.new_token_mask.shape[1] if s.new_token_mask is not None else s.q_len) for s in seqs)
-    if ctx < MIN_SHARED_KEYS:
+def _shared_prefix_len(kv_slots: torch.Tensor, max_queries: int, ctx: int) -> int:
+    """How many leading slots of `kv_slots` [B, K] every sequence shares within the first `ctx`
+    (the shortest context: each sequence's new tokens have slots of their own); 0 when it is not
+    worth a split. Long prefill chunks keep SDPA, which does not hold all their scores at once."""
+    if kv_slots.shape[0] < 2 or max_queries > MAX_SHARED_QUERIES or ctx < MIN_SHARED_KEYS:
         return 0
     differs = (kv_slots[1:, :ctx] != kv_slots[:1, :ctx]).any(0).nonzero()
     shared = int(differs[0]) if len(differs) else ctx
