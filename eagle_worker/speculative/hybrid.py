@@ -8,9 +8,10 @@ best (1 + what that much of lookup's proposal is expected to add), head (1 + the
 accepted tokens) or merged (lookup's + what the head's own nodes recently added beside lookup).
 A request's seconds are its share of the step's fixed cost (the fixed cost over the batch size),
 its rows and its share of the head's passes, priced by `StepCost`, the device's measured cost of a
-row: at batch 1 the fixed cost dominates and a likely token is worth a row; at batch 64 a row
-costs about as much as a request's whole share, so only a source that is likely to hit keeps its
-nodes (a copy lookup is certain of keeps its branch, a head that rarely hits drafts nothing).
+row (and a sampled row's extra: at temperature 1 a row costs several greedy ones): at batch 1 the
+fixed cost dominates and a likely token is worth a row; at batch 64 a row costs about as much as a
+request's whole share, so only a source that is likely to hit keeps its nodes (a copy lookup is
+certain of keeps its branch, a head that rarely hits drafts nothing).
 Lookup's expectation depends on how its previous proposal for the request did: a copy
 that was followed to the end keeps going, a miss is usually followed by more misses; the worker
 keeps, after each outcome, the share of proposals that reached each depth, so a merged tree whose
@@ -75,6 +76,7 @@ class HybridState:
     shadow: ShadowProposal | None = None
     free_tokens: tuple[float, float] | None = None  # recent tokens per step made where lookup did not
                                                     # carry, and all tokens per step (None: new request)
+    sampled: bool = False          # its rows are sampled (more than an argmax): each costs per_sampled_row more
 
 
 @dataclass(frozen=True)
@@ -183,8 +185,8 @@ class HybridSplit:
         tokens = 1.0 + (self.expected_lookup(st.lookup_outcome, lookup_depth) if lookup_depth else 0.0)
         tokens += {StepMode.MERGED: g["extra"], StepMode.HEAD: g["head"]}.get(mode, 0.0)
         c = self.cost
-        seconds = (c.coefficient("fixed") * share / step.batch_size + c.coefficient("per_seq")
-                   + c.coefficient("per_row") * (1 + nodes))
+        per_row = c.coefficient("per_row") + (c.coefficient("per_sampled_row") if st.sampled else 0.0)
+        seconds = c.coefficient("fixed") * share / step.batch_size + c.coefficient("per_seq") + per_row * (1 + nodes)
         if head_n:
             levels = min(self.depth, head_n)
             seconds += c.coefficient("per_head_row") * (1 + (levels - 1) * min(self.top_k, head_n))

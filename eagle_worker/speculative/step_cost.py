@@ -1,13 +1,16 @@
 """What a decode step costs on this device, as a function of the rows it runs.
 
 Verification rows all need logits (on Gemma 3 the 262k-vocab LM head is most of a row's cost),
-so a step's seconds grow with its rows; each sequence adds its own attention and bookkeeping,
-however many rows its tree has; the head's drafting adds its own rows and one pass per level; the
-prompt tokens of prefill chunks in the same step cost the body without the LM head. The model is
-linear:
+so a step's seconds grow with its rows; a row its sequence samples (temperature > 0, logprobs,
+penalties) costs more again: the full LM head instead of the argmax screen, and the sampler's pass
+over the vocabulary (on this CPU about 8 ms more at batch 8, several greedy rows' worth); each
+sequence adds its own attention and bookkeeping, however many rows its tree has; the head's
+drafting adds its own rows and one pass per level; the prompt tokens of prefill chunks in the
+same step cost the body without the LM head. The model is linear:
 
     seconds = fixed + per_seq * sequences + per_row * target_rows
               + per_head_row * head_rows + per_head_pass * head_passes + per_prefill_token * prefill_tokens
+              + per_sampled_row * sampled_rows
 
 fitted by least squares over the latest steps (prefill chunks and all: in a job with requests
 arriving, most steps carry one, and a model fitted to pure-decode steps alone would not see the
@@ -25,8 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-FEATURES = ("fixed", "per_seq", "per_row", "per_head_row", "per_head_pass", "per_prefill_token")
-PRIOR_SHAPE = np.array([1.0, 1 / 32, 1 / 32, 1 / 32, 1 / 16, 1 / 256])   # relative to a plain batch-1 step
+FEATURES = ("fixed", "per_seq", "per_row", "per_head_row", "per_head_pass", "per_prefill_token", "per_sampled_row")
+PRIOR_SHAPE = np.array([1.0, 1 / 32, 1 / 32, 1 / 32, 1 / 16, 1 / 256, 1 / 8])   # relative to a plain batch-1 step
 
 
 @dataclass(frozen=True)
@@ -38,10 +41,11 @@ class StepWork:
     head_rows: int = 0          # rows through the head's forwards that produced logits
     head_passes: int = 0        # the head's forwards (catch-up and one per level; 0: it sat out)
     prefill_tokens: int = 0     # prompt tokens of prefill chunks (no logits)
+    sampled_rows: int = 0       # of target_rows, those of sequences that sample (more than an argmax)
 
     def vector(self) -> np.ndarray:
         return np.array([1.0, self.sequences, self.target_rows, self.head_rows, self.head_passes,
-                         self.prefill_tokens])
+                         self.prefill_tokens, self.sampled_rows])
 
 
 class StepCost:

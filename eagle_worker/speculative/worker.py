@@ -44,6 +44,9 @@ from eagle_worker.speculative.step_cost import StepWork
 from eagle_worker.speculative.tree import MC_SIM_7B_63, TreeBatch, ancestor_mask, chain, static_tree
 
 
+PLAIN_TREE = DraftTree.root_only(0)   # what a step that drafted nothing verified: its root alone
+
+
 @dataclass
 class RequestState:
     """What the worker keeps about one request between steps."""
@@ -145,6 +148,9 @@ class EagleWorker:
         # draws one budget per step from the policy
         budget = (self.policy.full if self.spec.lookup else self.policy.choose(len(decodes))) if decodes else 0
         trees = self._draft(decodes, budget) if budget else {}
+        # a sequence that drafts nothing this step decodes plainly: batched sampling, no KV compaction
+        went_plain = {rid for rid, t in trees.items() if not t.num_draft_nodes}
+        trees = {rid: t for rid, t in trees.items() if t.num_draft_nodes}
         self.totals["decode_seq_steps"] += len(decodes)
         self.totals["draft_nodes"] += sum(t.num_draft_nodes for t in trees.values())
         t1 = time.perf_counter()
@@ -156,11 +162,15 @@ class EagleWorker:
         features = self.head.target_features((result.hidden, result.aux_hidden)) if self.head else None
         prefill = [(it, it.completes) for it in batch if it.num_tokens > 1 or not it.completes]   # before commits
         new_tokens = self._verify(batch, items, trees, result, features)
+        for it in decodes:
+            if it.seq.request_id in went_plain:    # counted as its sources' plain step
+                self._count_sources(it.seq, self.states[it.seq.request_id].hybrid, [], PLAIN_TREE)
         if self.head is not None:
             self._write_prompt_head_kv(prefill)
         t2 = time.perf_counter()
         self._account(batch, decodes, budget if trees else 0, new_tokens, t0, t1, t2,
-                      sum(len(x.logit_rows) for x in items))
+                      sum(len(x.logit_rows) for x in items),
+                      sum(len(x.logit_rows) for it, x in zip(batch, items) if not argmax_suffices([it.seq.params])))
         return new_tokens
 
     def _ready(self, seq: Sequence) -> bool:
@@ -334,7 +344,12 @@ class EagleWorker:
         rows = torch.tensor([row for _, row in wanted])
         if result.logits is None:
             return {it.seq.request_id: (t, None) for (it, _), t in zip(wanted, result.argmax[rows].tolist())}
-        drawn = sample(result.logits[rows.to(result.logits.device)], [it.seq.sample_row() for it, _ in wanted])
+        first = wanted[0][1]
+        if rows.tolist() == list(range(first, first + len(wanted))):   # a view: no copy of R x 262k floats a step
+            logits = result.logits[first:first + len(wanted)]
+        else:
+            logits = result.logits[rows.to(result.logits.device)]
+        drawn = sample(logits, [it.seq.sample_row() for it, _ in wanted])
         return {it.seq.request_id: d for (it, _), d in zip(wanted, drawn)}
 
     def _commit_plain(self, it: ScheduledSeq, sampled: tuple | None, offset: int,
@@ -343,7 +358,7 @@ class EagleWorker:
         them) become the head's pending input. Returns the sampled token, if the chunk ended."""
         seq, n, completes = it.seq, it.num_tokens, it.completes
         start = seq.num_computed_tokens
-        rs = self._request_state(seq.request_id, start)
+        rs = self._request_state(seq.request_id, start, sampled=not argmax_suffices([seq.params]))
         if it.admitted:                 # (re)admitted: the KV before `start` came from the prefix cache
             rs.draft.reset(start)
         self.block_manager.commit(seq, n)
@@ -410,11 +425,12 @@ class EagleWorker:
             self.drafter.write_ahead([(self.block_manager.slots(seq, 0, st.start + len(st.tokens)), st, keep)
                                       for seq, st, keep in work])
 
-    def _request_state(self, request_id: str, start: int) -> RequestState:
+    def _request_state(self, request_id: str, start: int, sampled: bool = False) -> RequestState:
         rs = self.states.get(request_id)
         if rs is None:
             index = NgramIndex(*self.spec.lookup_ngram) if self.spec.lookup else None
             rs = self.states[request_id] = RequestState(DraftState(start=start), index)
+            rs.hybrid.sampled = sampled
         return rs
 
     # ---- bookkeeping ------------------------------------------------------------------------
@@ -446,7 +462,7 @@ class EagleWorker:
                 self.totals["accepted_at_depth"][d - 1] += 1
                 per[d - 1] += 1
 
-    def _account(self, batch, decodes, budget, new_tokens, t0, t1, t2, rows) -> None:
+    def _account(self, batch, decodes, budget, new_tokens, t0, t1, t2, rows, sampled_rows) -> None:
         self.totals["draft_s"] += t1 - t0
         self.totals["verify_s"] += t2 - t1
         self.totals["spec_steps" if budget else "plain_steps"] += 1
@@ -458,7 +474,8 @@ class EagleWorker:
             self.policy.observe(len(decodes), budget, produced, step_s)
         if self.spec.lookup:            # the hybrid prices rows from every step's rows and seconds
             prefill = sum(it.num_tokens for it in batch if it.num_tokens > 1 or not it.completes)
-            self.hybrid.observe(StepWork(len(batch), rows, *self.head_work, prefill_tokens=prefill), step_s)
+            self.hybrid.observe(StepWork(len(batch), rows, *self.head_work, prefill_tokens=prefill,
+                                         sampled_rows=sampled_rows), step_s)
 
     def stats(self) -> dict:
         t = self.totals

@@ -56,6 +56,29 @@ def test_at_a_large_batch_only_a_confident_source_keeps_its_nodes():
     assert split.choose(unsure, branch, 1) == Choice(StepMode.LOOKUP, 1, 0)
 
 
+def test_a_sampled_request_prices_its_rows_at_what_sampling_them_costs():
+    """At temperature 1 a row needs the full LM head and the sampler (8 ms here against 2 ms for an
+    argmax): at batch 8 a lookup node that pays its greedy row does not pay a sampled one, while a
+    copy lookup is certain of keeps its branch either way."""
+    split = _split((0.030, 0.0, 0.002, 0.002, 0.005, 0.0, 0.006))
+    _expect(split, partial=0.6, complete=8.0)
+    branch = [list(range(10, 18))]
+    greedy, sampled = _state("partial", head=0.0), _state("partial", head=0.0)
+    sampled.sampled = True
+    assert split.choose(greedy, branch, 8) == Choice(StepMode.LOOKUP, 1, 0)   # 7.75 ms / 1.6 tokens < 5.75 ms
+    assert split.choose(sampled, branch, 8) == Choice(StepMode.PLAIN)        # 19.75 ms / 1.6 tokens > 11.75 ms
+    copying = _state("complete", head=0.0)
+    copying.sampled = True
+    assert split.choose(copying, branch, 8) == Choice(StepMode.LOOKUP, 8, 0)
+    # the fit learns the extra cost from steps that sample: a row sampled costs 6 ms more here
+    cost = StepCost(window=64)
+    for rows, sampled_rows in [(8, 0), (8, 8), (12, 0), (12, 12), (8, 4), (16, 8)] * 8:
+        work = StepWork(8, rows, sampled_rows=sampled_rows)
+        cost.observe(work, 0.030 + 0.002 * rows + 0.006 * sampled_rows)
+    assert abs(cost.coefficient("per_sampled_row") - 0.006) < 0.0015
+    assert abs(cost.coefficient("per_row") - 0.002) < 0.0015
+
+
 def test_lookup_is_cut_to_the_depth_that_pays_at_this_batch_size():
     split = _split()
     split.lookup_reach["partial"] = [1.0, 0.9, 0.5, 0.2, 0.1, 0.05, 0.02, 0.01]
