@@ -43,7 +43,6 @@ from eagle_worker.speculative.policy import SpecPolicy
 from eagle_worker.speculative.step_cost import StepWork
 from eagle_worker.speculative.tree import MC_SIM_7B_63, TreeBatch, ancestor_mask, chain, static_tree
 
-
 PLAIN_TREE = DraftTree.root_only(0)   # what a step that drafted nothing verified: its root alone
 
 
