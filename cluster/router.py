@@ -136,7 +136,8 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         match must cover, and how much busier than the least-loaded replica a prefix's holder may be)."""
         self.offline_kv_threshold = offline_kv_threshold
         self.kv_weight = kv_weight
-        self._inflight: dict[ReplicaID, int] = defaultdict(int)
+        self._inflight: dict[ReplicaID, int] = defaultdict(int)    # engine requests (`submit`) this caller sent
+        self._control_ids: set[str] = set()   # other calls in flight (stats, engine_info): they take no engine slot
         self._promised: dict[str, tuple[Any, float]] = {}   # offline request id -> (replica given, when)
         self._completed: dict[ReplicaID, deque] = defaultdict(lambda: deque(maxlen=256))  # wall times
         self.prefix_aware = prefix_aware
@@ -149,15 +150,18 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
 
     def ongoing(self, replica: RunningReplica, fresh: bool = False) -> int:
         """Requests on the replica: what this caller sent there, or what its stats or Serve's
-        queue-length cache say, the most. `fresh`: less what finished here since the stats were taken
-        (they are up to a second old), so a freed batch slot is refilled at once."""
+        queue-length cache say, the most. `fresh` (the engine-batch count offline rows are admitted
+        by): the stats less what finished here since they were taken (they are up to a second old),
+        so a freed batch slot is refilled at once, and not Serve's cache, which counts every call
+        (a caller polling `stats` kept it one above the engine's requests, and a job's rows then ran
+        one at a time)."""
         stats = replica.routing_stats or {}
         queued = int(stats.get("num_running", 0)) + int(stats.get("num_waiting", 0))
         done = self._completed.get(replica.replica_id)
         if fresh and done and queued and stats.get("updated_at"):
             queued -= sum(1 for t in done if t > float(stats["updated_at"]))
-        return max(self._inflight.get(replica.replica_id, 0), queued,
-                   self.replica_queue_len_cache.get(replica.replica_id) or 0)
+        cached = 0 if fresh else self.replica_queue_len_cache.get(replica.replica_id) or 0
+        return max(self._inflight.get(replica.replica_id, 0), queued, cached)
 
     def load(self, replica: RunningReplica) -> float:
         """Lower is better: fraction of capacity in use plus weighted KV usage."""
@@ -293,6 +297,10 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         self._remove_pending_request_from_indices(pick)
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        metadata = getattr(pending_request, "metadata", None)
+        if getattr(metadata, "call_method", "submit") != "submit":   # no engine request: not counted
+            self._control_ids.add(metadata.internal_request_id)
+            return
         self._inflight[replica_id] += 1
         rid = state.request_id(pending_request)
         self._promised.pop(rid, None)
@@ -306,6 +314,9 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
             state.routed[rid] = replica_id
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        if internal_request_id in self._control_ids:
+            self._control_ids.discard(internal_request_id)
+            return
         self._completed[replica_id].append(time.time())
         n = self._inflight.get(replica_id, 0) - 1
         if n > 0:

@@ -376,6 +376,30 @@ def test_offline_rows_fill_only_the_engine_batch_and_wait_when_every_batch_is_fu
     assert _rank(_router(), both_full, priority=0, rid="chat-2") != []
 
 
+def test_calls_that_are_not_engine_requests_do_not_fill_the_batch_offline_rows_see():
+    """A caller polling `stats` through the handle: Serve's queue-length cache counts those calls (it
+    read one above the engine's requests, and a job's rows ran one at a time), so the engine batch
+    offline rows may fill is counted from the replica's stats and this caller's `submit` calls."""
+    r = _router({"b": 4})                                   # Serve's cache: 4 calls on the replica
+    rep = _batch_replica("b", running=1)                    # the engine: 1 of max_num_seqs 4 running
+    assert _rank(r, [rep], priority=1, rid="row-1") == ["b"]
+    assert _rank(r, [rep], priority=0, rid="chat-1") == ["b"]
+    stats_call = SimpleNamespace(metadata=SimpleNamespace(call_method="stats", internal_request_id="s1"),
+                                 args=[], kwargs={})
+    for _ in range(3):
+        r.on_request_routed(stats_call, "b", None)
+    assert r._inflight == {} and r.offline_room(rep, "row-2")
+    r.on_request_completed("b", "s1")
+    assert r._control_ids == set() and "b" not in r._completed   # its end frees no engine slot
+    row = SimpleNamespace(metadata=SimpleNamespace(call_method="submit", internal_request_id="r1"),
+                          args=["row-3"], kwargs={"priority": 1})
+    for _ in range(3):
+        r.on_request_routed(row, "b", None)
+    assert r._inflight["b"] == 3 and r.offline_room(rep, "row-4")
+    r.on_request_routed(row, "b", None)
+    assert not r.offline_room(rep, "row-5")                 # 4 rows sent here: the batch is full
+
+
 def test_offline_requests_have_their_own_admission_budget():
     adm = Admission(1, offline_limit=2)
     adm.enter(0)
