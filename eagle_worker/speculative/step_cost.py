@@ -3,7 +3,7 @@
 Verification rows all need logits (on Gemma 3 the 262k-vocab LM head is most of a row's cost),
 so a step's seconds grow with its rows; a row its sequence samples (temperature > 0, logprobs,
 penalties) costs more again: the full LM head instead of the argmax screen, and the sampler's pass
-over the vocabulary (on this CPU about 8 ms more at batch 8, several greedy rows' worth); each
+over the vocabulary (on this CPU about 6 ms more at batch 8, several greedy rows' worth); each
 sequence adds its own attention and bookkeeping, however many rows its tree has; the head's
 drafting adds its own rows and one pass per level; the prompt tokens of prefill chunks in the
 same step cost the body without the LM head. The model is linear:
