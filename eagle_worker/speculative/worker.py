@@ -167,9 +167,7 @@ class EagleWorker:
         if self.head is not None:
             self._write_prompt_head_kv(prefill)
         t2 = time.perf_counter()
-        self._account(batch, decodes, budget if trees else 0, new_tokens, t0, t1, t2,
-                      sum(len(x.logit_rows) for x in items),
-                      sum(len(x.logit_rows) for it, x in zip(batch, items) if not argmax_suffices([it.seq.params])))
+        self._account(batch, items, decodes, budget if trees else 0, new_tokens, t0, t1, t2)
         return new_tokens
 
     def _ready(self, seq: Sequence) -> bool:
@@ -340,14 +338,13 @@ class EagleWorker:
         """(token, logprob) for each sequence whose chunk ended this step, from its logit row."""
         if not wanted:
             return {}
-        rows = torch.tensor([row for _, row in wanted])
+        idx = [row for _, row in wanted]
         if result.logits is None:
-            return {it.seq.request_id: (t, None) for (it, _), t in zip(wanted, result.argmax[rows].tolist())}
-        first = wanted[0][1]
-        if rows.tolist() == list(range(first, first + len(wanted))):   # a view: no copy of R x 262k floats a step
-            logits = result.logits[first:first + len(wanted)]
+            return {it.seq.request_id: (t, None) for (it, _), t in zip(wanted, result.argmax[idx].tolist())}
+        if idx == list(range(idx[0], idx[0] + len(idx))):   # a view: no copy of R x 262k floats a step
+            logits = result.logits[idx[0]:idx[0] + len(idx)]
         else:
-            logits = result.logits[rows.to(result.logits.device)]
+            logits = result.logits[torch.tensor(idx, device=result.logits.device)]
         drawn = sample(logits, [it.seq.sample_row() for it, _ in wanted])
         return {it.seq.request_id: d for (it, _), d in zip(wanted, drawn)}
 
@@ -357,7 +354,7 @@ class EagleWorker:
         them) become the head's pending input. Returns the sampled token, if the chunk ended."""
         seq, n, completes = it.seq, it.num_tokens, it.completes
         start = seq.num_computed_tokens
-        rs = self._request_state(seq.request_id, start, sampled=not argmax_suffices([seq.params]))
+        rs = self._request_state(seq, start)
         if it.admitted:                 # (re)admitted: the KV before `start` came from the prefix cache
             rs.draft.reset(start)
         self.block_manager.commit(seq, n)
@@ -424,12 +421,12 @@ class EagleWorker:
             self.drafter.write_ahead([(self.block_manager.slots(seq, 0, st.start + len(st.tokens)), st, keep)
                                       for seq, st, keep in work])
 
-    def _request_state(self, request_id: str, start: int, sampled: bool = False) -> RequestState:
-        rs = self.states.get(request_id)
+    def _request_state(self, seq: Sequence, start: int) -> RequestState:
+        rs = self.states.get(seq.request_id)
         if rs is None:
             index = NgramIndex(*self.spec.lookup_ngram) if self.spec.lookup else None
-            rs = self.states[request_id] = RequestState(DraftState(start=start), index)
-            rs.hybrid.sampled = sampled
+            rs = self.states[seq.request_id] = RequestState(DraftState(start=start), index)
+            rs.hybrid.sampled = not argmax_suffices([seq.params])
         return rs
 
     # ---- bookkeeping ------------------------------------------------------------------------
@@ -461,7 +458,7 @@ class EagleWorker:
                 self.totals["accepted_at_depth"][d - 1] += 1
                 per[d - 1] += 1
 
-    def _account(self, batch, decodes, budget, new_tokens, t0, t1, t2, rows, sampled_rows) -> None:
+    def _account(self, batch, items, decodes, budget, new_tokens, t0, t1, t2) -> None:
         self.totals["draft_s"] += t1 - t0
         self.totals["verify_s"] += t2 - t1
         self.totals["spec_steps" if budget else "plain_steps"] += 1
@@ -473,8 +470,10 @@ class EagleWorker:
             self.policy.observe(len(decodes), budget, produced, step_s)
         if self.spec.lookup:            # the hybrid prices rows from every step's rows and seconds
             prefill = sum(it.num_tokens for it in batch if it.num_tokens > 1 or not it.completes)
+            rows = sum(len(x.logit_rows) for x in items)
+            sampled = sum(len(x.logit_rows) for it, x in zip(batch, items) if not argmax_suffices([it.seq.params]))
             self.hybrid.observe(StepWork(len(batch), rows, *self.head_work, prefill_tokens=prefill,
-                                         sampled_rows=sampled_rows), step_s)
+                                         sampled_rows=sampled), step_s)
 
     def stats(self) -> dict:
         t = self.totals
