@@ -29,12 +29,16 @@ lookup has nothing (the head is then the only source), not beside lookup's branc
 least), and not at a request's first step, before anything says whether lookup will carry it: a
 copying request with a long prompt does not pay that catch-up for a node beside a copy.
 A head that sits out still probes now and then so its estimates stay current, less often while
-sitting out keeps being right, and not when the catch-up would cost more than a twentieth of the
-request's remaining time. When both draft, the budget is split by each source's recent acceptance.
+sitting out keeps being right, and only when the probe's expected loss (its catch-up and what its
+step costs beyond making the same tokens the cheapest way) is at most a fiftieth of the time the
+head sat out and of the request's remaining time: a probe that costs a sampled row's price for a
+head that rarely hits at temperature 1 waits longer than one that costs a greedy row. When both
+draft, the budget is split by each source's recent acceptance.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from eagle_worker.speculative.draft_tree import StepMode
 from eagle_worker.speculative.policy import StepMeans
@@ -70,6 +74,7 @@ class HybridState:
     ema_head: float = 1.0          # recent accepted tokens per step from each source
     ema_lookup: float = 1.0
     skipped_steps: int = 0         # steps the head sat out since it last drafted
+    sat_out_s: float = 0.0         # and the expected seconds of those steps (what probes may spend a share of)
     probe_every: int = 0           # the head drafts after this many skipped steps (0: HybridSplit's first)
     gains: dict = field(default_factory=dict)   # recent accepted tokens per step (GAINS)
     lookup_outcome: str = "new"    # how the last lookup proposal did (LOOKUP_OUTCOMES)
@@ -98,6 +103,16 @@ class StepContext:
     head_seqs: int = 1         # sequences expected to share the head's passes (last step's count)
 
 
+class Option(NamedTuple):
+    """A way to draft one request this step: its expected cost (seconds for the remaining tokens,
+    per token when unbounded) and one such step's seconds and tokens."""
+
+    choice: Choice
+    cost: float
+    seconds: float
+    tokens: float
+
+
 def trie_nodes(branches: list[list[int]], depth: int) -> int:
     """Nodes the branches make as a trie when each is cut to `depth` tokens."""
     return len({tuple(br[:d]) for br in branches for d in range(1, min(depth, len(br)) + 1)})
@@ -106,7 +121,7 @@ def trie_nodes(branches: list[list[int]], depth: int) -> int:
 class HybridSplit:
     PROBE_EVERY = 16           # a skipped head still drafts on the 16th skipped step, then the 32nd after
     MAX_PROBE_EVERY = 64       # that, ... up to every 64th while skipping keeps being right
-    PROBE_SHARE = 0.05         # a probe's catch-up may cost at most this share of the remaining time
+    PROBE_SHARE = 0.02         # a probe's expected loss: at most this share of the time sat out and of the remaining time
 
     def __init__(self, cost: StepCost | None = None, depth: int = 5, top_k: int = 8, prior_ema: float = 0.05):
         self.prior_ema = prior_ema
@@ -141,20 +156,24 @@ class HybridSplit:
             remaining = max(1, round(remaining * self.free_share(st)))
         catch_up_s = self.catch_up_seconds(stretch)
         options = {m: self._best(st, m, branches, step, remaining, catch_up_s, budget, share) for m in candidates}
-        choice, cost = min(options.values(), key=lambda o: o[1])
-        if choice.mode in _HEAD_MODES:        # the head drafts on its merits: probing starts over
-            st.skipped_steps, st.probe_every = 0, self.PROBE_EVERY
-            return choice
+        best = min(options.values(), key=lambda o: o.cost)
+        if best.choice.mode in _HEAD_MODES:        # the head drafts on its merits: probing starts over
+            st.skipped_steps, st.sat_out_s, st.probe_every = 0, 0.0, self.PROBE_EVERY
+            return best.choice
         st.skipped_steps += 1
-        every = st.probe_every or self.PROBE_EVERY
-        affordable = remaining is None or catch_up_s <= self.PROBE_SHARE * cost
-        if st.skipped_steps < every or not affordable or M.HEAD not in candidates:
-            return choice
-        st.skipped_steps, st.probe_every = 0, min(2 * every, self.MAX_PROBE_EVERY)
-        return min((options[m] for m in candidates if m in _HEAD_MODES), key=lambda o: o[1])[0]   # the cheaper probe
+        st.sat_out_s += best.seconds
+        if st.skipped_steps < (st.probe_every or self.PROBE_EVERY) or M.HEAD not in candidates:
+            return best.choice
+        probe = min((options[m] for m in candidates if m in _HEAD_MODES), key=lambda o: o.cost)   # the cheaper probe
+        loss = probe.seconds - probe.tokens * best.seconds / best.tokens + catch_up_s
+        if loss > self.PROBE_SHARE * min(st.sat_out_s, best.cost if remaining is not None else st.sat_out_s):
+            return best.choice
+        st.skipped_steps, st.sat_out_s = 0, 0.0
+        st.probe_every = min(2 * (st.probe_every or self.PROBE_EVERY), self.MAX_PROBE_EVERY)
+        return probe.choice
 
     def _best(self, st: HybridState, mode: StepMode, branches, step: StepContext, remaining: int | None,
-              catch_up_s: float, budget: int, share: float) -> tuple[Choice, float]:
+              catch_up_s: float, budget: int, share: float) -> Option:
         """The cheapest way to draft in `mode` (lookup's depth), and its expected seconds for the
         request's remaining tokens (per token when unbounded)."""
         head_n = 0
@@ -168,30 +187,31 @@ class HybridSplit:
             nodes = trie_nodes(branches, k) if k else 0
             if k > 1 and head_n + nodes > budget:
                 break
-            per_token = self._seconds(st, mode, k, head_n + nodes, head_n, step, share)
-            if best is None or per_token < best[1]:
-                best = (Choice(mode, k, head_n), per_token)
-        choice, per_token = best
-        if remaining is None:
-            return choice, per_token
-        return choice, remaining * per_token + (catch_up_s if head_n else 0.0)
+            seconds, tokens = self._step(st, mode, k, head_n + nodes, head_n, step, share)
+            if best is None or seconds / tokens < best[1] / best[2]:
+                best = (Choice(mode, k, head_n), seconds, tokens)
+        choice, seconds, tokens = best
+        cost = seconds / tokens if remaining is None else remaining * seconds / tokens + (catch_up_s if head_n else 0.0)
+        return Option(choice, cost, seconds, tokens)
 
-    def _seconds(self, st: HybridState, mode: StepMode, lookup_depth: int, nodes: int, head_n: int,
-                 step: StepContext, share: float = 1.0) -> float:
-        """Expected seconds per token of one step drafted so: the request's share of the step's
-        fixed cost, its own cost as a sequence, its rows, and its share of the head's passes, over
-        the tokens it should make."""
+    def _step(self, st: HybridState, mode: StepMode, lookup_depth: int, nodes: int, head_n: int,
+              step: StepContext, share: float = 1.0) -> tuple[float, float]:
+        """Expected seconds and tokens of one step drafted so: the request's share of the step's
+        fixed cost, its own cost as a sequence (and as a tree, if it drafts), its rows, and its
+        share of the head's passes; the tokens it should make."""
         g = st.gains or self.prior
         tokens = 1.0 + (self.expected_lookup(st.lookup_outcome, lookup_depth) if lookup_depth else 0.0)
         tokens += {StepMode.MERGED: g["extra"], StepMode.HEAD: g["head"]}.get(mode, 0.0)
         c = self.cost
         per_row = c.coefficient("per_row") + (c.coefficient("per_sampled_row") if st.sampled else 0.0)
         seconds = c.coefficient("fixed") * share / step.batch_size + c.coefficient("per_seq") + per_row * (1 + nodes)
+        if nodes:
+            seconds += c.coefficient("per_tree")
         if head_n:
             levels = min(self.depth, head_n)
             seconds += c.coefficient("per_head_row") * (1 + (levels - 1) * min(self.top_k, head_n))
             seconds += c.coefficient("per_head_pass") * levels / max(1, step.head_seqs)
-        return seconds / tokens
+        return seconds, tokens
 
     def free_share(self, st: HybridState | None = None) -> float:
         """The share of tokens made on steps lookup did not carry: the request's recent share, or the

@@ -4,13 +4,14 @@ Verification rows all need logits (on Gemma 3 the 262k-vocab LM head is most of 
 so a step's seconds grow with its rows; a row its sequence samples (temperature > 0, logprobs,
 penalties) costs more again: the full LM head instead of the argmax screen, and the sampler's pass
 over the vocabulary (on this CPU about 6 ms more at batch 8, several greedy rows' worth); each
-sequence adds its own attention and bookkeeping, however many rows its tree has; the head's
+sequence adds its own attention and bookkeeping, however many rows its tree has, and one that
+verifies a tree more (its tree mask, the acceptance walk, compacting its accepted KV); the head's
 drafting adds its own rows and one pass per level; the prompt tokens of prefill chunks in the
 same step cost the body without the LM head. The model is linear:
 
     seconds = fixed + per_seq * sequences + per_row * target_rows
               + per_head_row * head_rows + per_head_pass * head_passes + per_prefill_token * prefill_tokens
-              + per_sampled_row * sampled_rows
+              + per_sampled_row * sampled_rows + per_tree * trees
 
 fitted by least squares over the latest steps (prefill chunks and all: in a job with requests
 arriving, most steps carry one, and a model fitted to pure-decode steps alone would not see the
@@ -28,8 +29,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-FEATURES = ("fixed", "per_seq", "per_row", "per_head_row", "per_head_pass", "per_prefill_token", "per_sampled_row")
-PRIOR_SHAPE = np.array([1.0, 1 / 32, 1 / 32, 1 / 32, 1 / 16, 1 / 256, 1 / 8])   # relative to a plain batch-1 step
+FEATURES = ("fixed", "per_seq", "per_row", "per_head_row", "per_head_pass", "per_prefill_token", "per_sampled_row",
+            "per_tree")
+PRIOR_SHAPE = np.array([1.0, 1 / 32, 1 / 32, 1 / 32, 1 / 16, 1 / 256, 1 / 8, 1 / 32])   # relative to a plain batch-1 step
 
 
 @dataclass(frozen=True)
@@ -42,10 +44,11 @@ class StepWork:
     head_passes: int = 0        # the head's forwards (catch-up and one per level; 0: it sat out)
     prefill_tokens: int = 0     # prompt tokens of prefill chunks (no logits)
     sampled_rows: int = 0       # of target_rows, those of sequences that sample (more than an argmax)
+    trees: int = 0              # sequences that verified draft nodes
 
     def vector(self) -> np.ndarray:
         return np.array([1.0, self.sequences, self.target_rows, self.head_rows, self.head_passes,
-                         self.prefill_tokens, self.sampled_rows])
+                         self.prefill_tokens, self.sampled_rows, self.trees])
 
 
 class StepCost:
@@ -53,14 +56,22 @@ class StepCost:
                  coefficients: tuple[float, ...] | None = None):
         """`coefficients` (FEATURES' order, missing ones 0) fix the model (tests, or a device
         measured before)."""
-        self.window: deque[tuple[np.ndarray, float]] = deque(maxlen=window)
+        self.window: deque[tuple[np.ndarray, float]] = deque()
+        self.window_size = window
+        self.xtx = np.zeros((len(FEATURES), len(FEATURES)))     # the window's sums: X'X and X'y
+        self.xty = np.zeros(len(FEATURES))
+        self.nonzero = np.zeros(len(FEATURES), dtype=int)         # steps in the window where each feature is not 0
         self.prior_weight = prior_weight
         self.fixed = coefficients is not None
         if coefficients is not None:
             coefficients = (*coefficients, *[0.0] * (len(FEATURES) - len(coefficients)))
-        self.theta = np.array(coefficients if coefficients is not None else PRIOR_SHAPE, dtype=float)
+        self._set(np.array(coefficients if coefficients is not None else PRIOR_SHAPE, dtype=float))
         self._prior: np.ndarray | None = self.theta.copy() if self.fixed else None
         self._warm = False
+
+    def _set(self, theta: np.ndarray) -> None:
+        self.theta = theta
+        self._by_name = dict(zip(FEATURES, map(float, theta)))   # read per request and step: a dict, not an index
 
     @property
     def measured(self) -> bool:
@@ -70,7 +81,7 @@ class StepCost:
         return float(self.theta @ work.vector())
 
     def coefficient(self, name: str) -> float:
-        return float(self.theta[FEATURES.index(name)])
+        return self._by_name[name]
 
     def observe(self, work: StepWork, seconds: float) -> None:
         """One step. The first one runs cold (kernel choice, allocation) and is skipped."""
@@ -83,17 +94,25 @@ class StepCost:
         if self._prior is None:          # the prior's scale: this step as if it had run plain at batch 1
             self._prior = PRIOR_SHAPE * seconds / float(PRIOR_SHAPE @ x)
         self.window.append((x, seconds))
+        self.xtx += np.outer(x, x)
+        self.xty += x * seconds
+        self.nonzero += x != 0
+        if len(self.window) > self.window_size:
+            old, old_s = self.window.popleft()
+            self.xtx -= np.outer(old, old)
+            self.xty -= old * old_s
+            self.nonzero -= old != 0
+            gone = self.nonzero == 0         # a feature the window no longer has: exactly 0, not a rounding residue
+            self.xtx[gone, :] = self.xtx[:, gone] = self.xty[gone] = 0.0
         self._fit()
 
     def _fit(self) -> None:
         """Least squares over the window plus the prior worth `prior_weight` steps per feature
-        (scaled by each feature's mean square), coefficients kept positive."""
-        X = np.array([x for x, _ in self.window])
-        y = np.array([s for _, s in self.window])
-        w = self.prior_weight * np.maximum((X ** 2).mean(axis=0), 1e-9)
-        theta = np.linalg.solve(X.T @ X + np.diag(w), X.T @ y + w * self._prior)
-        floor = 1e-3 * self._prior
-        self.theta = np.maximum(theta, floor)
+        (scaled by each feature's mean square), coefficients kept positive. The window's sums are
+        kept as steps come and go, so a step's fit costs the same at any window size."""
+        w = self.prior_weight * np.maximum(np.diag(self.xtx) / len(self.window), 1e-9)
+        theta = np.linalg.solve(self.xtx + np.diag(w), self.xty + w * self._prior)
+        self._set(np.maximum(theta, 1e-3 * self._prior))
 
     def snapshot(self) -> dict[str, float]:
         return {name: round(float(v), 6) for name, v in zip(FEATURES, self.theta)}

@@ -60,8 +60,9 @@ class Candidate:
     """A decoding sequence that drafts this step."""
 
     seq: Sequence
-    draft: DraftSeq
+    pending: DraftState                        # the head's pending inputs
     budget: int                                # draft nodes its lookahead slots allow
+    lookahead: int                             # slots reserved past its root
     branches: list[list[int]] = field(default_factory=list)   # lookup's proposal
     head_nodes: int = 0                        # nodes the head drafts and keeps (0: it sits out)
 
@@ -167,7 +168,7 @@ class EagleWorker:
         if self.head is not None:
             self._write_prompt_head_kv(prefill)
         t2 = time.perf_counter()
-        self._account(batch, items, decodes, budget if trees else 0, new_tokens, t0, t1, t2)
+        self._account(batch, items, decodes, budget if trees else 0, len(trees), new_tokens, t0, t1, t2)
         return new_tokens
 
     def _ready(self, seq: Sequence) -> bool:
@@ -208,9 +209,14 @@ class EagleWorker:
                 self.totals["trees_shrunk_for_memory"] += 1
                 seq.metrics.num_trees_shrunk_for_memory += 1
             if fits:
-                slots = self.block_manager.slots(seq, 0, c + 1 + it.num_lookahead)
-                cands.append(Candidate(seq, DraftSeq(c, slots, seq.token_ids[-1], self.states[seq.request_id].draft), fits))
+                cands.append(Candidate(seq, self.states[seq.request_id].draft, fits, it.num_lookahead))
         return cands
+
+    def _draft_seq(self, c: Candidate) -> DraftSeq:
+        """The head's view of a candidate it drafts for (its slot table built only then)."""
+        seq, committed = c.seq, c.seq.num_computed_tokens
+        slots = self.block_manager.slots(seq, 0, committed + 1 + c.lookahead)
+        return DraftSeq(committed, slots, seq.token_ids[-1], c.pending)
 
     def _choose_sources(self, cands: list[Candidate], budget: int) -> None:
         """What each candidate drafts. A head alone drafts the step's budget. With lookup and
@@ -232,7 +238,7 @@ class EagleWorker:
             seq, hs = c.seq, self.states[c.seq.request_id].hybrid
             self.hybrid.score_shadow(hs, seq.token_ids)
             choice = self.hybrid.choose(hs, c.branches, step, remaining=seq.params.max_tokens - seq.num_output_tokens,
-                                        stretch=max(0, len(c.draft.state.tokens) - (budget + 1)), budget=c.budget,
+                                        stretch=max(0, len(c.pending.tokens) - (budget + 1)), budget=c.budget,
                                         share=share)
             if c.branches and choice.mode in (StepMode.PLAIN, StepMode.HEAD):   # lookup sits out: score its proposal later
                 self.hybrid.shadow(hs, len(seq.token_ids), c.branches, c.budget)
@@ -270,7 +276,7 @@ class EagleWorker:
             head_budget = max(c.head_nodes for c in group)
             top_k = min(self.spec.top_k, seq_budget, head_budget)
             levels = min(self.spec.depth, seq_budget, head_budget)
-            drafted = self._head_trees([c.draft for c in group], head_budget, top_k, levels, stretch_after=budget + 1)
+            drafted = self._head_trees([self._draft_seq(c) for c in group], head_budget, top_k, levels, stretch_after=budget + 1)
             for c, (parents, tokens, depth, logprobs) in zip(group, drafted):
                 if len(tokens) - 1 > c.head_nodes:
                     if logprobs is None:
@@ -458,7 +464,7 @@ class EagleWorker:
                 self.totals["accepted_at_depth"][d - 1] += 1
                 per[d - 1] += 1
 
-    def _account(self, batch, items, decodes, budget, new_tokens, t0, t1, t2) -> None:
+    def _account(self, batch, items, decodes, budget, trees, new_tokens, t0, t1, t2) -> None:
         self.totals["draft_s"] += t1 - t0
         self.totals["verify_s"] += t2 - t1
         self.totals["spec_steps" if budget else "plain_steps"] += 1
@@ -473,7 +479,7 @@ class EagleWorker:
             rows = sum(len(x.logit_rows) for x in items)
             sampled = sum(len(x.logit_rows) for it, x in zip(batch, items) if not argmax_suffices([it.seq.params]))
             self.hybrid.observe(StepWork(len(batch), rows, *self.head_work, prefill_tokens=prefill,
-                                         sampled_rows=sampled), step_s)
+                                         sampled_rows=sampled, trees=trees), step_s)
 
     def stats(self) -> dict:
         t = self.totals

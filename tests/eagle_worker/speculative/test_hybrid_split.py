@@ -79,6 +79,23 @@ def test_a_sampled_request_prices_its_rows_at_what_sampling_them_costs():
     assert abs(cost.coefficient("per_row") - 0.002) < 0.0015
 
 
+def test_a_tree_is_priced_beyond_its_rows():
+    """Verifying a tree costs a sequence more than its rows (its mask, the acceptance walk, KV
+    compaction): at batch 8 a lookup node that pays its 2 ms row does not pay 3 ms more for being a
+    tree, while a longer copy still does; the fit learns that cost from steps' tree counts."""
+    split = _split((0.030, 0.0, 0.002, 0.002, 0.005, 0.0, 0.0, 0.003))
+    _expect(split, partial=0.6, complete=4.0)
+    branch = [list(range(10, 18))]
+    assert split.choose(_state("partial", head=0.0), branch, 8) == Choice(StepMode.PLAIN)   # 10.75 ms / 1.6 > 5.75 ms
+    assert _split().choose(_state("partial", head=0.0), branch, 8) == Choice(StepMode.LOOKUP, 1, 0)
+    assert split.choose(_state("complete", head=0.0), branch, 8).mode == "lookup"
+    cost = StepCost(window=64)
+    for seqs, rows, trees in [(8, 8, 0), (8, 16, 1), (8, 16, 8), (8, 12, 2), (4, 12, 4), (8, 24, 4)] * 8:
+        cost.observe(StepWork(seqs, rows, trees=trees), 0.030 + 0.002 * rows + 0.003 * trees)
+    assert abs(cost.coefficient("per_tree") - 0.003) < 0.001
+    assert abs(cost.coefficient("per_row") - 0.002) < 0.001
+
+
 def test_lookup_is_cut_to_the_depth_that_pays_at_this_batch_size():
     split = _split()
     split.lookup_reach["partial"] = [1.0, 0.9, 0.5, 0.2, 0.1, 0.05, 0.02, 0.01]
@@ -97,13 +114,15 @@ def test_head_joins_lookup_only_when_the_merged_tree_is_faster():
     _expect(split, complete=3.0)                              # after a whole branch was accepted
     copying = _state("complete", extra=0.2)                   # lookup: 36 ms / 3 tokens; merged: 56 ms / 3.2
     copying.ema_lookup, copying.ema_head = 7.0, 1.0           # the head takes 2 of 16 nodes
-    assert [_mode(split, copying, [[5, 6]]) for _ in range(16)] == ["lookup"] * 15 + ["merged"]
+    # a probe is expected to lose 56 - 3.2 * 12 = 17.6 ms: due after 16 skipped steps, it waits
+    # until that is a fiftieth of the time sat out (25 steps of 36 ms: 18 ms)
+    assert [_mode(split, copying, [[5, 6]]) for _ in range(25)] == ["lookup"] * 24 + ["merged"]
     assert [_mode(split, copying, [[5, 6]]) for _ in range(10)] == ["lookup"] * 10
     copying.gains["extra"] = 2.0                              # 56 ms / 5 tokens < 12 ms a token: the head joins
     assert split.choose(copying, [[5, 6]], 1) == Choice(StepMode.MERGED, 2, 2)
     assert copying.probe_every == split.PROBE_EVERY
-    copying.gains["extra"] = 0.2                              # the next probe is 16 skipped steps away
-    assert [_mode(split, copying, [[5, 6]]) for _ in range(16)] == ["lookup"] * 15 + ["merged"]
+    copying.gains["extra"] = 0.2                              # probing starts over
+    assert [_mode(split, copying, [[5, 6]]) for _ in range(25)] == ["lookup"] * 24 + ["merged"]
 
 
 def test_lookup_sits_out_after_a_miss_and_its_proposals_are_still_scored():
@@ -176,24 +195,33 @@ def test_a_head_that_sat_out_rejoins_only_if_the_rest_of_the_request_repays_its_
     assert _mode(split, st, None, stretch=600) == "head"                   # no end in sight: it pays
 
 
-def test_no_probe_when_its_catch_up_outweighs_a_twentieth_of_the_remaining_time():
+def test_a_probe_spends_at_most_a_fiftieth_of_the_time_sat_out_and_of_the_remaining_time():
     split = _split()
-    _expect(split, complete=3.0)
     for _ in range(3):
         split.observe_catch_up(100, 0.010)
-    copying = _state("complete", head=0.5, extra=0.2)  # lookup alone: 12 ms a token
-    assert [_mode(split, copying, [[5, 6]], remaining=100, stretch=600) for _ in range(15)] == ["lookup"] * 15
-    # 100 tokens left, all of them the head's to help with (3.2 s plain): a probe catching up on
-    # 600 tokens (60 ms) costs 2% -> probed, but not beside lookup's branches: at the next step
-    # lookup leaves free
-    copying.free_tokens = (1.0, 1.0)
-    assert _mode(split, copying, [[5, 6]], remaining=100, stretch=600) == "lookup"
-    copying.free_tokens = (1.0, 1.0)
-    assert _mode(split, copying, None, remaining=100, stretch=600) == "head"
-    # 20 tokens left (0.64 s): 60 ms is 9% -> the head stays out
-    assert [_mode(split, copying, [[5, 6]], remaining=20, stretch=600) for _ in range(15)] == ["lookup"] * 15
-    copying.free_tokens = (1.0, 1.0)
-    assert {_mode(split, copying, None, remaining=20, stretch=600) for _ in range(80)} == {"plain"}
+    st = _state(head=0.5)                              # plain: 32 ms a token; the head: 52 ms / 1.5 tokens
+    st.free_tokens = (1.0, 1.0)                        # all remaining tokens the head's to help with
+    # a probe catching up on 500 tokens is expected to lose 50 ms + 52 ms - 1.5 * 32 ms = 54 ms: due
+    # after 16 skipped steps, it waits for 85 steps of 32 ms (2.72 s, a fiftieth: 54.4 ms)
+    modes = [_mode(split, st, None, remaining=1000, stretch=500) for _ in range(85)]
+    assert modes == ["plain"] * 84 + ["head"]
+    # 80 tokens left (2.56 s): 54 ms is more than a fiftieth of it -> the head stays out however long
+    assert {_mode(split, st, None, remaining=80, stretch=500) for _ in range(400)} == {"plain"}
+    # and a probe never catches up beside lookup's branches
+    assert {_mode(split, st, [[5, 6]], remaining=1000, stretch=500) for _ in range(400)} == {"lookup"}
+
+
+def test_a_sampled_request_probes_a_weak_head_later_than_a_greedy_one():
+    """This CPU's costs at batch 8 (a 48 ms step, a 0.9 ms row, 5 ms more when it is sampled, a 3.3
+    ms head pass): a probe of a head accepting 0.44 tokens loses 4.8 ms for a greedy request (8.1 ms
+    a step) and 12.6 ms for a sampled one (13.1 ms a step): a fiftieth of 30 and of 49 skipped steps."""
+    split = _split((0.048, 0.0012, 0.0009, 0.0, 0.0033, 0.0, 0.005))
+    greedy, sampled = _state(head=0.44), _state(head=0.44)
+    sampled.sampled = True
+    greedy_modes = [_mode(split, greedy, None, step=8) for _ in range(30)]
+    sampled_modes = [_mode(split, sampled, None, step=8) for _ in range(49)]
+    assert greedy_modes == ["plain"] * 29 + ["head"]
+    assert sampled_modes == ["plain"] * 48 + ["head"]
 
 
 def test_a_head_that_sat_out_does_not_catch_up_beside_lookups_branches():
