@@ -339,3 +339,27 @@ def test_with_no_request_waiting_a_sequence_ahead_of_the_slowest_saves_less_of_t
     worker.queue_depth = lambda: 0
     assert worker._fixed_shares(cands) == [0.5, 1.0, 1.0]
     assert worker._fixed_shares(cands[:1]) == [1.0]         # alone, a sequence is its batch's slowest
+
+
+def test_the_cost_fit_over_a_sliding_window_is_the_fit_of_the_window():
+    """The fit keeps running sums as steps enter and leave its window: it must equal a least-squares
+    fit of the steps in the window, also after a feature (prefill chunks) has left it entirely."""
+    import numpy as np
+
+    cost = StepCost(window=32)
+    rng = np.random.default_rng(0)
+    for i in range(200):
+        work = StepWork(int(rng.integers(1, 33)), int(rng.integers(1, 100)), int(rng.integers(0, 20)),
+                        int(rng.integers(0, 5)), 300 if i < 100 and i % 3 == 0 else 0,
+                        int(rng.integers(0, 10)), int(rng.integers(0, 8)))
+        cost.observe(work, 0.03 + 0.002 * work.target_rows + 0.0005 * work.prefill_tokens + 0.004 * work.trees)
+        if not cost.window:                  # the first step runs cold and is not measured
+            continue
+        X = np.array([x for x, _ in cost.window])
+        y = np.array([s for _, s in cost.window])
+        w = cost.prior_weight * np.maximum((X ** 2).mean(axis=0), 1e-9)
+        ref = np.maximum(np.linalg.solve(X.T @ X + np.diag(w), X.T @ y + w * cost._prior), 1e-3 * cost._prior)
+        assert np.allclose(cost.theta, ref, rtol=1e-6, atol=1e-12), i
+    assert len(cost.window) == 32
+    assert cost.coefficient("per_prefill_token") == cost._prior[5]     # gone from the window: the prior
+    assert abs(cost.coefficient("per_tree") - 0.004) < 0.001
