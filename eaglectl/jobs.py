@@ -65,6 +65,9 @@ def _run_local(cfg, ray_address: str) -> None:
               "fix their input first), replacing them.")
 @click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=None,
               help="Reuse the KV cache of shared prompt prefixes (outputs are the same either way) [default: on].")
+@click.option("--speculation", help='EAGLE settings as JSON, the serve config\'s `speculation:` keys, e.g. '
+              '\'{"adaptive": false, "num_draft_tokens": 8}\' (a fixed tree every step) [default: the hybrid, '
+              'sized per step].')
 @click.option("--rows-per-file", type=int, help="Rows per committed output file [default: 10000].")
 @click.option("--commit-interval", "commit_interval_s", type=float, help="Commit at least every N seconds [default: 30].")
 @click.option("--engine", hidden=True)
@@ -86,6 +89,11 @@ def submit_job(input, fmt, stop, address, job_id, wait, **opts):
     """
     from jobs.job_config import JobConfig, JobConfigError
 
+    if opts.get("speculation") is not None:
+        try:
+            opts["speculation"] = json.loads(opts["speculation"])
+        except json.JSONDecodeError as e:
+            fail(f"--speculation: not JSON ({e.msg} at character {e.pos}): {opts['speculation']}")
     try:
         cfg = JobConfig.from_options(input=input, format=fmt, stop=list(stop) or None, **opts).absolute()
     except JobConfigError as e:

@@ -15,6 +15,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from cluster.config import SpeculationConfig
 from eagle_worker.engine_api import draft_rules
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
@@ -47,6 +48,9 @@ class JobConfig(BaseModel):
     max_model_len: int | None = Field(None, ge=16)
     enable_prefix_caching: bool = Field(True, description="reuse the KV cache of shared prompt prefixes; "
                                         "does not change outputs, so a resume may change it")
+    speculation: SpeculationConfig | None = Field(None, description="EAGLE settings beyond `draft` (the serve "
+                                                  "config's `speculation:`); omit for the default (the hybrid, "
+                                                  "sized per step); does not change outputs, so a resume may change it")
 
     # sampling defaults (per-row columns override them)
     max_tokens: int = Field(256, ge=1)
@@ -100,6 +104,9 @@ class JobConfig(BaseModel):
             self.row_group_rows = self.rows_per_file
         if self.max_model_len is not None and self.max_tokens >= self.max_model_len:
             raise ValueError(f"max_tokens ({self.max_tokens}) must be < max_model_len ({self.max_model_len})")
+        if self.speculation is not None and self.draft == "none":
+            raise ValueError("--draft none turns speculation off: drop --speculation, or pick a draft "
+                             "(auto, default or a head folder)")
         if self.serve_app is not None and not self.engine_from_app:
             own = [flag for field, flag in OWN_REPLICA_FLAGS.items()
                    if getattr(self, field) != type(self).model_fields[field].default]
@@ -187,7 +194,7 @@ OWN_REPLICA_FLAGS: dict[str, str] = {
     "chat_template": "chat_template", "max_model_len": "--max-model-len", "replicas": "--replicas",
     "tp_size": "--tp-size", "cpus_per_replica": "--cpus-per-replica", "max_num_seqs": "--max-num-seqs",
     "min_ready_replicas": "--min-ready-replicas", "max_replica_restarts": "max_replica_restarts",
-    "enable_prefix_caching": "--enable-prefix-caching/--no-enable-prefix-caching",
+    "enable_prefix_caching": "--enable-prefix-caching/--no-enable-prefix-caching", "speculation": "--speculation",
 }
 
 # The `submit-job` command line (declared with click in eaglectl/jobs.py; tests/jobs/test_input_reader.py
@@ -200,7 +207,7 @@ SUBMIT_JOB_FLAGS: dict[str, bool] = {
     "--cpus-per-replica": True, "--max-num-seqs": True, "--max-in-flight": True, "--min-ready-replicas": True,
     "--keep-columns": False, "--overwrite": False, "--retry-errors": False,
     "--enable-prefix-caching": False, "--no-enable-prefix-caching": False, "--rows-per-file": True, "--commit-interval": True,
-    "--engine": True, "--serve-app": True, "--address": True, "--job-id": True, "--wait": False, "--no-wait": False,
+    "--speculation": True, "--engine": True, "--serve-app": True, "--address": True, "--job-id": True, "--wait": False, "--no-wait": False,
 }
 
 

@@ -103,7 +103,7 @@ def serve_config(cfg: JobConfig, cpus: float) -> ServeConfig:
         extra["enable_prefix_caching"] = cfg.enable_prefix_caching
     return ServeConfig(model=cfg.model, draft=cfg.draft, dtype=cfg.dtype, device=cfg.device,
                        engine=cfg.engine, tp_size=cfg.tp_size, chat_template=cfg.chat_template,
-                       limits=Limits(**limits), **extra,
+                       limits=Limits(**limits), speculation=cfg.speculation, **extra,
                        resources_per_rank=RankResources(cpu=cpus, gpu=1 if cfg.device == "cuda" else 0))
 
 

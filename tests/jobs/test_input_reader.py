@@ -139,6 +139,26 @@ def test_cli_bad_settings(tmp_path):
     assert res.exit_code == 2 and "top_p" in res.output and "replicas" in res.output
 
 
+def test_cli_speculation_settings_are_checked_before_anything_runs(tmp_path):
+    """`--speculation` takes the serve config's `speculation:` keys as JSON; what is not JSON, a key
+    it does not know, a value out of range and speculation with `--draft none` are each refused
+    (exit 2) with what was wrong, and nothing is written."""
+    from jobs.job_config import JobConfig
+
+    p = write_parquet(tmp_path / "in.parquet", prompt=["a"])
+    for value, needle in [("{adaptive: false", "--speculation: not JSON"),
+                          ('{"adaptiv": false}', "speculation.adaptiv"),
+                          ('{"depth": 0}', "speculation.depth"),
+                          ('{"adaptive": false}', "--draft none turns speculation off")]:
+        args = [str(p), "--speculation", value] + (["--draft", "none"] if "draft none" in needle else [])
+        res = CliRunner().invoke(submit_job, args, env={"RAY_ADDRESS": ""})
+        assert res.exit_code == 2 and needle in res.output, (value, res.output)
+    assert not (tmp_path / "in.out").exists()
+    cfg = JobConfig(input=str(p), speculation={"adaptive": False, "num_draft_tokens": 8})
+    assert JobConfig.model_validate_json(cfg.model_dump_json()) == cfg          # the cluster entrypoint's JSON
+    assert "speculation" not in cfg.generation_fingerprint()                 # lossless: a resume may change it
+
+
 def test_cli_with_address_checks_input_before_submitting(tmp_path):
     bad = write_parquet(tmp_path / "bad.parquet", question=["what?"])
     res = CliRunner().invoke(submit_job, [str(bad), "--address", "http://127.0.0.1:9"])

@@ -205,8 +205,12 @@ def test_a_replica_the_engine_refuses_fails_the_job_at_once(tmp_path, local_ray)
 
 
 def test_a_tp2_job_with_a_head_speculates_and_matches_llm_generate(tmp_path, copying_target, local_ray):
-    """`submit-job --tp-size 2` with a draft head: each replica is a TP group speculating; the rows are
-    `LLM.generate`'s greedy texts and accept more than one token per target step."""
+    """`submit-job --tp-size 2` with a draft head and a fixed tree (`speculation`): each replica is a
+    TP group speculating every step; the rows are `LLM.generate`'s greedy texts and the head, which
+    drafts this target's own bigrams, is accepted far beyond one token per target step. (The default
+    hybrid sizes trees from measured costs: on a tiny model the tree's own bookkeeping outweighs
+    the model, and it rightly drafts little, so it cannot show that the TP path speculates.)"""
+    from cluster.config import SpeculationConfig
     from eagle_worker import LLM, SamplingParams
 
     target, head = copying_target
@@ -215,10 +219,9 @@ def test_a_tp2_job_with_a_head_speculates_and_matches_llm_generate(tmp_path, cop
         prompts, SamplingParams(max_tokens=24, temperature=0.0))]
     inp = write_parquet(tmp_path / "in.parquet", prompt=prompts)
     cfg = JobConfig(input=str(inp), model=str(target), draft=str(head), tp_size=2, cpus_per_replica=0.5,
-                    max_tokens=24, temperature=0.0)
+                    max_tokens=24, temperature=0.0, speculation=SpeculationConfig(adaptive=False, lookup=False))
     m = run_job(cfg)
     assert m["status"] == "completed" and m["error_rows"] == 0
     rows = sorted(read_rows(tmp_path / "in.out"), key=lambda r: int(r["id"].rsplit(":", 1)[1]))
     assert [r["text"] for r in rows] == want
-    # the default hybrid sizes trees from measured costs: it drafts, but not a fixed tree every step
-    assert sum(r["accepted_tokens_per_step"] for r in rows) / len(rows) > 1.15
+    assert sum(r["accepted_tokens_per_step"] for r in rows) / len(rows) > 2.0     # 2.9 here
