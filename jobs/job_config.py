@@ -207,7 +207,8 @@ SUBMIT_JOB_FLAGS: dict[str, bool] = {
     "--cpus-per-replica": True, "--max-num-seqs": True, "--max-in-flight": True, "--min-ready-replicas": True,
     "--keep-columns": False, "--overwrite": False, "--retry-errors": False,
     "--enable-prefix-caching": False, "--no-enable-prefix-caching": False, "--rows-per-file": True, "--commit-interval": True,
-    "--speculation": True, "--engine": True, "--serve-app": True, "--address": True, "--job-id": True, "--wait": False, "--no-wait": False,
+    "--speculation": True, "--engine": True, "--serve-app": True, "--address": True, "--job-id": True,
+    "--wait": False, "--no-wait": False,
 }
 
 
