@@ -23,14 +23,13 @@ from typing import Any
 from cluster.config import ConfigError
 from deploy.deploy_config import DeployConfig, PodResources, RayJobConfig, reachable
 from deploy.kuberay import _labels, _meta, _pod, _probe, _resources, _submitter_pod, auth_options
-from jobs.job_config import submit_job_args_error
+from jobs.job_config import OWN_REPLICA_FLAGS, submit_job_args_error
 
 DASHBOARD_PORT = 8265
-# flags the app decides (model, engine sizes) or this renderer sets (where and how to submit)
-APP_OWNED_FLAGS = ("--model", "--draft", "--dtype", "--device", "--max-model-len", "--replicas", "--tp-size",
-                   "--cpus-per-replica", "--max-num-seqs", "--min-ready-replicas", "--engine",
-                   "--enable-prefix-caching", "--no-enable-prefix-caching", "--serve-app", "--address", "--job-id",
-                   "--wait", "--no-wait")
+# flags the app decides (the job's own-replica flags, which `submit-job --serve-app` refuses) or this
+# renderer sets (where and how to submit)
+APP_OWNED_FLAGS = (*(flag for flags in OWN_REPLICA_FLAGS.values() for flag in flags.split("/") if flag.startswith("--")),
+                   "--serve-app", "--address", "--job-id", "--wait", "--no-wait")
 CLIENT_HEAD = PodResources(cpu="1", memory="2Gi")   # the job's own head: only the eaglectl client runs there
 
 

@@ -192,7 +192,8 @@ def test_a_job_through_the_app_refuses_its_own_engine_and_storage(field, value):
 
 
 @pytest.mark.parametrize("args", [["--replicas", "2"], ["--model", "x"], ["--address", "http://x:8265"],
-                                  ["--tp-size=2"], ["--serve-app", "other"], ["--no-wait"]])
+                                  ["--tp-size=2"], ["--serve-app", "other"], ["--no-wait"],
+                                  ["--speculation", '{"adaptive": false}']])
 def test_extra_args_cannot_override_what_the_app_or_renderer_sets(args):
     with pytest.raises(ConfigError, match=args[0].partition("=")[0]):
         render(_cfg(), _job(extra_args=args))
