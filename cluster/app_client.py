@@ -82,7 +82,7 @@ class AppClient:
         `cluster.router.PoisonRequestError` when two replicas died under it and `ReplicaLostError`
         when no attempt could finish. `messages` (chat rows) are rendered by the replica's template."""
         async for out in stream_outputs(self.handle, request_id, prompt, params, priority, messages,
-                                        restartable=True):
+                                        restartable=True, stream_interval=0):
             yield out
 
     def num_replicas(self) -> int:

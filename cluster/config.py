@@ -185,6 +185,8 @@ class IngressConfig(_Strict):
     num_replicas: int = Field(1, ge=1)
     num_cpus: float = Field(0.0, ge=0)
     max_ongoing_requests: int = Field(1024, ge=1, description="open HTTP requests per ingress replica")
+    stream_interval: int = Field(1, ge=1, le=1024, description="streamed responses: the first token at once, then "
+                                 "a chunk per this many tokens at most, and the last (vLLM's --stream-interval)")
 
 
 class ServeConfig(_Strict):

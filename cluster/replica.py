@@ -86,8 +86,31 @@ def guess_param(message: str) -> str | None:
 
 @dataclass
 class _Stream:
+    """One request's way back to its `submit` generator. The engine thread holds outputs back until
+    one is due (`due`): the first at once (the prompt's ids, an early error), then one per
+    `interval` new tokens (0: none until the last), and the last; held ones go out together."""
+
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    interval: int = 1
+    held: list = dataclasses.field(default_factory=list)   # engine thread only
+    held_tokens: int = 0
+    sent: bool = False
+
+    def due(self, out: Any) -> bool:
+        self.held.append(out)
+        self.held_tokens += len(getattr(out, "new_token_ids", None) or ())
+        if (getattr(out, "finished", True) or not self.sent
+                or (self.interval and self.held_tokens >= self.interval)):
+            self.sent, self.held_tokens = True, 0
+            return True
+        return False
+
+
+def _put_all(deliveries: list[tuple[asyncio.Queue, list]]) -> None:
+    for q, items in deliveries:
+        for item in items:
+            q.put_nowait(item)
 
 
 def _merge(outs: list) -> Any:
@@ -155,10 +178,14 @@ class EngineReplica:
         params: dict[str, Any],
         priority: int = 0,
         messages: list[dict] | None = None,
+        stream_interval: int = 1,
     ) -> AsyncIterator[Any]:
         """Stream the request's outputs. The serving ingress sends `prompt` as token ids (it tokenizes
         and templates, off this replica's engine thread); text and `messages` (chat, rendered with
-        the chat template here) are for other callers (jobs)."""
+        the chat template here) are for other callers (jobs). `stream_interval`: after the first
+        output, at most one item per that many new tokens, and the last (0: the first and the last
+        only, for callers that want the result): each item is a Ray message through every process
+        between here and the client, which on a CPU replica takes cycles from the engine's cores."""
         if self._dead is not None:
             raise EngineDiedError(f"replica {self.replica_id}: engine is dead: {self._dead!r}")
         if request_id in self._streams:
@@ -175,7 +202,7 @@ class EngineReplica:
             except Exception as e:  # no template, malformed messages, a template's raise_exception()
                 yield Rejected(f"cannot apply the chat template: {e}", "messages")
                 return
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), max(0, int(stream_interval)))
         self._streams[request_id] = stream
         added: concurrent.futures.Future = concurrent.futures.Future()
         self._cmds.put(("add", request_id, prompt, sp, priority, added))
@@ -307,8 +334,7 @@ class EngineReplica:
                 for out in outs:
                     self._priority_stats.output(out)
                 self._stats = self._snapshot_stats(time.perf_counter() - t0)
-                for out in outs:
-                    self._deliver(out.request_id, out)
+                self._deliver_all(outs)
             self.engine.shutdown()  # e.g. tells the other TP ranks to stop
         except BaseException as e:  # the engine is unusable: fail everyone, let Serve replace us
             logger.exception("replica %s: engine loop crashed", self.replica_id)
@@ -316,7 +342,9 @@ class EngineReplica:
             self._stats = {**self._stats, "engine_alive": False}
             err = EngineDiedError(f"replica {self.replica_id}: engine failed: {e!r}")
             for rid in list(self._streams):
-                self._deliver(rid, err)
+                stream = self._streams.get(rid)
+                if stream is not None:
+                    stream.loop.call_soon_threadsafe(_put_all, [(stream.queue, [*stream.held, err])])
             if _inside_ray_actor():
                 # Nothing can run here any more; dying now (rather than at the next failed health
                 # check) makes Serve stop routing to us and start a replacement at once.
@@ -350,10 +378,17 @@ class EngineReplica:
             self.engine.abort(cmd[1])
             self._priority_stats.forget(cmd[1])
 
-    def _deliver(self, request_id: str, item: Any) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+    def _deliver_all(self, outs: list) -> None:
+        """A step's outputs to their streams: those due, with one wake-up per event loop (not one per
+        request: each wake-up takes the GIL from this thread between torch ops)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for out in outs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None and stream.due(out):
+                by_loop.setdefault(stream.loop, []).append((stream.queue, stream.held))
+                stream.held = []
+        for loop, deliveries in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, deliveries)
 
     def _snapshot_stats(self, step_s: float) -> dict[str, Any]:
         st = dict(self.engine.stats())

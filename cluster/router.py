@@ -365,6 +365,7 @@ async def stream_outputs(
     on_retry: Optional[Callable[[BaseException], None]] = None,
     admission: Optional[Admission] = None,
     group: Optional[str] = None,
+    stream_interval: int = 1,
 ) -> AsyncIterator[Any]:
     """Outputs of one request from whichever replica Serve picks, surviving replica deaths.
 
@@ -375,12 +376,12 @@ async def stream_outputs(
     ReplicaLostError when it cannot retry (tokens already streamed, or `max_attempts` attempts).
     `on_retry(error)` is called before each retry (the ingress counts them in /metrics).
     Requests of one `group` (the n samples of one prompt) prefer the replica a sibling went to, where
-    the engine prefills their shared prompt once.
+    the engine prefills their shared prompt once. `stream_interval`: the replica's (`EngineReplica.submit`).
     """
     if admission is not None:
         admission.enter(priority)
     attempts = _attempts(handle, request_id, prompt, params, priority, messages, max_attempts, max_deaths,
-                         retry_backoff_s, restartable, on_retry, group)
+                         retry_backoff_s, restartable, on_retry, group, stream_interval)
     try:
         async for out in attempts:
             yield out
@@ -395,7 +396,7 @@ async def stream_outputs(
 
 
 async def _attempts(handle, request_id, prompt, params, priority, messages, max_attempts, max_deaths,
-                    retry_backoff_s, restartable, on_retry, group=None) -> AsyncIterator[Any]:
+                    retry_backoff_s, restartable, on_retry, group=None, stream_interval=1) -> AsyncIterator[Any]:
     tokens_seen = 0
     deaths: dict[str, BaseException] = {}   # replica -> how it died under this request
     for attempt in range(max_attempts):
@@ -405,7 +406,8 @@ async def _attempts(handle, request_id, prompt, params, priority, messages, max_
         gen = None
         sent_at = time.monotonic()
         try:  # a full router queue raises BackPressureError already from `.remote()`
-            gen = handle.options(stream=True).submit.remote(rid, prompt, params, priority=priority, messages=messages)
+            gen = handle.options(stream=True).submit.remote(rid, prompt, params, priority=priority, messages=messages,
+                                                              stream_interval=stream_interval)
             async for out in gen:
                 if not isinstance(out, (Rejected, Failed)):
                     tokens_seen += len(out.new_token_ids)

@@ -173,7 +173,8 @@ class OpenAIIngress:
         sub_ids = [rid] if req.n == 1 else [f"{rid}-{i}" for i in range(req.n)]
         its = [stream_outputs(self.engine, sub, prompt_ids, req.sampling_params(max_tokens, i), req.priority,
                               restartable=not req.stream, on_retry=self.metrics.retried, admission=self.admission,
-                              group=rid if req.n > 1 else None)
+                              group=rid if req.n > 1 else None,
+                              stream_interval=self.config.ingress.stream_interval if req.stream else 0)
                for i, sub in enumerate(sub_ids)]
         self.metrics.inflight.labels(self.config.model_name).inc()
         status = 500

@@ -67,7 +67,8 @@ class JobReplica(EngineReplica):
         """The whole result of one row. `check_context` (a max_tokens the request set, as in an OpenAI
         request): prompt + max_tokens beyond the context is refused, as OpenAI does, not cut short."""
         last = None
-        async for out in self.submit(request_id, prompt, params, priority=priority, messages=messages):
+        async for out in self.submit(request_id, prompt, params, priority=priority, messages=messages,
+                                     stream_interval=0):   # the first output (its prompt) and the result
             if isinstance(out, Rejected):
                 return {"error": out.message, "error_param": out.param}
             if isinstance(out, Failed):

@@ -48,6 +48,7 @@ def _write(tmp_path, text):
     ("num_replicas: 2\nautoscaling: {max_replicas: 3}", "either num_replicas or autoscaling"),
     ("autoscaling: {min_replicas: 5, max_replicas: 2}", "min_replicas (5) > max_replicas (2)"),
     ("placement_strategy: SPREAD", "placement_strategy:"),
+    ("ingress: {stream_interval: 0}", "ingress.stream_interval:"),
     ("device: cuda", "needs resources_per_rank.gpu: 1"),
     ("modle: typo", "modle: unknown field"),
     ("- just\n- a list", "expected a mapping"),

@@ -34,6 +34,23 @@ def test_stream_is_consistent(replica):
     assert final.metrics["replica_id"] == replica.replica_id and "kv_usage" in final.metrics["replica_stats"]
 
 
+@pytest.mark.parametrize("interval", [0, 3])
+def test_stream_interval_holds_outputs_back_but_loses_none(replica, interval):
+    """The first output at once, then one item per `interval` new tokens at most (0: none), and the
+    last: fewer Ray messages per request, the same tokens, text and result."""
+    prompt = "[slow:0.01] hello"    # a step every 10 ms: without an interval, every step is an item
+    outs = _collect(replica, f"i{interval}", prompt, {"max_tokens": 10, "temperature": 0}, stream_interval=interval)
+    every = _collect(replica, f"all{interval}", prompt, {"max_tokens": 10, "temperature": 0})
+    sizes = [len(o.new_token_ids) for o in outs]
+    assert len(every) == 10 and sizes[0] == 1 and outs[-1].finished and sum(sizes) == 10
+    if interval:
+        assert all(n >= interval for n in sizes[1:-1]) and len(outs) <= 1 + 9 // interval + 1
+    else:
+        assert len(outs) == 2
+    assert [t for o in outs for t in o.new_token_ids] == outs[-1].token_ids == every[-1].token_ids
+    assert "".join(o.delta_text for o in outs) == outs[-1].text == every[-1].text
+
+
 def test_the_engine_is_built_and_stepped_on_one_thread(replica):
     """Every torch op of a replica runs from its engine thread: one OpenMP thread team, whose workers
     spin between ops (a team per thread makes libgomp put them to sleep after every op)."""

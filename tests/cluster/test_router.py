@@ -127,7 +127,7 @@ class _Handle:
     def submit(self):
         return self
 
-    def remote(self, rid, prompt, params, priority=0, messages=None):
+    def remote(self, rid, prompt, params, priority=0, messages=None, stream_interval=1):
         self.calls.append((rid, priority))
         if self.raise_on_call:
             raise self.raise_on_call

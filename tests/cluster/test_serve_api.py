@@ -18,7 +18,7 @@ NO_EOS = {"ignore_eos": True}  # random weights may emit EOS at once; lengths mu
 def app(deploy, tiny_model_dir):
     cfg = ServeConfig(
         model=str(tiny_model_dir("gemma3")), served_model_name=MODEL, num_replicas=1,
-        resources_per_rank={"cpu": 1}, kv_cache_gb=0.02, app_name="api",
+        resources_per_rank={"cpu": 1}, kv_cache_gb=0.02, app_name="api", ingress={"stream_interval": 3},
         limits={"max_model_len": 128, "max_tokens": 32, "max_num_seqs": 4, "max_queued_requests": 16},
     )
     return deploy(cfg)
@@ -53,6 +53,19 @@ def test_completion_stream_matches_non_stream(app):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
     assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_streamed_chunks_carry_stream_interval_tokens(app):
+    """ingress.stream_interval 3: the first token at once, then chunks of 3 or more tokens, the last
+    with what is left; the same tokens and log-probabilities as the whole response."""
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=10, temperature=0, logprobs=True,
+              extra_body=NO_EOS)
+    full = app.client.chat.completions.create(**kw).choices[0].logprobs.content
+    chunks = [c for c in app.client.chat.completions.create(**kw, stream=True) if c.choices and c.choices[0].logprobs]
+    sizes = [len(c.choices[0].logprobs.content) for c in chunks]
+    assert sizes[0] == 1 and sum(sizes) == 10 and all(n >= 3 for n in sizes[1:-1]) and len(sizes) <= 5
+    streamed = [t for c in chunks for t in c.choices[0].logprobs.content]
+    assert [(t.token, round(t.logprob, 4)) for t in streamed] == [(t.token, round(t.logprob, 4)) for t in full]
 
 
 def test_token_id_prompt(app):
