@@ -52,25 +52,29 @@ def _i64(x: int) -> int:
     return x - (1 << 64) if x >= 1 << 63 else x
 
 
-def _lsr(x: torch.Tensor, k: int) -> torch.Tensor:
-    """Logical right shift of int64 bit patterns (torch's >> is arithmetic)."""
-    return (x >> k) & ((1 << (64 - k)) - 1)
-
-
 _STRIDES: dict[tuple[int, str], torch.Tensor] = {}
 
 
-def keyed_uniforms(seed: int, position: int, vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """[vocab] float64: keyed_uniform(seed, position, i) for every token i, in int64 tensor
-    arithmetic (multiplication wraps mod 2**64 on every backend torch supports)."""
+def keyed_bits(seed: int, position: int, vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[vocab] int64: the top 53 bits of every token's splitmix64 output at (seed, position), in
+    int64 tensor arithmetic (multiplication wraps mod 2**64 on every backend torch supports; shifts
+    are masked to be logical). In place on one scratch tensor: at a 262K vocabulary each new
+    temporary is 2 MB, and allocating a dozen of them per row was most of a sampled row's cost."""
     key = (vocab, str(device))
     if key not in _STRIDES:
         _STRIDES[key] = torch.arange(vocab, dtype=torch.long, device=device) * _i64(_GAMMA)
     x = _STRIDES[key] + _i64((draw_key(seed, position) + _GAMMA) & _MASK64)
-    x = (x ^ _lsr(x, 30)) * _i64(_M1)
-    x = (x ^ _lsr(x, 27)) * _i64(_M2)
-    x = x ^ _lsr(x, 31)
-    return (_lsr(x, 11).double() + 0.5) * 2.0 ** -53
+    y = torch.empty_like(x)
+    for shift, mult in ((30, _M1), (27, _M2)):
+        torch.bitwise_right_shift(x, shift, out=y).bitwise_and_((1 << (64 - shift)) - 1)
+        x.bitwise_xor_(y).mul_(_i64(mult))
+    torch.bitwise_right_shift(x, 31, out=y).bitwise_and_((1 << 33) - 1)
+    return x.bitwise_xor_(y).bitwise_right_shift_(11).bitwise_and_((1 << 53) - 1)
+
+
+def keyed_uniforms(seed: int, position: int, vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[vocab] float64: keyed_uniform(seed, position, i) for every token i."""
+    return keyed_bits(seed, position, vocab, device).double().add_(0.5).mul_(2.0 ** -53)
 
 
 def keyed_choice(probs: torch.Tensor, seeds: list[int], positions: list[int]) -> torch.Tensor:
@@ -81,11 +85,13 @@ def keyed_choice(probs: torch.Tensor, seeds: list[int], positions: list[int]) ->
     where every one of a 262k vocabulary's tiny tail intervals is a boundary to fall across.
     Rows without finite positive mass answer -1 (the caller falls back)."""
     V = probs.shape[-1]
-    g = torch.stack([keyed_uniforms(s, t, V, probs.device) for s, t in zip(seeds, positions)])
-    score = probs.double().log() - (-g.log()).log()
-    tok = score.argmax(-1)
-    ok = torch.isfinite(probs).all(-1) & (probs.sum(-1) > 0)
-    return torch.where(ok, tok, -1)
+    out = []
+    for p, s, t in zip(probs, seeds, positions):
+        noise = keyed_uniforms(s, t, V, probs.device).log_().neg_().log_()       # log(-log u) = -G
+        score = p.double().log_().sub_(noise)
+        mass = p.sum(dtype=torch.float64)       # NaN or inf anywhere makes it non-finite (weights >= 0)
+        out.append(torch.where(torch.isfinite(mass) & (mass > 0), score.argmax(), -1))
+    return torch.stack(out) if out else torch.empty(0, dtype=torch.long, device=probs.device)
 
 
 @dataclass

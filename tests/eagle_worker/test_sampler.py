@@ -63,6 +63,26 @@ def test_keyed_choice_never_draws_a_zero_probability_token():
     assert int(keyed_choice(torch.full((1, 4), float("nan")), [0], [0])[0]) == -1
 
 
+def test_keyed_choice_is_the_gumbel_max_of_the_keyed_uniforms():
+    """The in-place vocabulary-wide draw is, token for token, argmax log p + G with G from the
+    scalar reference uniform: rows with zeros, peaked and flat rows, an inf and a NaN row (-1)."""
+    g = torch.Generator().manual_seed(1)
+    V = 301
+    probs = torch.softmax(torch.randn(8, V, generator=g) * torch.tensor([0.1, 1, 3, 8, 1, 1, 1, 1])[:, None], -1)
+    probs[4, ::2] = 0.0
+    probs[6, 7], probs[7, 9] = float("inf"), float("nan")
+    seeds, positions = [3, 2**63 - 1, 0, 9, 11, 12, 13, 14], [0, 5, 10**6, 2, 3, 4, 5, 6]
+    expected = []
+    for p, s, t in zip(probs.tolist(), seeds, positions):
+        if not all(math.isfinite(x) for x in p):
+            expected.append(-1)
+            continue
+        score = [math.log(x) - math.log(-math.log(keyed_uniform(s, t, i))) if x > 0 else -math.inf
+                 for i, x in enumerate(p)]
+        expected.append(max(range(V), key=score.__getitem__))
+    assert keyed_choice(probs, seeds, positions).tolist() == expected
+
+
 def test_keyed_choice_shrugs_off_float32_wobble_in_a_long_tail():
     """A 262k vocabulary with a fifth of the mass in its tail, logits moved by 1e-5 (what another
     batch shape does in float32): an inverse CDF changes 7 of these 200 draws (every tail token's
