@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from eagle_worker.layers.argmax_screen import row_argmax
 from eagle_worker.outputs import TokenLogprob
 from eagle_worker.sampling_params import SamplingParams
 
@@ -90,7 +91,7 @@ def keyed_choice(probs: torch.Tensor, seeds: list[int], positions: list[int]) ->
         noise = keyed_uniforms(s, t, V, probs.device).log_().neg_().log_()       # log(-log u) = -G
         score = p.double().log_().sub_(noise)
         mass = p.sum(dtype=torch.float64)       # NaN or inf anywhere makes it non-finite (weights >= 0)
-        out.append(torch.where(torch.isfinite(mass) & (mass > 0), score.argmax(), -1))
+        out.append(torch.where(torch.isfinite(mass) & (mass > 0), row_argmax(score), -1))
     return torch.stack(out) if out else torch.empty(0, dtype=torch.long, device=probs.device)
 
 

@@ -154,7 +154,8 @@ class Bf16ArgmaxScreen:
 
 def row_argmax(x: torch.Tensor) -> torch.Tensor:
     """`x.argmax(-1)`, the same ids (first of ties, NaN wins): CPU argmax over bfloat16 is about 3x
-    slower than `max(-1)` (17 vs 5 ms for [32, 262K]), float32 the same."""
+    slower than `max(-1)` (17 vs 5 ms for [32, 262K]), float64 too (0.33 vs 0.12 ms for [262K]),
+    float32 the same."""
     return x.max(-1).indices
 
 
