@@ -88,17 +88,19 @@ def guess_param(message: str) -> str | None:
 class _Stream:
     """One request's way back to its `submit` generator. The engine thread holds outputs back until
     one is due (`due`): the first at once (the prompt's ids, an early error), then one per
-    `interval` new tokens (0: none until the last), and the last; held ones go out together."""
+    `interval` new tokens (0: none until the last), and the last. Held outputs are merged as they
+    come (each carries the whole output so far: a list of them would grow with the square of its
+    length)."""
 
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     interval: int = 1
-    held: list = dataclasses.field(default_factory=list)   # engine thread only
+    held: list = dataclasses.field(default_factory=list)   # engine thread only: at most one output
     held_tokens: int = 0
     sent: bool = False
 
     def due(self, out: Any) -> bool:
-        self.held.append(out)
+        self.held = [_merge([*self.held, out])]
         self.held_tokens += len(getattr(out, "new_token_ids", None) or ())
         if (getattr(out, "finished", True) or not self.sent
                 or (self.interval and self.held_tokens >= self.interval)):
