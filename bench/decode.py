@@ -109,4 +109,6 @@ def _print_table(rows: list[dict]) -> None:
 
 
 if __name__ == "__main__":
-    run()
+    from eaglectl.bench import run_as_module
+
+    run_as_module("decode")

@@ -8,7 +8,7 @@ hybrid with the model's built-in head, or prompt lookup where it has none; or a 
 Throughput counts generation only (from the first replica ready to the last row written), not
 model loading. At temperature 0 speculative decoding is lossless, so
 the two runs' texts are compared row by row as a check.
-Usage: `eaglectl bench job [--rows 200 --max-tokens 64]` or `python -m bench.job [--draft PATH]`.
+Usage: `eaglectl bench job [--rows 200 --max-tokens 64]` or `python -m bench.job` (the same options).
 """
 from __future__ import annotations
 
@@ -103,16 +103,6 @@ def _print_table(rows: list[dict], note: str | None) -> None:
 
 
 if __name__ == "__main__":
-    import click
+    from eaglectl.bench import run_as_module
 
-    @click.command()
-    @click.option("--model", default="gemma-3-270m", show_default=True)
-    @click.option("--rows", default=200, show_default=True, type=int)
-    @click.option("--max-tokens", default=64, show_default=True, type=int)
-    @click.option("--draft", default="auto", show_default=True, help="auto, none, default, or a head folder")
-    @click.option("--replicas", default=1, show_default=True, type=int)
-    @click.option("--json", "json_out", default="bench/results/job.json", show_default=True)
-    def main(model, rows, max_tokens, draft, replicas, json_out):
-        run(model=model, rows=rows, max_tokens=max_tokens, json_out=json_out, draft=draft, replicas=replicas)
-
-    main()
+    run_as_module("job")

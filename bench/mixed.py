@@ -178,25 +178,7 @@ def _write_prompts(path: Path, pool: list[str], rows: int) -> None:
                    path)
 
 
-def main(argv: list[str] | None = None) -> None:
-    import argparse
-
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="gemma-3-270m")
-    p.add_argument("--rows", type=int, default=200)
-    p.add_argument("--online-requests", type=int, default=16)
-    p.add_argument("--concurrency", type=int, default=4)
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--draft", default="none", help="none, auto, default or a head folder")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    p.add_argument("--max-num-seqs", type=int, default=16)
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--json", dest="json_out", default="bench/results/mixed.json")
-    a = p.parse_args(argv)
-    run(model=a.model, rows=a.rows, online_requests=a.online_requests, concurrency=a.concurrency,
-        max_tokens=a.max_tokens, draft=None if a.draft == "none" else a.draft, dtype=a.dtype,
-        max_num_seqs=a.max_num_seqs, threads=a.threads, json_out=a.json_out)
-
-
 if __name__ == "__main__":
-    main()
+    from eaglectl.bench import run_as_module
+
+    run_as_module("mixed")

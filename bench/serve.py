@@ -25,7 +25,6 @@ serve` or `python -m bench.serve --num-prompts 4 --max-tokens 16`.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -335,25 +334,7 @@ def run(url: str | None = None, model: str = "gemma-3-270m", concurrencies: tupl
     return report
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--url", default=None)
-    p.add_argument("--model", default="gemma-3-270m")
-    p.add_argument("--concurrencies", default="1,8")
-    p.add_argument("--num-prompts", type=int, default=8)
-    p.add_argument("--max-tokens", type=int, default=48)
-    p.add_argument("--threads", type=int, default=None, help="torch threads of the replica and the engine "
-                   "[default: every core]")
-    p.add_argument("--no-engine", action="store_true", help="skip the LLM.generate baseline")
-    p.add_argument("--draft", default="default")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    p.add_argument("--stream-interval", type=int, default=1, help="the app's ingress.stream_interval")
-    p.add_argument("--json", dest="json_out", default="bench/results/serve.json")
-    a = p.parse_args(argv)
-    run(url=a.url, model=a.model, concurrencies=tuple(int(c) for c in a.concurrencies.split(",")),
-        num_prompts=a.num_prompts, max_tokens=a.max_tokens, draft=a.draft, json_out=a.json_out, dtype=a.dtype,
-        threads=a.threads, engine_baseline=not a.no_engine, stream_interval=a.stream_interval)
-
-
 if __name__ == "__main__":
-    main()
+    from eaglectl.bench import run_as_module
+
+    run_as_module("serve")

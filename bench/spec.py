@@ -280,4 +280,6 @@ def _print(summary: dict, paired: dict | None = None) -> None:
 
 
 if __name__ == "__main__":
-    run()
+    from eaglectl.bench import run_as_module
+
+    run_as_module("spec")

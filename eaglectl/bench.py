@@ -9,6 +9,13 @@ def bench() -> None:
     """Benchmarks (results printed as a table and written as JSON)."""
 
 
+def run_as_module(name: str) -> None:
+    """`python -m bench.NAME ARGS` is `eaglectl bench NAME ARGS`: one set of options per benchmark."""
+    import sys
+
+    bench.commands[name].main(args=sys.argv[1:], prog_name=f"python -m bench.{name}")
+
+
 @bench.command("decode")
 @click.option("--model", default="gemma-3-270m", show_default=True)
 @click.option("--dtypes", default="float32,bfloat16", show_default=True)
@@ -119,12 +126,15 @@ def bench_spec(model, prompts_file, per_category, max_tokens, dtype, draft, meth
 @click.option("--model", default="gemma-3-270m", show_default=True)
 @click.option("--rows", default=200, show_default=True, type=int)
 @click.option("--max-tokens", default=64, show_default=True, type=int)
+@click.option("--draft", default="auto", show_default=True,
+              help="The speculative run's draft: auto (the default speculation), default, a head folder, or none.")
+@click.option("--replicas", default=1, show_default=True, type=click.IntRange(min=1))
 @click.option("--json", "json_out", default="bench/results/job.json", show_default=True)
-def bench_job(model, rows, max_tokens, json_out):
-    """An offline job over Spec-Bench prompts, with and without the draft head."""
+def bench_job(model, rows, max_tokens, draft, replicas, json_out):
+    """An offline job over Spec-Bench prompts, with and without speculation."""
     from bench.job import run
 
-    run(model=model, rows=rows, max_tokens=max_tokens, json_out=json_out)
+    run(model=model, rows=rows, max_tokens=max_tokens, json_out=json_out, draft=draft, replicas=replicas)
 
 
 @bench.command("serve")

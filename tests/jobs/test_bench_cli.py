@@ -1,4 +1,5 @@
-"""`eaglectl bench spec` refuses options it cannot report on, before loading any model."""
+"""`eaglectl bench spec` refuses options it cannot report on, before loading any model; `python -m
+bench.NAME` is `eaglectl bench NAME`."""
 from __future__ import annotations
 
 import pytest
@@ -6,6 +7,22 @@ import torch
 from click.testing import CliRunner
 
 from eaglectl.bench import bench_spec
+
+
+@pytest.mark.parametrize("name", ["decode", "spec", "job", "serve", "mixed"])
+def test_python_m_bench_takes_the_eaglectl_options(name, monkeypatch, capsys):
+    """`python -m bench.NAME --help` shows `eaglectl bench NAME`'s options (it used to run the benchmark)."""
+    import runpy
+
+    from eaglectl.bench import bench
+
+    monkeypatch.setattr("sys.argv", [f"bench/{name}.py", "--help"])
+    with pytest.raises(SystemExit) as done:
+        runpy.run_module(f"bench.{name}", run_name="__main__")
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"Usage: python -m bench.{name} [OPTIONS]")
+    assert all(opt in out for p in bench.commands[name].params for opt in p.opts)
 
 
 def test_bench_spec_needs_vanilla():
