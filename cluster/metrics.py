@@ -42,6 +42,8 @@ PREFIX_CACHE_COUNTERS = {
     "prefix_cache_queried_requests": ("eagle_prefix_cache_queried_requests", "requests looked up in the prefix cache"),
     "prefix_cache_hit_requests": ("eagle_prefix_cache_hit_requests", "requests with at least one cached prompt block"),
     "prefix_cache_evictions": ("eagle_prefix_cache_evictions", "cached blocks evicted to make room"),
+    "prefix_cache_blocks_without_head_kv": ("eagle_prefix_cache_blocks_without_head_kv",
+                                            "lookups that stopped at a cached block without the EAGLE head's KV"),
 }
 
 

@@ -49,7 +49,7 @@ class DecodeWorker:
     def release(self, seq) -> None:
         """Nothing to forget: plain decoding keeps no per-request state."""
 
-    def flush_head_kv(self, seq) -> None:
+    def flush_head_kv(self, seqs) -> None:
         """No head KV to write."""
 
     def head_kv_done(self, seq) -> int | None:

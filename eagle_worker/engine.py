@@ -103,6 +103,7 @@ class LLMEngine:
         if seq is None:
             return False
         self._finish(seq, "abort")
+        self._retire([seq])
         self._aborted.append(self._output(seq))
         del self.requests[request_id]
         return True
@@ -124,6 +125,7 @@ class LLMEngine:
                 raise                 # the other ranks may be inside a collective: the replica must go
             return outputs + self._fail_step(batch, e)
         now = time.monotonic()
+        finished = []
         for item in batch:
             seq = item.seq
             if seq.metrics.first_scheduled_time is None:
@@ -134,10 +136,12 @@ class LLMEngine:
             self._append(seq, tokens)
             outputs.append(self._output(seq))
             if seq.is_finished:
+                finished.append(seq)
                 del self.requests[seq.request_id]
         for item in batch:
             if not item.seq.is_finished:
                 self._register(item.seq)
+        self._retire(finished)
         self.totals["steps"] += 1
         return outputs
 
@@ -180,22 +184,33 @@ class LLMEngine:
             self._finish(seq, "error", flush=False)
             outputs.append(self._output(seq, error=message))
             del self.requests[seq.request_id]
+        self._retire([it.seq for it in batch])
         self.totals["failed_steps"] += 1
         return outputs
 
     def _finish(self, seq: Sequence, reason: str, flush: bool = True) -> None:
+        """Mark `seq` finished; its caller retires it (`_retire`) once its step's outputs are made."""
         if flush and reason not in ("abort", "error"):
             finalize_text(self.tokenizer, seq)
         seq.finish_reason = reason
         seq.status = SequenceStatus.FINISHED
         seq.metrics.finished_time = time.monotonic()
-        if reason in ("stop", "length") and self.block_manager.prefix_cache is not None:
-            self.worker.flush_head_kv(seq)
-        if reason != "error":              # a failed step may have left its KV half-written
-            self._register(seq)
-        self.scheduler.remove(seq)
-        self.worker.release(seq)
-        self.totals["finished_requests"] += 1
+
+    def _retire(self, seqs: list[Sequence]) -> None:
+        """Give finished requests' blocks to the prefix cache and their slots back. Once follow-ups
+        have wanted the head's KV (prefix_cache.py), those that ended normally first write the head
+        KV they still owe, in one head pass for the whole step."""
+        if not seqs:
+            return
+        cache = self.block_manager.prefix_cache
+        if cache is not None and cache.head_kv_wanted:
+            self.worker.flush_head_kv([s for s in seqs if s.finish_reason in ("stop", "length")])
+        for seq in seqs:
+            if seq.finish_reason != "error":      # a failed step may have left its KV half-written
+                self._register(seq)
+            self.scheduler.remove(seq)
+            self.worker.release(seq)
+            self.totals["finished_requests"] += 1
 
     def _register(self, seq: Sequence) -> None:
         """Offer `seq`'s filled blocks to later requests (with what the head has written of them)."""

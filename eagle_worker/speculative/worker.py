@@ -115,15 +115,20 @@ class EagleWorker:
         rs = self.states.get(seq.request_id)
         return rs.draft.start if rs is not None and self.head is not None else None
 
-    def flush_head_kv(self, seq: Sequence) -> None:
-        """A finishing request writes the head KV it still owes its committed positions (pending
-        while the head sat out), so the blocks it leaves in the prefix cache carry it."""
-        rs = self.states.get(seq.request_id)
-        if self.head is None or rs is None or not rs.draft.tokens:
+    def flush_head_kv(self, seqs: list[Sequence]) -> None:
+        """Finishing requests write the head KV they still owe their committed positions (pending
+        while the head sat out), so the blocks they leave in the prefix cache carry it: one head
+        pass for all of them."""
+        if self.head is None:
             return
-        st = rs.draft
-        if st.start + len(st.tokens) == seq.num_computed_tokens:
-            self.drafter.write_ahead([(self.block_manager.slots(seq, 0, seq.num_computed_tokens), st, 0)])
+        work = []
+        for seq in seqs:
+            rs = self.states.get(seq.request_id)
+            st = rs.draft if rs is not None else None
+            if st is not None and st.tokens and st.start + len(st.tokens) == seq.num_computed_tokens:
+                work.append((self.block_manager.slots(seq, 0, seq.num_computed_tokens), st, 0))
+        if work:
+            self.drafter.write_ahead(work)
 
     def _slots_needed(self, budget: int) -> int:
         """KV slots (root included) a tree of `budget` draft nodes uses while drafting: a dynamic head
@@ -194,8 +199,12 @@ class EagleWorker:
         head_trees = self._draft_head([c for c in cands if c.head_nodes], budget)
         trees = {}
         for c in cands:
-            head = head_trees.get(c.seq.request_id) or DraftTree.root_only(c.seq.token_ids[-1])
-            trees[c.seq.request_id] = merge_branches(head, c.branches, c.budget - head.num_draft_nodes)
+            head = head_trees.get(c.seq.request_id)
+            if head is None and not c.branches:
+                trees[c.seq.request_id] = PLAIN_TREE        # it drafts nothing: a plain decode
+                continue
+            head = head or DraftTree.root_only(c.seq.token_ids[-1])
+            trees[c.seq.request_id] = merge_branches(head, c.branches, c.budget - head.num_draft_nodes) if c.branches else head
         return trees
 
     def _candidates(self, decodes: list[ScheduledSeq], budget: int) -> list[Candidate]:

@@ -243,3 +243,40 @@ def test_a_batch_on_one_long_cached_prefix_reads_it_once_and_stays_exact(method,
     off = LLM(model=str(target), spec=methods(str(head))[method], enable_prefix_caching=False, **KV)
     assert tokens(outs) == tokens(off.generate(prompts, greedy(16)))
     assert_no_leaks(on.engine)
+
+
+def test_blocks_the_head_sat_out_carry_its_kv_once_a_follow_up_wants_it(copying_target, monkeypatch):
+    """A head that drafted nothing for a request owes the head KV of its generated tokens. Nobody
+    pays it until a follow-up over prompt + output (a conversation's next turn) finds those blocks
+    without it; from then on the requests ending in a step write it in one head pass, and the next
+    follow-ups take those blocks, with the same tokens as no caching."""
+    from eagle_worker.speculative.draft_tree import StepMode
+    from eagle_worker.speculative.hybrid import Choice, HybridSplit
+
+    target, head = copying_target
+    monkeypatch.setattr(HybridSplit, "choose", lambda self, *a, **k: Choice(StepMode.PLAIN))   # the head sits out
+    spec = dict(draft=str(head), lookup=True, lookup_ngram=(1, 3))
+    llm = LLM(model=str(target), spec=SpecConfig(**spec), **KV)
+    off = LLM(model=str(target), spec=SpecConfig(**spec), enable_prefix_caching=False, **KV)
+    passes = []
+    drafter = llm.engine.worker.drafter
+    write = drafter.write_ahead
+    monkeypatch.setattr(drafter, "write_ahead", lambda batch: passes.append(len(batch)) or write(batch))
+
+    def turn(prompts):
+        outs = llm.generate(prompts, greedy(16))
+        assert tokens(outs) == tokens(off.generate(prompts, greedy(16)))
+        return outs, [o.prompt_token_ids + o.token_ids for o in outs]
+
+    first, follow = turn(NOVEL)
+    assert llm.engine.stats()["spec_steps"] == 0 and passes == [len(NOVEL)]        # the prompts' head KV only
+    second, follow2 = turn(follow)              # their generated blocks lack the head's KV: not taken
+    for prev, o in zip(first, second):
+        assert len(prev.prompt_token_ids) - 4 <= o.metrics["num_cached_tokens"] <= len(prev.prompt_token_ids)
+    assert llm.engine.stats()["prefix_cache_blocks_without_head_kv"] == len(NOVEL)
+    assert passes[-1] == len(NOVEL)             # now the three ending together paid in one pass
+    third, _ = turn(follow2)
+    for f, o in zip(follow2, third):
+        assert o.metrics["num_cached_tokens"] >= 4 * ((len(f) - 1) // 4) - 4
+    assert llm.engine.stats()["prefix_cache_blocks_without_head_kv"] == len(NOVEL)
+    assert_no_leaks(llm.engine)
