@@ -222,7 +222,27 @@ def root_to_leaf_paths(parents: torch.Tensor, depth: torch.Tensor, valid: torch.
 def topk_sorted(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k (values, ids) along the last dim, ordered by (value desc, token id asc), and with
     ties at the k-th value resolved to the lowest ids — bf16 logits tie often, and torch.topk
-    leaves the choice to the kernel. Elementwise passes only: no full sort, no host sync."""
+    leaves the choice to the kernel. On a CPU, torch.topk's k + 1 best say which rows tie at the
+    k-th value; elsewhere its k best are the set and only their order is fixed here, far cheaper
+    than the passes over the vocabulary that the tied rows take."""
+    if logprobs.device.type != "cpu" or logprobs.shape[-1] <= k:
+        return _topk_sorted_by_passes(logprobs, k)
+    if logprobs.dim() == 1:
+        vals, ids = topk_sorted(logprobs[None], k)
+        return vals[0], ids[0]
+    vals, ids = torch.topk(logprobs, k + 1, dim=-1)
+    tied = vals[..., k] == vals[..., k - 1]
+    ids, by_id = torch.sort(ids[..., :k], dim=-1)
+    vals, perm = torch.sort(torch.gather(vals[..., :k], -1, by_id), dim=-1, descending=True, stable=True)
+    ids = torch.gather(ids, -1, perm)
+    if bool(tied.any()):
+        rows = tied.nonzero(as_tuple=True)
+        vals[rows], ids[rows] = _topk_sorted_by_passes(logprobs[rows], k)
+    return vals, ids
+
+
+def _topk_sorted_by_passes(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """topk_sorted by elementwise passes over the vocabulary: no full sort, no host sync (GPUs)."""
     kth = torch.topk(logprobs, k, dim=-1).values[..., -1:]
     above = logprobs > kth
     tied = logprobs == kth

@@ -234,3 +234,18 @@ def test_topk_sorted_breaks_ties_by_token_id():
     lp = torch.full((2, 4, 50), -5.0)
     lp[..., 7] = -1.0
     assert topk_sorted(lp, 4)[1].tolist() == [[[7, 0, 1, 2]] * 4] * 2
+
+
+def test_topk_sorted_is_the_same_with_and_without_ties_at_the_kth_value():
+    """The CPU path (torch.topk's k + 1 best, when no row ties at the k-th value) gives exactly what
+    the passes over the vocabulary give, whichever way a batch goes."""
+    from eagle_worker.speculative.tree import _topk_sorted_by_passes, topk_sorted
+    g = torch.Generator().manual_seed(0)
+    for coarse in (1.0, 8.0, 64.0):           # coarser rounding: more ties, in the set and at its edge
+        lp = (torch.randn(6, 8, 300, generator=g) * coarse).round() / coarse - 4
+        for k in (1, 3, 8):
+            want = _topk_sorted_by_passes(lp, k)
+            got = topk_sorted(lp, k)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (coarse, k)
+            for row in lp.reshape(-1, 300)[:8]:                  # one row at a time: each takes its own path
+                assert torch.equal(topk_sorted(row, k)[1], _topk_sorted_by_passes(row, k)[1])
