@@ -4,7 +4,7 @@ Greedy, a fixed number of new tokens per prompt (EOS ignored on both sides), bat
 one after another) and batch N (all at once: continuous batching here, left-padded batch there).
 With `rounds` > 1 each measurement repeats that many times, the two engines taking turns (the
 one that goes first alternates), and the median counts: a slow spell of a shared machine then
-does not decide a ratio. Usage: `eaglectl bench decode` or `python -m bench.decode`.
+does not decide a ratio. Usage: `eaglectl bench decode`.
 """
 from __future__ import annotations
 
@@ -108,7 +108,5 @@ def _print_table(rows: list[dict]) -> None:
               f"{r['speedup_vs_transformers']:.2f}x | {r.get('vs_own_batch1', 1.0):.2f}x |")
 
 
-if __name__ == "__main__":
-    from eaglectl.bench import run_as_module
-
-    run_as_module("decode")
+if __name__ == "__main__":       # the benchmarks' options live in one place, the CLI
+    raise SystemExit("run this benchmark as `eaglectl bench decode [OPTIONS]` (`eaglectl bench decode --help`)")

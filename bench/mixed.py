@@ -15,7 +15,7 @@ alone vs with the online load; whether the job was still running when the online
 not, the "with job" numbers cover only part of the load); and the counters that show the job's rows
 made way: the router's offline rows held back (`offline_deferred`), the replica's offline rows
 preempted / deferred in the engine (cluster/priority_stats.py).
-Usage: `eaglectl bench mixed` or `python -m bench.mixed --rows 20 --online-requests 4`.
+Usage: `eaglectl bench mixed [--rows 20 --online-requests 4]`.
 """
 from __future__ import annotations
 
@@ -178,7 +178,5 @@ def _write_prompts(path: Path, pool: list[str], rows: int) -> None:
                    path)
 
 
-if __name__ == "__main__":
-    from eaglectl.bench import run_as_module
-
-    run_as_module("mixed")
+if __name__ == "__main__":       # the benchmarks' options live in one place, the CLI
+    raise SystemExit("run this benchmark as `eaglectl bench mixed [OPTIONS]` (`eaglectl bench mixed --help`)")

@@ -21,7 +21,7 @@ itself (`LLM.generate`, no head, the replica's engine settings) in this process,
 time, with the torch thread count the replica gets (`--threads`, default every core: the replica is
 given `resources_per_rank.threads` = that, so both compute on the same cores), and each HTTP level
 of the plain setup reports `vs_engine` = its output tok/s / the engine's. Usage: `eaglectl bench
-serve` or `python -m bench.serve --num-prompts 4 --max-tokens 16`.
+serve [--num-prompts 4 --max-tokens 16]`.
 """
 from __future__ import annotations
 
@@ -334,7 +334,5 @@ def run(url: str | None = None, model: str = "gemma-3-270m", concurrencies: tupl
     return report
 
 
-if __name__ == "__main__":
-    from eaglectl.bench import run_as_module
-
-    run_as_module("serve")
+if __name__ == "__main__":       # the benchmarks' options live in one place, the CLI
+    raise SystemExit("run this benchmark as `eaglectl bench serve [OPTIONS]` (`eaglectl bench serve --help`)")

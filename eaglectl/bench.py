@@ -9,13 +9,6 @@ def bench() -> None:
     """Benchmarks (results printed as a table and written as JSON)."""
 
 
-def run_as_module(name: str) -> None:
-    """`python -m bench.NAME ARGS` is `eaglectl bench NAME ARGS`: one set of options per benchmark."""
-    import sys
-
-    bench.commands[name].main(args=sys.argv[1:], prog_name=f"python -m bench.{name}")
-
-
 @bench.command("decode")
 @click.option("--model", default="gemma-3-270m", show_default=True)
 @click.option("--dtypes", default="float32,bfloat16", show_default=True)

@@ -1,5 +1,5 @@
 """`eaglectl bench spec` refuses options it cannot report on, before loading any model; `python -m
-bench.NAME` is `eaglectl bench NAME`."""
+bench.NAME` points to `eaglectl bench NAME`."""
 from __future__ import annotations
 
 import pytest
@@ -10,19 +10,15 @@ from eaglectl.bench import bench_spec
 
 
 @pytest.mark.parametrize("name", ["decode", "spec", "job", "serve", "mixed"])
-def test_python_m_bench_takes_the_eaglectl_options(name, monkeypatch, capsys):
-    """`python -m bench.NAME --help` shows `eaglectl bench NAME`'s options (it used to run the benchmark)."""
+def test_python_m_bench_points_to_the_cli(name, monkeypatch):
+    """`python -m bench.NAME` used to run spec and decode with their defaults whatever the arguments
+    said; the options live in `eaglectl bench NAME` alone, and the module says so instead of running."""
     import runpy
 
-    from eaglectl.bench import bench
-
-    monkeypatch.setattr("sys.argv", [f"bench/{name}.py", "--help"])
+    monkeypatch.setattr("sys.argv", [f"bench/{name}.py", "--max-tokens", "1"])
     with pytest.raises(SystemExit) as done:
         runpy.run_module(f"bench.{name}", run_name="__main__")
-    assert done.value.code == 0
-    out = capsys.readouterr().out
-    assert out.startswith(f"Usage: python -m bench.{name} [OPTIONS]")
-    assert all(opt in out for p in bench.commands[name].params for opt in p.opts)
+    assert f"eaglectl bench {name}" in str(done.value.code)
 
 
 def test_bench_spec_needs_vanilla():
