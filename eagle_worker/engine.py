@@ -197,13 +197,12 @@ class LLMEngine:
         seq.metrics.finished_time = time.monotonic()
 
     def _retire(self, seqs: list[Sequence]) -> None:
-        """Give finished requests' blocks to the prefix cache and their slots back. Once follow-ups
-        have wanted the head's KV (prefix_cache.py), those that ended normally first write the head
-        KV they still owe, in one head pass for the whole step."""
+        """Give finished requests' blocks to the prefix cache and their slots back. Those that ended
+        normally first write the head KV they still owe (prefix_cache.py), in one head pass for the
+        whole step."""
         if not seqs:
             return
-        cache = self.block_manager.prefix_cache
-        if cache is not None and cache.head_kv_wanted:
+        if self.block_manager.prefix_cache is not None:
             self.worker.flush_head_kv([s for s in seqs if s.finish_reason in ("stop", "length")])
         for seq in seqs:
             if seq.finish_reason != "error":      # a failed step may have left its KV half-written

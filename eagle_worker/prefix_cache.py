@@ -14,11 +14,10 @@ takes only when the token after it is the one the head paired it with (else it r
 block, as vLLM always does for EAGLE). A match never covers a request's last token: its logits are
 needed, and a request only ever writes into blocks of its own.
 
-A head that sat out a request's last steps owes the KV of those tokens. Paying it when the request
-ends costs a head pass over them (about 1% of a batch-32 step's time where the head never drafts),
-and only a later request extending that request's text (the next turn of a conversation) can use
-it; so requests pay it once a match has stopped at a block whose target KV was cached without the
-head's (`head_kv_wanted`), as a conversation's first follow-up does.
+A head that sat out a request's last steps owes the KV of those tokens; the request writes it when
+it ends (the engine's `_retire`), else a conversation's next turn would recompute its history's
+answer. A match that stops at a block cached without the head's KV is counted
+(`prefix_cache_blocks_without_head_kv`): what a request still running or one that failed left.
 """
 from __future__ import annotations
 
@@ -39,7 +38,6 @@ class PrefixCache:
         self.by_hash: dict[int, int] = {}            # hash -> block id
         self.blocks: dict[int, CachedBlock] = {}     # block id -> what it holds
         self.inflight: dict[int, object] = {}        # hash -> the running sequence computing that block now
-        self.head_kv_wanted = False                  # a match stopped at a block cached without the head's KV
         self.stats = {"prefix_cache_queried_tokens": 0, "prefix_cache_hit_tokens": 0, "prefix_cache_queried_requests": 0,
                       "prefix_cache_hit_requests": 0, "prefix_cache_evictions": 0,
                       "prefix_cache_blocks_without_head_kv": 0}
@@ -63,7 +61,6 @@ class PrefixCache:
             if b is None:
                 break
             if need_head and self.blocks[b].head_next is None:
-                self.head_kv_wanted = True
                 self.stats["prefix_cache_blocks_without_head_kv"] += 1
                 break
             blocks.append(b)

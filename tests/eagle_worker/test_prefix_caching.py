@@ -245,11 +245,10 @@ def test_a_batch_on_one_long_cached_prefix_reads_it_once_and_stays_exact(method,
     assert_no_leaks(on.engine)
 
 
-def test_blocks_the_head_sat_out_carry_its_kv_once_a_follow_up_wants_it(copying_target, monkeypatch):
-    """A head that drafted nothing for a request owes the head KV of its generated tokens. Nobody
-    pays it until a follow-up over prompt + output (a conversation's next turn) finds those blocks
-    without it; from then on the requests ending in a step write it in one head pass, and the next
-    follow-ups take those blocks, with the same tokens as no caching."""
+def test_blocks_the_head_sat_out_carry_its_kv_once_their_requests_end(copying_target, monkeypatch):
+    """A head that drafted nothing for a request owes the head KV of its generated tokens; the
+    requests ending in a step write it in one head pass, so a follow-up over prompt + output (a
+    conversation's next turn) takes those blocks too, with the same tokens as no caching."""
     from eagle_worker.speculative.draft_tree import StepMode
     from eagle_worker.speculative.hybrid import Choice, HybridSplit
 
@@ -262,21 +261,14 @@ def test_blocks_the_head_sat_out_carry_its_kv_once_a_follow_up_wants_it(copying_
     drafter = llm.engine.worker.drafter
     write = drafter.write_ahead
     monkeypatch.setattr(drafter, "write_ahead", lambda batch: passes.append(len(batch)) or write(batch))
-
-    def turn(prompts):
-        outs = llm.generate(prompts, greedy(16))
-        assert tokens(outs) == tokens(off.generate(prompts, greedy(16)))
-        return outs, [o.prompt_token_ids + o.token_ids for o in outs]
-
-    first, follow = turn(NOVEL)
-    assert llm.engine.stats()["spec_steps"] == 0 and passes == [len(NOVEL)]        # the prompts' head KV only
-    second, follow2 = turn(follow)              # their generated blocks lack the head's KV: not taken
-    for prev, o in zip(first, second):
-        assert len(prev.prompt_token_ids) - 4 <= o.metrics["num_cached_tokens"] <= len(prev.prompt_token_ids)
-    assert llm.engine.stats()["prefix_cache_blocks_without_head_kv"] == len(NOVEL)
-    assert passes[-1] == len(NOVEL)             # now the three ending together paid in one pass
-    third, _ = turn(follow2)
-    for f, o in zip(follow2, third):
-        assert o.metrics["num_cached_tokens"] >= 4 * ((len(f) - 1) // 4) - 4
-    assert llm.engine.stats()["prefix_cache_blocks_without_head_kv"] == len(NOVEL)
+    first = llm.generate(NOVEL, greedy(16))
+    assert tokens(first) == tokens(off.generate(NOVEL, greedy(16)))
+    assert llm.engine.stats()["spec_steps"] == 0
+    assert passes == [len(NOVEL), len(NOVEL)]      # the prompts' head KV, then the three that ended together
+    follow = [o.prompt_token_ids + o.token_ids for o in first]
+    outs = llm.generate(follow, greedy(8))
+    assert tokens(outs) == tokens(off.generate(follow, greedy(8)))
+    for f, o, prev in zip(follow, outs, first):
+        assert o.metrics["num_cached_tokens"] >= 4 * ((len(f) - 1) // 4) - 4 > len(prev.prompt_token_ids) + 4
+    assert llm.engine.stats()["prefix_cache_blocks_without_head_kv"] == 0
     assert_no_leaks(llm.engine)
