@@ -53,8 +53,10 @@ def merge_branches(tree: DraftTree, branches: list[list[int]], budget: int) -> D
     """Insert lookup branches (each starting below the root) into `tree`, at most `budget` new nodes.
 
     New nodes are appended, so parents still come before children; nodes a branch passes through
-    are marked as lookup's.
+    are marked as lookup's. No branches: `tree` itself (trees are never modified after drafting).
     """
+    if not branches:
+        return tree
     parents, tokens, depth = list(tree.parents), list(tree.tokens), list(tree.depth)
     from_head, from_lookup = list(tree.from_head), list(tree.from_lookup)
     child = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens)) if i > 0}

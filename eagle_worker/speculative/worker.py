@@ -204,7 +204,7 @@ class EagleWorker:
                 trees[c.seq.request_id] = PLAIN_TREE        # it drafts nothing: a plain decode
                 continue
             head = head or DraftTree.root_only(c.seq.token_ids[-1])
-            trees[c.seq.request_id] = merge_branches(head, c.branches, c.budget - head.num_draft_nodes) if c.branches else head
+            trees[c.seq.request_id] = merge_branches(head, c.branches, c.budget - head.num_draft_nodes)
         return trees
 
     def _candidates(self, decodes: list[ScheduledSeq], budget: int) -> list[Candidate]:
