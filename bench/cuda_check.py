@@ -166,7 +166,7 @@ def check_tp2(targets: dict[str, Path], heads: dict[str, Path], device: str) -> 
     return report
 
 
-def time_decoding(target: Path, head: Path, device: str, sizes=(1, 16, 64)) -> list[dict]:
+def time_decoding(target: Path, head: Path, device: str, sizes=(1, 16, 64), tokens: int = 64) -> list[dict]:
     from eagle_worker import LLM
     from eagle_worker.speculative.config import SpecConfig
 
@@ -179,7 +179,7 @@ def time_decoding(target: Path, head: Path, device: str, sizes=(1, 16, 64)) -> l
         for name, llm in engines.items():
             _greedy(llm, batch, 8)                                 # warm-up
             t0 = time.perf_counter()
-            n = sum(len(t) for t in _greedy(llm, batch, 64))
+            n = sum(len(t) for t in _greedy(llm, batch, tokens))
             row[f"{name}_tok_s"] = round(n / (time.perf_counter() - t0), 1)
         rows.append(row)
     return rows
@@ -222,7 +222,9 @@ def spec_bench_step(device: str, out: Path) -> list[dict]:
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Folder for cuda_check.json.")
 @click.option("--device", default="cuda", show_default=True)
 @click.option("--spec-bench", is_flag=True, help="Also `bench spec` on the default model (needs its weights there).")
-def main(out, device, spec_bench):
+@click.option("--decode-tokens", default=64, show_default=True, type=click.IntRange(1, 4096),
+              help="Tokens per request in the decode timings (a dry run on CPU needs fewer).")
+def main(out, device, spec_bench, decode_tokens):
     from eagle_worker.config import check_device
 
     try:
@@ -238,7 +240,7 @@ def main(out, device, spec_bench):
     heads = {f: _random_head(t, root / f"head-{f}") for f, t in targets.items()}
     steps = [(f"engine_{f}", lambda f=f: check_engine(targets[f], heads[f], device)) for f in targets]
     steps += [("tp2_spec", lambda: check_tp2(targets, heads, device)),
-              ("decode_tok_s", lambda: time_decoding(targets["llama"], heads["llama"], device)),
+              ("decode_tok_s", lambda: time_decoding(targets["llama"], heads["llama"], device, tokens=decode_tokens)),
               ("train_head", lambda: check_training(targets["llama"], root / "train", device))]
     if spec_bench:
         steps.append(("spec_bench", lambda: spec_bench_step(device, out)))

@@ -90,8 +90,9 @@ def deploy(serve_port):
         return Deployed(config, serve_port, prefix)
 
     yield _deploy
-    for name in names:
-        serve.delete(name)
+    for name in names:          # all at once, then one short poll: a blocking delete each waits ~3 s
+        serve.delete(name, _blocking=False)
+    assert wait_for(lambda: not set(names) & set(serve.status().applications), timeout=120), f"{names} not deleted"
 
 
 def wait_for(pred, timeout: float = 60.0, interval: float = 0.2):

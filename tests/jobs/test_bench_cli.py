@@ -105,7 +105,7 @@ def test_cuda_check_dry_runs_on_cpu(tmp_path):
 
     from bench.cuda_check import main
 
-    res = CliRunner().invoke(main, ["--out", str(tmp_path), "--device", "cpu"])
+    res = CliRunner().invoke(main, ["--out", str(tmp_path), "--device", "cpu", "--decode-tokens", "12"])
     assert res.exit_code == 0, res.output
     report = json.loads((tmp_path / "cuda_check.json").read_text())
     for family in ("llama", "qwen2", "gemma3"):
