@@ -1,8 +1,7 @@
-"""A seed is a text in jobs too (issue #22): `submit-job --seed S --temperature T` with the draft head
-writes rows equal to `LLM.generate` without a head with that seed. Before keyed sampling the adaptive
-tree budget changed how many random numbers a step drew, so two runs differed and a resumed job did
-not reproduce its rows. (That every method gives the same tokens per seed, alone and in a batch, is
-tests/eagle_worker/test_seed_identity_270m.py; the job path without a head, the other job tests.)"""
+"""A seed is a text in jobs too (issue #22): `submit-job --seed S --temperature T` writes the same rows
+every time, with or without the draft head, and each row equals `LLM.generate` with that seed. Before
+keyed sampling the adaptive tree budget changed how many random numbers a step drew, so two runs
+differed and a resumed job did not reproduce its rows."""
 from __future__ import annotations
 
 import pytest
@@ -28,7 +27,8 @@ def _job(tmp_path, name: str, *flags) -> dict[str, str]:
 def test_seeded_job_is_reproducible_with_and_without_the_head(tmp_path):
     from eagle_worker import LLM, SamplingParams
 
-    first = _job(tmp_path, "first")                 # the default: the shipped head
+    first = _job(tmp_path, "first")
+    assert _job(tmp_path, "no-head", "--draft", "none") == first     # another run, another method: the same rows
     outs = LLM(model="gemma-3-270m", draft=None).generate(
         PROMPTS, SamplingParams(max_tokens=16, temperature=0.8, seed=123))
     assert {f"r{i}": o.text for i, o in enumerate(outs)} == first
