@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+from transformers import AutoConfig, GenerationConfig
 
 from eagle_worker import default_models
 from eagle_worker.attention import SeqAttention, attention_context, build_context
@@ -15,6 +15,7 @@ from eagle_worker.malloc_tuning import keep_large_allocations
 from eagle_worker.models.registry import model_class_for
 from eagle_worker.outputs import TokenLogprob
 from eagle_worker.parallel import all_gather_rows, broadcast_from_rank0, tp_rank, tp_size
+from eagle_worker.prompt_tokenizer import load_tokenizer
 from eagle_worker.sampler import token_logprobs
 
 SCORE_BLOCK_ROWS = 64    # prompt rows whose full-vocabulary logits exist at once (prompt_logprobs)
@@ -62,7 +63,7 @@ class ModelRunner:
             keep_large_allocations()
         self.model_path = resolve_model(config.model)
         self.hf_config = AutoConfig.from_pretrained(self.model_path)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.tokenizer = load_tokenizer(self.model_path)
         self.eos_token_ids = self._eos_token_ids()
         model_cls = model_class_for(self.hf_config)
         prev_dtype = torch.get_default_dtype()
