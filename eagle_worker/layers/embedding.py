@@ -23,7 +23,10 @@ class VocabParallelEmbedding(nn.Module):
         self.shard_size = -(-num_embeddings // self.tp_size)
         self.vocab_start = self.tp_rank * self.shard_size
         self.vocab_end = min(self.vocab_start + self.shard_size, num_embeddings)
-        self.weight = nn.Parameter(torch.zeros(self.shard_size, embedding_dim), requires_grad=False)
+        # Loaded (or initialised) before use: only the last shard's padding rows need a value. Not
+        # zeros: writing a 262K-row table costs an engine's start about 1 s a copy on a CPU.
+        self.weight = nn.Parameter(torch.empty(self.shard_size, embedding_dim), requires_grad=False)
+        self.weight.data[self.vocab_end - self.vocab_start:].zero_()
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
