@@ -25,7 +25,7 @@ import torch
 
 from eagle_worker.block_manager import BlockManager
 from eagle_worker.decode_worker import NewTokens, forward_item, record_prompt_logprobs
-from eagle_worker.model_runner import ForwardItem, ForwardResult, ModelRunner
+from eagle_worker.model_runner import ForwardItem, ForwardResult, ModelRunner, zeroed
 from eagle_worker.outputs import TokenLogprob
 from eagle_worker.parallel import tp_size
 from eagle_worker.sampler import argmax_suffices, draw_tokens, sample, token_logprobs
@@ -82,8 +82,8 @@ class EagleWorker:
             raise ValueError(f"SpecConfig.method={spec.method!r} but the head at {spec.draft} is {self.head.kind!r}")
         for layer in self.head.attention_layers() if self.head else []:   # one layer of KV, target's slot numbering
             shape = (runner.kv_cache.shape[2], layer.num_kv_heads, layer.head_dim)
-            layer.k_cache = torch.zeros(shape, dtype=runner.dtype, device=runner.device)
-            layer.v_cache = torch.zeros(shape, dtype=runner.dtype, device=runner.device)
+            layer.k_cache = zeroed(shape, runner.dtype, runner.device)
+            layer.v_cache = zeroed(shape, runner.dtype, runner.device)
         self.drafter = Drafter(self.head, runner.device) if self.head else None
         if spec.tree == "chain":
             self.shape = chain(spec.depth)
