@@ -17,8 +17,8 @@ from eagle_worker.malloc_tuning import keep_large_allocations
 from eagle_worker.models.registry import model_class_for
 from eagle_worker.outputs import TokenLogprob
 from eagle_worker.parallel import all_gather_rows, broadcast_from_rank0, tp_rank, tp_size
-from eagle_worker.prompt_tokenizer import load_tokenizer
 from eagle_worker.sampler import token_logprobs
+from eagle_worker.tokenizer_loader import load_tokenizer
 
 SCORE_BLOCK_ROWS = 64    # prompt rows whose full-vocabulary logits exist at once (prompt_logprobs)
 

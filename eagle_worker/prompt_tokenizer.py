@@ -6,41 +6,10 @@ engine thread (where every running request's next step waits) its tokenization t
 """
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from functools import lru_cache
-from pathlib import Path
 
 from eagle_worker.chat_template import render_chat, resolve_chat_template
-
-_TOKENIZER_FILES = (".json", ".model", ".jinja", ".txt")   # what a tokenizer loads besides the weights
-_LOADED_KEEP = 4
-_loaded: OrderedDict[tuple, object] = OrderedDict()
-_loaded_lock = threading.Lock()
-
-
-def load_tokenizer(path: str | Path):
-    """A model folder's tokenizer, loaded once per process and shared.
-
-    transformers 5 reads a 262K-vocabulary tokenizer.json in Python (5-11 s here), and one process
-    may hold several engines (the Python API, benchmarks, tests) and an ingress. Keyed by the folder
-    and its tokenizer files' size and mtime, so a rewritten folder loads afresh. Nothing here mutates
-    a tokenizer; a caller that does (padding side, added tokens) must load its own copy with
-    `AutoTokenizer.from_pretrained`.
-    """
-    from transformers import AutoTokenizer
-
-    folder = Path(path).resolve()
-    files = sorted(f for f in folder.iterdir() if f.suffix in _TOKENIZER_FILES and f.is_file())
-    key = (str(folder), tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files))
-    with _loaded_lock:   # one load at a time: two engines starting together parse it once
-        tokenizer = _loaded.get(key)
-        if tokenizer is None:
-            tokenizer = _loaded[key] = AutoTokenizer.from_pretrained(folder)
-            while len(_loaded) > _LOADED_KEEP:
-                _loaded.popitem(last=False)
-        _loaded.move_to_end(key)
-        return tokenizer
+from eagle_worker.tokenizer_loader import load_tokenizer
 
 
 def encode_prompt(tokenizer, prompt: str) -> list[int]:

@@ -1,15 +1,39 @@
-"""The per-process tokenizer cache (eagle_worker/prompt_tokenizer.py load_tokenizer)."""
+"""Tokenizer loading (eagle_worker/tokenizer_loader.py): once per process, from a disk cache after."""
 import os
 import threading
 
-from eagle_worker.prompt_tokenizer import PromptTokenizer, load_tokenizer
+import pytest
+
+from eagle_worker import tokenizer_loader
+from eagle_worker.prompt_tokenizer import PromptTokenizer
+from eagle_worker.tokenizer_loader import load_tokenizer
 from tests.conftest import make_tokenizer
+
+
+@pytest.fixture(autouse=True)
+def fresh_caches(tmp_path, monkeypatch):
+    """Each test: its own disk cache, nothing in memory."""
+    monkeypatch.setenv("EAGLE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(tokenizer_loader, "_loaded", type(tokenizer_loader._loaded)())
 
 
 def _folder(tmp_path, name="tok"):
     folder = tmp_path / name
     make_tokenizer().save_pretrained(folder)
     return folder
+
+
+def _forget_in_memory(monkeypatch):
+    monkeypatch.setattr(tokenizer_loader, "_loaded", type(tokenizer_loader._loaded)())
+
+
+def _no_parsing(monkeypatch):
+    """AutoTokenizer.from_pretrained fails: a load must come from memory or the disk cache."""
+    import transformers
+
+    def refuse(*a, **k):
+        raise AssertionError("parsed the tokenizer files again")
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", refuse)
 
 
 def test_one_load_per_folder_shared_by_engines_and_the_prompt_side(tmp_path, tiny_model_dir):
@@ -28,16 +52,57 @@ def test_one_load_per_folder_shared_by_engines_and_the_prompt_side(tmp_path, tin
     assert a.tokenizer is not first
 
 
-def test_a_rewritten_tokenizer_file_loads_afresh(tmp_path):
+def test_the_next_process_reads_the_disk_cache(tmp_path, monkeypatch):
+    folder = _folder(tmp_path)
+    first = load_tokenizer(folder)
+    [cached] = (tmp_path / "cache" / ".tokenizers").glob("*.pkl")
+    assert not list(cached.parent.glob("*.tmp"))
+    _forget_in_memory(monkeypatch)
+    _no_parsing(monkeypatch)
+    again = load_tokenizer(folder)
+    assert again is not first and type(again) is type(first)
+    for text in ("hello world", "a b c", ""):
+        assert again.encode(text) == first.encode(text)
+    assert again.get_vocab() == first.get_vocab() and again.bos_token_id == first.bos_token_id
+
+
+def test_a_rewritten_tokenizer_file_loads_afresh(tmp_path, monkeypatch):
     folder = _folder(tmp_path)
     first = load_tokenizer(folder)
     config = folder / "tokenizer_config.json"
     st = config.stat()
     os.utime(config, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     second = load_tokenizer(folder)
-    assert second is not first
-    assert second.encode("hello") == first.encode("hello")
+    assert second is not first and second.encode("hello") == first.encode("hello")
     assert load_tokenizer(folder) is second
+    assert len(list((tmp_path / "cache" / ".tokenizers").glob("*.pkl"))) == 2
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not a pickle", "writable by others"])
+def test_a_bad_cache_entry_is_only_a_slower_start(tmp_path, monkeypatch, damage):
+    folder = _folder(tmp_path)
+    first = load_tokenizer(folder)
+    [cached] = (tmp_path / "cache" / ".tokenizers").glob("*.pkl")
+    if damage == "truncated":
+        cached.write_bytes(cached.read_bytes()[:100])
+    elif damage == "not a pickle":
+        cached.write_bytes(b"garbage")
+    else:
+        cached.chmod(0o666)
+    _forget_in_memory(monkeypatch)
+    again = load_tokenizer(folder)
+    assert again.encode("hello world") == first.encode("hello world")
+    if damage != "writable by others":   # rewritten whole by the fresh load
+        _forget_in_memory(monkeypatch)
+        _no_parsing(monkeypatch)
+        assert load_tokenizer(folder).encode("hello") == first.encode("hello")
+
+
+def test_a_read_only_cache_still_loads(tmp_path, monkeypatch):
+    folder = _folder(tmp_path)
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / ".tokenizers").write_text("a file where the folder would be")
+    assert load_tokenizer(folder).encode("hello") == make_tokenizer().encode("hello")
 
 
 def test_concurrent_first_loads_parse_once(tmp_path):
@@ -59,10 +124,10 @@ def test_concurrent_first_loads_parse_once(tmp_path):
     assert len(got) == 4 and all(t is got[0] for t in got)
 
 
-def test_the_cache_keeps_a_bounded_number_of_tokenizers(tmp_path):
-    folders = [_folder(tmp_path, f"tok{i}") for i in range(6)]
+def test_memory_keeps_a_bounded_number_of_tokenizers(tmp_path):
+    folders = [_folder(tmp_path, f"tok{i}") for i in range(tokenizer_loader.KEEP_IN_MEMORY + 2)]
     first = load_tokenizer(folders[0])
     for f in folders[1:]:
         load_tokenizer(f)
-    assert load_tokenizer(folders[0]) is not first   # evicted, loaded again
-    assert load_tokenizer(folders[-1]) is load_tokenizer(folders[-1])
+    assert len(tokenizer_loader._loaded) == tokenizer_loader.KEEP_IN_MEMORY
+    assert load_tokenizer(folders[0]) is not first   # evicted, loaded again (from disk)
