@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle_worker.layers.argmax_screen import Bf16ArgmaxScreen, Int8ArgmaxScreen, native_bf16, row_argmax
+from eagle_worker.layers import argmax_screen
+from eagle_worker.layers.argmax_screen import Bf16ArgmaxScreen, Int8ArgmaxScreen, fast_int8_gemm, native_bf16, row_argmax
 from eagle_worker.layers.embedding import ParallelLMHead
 
 
@@ -51,7 +52,7 @@ def test_lm_head_greedy_uses_the_screen_only_where_it_applies():
     head.weight.data.copy_(w)
     with torch.inference_mode():
         assert torch.equal(head.greedy(h[:1]), head(h[:1]).argmax(-1))
-        assert head._screen is not None
+        assert (head._screen is not None) == fast_int8_gemm()          # only where the integer GEMM is fast
         assert torch.equal(head.greedy(h), head(h).argmax(-1))        # 8 rows
         many = torch.cat([h, h, h])
         assert torch.equal(head.greedy(many), head(many).argmax(-1))  # 24 rows: the bf16 screen
@@ -95,7 +96,7 @@ def test_prepare_greedy_builds_the_screens_once_at_load():
     head.weight.data.copy_(_near_tie_weight()[0])
     head.prepare_greedy()
     int8, bf16 = head._screen, head._bf16_screen
-    assert int8 is not None and (bf16 is not None) == native_bf16()
+    assert (int8 is not None) == fast_int8_gemm() and (bf16 is not None) == native_bf16()
     h = _near_tie_weight()[1]
     with torch.no_grad():
         assert torch.equal(head.greedy(h[:2]), torch.nn.functional.linear(h[:2], head.weight).argmax(-1))
@@ -115,3 +116,32 @@ def test_row_argmax_is_argmax_with_ties_and_nan(dtype):
             x[r, cols] = top
         x[4, width // 5] = float("nan")
         assert torch.equal(row_argmax(x), x.argmax(-1)), width
+
+
+@pytest.mark.parametrize("int_mm_seconds", [0.0, 0.06])
+def test_the_int8_screen_serves_only_where_the_integer_gemm_is_fast(int_mm_seconds, monkeypatch):
+    """A CPU without int8 dot products runs torch's integer GEMM as a plain loop (1.2 s for Gemma 3's
+    LM head on an AVX2-only EPYC): there the screen is never built and greedy stays exact in float."""
+    import time
+
+    real = argmax_screen._int_mm
+
+    def timed(a, b):
+        t0 = time.perf_counter()
+        out = real(a, b)
+        time.sleep(max(0.0, int_mm_seconds - (time.perf_counter() - t0)))
+        return out
+    monkeypatch.setattr(argmax_screen, "_int_mm", timed if int_mm_seconds else lambda a, b: torch.empty(0))
+    fast_int8_gemm.cache_clear()
+    try:
+        assert fast_int8_gemm() == (int_mm_seconds == 0)
+        w, h = _near_tie_weight()
+        head = ParallelLMHead(*w.shape)
+        head.weight.data.copy_(w)
+        head.prepare_greedy()
+        assert (head._screen is not None) == (int_mm_seconds == 0)
+        if int_mm_seconds:
+            with torch.inference_mode():
+                assert torch.equal(head.greedy(h), head(h).argmax(-1))
+    finally:
+        fast_int8_gemm.cache_clear()

@@ -117,7 +117,7 @@ def test_submit_job_serve_app_refusals_are_one_line(tmp_path):
 
 @pytest.mark.slow
 def test_kill_9_mid_job_through_the_app_then_rerun_has_every_id_once(tmp_path, cluster, tiny_app):
-    n = 600
+    n = 300
     inp = write_parquet(tmp_path / "in.parquet", prompt=[_prompt(i) for i in range(n)])
     out = tmp_path / "in.out"
     cfg = JobConfig(input=str(inp), serve_app=tiny_app["name"], max_tokens=8, rows_per_file=40)
@@ -278,7 +278,7 @@ def test_an_app_deleted_mid_job_fails_it_and_a_rerun_resumes_once_it_is_back(tmp
     app_cfg = ServeConfig(model=tiny_model, draft=None, app_name="doomed", num_replicas=1,
                           resources_per_rank={"cpu": 0.5}, limits={"max_model_len": 128, "max_num_seqs": 8})
     _deploy(app_cfg)
-    n = 600
+    n = 400
     inp = write_parquet(tmp_path / "in.parquet", prompt=[_prompt(i) for i in range(n)])
     out = tmp_path / "in.out"
     cfg = JobConfig(input=str(inp), output=str(out), serve_app="doomed", max_tokens=8, rows_per_file=50,
@@ -309,7 +309,7 @@ def test_submit_job_serve_app_on_the_cluster_cancel_status_and_resume(tmp_path, 
     from cluster import backlog
     from jobs.app_link import backlog_key
 
-    n = 1200
+    n = 600
     inp = write_parquet(tmp_path / "in.parquet", prompt=[_prompt(i) for i in range(n)])
     out = tmp_path / "in.out"
     args = ["submit-job", inp, "--serve-app", "tiny", "--max-tokens", "8", "--rows-per-file", "50",
