@@ -21,7 +21,12 @@ SYSTEM = "system: you are a careful assistant who answers in one short sentence.
 def app(deploy):
     cfg = ServeConfig(model="fake", engine=FAKE, app_name="prefix", num_replicas=2, resources_per_rank={"cpu": 0.25},
                       limits={"max_model_len": 2048, "max_tokens": 8})
-    return deploy(cfg, "/prefix")
+    deployed = deploy(cfg, "/prefix")
+    # Serve starts the ingress's router at its first request and tells it the replicas as they come:
+    # until it knows both, everything goes to one (a CI run on a slow machine sent all 16 there)
+    deployed.client.completions.create(model="fake", prompt="hi", max_tokens=1, temperature=0)
+    assert wait_for(lambda: len(_series(deployed, "eagle_replica_prefix_cache_blocks")) == 2, timeout=60)
+    return deployed
 
 
 def _series(app, name: str) -> dict[str, float]:
