@@ -160,28 +160,31 @@ _RAY = StartedRay()  # the Ray this benchmark started, if any: it goes when the 
 
 
 def local_config(model: str, draft: str | None, name: str, port: int, max_num_seqs: int, max_tokens: int,
-                 dtype: str, threads: int, stream_interval: int = 1):
+                 dtype: str, threads: int, stream_interval: int = 1, direct_ingress: bool = False):
     """The app this benchmark starts: one replica computing on `threads` torch threads."""
     from cluster.config import ServeConfig
 
     return ServeConfig(model=model, draft=draft, dtype=dtype, app_name=name, port=port, num_replicas=1,
-                       resources_per_rank={"cpu": 1, "threads": threads}, ingress={"stream_interval": stream_interval},
+                       resources_per_rank={"cpu": 1, "threads": threads},
+                       ingress={"stream_interval": stream_interval, "direct": direct_ingress},
                        limits={"max_num_seqs": max_num_seqs, "max_queued_requests": max_num_seqs,
                                "max_tokens": max(max_tokens, 16)})
 
 
 def _start_local(model: str, draft: str | None, name: str, port: int, max_num_seqs: int, max_tokens: int,
-                 dtype: str, threads: int, stream_interval: int = 1) -> str:
+                 dtype: str, threads: int, stream_interval: int = 1, direct_ingress: bool = False) -> str:
     """Deploy the app on this machine's Ray (started here if needed); its base URL."""
     from cluster.cpu_threads import serve_env
-    from cluster.serve_app import run_serve
+    from cluster.serve_app import direct_ingress_env, run_serve
 
     if not os.environ.get("RAY_ADDRESS"):   # as `eaglectl serve` starts its Ray (run_serve)
         os.environ.update(serve_env())
+        if direct_ingress:
+            os.environ.update(direct_ingress_env(port))
     _RAY.start(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False,
                namespace="eagle-bench", log_to_driver=False, logging_level="WARNING")
-    return run_serve(local_config(model, draft, name, port, max_num_seqs, max_tokens, dtype, threads, stream_interval),
-                     blocking=False)
+    cfg = local_config(model, draft, name, port, max_num_seqs, max_tokens, dtype, threads, stream_interval, direct_ingress)
+    return run_serve(cfg, blocking=False)
 
 
 def engine_levels(cfg, prompts_for, concurrencies: tuple[int, ...], max_tokens: int, threads: int) -> list[dict]:
@@ -248,7 +251,7 @@ def run(url: str | None = None, model: str = "gemma-3-270m", concurrencies: tupl
         num_prompts: int = 8, max_tokens: int = 48, draft: str | None = "default",
         json_out: str | None = "bench/results/serve.json", dtype: str = "float32",
         request_timeout_s: float = 900, prompts: list[str] | None = None, threads: int | None = None,
-        engine_baseline: bool = True, stream_interval: int = 1) -> dict:
+        engine_baseline: bool = True, stream_interval: int = 1, direct_ingress: bool = False) -> dict:
     """Benchmark the endpoint at `url`, or (url=None) an app started here without and with the head,
     after the engine itself with the same threads (`engine_baseline`).
 
@@ -293,7 +296,7 @@ def run(url: str | None = None, model: str = "gemma-3-270m", concurrencies: tupl
                     t0 = time.perf_counter()
                     base = _start_local(model, setup_draft, app, port, max_num_seqs=max(concurrencies),
                                         max_tokens=max_tokens, dtype=dtype, threads=threads,
-                                        stream_interval=stream_interval)
+                                        stream_interval=stream_interval, direct_ingress=direct_ingress)
                     print(f"bench serve: {name} up in {time.perf_counter() - t0:.0f}s at {base}", flush=True)
                 served = _served_model(base)
                 warm = _stream_one(requests.Session(), base, served, pool[0], 4, request_timeout_s)  # load/compile paths
@@ -318,7 +321,7 @@ def run(url: str | None = None, model: str = "gemma-3-270m", concurrencies: tupl
         _RAY.shutdown()
     report = {"meta": {"model": model, "url": url, "draft": head, "concurrencies": list(concurrencies),
                        "num_prompts": num_prompts, "max_tokens": max_tokens, "dtype": dtype, "threads": threads,
-                       "stream_interval": stream_interval,
+                       "stream_interval": stream_interval, "direct_ingress": direct_ingress,
                        "cpus": os.cpu_count(), "machine": platform.machine(), "notes": notes,
                        "method": "streamed /v1/completions, greedy, ignore_eos, closed loop at each concurrency; "
                                  "engine: LLM.generate of the same prompts, concurrency at a time, same threads"},

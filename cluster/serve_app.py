@@ -26,7 +26,7 @@ from ray.serve.exceptions import BackPressureError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster import openai_api as oa
-from cluster.config import ServeConfig
+from cluster.config import ConfigError, ServeConfig
 from cluster.cpu_threads import engine_env, serve_env
 from cluster.ingress_prompts import IngressPrompts
 from cluster.metrics import ServeMetrics, StatusCounter, note_status, set_active
@@ -344,6 +344,9 @@ def engine_deployment_options(config: ServeConfig) -> dict[str, Any]:
 
 def build_app(config: ServeConfig):
     """The bound Serve application for `config`."""
+    if config.ingress.direct and os.environ.get(DIRECT_INGRESS) != "1":
+        raise ConfigError(f"ingress.direct: Serve's controller must start with {DIRECT_INGRESS}=1 "
+                          "(`eaglectl serve` without --address sets it; on another cluster set it on every node)")
     cfg = config.model_dump(mode="json")
     llm = serve.deployment(EngineReplica).options(**engine_deployment_options(config))
     ingress = OpenAIIngress.options(num_replicas=config.ingress.num_replicas, max_constructor_retry_count=3,
@@ -362,6 +365,8 @@ def deploy_app(config: ServeConfig, route_prefix: str = "/") -> None:
     """Deploy (or update) the app on the running Serve instance; a failed deploy raises with the
     replicas' own errors (a model that does not load, a missing API-key variable), not just "failed".
     A config the cluster can never schedule raises InsufficientResourcesError first (cluster/placement.py)."""
+    if config.ingress.direct and route_prefix != "/":
+        raise ConfigError(f"ingress.direct serves the app at / on its own port, not at {route_prefix!r}")
     check_fits(config)
     try:
         serve.run(build_app(config), name=config.app_name, route_prefix=route_prefix)
@@ -376,6 +381,29 @@ def deploy_app(config: ServeConfig, route_prefix: str = "/") -> None:
         raise RuntimeError("\n".join([str(e), *details])) from e
 
 
+DIRECT_INGRESS = "RAY_SERVE_ENABLE_DIRECT_INGRESS"
+
+
+def direct_ingress_env(port: int) -> dict[str, str]:
+    """Environment for a Ray whose Serve runs without a proxy: the ingress replica takes `port` (the
+    range is that one port; Ray's maximum is exclusive) and gets it back at once after a restart
+    (Serve holds a freed port back for HAProxy, which this setup does not run)."""
+    return {DIRECT_INGRESS: "1", "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
+            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 1), "RAY_SERVE_PORT_QUARANTINE_S": "0"}
+
+
+def _http_options(config: ServeConfig) -> dict[str, Any]:
+    """Serve's HTTP options. Direct ingress still starts a proxy on the head node (Ray 2.60), which
+    must not take the port the ingress replica serves: it listens on a free local port instead."""
+    if not config.ingress.direct:
+        return {"host": config.host, "port": config.port}
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return {"host": config.host, "port": s.getsockname()[1]}
+
+
 def run_serve(config: ServeConfig, address: str | None = None, blocking: bool = True) -> str:
     """Start (or join, with `address`) a Ray cluster, deploy the app, and return its base URL.
 
@@ -388,11 +416,16 @@ def run_serve(config: ServeConfig, address: str | None = None, blocking: bool = 
     url = f"http://{host}:{config.port}"
     previous = _stop_on_signals() if blocking else {}
     try:
+        if config.ingress.direct and address is not None:
+            raise ConfigError("ingress.direct needs a Ray that `eaglectl serve` starts (no --address or "
+                              "RAY_ADDRESS): Serve reads it when its controller starts")
         if not ray.is_initialized():
             if address is None:   # a Ray started here: its Serve proxy takes the streaming fast path too
                 os.environ.update(serve_env())
+                if config.ingress.direct:
+                    os.environ.update(direct_ingress_env(config.port))
             ray.init(address=address, namespace="eagle-serve", ignore_reinit_error=True)
-        serve.start(http_options={"host": config.host, "port": config.port})
+        serve.start(http_options=_http_options(config))
         deploy_app(config)
         if blocking:
             _stop_on_signals()      # again: ray.init installs a SIGTERM handler of its own

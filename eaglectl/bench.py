@@ -144,15 +144,17 @@ def bench_job(model, rows, max_tokens, draft, replicas, json_out):
               help="Also run the same prompts through LLM.generate here (same threads, no head) and report HTTP/engine.")
 @click.option("--stream-interval", default=1, show_default=True, type=click.IntRange(min=1),
               help="The started app's ingress.stream_interval: streamed chunks carry up to this many tokens.")
+@click.option("--direct-ingress", is_flag=True,
+              help="The started app's ingress.direct: the ingress replica serves HTTP, no Serve proxy (experimental).")
 @click.option("--json", "json_out", default="bench/results/serve.json", show_default=True)
 def bench_serve(url, model, concurrencies, num_prompts, max_tokens, draft, threads, engine_baseline, stream_interval,
-                json_out):
+                direct_ingress, json_out):
     """HTTP load vs the engine itself: request throughput, output tok/s, TTFT, TPOT, ITL per concurrency."""
     from bench.serve import run
 
     run(url=url, model=model, concurrencies=tuple(int(c) for c in concurrencies.split(",")),
         num_prompts=num_prompts, max_tokens=max_tokens, draft=draft, json_out=json_out, threads=threads,
-        engine_baseline=engine_baseline, stream_interval=stream_interval)
+        engine_baseline=engine_baseline, stream_interval=stream_interval, direct_ingress=direct_ingress)
 
 
 @bench.command("mixed")

@@ -30,9 +30,10 @@ def serve(config_path, host, port, address):
             cfg.check_draft_here()
     except ValueError as e:
         fail(str(e))
+    from cluster.config import ConfigError
     from cluster.placement import InsufficientResourcesError
 
     try:
         run_serve(cfg, address=address, blocking=True)
-    except InsufficientResourcesError as e:   # the cluster can never hold this config: say what is missing
+    except (InsufficientResourcesError, ConfigError) as e:   # a config this cluster cannot run: say why
         fail(str(e))
