@@ -104,6 +104,19 @@ def wait_for(pred, timeout: float = 60.0, interval: float = 0.2):
     return False
 
 
+def server_up(proc, url: str, timeout: float) -> bool:
+    """Wait until the server subprocess `proc` answers `url`/health with 200; its output if it exits first."""
+    import requests
+
+    def up():
+        assert proc.poll() is None, proc.stdout.read()[-4000:]
+        try:
+            return requests.get(f"{url}/health", timeout=15).status_code == 200
+        except requests.RequestException:
+            return False
+    return wait_for(up, timeout=timeout, interval=1)
+
+
 def pytest_configure(config):
     # Ray Serve's own pydantic models trip pydantic's deprecation warnings; not ours to fix.
     config.addinivalue_line("filterwarnings", "ignore:Using extra keyword arguments on `Field`")

@@ -11,11 +11,10 @@ import sys
 import openai
 import psutil
 import pytest
-import requests
 from pydantic import ValidationError
 
 from cluster.config import ConfigError, ServeConfig
-from tests.cluster.conftest import FAKE, REPO, _free_port, wait_for
+from tests.cluster.conftest import FAKE, REPO, _free_port, server_up
 from tests.cluster.test_serve_cores import _env
 
 BASE = dict(model="fake", engine=FAKE, limits={"max_model_len": 256, "max_tokens": 32})
@@ -42,13 +41,7 @@ def test_eaglectl_serve_with_direct_ingress_answers_from_the_ingress_replica_on_
                             env=_env(), text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        def up():
-            assert proc.poll() is None, proc.stdout.read()[-4000:]
-            try:
-                return requests.get(f"{url}/health", timeout=15).status_code == 200
-            except requests.RequestException:
-                return False
-        assert wait_for(up, timeout=240, interval=1), "server did not come up"
+        assert server_up(proc, url, timeout=240), "server did not come up"
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
         streamed = [c.choices[0].text for c in client.completions.create(model="fake", prompt="hello", max_tokens=5,
                                                                          stream=True, temperature=0)]

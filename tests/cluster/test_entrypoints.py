@@ -10,10 +10,9 @@ import textwrap
 
 import openai
 import pytest
-import requests
 
 from cluster.config import ServeConfig
-from tests.cluster.conftest import FAKE, REPO, _free_port, wait_for
+from tests.cluster.conftest import FAKE, REPO, _free_port, server_up
 
 
 @pytest.mark.slow  # a Ray cluster and a Serve app in a subprocess
@@ -38,13 +37,7 @@ def test_run_serve_blocking_until_interrupted(tmp_path, stop):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
-        def up():
-            assert proc.poll() is None, proc.stdout.read()[-3000:]
-            try:
-                return requests.get(f"http://127.0.0.1:{port}/health", timeout=15).status_code == 200
-            except requests.RequestException:
-                return False
-        assert wait_for(up, timeout=180, interval=1), "server did not come up"
+        assert server_up(proc, f"http://127.0.0.1:{port}", timeout=180), "server did not come up"
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
         assert client.completions.create(model="fake", prompt="hi", max_tokens=3).usage.completion_tokens == 3
         proc.send_signal(stop)
@@ -117,13 +110,7 @@ def test_serve_cli_with_every_api_key_form_authenticates_each_key(tmp_path):
                             env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
-        def up():
-            assert proc.poll() is None, proc.stdout.read()[-3000:]
-            try:
-                return requests.get(f"{base}/health", timeout=15).status_code == 200
-            except requests.RequestException:
-                return False
-        assert wait_for(up, timeout=180, interval=1), "server did not come up"
+        assert server_up(proc, base, timeout=180), "server did not come up"
         for key in ("inline-key", "env-key", "file-key"):
             client = openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0)
             assert client.completions.create(model="fake", prompt="hi", max_tokens=2).usage.completion_tokens == 2

@@ -14,7 +14,7 @@ import pytest
 import requests
 
 from cluster.cpu_threads import usable_cores
-from tests.cluster.conftest import FAKE, REPO, _free_port, wait_for
+from tests.cluster.conftest import FAKE, REPO, _free_port, server_up, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -68,13 +68,7 @@ def test_eaglectl_serve_without_a_config_runs_one_replica_on_every_core(tmp_path
                             env=_env(), text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        def up():
-            assert proc.poll() is None, proc.stdout.read()[-4000:]
-            try:
-                return requests.get(f"{url}/health", timeout=15).status_code == 200
-            except requests.RequestException:
-                return False
-        assert wait_for(up, timeout=400, interval=2), "server did not come up"
+        assert server_up(proc, url, timeout=400), "server did not come up"
         r = requests.post(f"{url}/v1/completions", json={"model": "gemma-3-270m", "prompt": "Hi", "max_tokens": 2},
                           timeout=300)
         assert r.status_code == 200, r.text
