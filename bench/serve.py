@@ -174,16 +174,13 @@ def local_config(model: str, draft: str | None, name: str, port: int, max_num_se
 def _start_local(model: str, draft: str | None, name: str, port: int, max_num_seqs: int, max_tokens: int,
                  dtype: str, threads: int, stream_interval: int = 1, direct_ingress: bool = False) -> str:
     """Deploy the app on this machine's Ray (started here if needed); its base URL."""
-    from cluster.cpu_threads import serve_env
-    from cluster.serve_app import direct_ingress_env, run_serve
+    from cluster.serve_app import local_ray_env, run_serve
 
+    cfg = local_config(model, draft, name, port, max_num_seqs, max_tokens, dtype, threads, stream_interval, direct_ingress)
     if not os.environ.get("RAY_ADDRESS"):   # as `eaglectl serve` starts its Ray (run_serve)
-        os.environ.update(serve_env())
-        if direct_ingress:
-            os.environ.update(direct_ingress_env(port))
+        os.environ.update(local_ray_env(cfg))
     _RAY.start(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False,
                namespace="eagle-bench", log_to_driver=False, logging_level="WARNING")
-    cfg = local_config(model, draft, name, port, max_num_seqs, max_tokens, dtype, threads, stream_interval, direct_ingress)
     return run_serve(cfg, blocking=False)
 
 

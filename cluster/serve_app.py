@@ -43,6 +43,7 @@ from cluster.router import (
 )
 from cluster.router_state import live_replica_stats
 from cluster.signals import on_stop_signals, restore_signals
+from cluster.tp_group import free_port
 from eagle_worker.engine_api import load_engine_module
 
 logger = logging.getLogger(__name__)
@@ -392,16 +393,17 @@ def direct_ingress_env(port: int) -> dict[str, str]:
             "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 1), "RAY_SERVE_PORT_QUARANTINE_S": "0"}
 
 
+def local_ray_env(config: ServeConfig) -> dict[str, str]:
+    """Environment for a Ray started in this process to serve `config`: Serve's streaming settings,
+    and direct ingress's switch and port when the config asks for it."""
+    return {**serve_env(), **(direct_ingress_env(config.port) if config.ingress.direct else {})}
+
+
 def _http_options(config: ServeConfig) -> dict[str, Any]:
     """Serve's HTTP options. Direct ingress still starts a proxy on the head node (Ray 2.60), which
     must not take the port the ingress replica serves: it listens on a free local port instead."""
-    if not config.ingress.direct:
-        return {"host": config.host, "port": config.port}
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return {"host": config.host, "port": s.getsockname()[1]}
+    port = free_port("127.0.0.1") if config.ingress.direct else config.port
+    return {"host": config.host, "port": port}
 
 
 def run_serve(config: ServeConfig, address: str | None = None, blocking: bool = True) -> str:
@@ -421,9 +423,7 @@ def run_serve(config: ServeConfig, address: str | None = None, blocking: bool = 
                               "RAY_ADDRESS): Serve reads it when its controller starts")
         if not ray.is_initialized():
             if address is None:   # a Ray started here: its Serve proxy takes the streaming fast path too
-                os.environ.update(serve_env())
-                if config.ingress.direct:
-                    os.environ.update(direct_ingress_env(config.port))
+                os.environ.update(local_ray_env(config))
             ray.init(address=address, namespace="eagle-serve", ignore_reinit_error=True)
         serve.start(http_options=_http_options(config))
         deploy_app(config)

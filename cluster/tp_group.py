@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 RENDEZVOUS_TIMEOUT_S = 300
 
 
-def _free_port(host: str) -> int:
+def free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
@@ -139,7 +139,7 @@ class TPGroup:
 
     def _rendezvous(self, world: int) -> None:
         host = ray.util.get_node_ip_address()
-        init_method = f"tcp://{host}:{_free_port(host)}"
+        init_method = f"tcp://{host}:{free_port(host)}"
         refs = [w.init_distributed.remote(self.backend, init_method) for w in self.workers]
         logger.info("TP rendezvous at %s (world=%d, backend=%s)", init_method, world, self.backend)
         _init_process_group(self.backend, init_method, 0, world, self._init_tensor_parallel)
