@@ -52,7 +52,7 @@ import asyncio
 import logging
 import random
 import time
-from collections import defaultdict, deque
+from collections import OrderedDict, defaultdict, deque
 from typing import Any, AsyncIterator, Callable, List, Optional
 
 import ray.exceptions
@@ -136,8 +136,9 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         match must cover, and how much busier than the least-loaded replica a prefix's holder may be)."""
         self.offline_kv_threshold = offline_kv_threshold
         self.kv_weight = kv_weight
-        self._inflight: dict[ReplicaID, int] = defaultdict(int)    # engine requests (`submit`) this caller sent
+        self._inflight: dict[ReplicaID, set[str]] = defaultdict(set)   # ids of engine requests (`submit`) sent
         self._control_ids: set[str] = set()   # other calls in flight (stats, engine_info): they take no engine slot
+        self._ended_unrouted: OrderedDict[str, None] = OrderedDict()   # see on_request_completed
         self._promised: dict[str, tuple[Any, float]] = {}   # offline request id -> (replica given, when)
         self._completed: dict[ReplicaID, deque] = defaultdict(lambda: deque(maxlen=256))  # wall times
         self.prefix_aware = prefix_aware
@@ -161,7 +162,7 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         if fresh and done and queued and stats.get("updated_at"):
             queued -= sum(1 for t in done if t > float(stats["updated_at"]))
         cached = 0 if fresh else self.replica_queue_len_cache.get(replica.replica_id) or 0
-        return max(self._inflight.get(replica.replica_id, 0), queued, cached)
+        return max(len(self._inflight.get(replica.replica_id, ())), queued, cached)
 
     def load(self, replica: RunningReplica) -> float:
         """Lower is better: fraction of capacity in use plus weighted KV usage."""
@@ -298,10 +299,17 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         metadata = getattr(pending_request, "metadata", None)
+        call_id = metadata.internal_request_id
+        ended = call_id in self._ended_unrouted     # it finished before this was called
+        self._ended_unrouted.pop(call_id, None)
         if getattr(metadata, "call_method", "submit") != "submit":   # no engine request: not counted
-            self._control_ids.add(metadata.internal_request_id)
+            if not ended:
+                self._control_ids.add(call_id)
             return
-        self._inflight[replica_id] += 1
+        if ended:
+            self._completed[replica_id].append(time.time())
+        else:
+            self._inflight[replica_id].add(call_id)
         rid = state.request_id(pending_request)
         self._promised.pop(rid, None)
         if self.prefix_aware and rid is not None:    # that replica computes (and caches) this prompt now
@@ -314,15 +322,23 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
             state.routed[rid] = replica_id
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        """Serve calls this for every call it sent, also for ones the replica rejected (never routed)
+        and, racing, for ones that ended before `on_request_routed` ran (its done-callback is queued
+        from another thread). Counting calls instead of ids leaked one slot per such race, and the
+        replica then looked full to offline rows forever; an id not seen yet is remembered instead."""
         if internal_request_id in self._control_ids:
             self._control_ids.discard(internal_request_id)
             return
-        self._completed[replica_id].append(time.time())
-        n = self._inflight.get(replica_id, 0) - 1
-        if n > 0:
-            self._inflight[replica_id] = n
-        else:
-            self._inflight.pop(replica_id, None)
+        calls = self._inflight.get(replica_id)
+        if calls is not None and internal_request_id in calls:
+            calls.discard(internal_request_id)
+            if not calls:
+                self._inflight.pop(replica_id, None)
+            self._completed[replica_id].append(time.time())
+            return
+        self._ended_unrouted[internal_request_id] = None
+        while len(self._ended_unrouted) > 4096:     # rejected calls are never routed: oldest go first
+            self._ended_unrouted.popitem(last=False)
 
     def on_replica_actor_died(self, replica_id: ReplicaID):
         super().on_replica_actor_died(replica_id)

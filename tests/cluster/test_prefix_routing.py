@@ -43,7 +43,8 @@ def _replica(rid, running=0, kv=0.0, alive=True, cap=16, blocks=None):
 
 
 def _pending(rid, prompt, priority=0):
-    return SimpleNamespace(args=[rid, prompt, {}], kwargs={"priority": priority})
+    return SimpleNamespace(args=[rid, prompt, {}], kwargs={"priority": priority},
+                           metadata=SimpleNamespace(call_method="submit", internal_request_id=rid))
 
 
 def _choose(router, replicas, pending) -> list[str]:

@@ -47,6 +47,12 @@ def _replica(rid, running=0, waiting=0, kv=0.0, alive=True, cap=16):
         num_running=running, num_waiting=waiting, kv_usage=kv, engine_alive=alive))
 
 
+def _call(call_id, method="submit", args=(), priority=0):
+    """A pending request as Serve hands it to `on_request_routed`."""
+    return SimpleNamespace(metadata=SimpleNamespace(call_method=method, internal_request_id=call_id),
+                           args=list(args), kwargs={"priority": priority})
+
+
 def _rank(router, replicas, priority=0, rid=None):
     pending = SimpleNamespace(kwargs={"priority": priority}, args=[rid] if rid else [])
     return [rank[0].replica_id for rank in asyncio.run(router.choose_replicas(replicas, pending))]
@@ -65,12 +71,29 @@ def test_kv_pressure_counts():
 def test_local_inflight_reacts_before_stats_refresh():
     r = _router()
     reps = [_replica("a"), _replica("b")]
-    for _ in range(5):
-        r.on_request_routed(None, "a", None)
+    for i in range(5):
+        r.on_request_routed(_call(f"c{i}"), "a", None)
     assert _rank(r, reps)[0] == "b"
-    for _ in range(5):
-        r.on_request_completed("a", "x")
+    for i in range(5):
+        r.on_request_completed("a", f"c{i}")
     assert r._inflight == {}
+
+
+def test_calls_ending_before_they_are_seen_routed_or_rejected_leak_no_slot():
+    """Serve queues a call's done-callback from another thread, so a call that fails at once can
+    end before `on_request_routed` runs; a rejected call ends without ever being routed. Neither
+    may leave the replica counted busy (a leaked count kept offline rows off it forever)."""
+    r = _router()
+    rep = _batch_replica("a", running=0, max_num_seqs=1)
+    r.on_request_completed("a", "fast")                 # ended first ...
+    r.on_request_routed(_call("fast"), "a", None)       # ... then seen routed
+    r.on_request_completed("a", "rejected")             # never routed
+    assert r._inflight == {} and r.offline_room(rep, "row-1")
+    r.on_request_routed(_call("running"), "a", None)
+    r.on_request_completed("a", "rejected-2")           # a rejection does not free the running call's slot
+    assert not r.offline_room(rep, "row-2")
+    r.on_request_completed("a", "running")
+    assert r.offline_room(rep, "row-3")
 
 
 def test_queue_len_cache_counts():
@@ -211,7 +234,7 @@ def test_router_state_survives_serve_pickling_the_router_by_value():
     finally:
         cloudpickle.unregister_pickle_by_value(cluster.router)
     assert routed.__globals__ is not LoadAwareRouter.on_request_routed.__globals__
-    routed(_router(), SimpleNamespace(args=["req-7", "p", {}]), "replica-a", None)
+    routed(_router(), _call("c7", args=["req-7", "p", {}]), "replica-a", None)
     assert router_state.routed == {"req-7": "replica-a"}   # what stream_outputs reads
 
 
@@ -384,19 +407,16 @@ def test_calls_that_are_not_engine_requests_do_not_fill_the_batch_offline_rows_s
     rep = _batch_replica("b", running=1)                    # the engine: 1 of max_num_seqs 4 running
     assert _rank(r, [rep], priority=1, rid="row-1") == ["b"]
     assert _rank(r, [rep], priority=0, rid="chat-1") == ["b"]
-    stats_call = SimpleNamespace(metadata=SimpleNamespace(call_method="stats", internal_request_id="s1"),
-                                 args=[], kwargs={})
-    for _ in range(3):
-        r.on_request_routed(stats_call, "b", None)
+    for i in range(3):
+        r.on_request_routed(_call(f"s{i}", "stats"), "b", None)
     assert r._inflight == {} and r.offline_room(rep, "row-2")
-    r.on_request_completed("b", "s1")
+    for i in range(3):
+        r.on_request_completed("b", f"s{i}")
     assert r._control_ids == set() and "b" not in r._completed   # its end frees no engine slot
-    row = SimpleNamespace(metadata=SimpleNamespace(call_method="submit", internal_request_id="r1"),
-                          args=["row-3"], kwargs={"priority": 1})
-    for _ in range(3):
-        r.on_request_routed(row, "b", None)
-    assert r._inflight["b"] == 3 and r.offline_room(rep, "row-4")
-    r.on_request_routed(row, "b", None)
+    for i in range(3):
+        r.on_request_routed(_call(f"r{i}", args=[f"row-{i}"], priority=1), "b", None)
+    assert len(r._inflight["b"]) == 3 and r.offline_room(rep, "row-4")
+    r.on_request_routed(_call("r3", args=["row-3"], priority=1), "b", None)
     assert not r.offline_room(rep, "row-5")                 # 4 rows sent here: the batch is full
 
 
@@ -460,7 +480,7 @@ def test_a_burst_of_offline_rows_cannot_overfill_a_batch_before_any_is_routed():
         for _ in range(3):
             r._fulfill_next_pending_request(replica)
         assert [pr.future.done() for pr in reqs] == [True, False, False]
-        r.on_request_routed(SimpleNamespace(args=["row-0"], kwargs={"priority": 1}), "one-slot-left", None)
+        r.on_request_routed(_call("c0", args=["row-0"], priority=1), "one-slot-left", None)
         assert r._promised == {}
     finally:
         loop.close()

@@ -117,10 +117,10 @@ def test_submit_job_serve_app_refusals_are_one_line(tmp_path):
 
 @pytest.mark.slow
 def test_kill_9_mid_job_through_the_app_then_rerun_has_every_id_once(tmp_path, cluster, tiny_app):
-    n = 300
+    n = 160
     inp = write_parquet(tmp_path / "in.parquet", prompt=[_prompt(i) for i in range(n)])
     out = tmp_path / "in.out"
-    cfg = JobConfig(input=str(inp), serve_app=tiny_app["name"], max_tokens=8, rows_per_file=40)
+    cfg = JobConfig(input=str(inp), serve_app=tiny_app["name"], max_tokens=8, rows_per_file=20)
     proc = subprocess.Popen(_driver_args(cluster, cfg), cwd=REPO, env=cluster["env"], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     t0 = time.monotonic()
@@ -278,10 +278,10 @@ def test_an_app_deleted_mid_job_fails_it_and_a_rerun_resumes_once_it_is_back(tmp
     app_cfg = ServeConfig(model=tiny_model, draft=None, app_name="doomed", num_replicas=1,
                           resources_per_rank={"cpu": 0.5}, limits={"max_model_len": 128, "max_num_seqs": 8})
     _deploy(app_cfg)
-    n = 400
+    n = 200
     inp = write_parquet(tmp_path / "in.parquet", prompt=[_prompt(i) for i in range(n)])
     out = tmp_path / "in.out"
-    cfg = JobConfig(input=str(inp), output=str(out), serve_app="doomed", max_tokens=8, rows_per_file=50,
+    cfg = JobConfig(input=str(inp), output=str(out), serve_app="doomed", max_tokens=8, rows_per_file=25,
                     commit_interval_s=1)
     proc = _start(cluster, cfg)
     _wait_rows(proc, out, 2)
@@ -309,10 +309,10 @@ def test_submit_job_serve_app_on_the_cluster_cancel_status_and_resume(tmp_path, 
     from cluster import backlog
     from jobs.app_link import backlog_key
 
-    n = 600
+    n = 240
     inp = write_parquet(tmp_path / "in.parquet", prompt=[_prompt(i) for i in range(n)])
     out = tmp_path / "in.out"
-    args = ["submit-job", inp, "--serve-app", "tiny", "--max-tokens", "8", "--rows-per-file", "50",
+    args = ["submit-job", inp, "--serve-app", "tiny", "--max-tokens", "8", "--rows-per-file", "25",
             "--address", cluster["dashboard"]]
     res = cli(*args, "--job-id", "app-job-1", "--no-wait", env=cluster["env"], timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
