@@ -388,9 +388,14 @@ DIRECT_INGRESS = "RAY_SERVE_ENABLE_DIRECT_INGRESS"
 def direct_ingress_env(port: int) -> dict[str, str]:
     """Environment for a Ray whose Serve runs without a proxy: the ingress replica takes `port` (the
     range is that one port; Ray's maximum is exclusive) and gets it back at once after a restart
-    (Serve holds a freed port back for HAProxy, which this setup does not run)."""
+    (Serve holds a freed port back for HAProxy, which this setup does not run). A stopping ingress
+    drains for 30 s by default, for a load balancer to take it out of rotation; with one ingress
+    replica on one machine that only delayed Ctrl-C by 30 s, so it drains for as long as its
+    requests take unless the environment sets the period."""
+    drain = os.environ.get("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "0")
     return {DIRECT_INGRESS: "1", "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
-            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 1), "RAY_SERVE_PORT_QUARANTINE_S": "0"}
+            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 1), "RAY_SERVE_PORT_QUARANTINE_S": "0",
+            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": drain}
 
 
 def local_ray_env(config: ServeConfig) -> dict[str, str]:
