@@ -95,8 +95,9 @@ class LocalCluster:
         self.stop()
 
 
-def kill_tree(marker: str, timeout: float = 5.0) -> None:
-    """Terminate the processes whose command line contains `marker`, and their children, by pid."""
+def kill_tree(marker: str, timeout: float = 1.0) -> None:
+    """Terminate the processes whose command line contains `marker`, and their children, by pid
+    (a throwaway cluster: what has not ended a second after SIGTERM is killed)."""
     import psutil
 
     me = os.getpid()

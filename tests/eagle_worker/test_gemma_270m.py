@@ -60,16 +60,16 @@ def test_logits_match_transformers_prefill_and_paged_decode(llm, reference):
 
 
 def test_greedy_equals_transformers_generate_alone_and_in_batch(llm, reference):
-    params = SamplingParams(max_tokens=32, temperature=0.0)
+    params = SamplingParams(max_tokens=20, temperature=0.0)
     expected = []
     for p in PROMPTS:
         ids = llm.tokenizer(p, return_tensors="pt").input_ids
-        out = reference.generate(ids, max_new_tokens=32, do_sample=False)[0, ids.shape[1]:].tolist()
+        out = reference.generate(ids, max_new_tokens=20, do_sample=False)[0, ids.shape[1]:].tolist()
         expected.append(out)
     alone = [llm.generate(p, params)[0].token_ids for p in PROMPTS]
     assert alone == expected
     mixed = FILLERS[:1] + PROMPTS[:3] + FILLERS[1:] + PROMPTS[3:]          # 8 requests, mixed lengths
-    mixed_params = [SamplingParams(max_tokens=n, temperature=0.0) for n in (5, 32, 32, 32, 12, 20, 32, 32)]
+    mixed_params = [SamplingParams(max_tokens=n, temperature=0.0) for n in (5, 20, 20, 20, 12, 16, 20, 20)]
     outs = {p: o.token_ids for p, o in zip(mixed, llm.generate(mixed, mixed_params))}
     assert [outs[p] for p in PROMPTS] == expected
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks

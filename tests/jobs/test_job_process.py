@@ -18,7 +18,7 @@ def _committed(out):
 
 
 def test_sigkill_mid_job_then_rerun_has_every_id_once(tmp_path, tiny_model):
-    n = 2000
+    n = 1000
     inp = write_parquet(tmp_path / "in.parquet", prompt=[f"the quick brown fox {i}" for i in range(n)])
     out = tmp_path / "in.out"
     args = ["submit-job", inp, "--model", tiny_model, "--draft", "none", "--max-tokens", "2",

@@ -15,7 +15,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):\n", "Question: Name th
            "The quick brown fox jumps over the lazy dog. The quick brown fox",
            "Question: Repeat after me: to be or not to be.\nAnswer: to be or not to be. to be",
            "1, 2, 3, 4, 5, 6, 7, 8,"]
-GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 KV = dict(dtype="float32", kv_cache_gb=0.5)
 
 
