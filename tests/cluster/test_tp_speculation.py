@@ -84,11 +84,16 @@ def test_a_head_that_does_not_fit_fails_the_deployment_with_the_engines_reason(d
 
 
 def _kill_one_rank_worker() -> int:
-    """SIGKILL the process of one non-zero TP rank (a TPRankWorker actor, `ray::TPRankWorker...`)."""
+    """SIGKILL the process of one non-zero TP rank (a TPRankWorker actor, `ray::TPRankWorker...`) of
+    this process's Ray (its raylet is our child): another test process may run TP ranks too."""
     import psutil
 
-    for proc in psutil.process_iter(["cmdline"]):
-        if any("TPRankWorker" in part for part in proc.info["cmdline"] or ()):
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            cmdline = proc.cmdline()
+        except psutil.Error:
+            continue
+        if any("TPRankWorker" in part for part in cmdline):
             os.kill(proc.pid, signal.SIGKILL)
             return proc.pid
     raise AssertionError("no TP rank worker process found")
