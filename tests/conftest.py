@@ -162,20 +162,10 @@ SLOW_FIXTURES = frozenset({
 })
 
 
-# Two pytest workers (`-n 2 --dist loadgroup` in pyproject.toml): the suite waits on subprocesses,
-# Ray and HTTP about half of its time, so on 2 cores two streams of tests finish in about two
-# thirds of one stream's time. Each worker takes one group whole, in collection order: the Serve
-# and deployment tests (one session Ray cluster, torn down after its last test) and the
-# speculation tests in one, the jobs and the engine in the other.
-SERVE_GROUP = ("tests/cluster/", "tests/deploy/", "tests/test_packaging.py", "tests/eagle_worker/speculative/")
-
-
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
-        serve = item.nodeid.startswith(SERVE_GROUP)
-        item.add_marker(pytest.mark.xdist_group("serve" if serve else "engine-and-jobs"))
 
 
 @pytest.fixture(autouse=True)

@@ -13,7 +13,7 @@ KV = dict(dtype="float32", kv_cache_gb=0.25)
 
 
 def _params(i: int, **kw) -> SamplingParams:
-    return SamplingParams(max_tokens=14, temperature=1.0, seed=42 + i, ignore_eos=True, **kw)
+    return SamplingParams(max_tokens=10, temperature=1.0, seed=42 + i, ignore_eos=True, **kw)
 
 
 def test_same_seed_same_tokens_with_every_method_on_the_default_model(default_model_dir):
