@@ -52,7 +52,7 @@ import asyncio
 import logging
 import random
 import time
-from collections import OrderedDict, defaultdict, deque
+from collections import defaultdict, deque
 from typing import Any, AsyncIterator, Callable, List, Optional
 
 import ray.exceptions
@@ -138,7 +138,7 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         self.kv_weight = kv_weight
         self._inflight: dict[ReplicaID, set[str]] = defaultdict(set)   # ids of engine requests (`submit`) sent
         self._control_ids: set[str] = set()   # other calls in flight (stats, engine_info): they take no engine slot
-        self._ended_unrouted: OrderedDict[str, None] = OrderedDict()   # see on_request_completed
+        self._ended_unrouted: dict[str, None] = {}   # call ids, oldest first: see on_request_completed
         self._promised: dict[str, tuple[Any, float]] = {}   # offline request id -> (replica given, when)
         self._completed: dict[ReplicaID, deque] = defaultdict(lambda: deque(maxlen=256))  # wall times
         self.prefix_aware = prefix_aware
@@ -298,11 +298,11 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         self._remove_pending_request_from_indices(pick)
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
-        metadata = getattr(pending_request, "metadata", None)
+        metadata = pending_request.metadata
         call_id = metadata.internal_request_id
         ended = call_id in self._ended_unrouted     # it finished before this was called
         self._ended_unrouted.pop(call_id, None)
-        if getattr(metadata, "call_method", "submit") != "submit":   # no engine request: not counted
+        if metadata.call_method != "submit":   # no engine request: not counted
             if not ended:
                 self._control_ids.add(call_id)
             return
@@ -324,8 +324,8 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         """Serve calls this for every call it sent, also for ones the replica rejected (never routed)
         and, racing, for ones that ended before `on_request_routed` ran (its done-callback is queued
-        from another thread). Counting calls instead of ids leaked one slot per such race, and the
-        replica then looked full to offline rows forever; an id not seen yet is remembered instead."""
+        from another thread). Counted by id, so neither leaks a slot (a leaked one kept offline rows
+        off the replica for good); an id not seen yet is remembered for `on_request_routed`."""
         if internal_request_id in self._control_ids:
             self._control_ids.discard(internal_request_id)
             return
@@ -338,7 +338,7 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
             return
         self._ended_unrouted[internal_request_id] = None
         while len(self._ended_unrouted) > 4096:     # rejected calls are never routed: oldest go first
-            self._ended_unrouted.popitem(last=False)
+            self._ended_unrouted.pop(next(iter(self._ended_unrouted)))
 
     def on_replica_actor_died(self, replica_id: ReplicaID):
         super().on_replica_actor_died(replica_id)
