@@ -41,6 +41,12 @@ def _command_line() -> str:
 @click.option("--ttt-steps", default=3, show_default=True, type=int, help="Unrolled draft steps (training-time test).")
 @click.option("--self-distill", default=0, show_default=True, type=int, help="Prompts whose responses the target regenerates.")
 @click.option("--distill-tokens", default=128, show_default=True, type=int, help="New tokens per self-distilled response.")
+@click.option("--distill-batch", default=64, show_default=True, type=click.IntRange(min=1),
+              help="Prompts per self-distillation batch (larger on a GPU).")
+@click.option("--distill-seconds", default=None, type=click.FloatRange(min=0),
+              help="Time budget for self-distilling the training prompts; those not reached are left out.")
+@click.option("--feature-batch-tokens", default=2048, show_default=True, type=click.IntRange(min=1),
+              help="Tokens per target forward when computing training features (larger on a GPU).")
 @click.option("--fixed-text", default=None, type=int,
               help="Keep at most this many of the other samples as fixed text (default: all).")
 @click.option("--drop-responses", is_flag=True, help="Ignore responses in the data (prompt-only text or self-distill).")
@@ -61,7 +67,8 @@ def _command_line() -> str:
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--no-progress", is_flag=True)
 def train_head(target, fmt, data, out, work_dir, prompt_format, init_head, draft_vocab_size, steps, epochs, lr, warmup_steps,
-               batch_tokens, max_tokens, ttt_steps, self_distill, distill_tokens, fixed_text, drop_responses, heldout,
+               batch_tokens, max_tokens, ttt_steps, self_distill, distill_tokens, distill_batch, distill_seconds,
+               feature_batch_tokens, fixed_text, drop_responses, heldout,
                checkpoint_every, eval_every, eval_prompts, online, full_vocab_labels, dtype, bf16, device, threads, seed,
                no_progress):
     """Train an EAGLE-3 (or EAGLE-1) draft head for TARGET on prompts/responses from --data."""
@@ -80,7 +87,8 @@ def train_head(target, fmt, data, out, work_dir, prompt_format, init_head, draft
     cfg = PipelineConfig(target=target, out=out, data=list(data), format=fmt, work_dir=work_dir, dtype=dtype, device=device,
                          prompt_format=prompt_format.replace("\\n", "\n"), max_tokens=max_tokens,
                          draft_vocab_size=draft_vocab_size, init_head=init_head, self_distill=self_distill,
-                         distill_tokens=distill_tokens, fixed_text=fixed_text,
+                         distill_tokens=distill_tokens, distill_batch=distill_batch, distill_seconds=distill_seconds,
+                         extract_batch_tokens=feature_batch_tokens, fixed_text=fixed_text,
                          drop_responses=drop_responses, heldout=heldout, full_vocab_labels=full_vocab_labels, online=online,
                          eval_prompts=eval_prompts, seed=seed, train=tc,
                          command=_command_line())

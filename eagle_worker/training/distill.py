@@ -6,6 +6,7 @@ Why: the head must predict what *this* target says next; training on its own con
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -13,9 +14,12 @@ from eagle_worker.training.render import Example
 
 
 def self_distill(llm, prompts: list[list[int]], sources: list[str], max_new_tokens: int,
-                 batch: int = 64, progress: bool = True, partial: str | Path | None = None) -> list[Example]:
+                 batch: int = 64, progress: bool = True, partial: str | Path | None = None,
+                 seconds: float | None = None) -> list[Example]:
     """Greedy continuations of `prompts` (token ids) by the engine; examples = prompt + output.
-    With `partial`, each finished batch is appended there and a rerun skips those prompts."""
+    With `partial`, each finished batch is appended there and a rerun skips those prompts. With
+    `seconds`, no new batch starts after that long: the prompts not reached are left out (a time
+    budget for a machine whose decoding speed is not known in advance)."""
     from eagle_worker.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0)
@@ -23,8 +27,10 @@ def self_distill(llm, prompts: list[list[int]], sources: list[str], max_new_toke
     if partial and Path(partial).exists():
         done = [json.loads(x) for x in Path(partial).read_text().split("\n") if x.strip()]
     out = [Example(**d["example"]) for d in done if d["example"]]
-    start = len(done)
+    start, t0 = len(done), time.monotonic()
     for i in range(start, len(prompts), batch):
+        if seconds is not None and time.monotonic() - t0 >= seconds:
+            break
         chunk = prompts[i:i + batch]
         recs = []
         for p, src, r in zip(chunk, sources[i:i + batch], llm.generate(chunk, params, use_tqdm=progress)):

@@ -37,6 +37,8 @@ class PipelineConfig:
     draft_vocab_size: int = 16384
     self_distill: int = 0                  # prompts whose response the target regenerates
     distill_tokens: int = 128
+    distill_batch: int = 64                # prompts per self-distillation generate() call
+    distill_seconds: float | None = None   # stop starting new distillation batches after this long
     fixed_text: int | None = None          # cap on the other training samples kept as fixed text (None: all)
     drop_responses: bool = False           # ignore given responses (prompt-only prefill or distill)
     heldout: int = 16                      # held-out samples (acceptance is reported on them)
@@ -116,7 +118,8 @@ def build_examples(cfg: PipelineConfig, llm, work: Path) -> tuple[list[Example],
         keep = [(p if len(p) <= max_prompt else p[:1] + p[len(p) - max_prompt + 1:], s.source) for p, s in zip(ps, ss)]
         _log(f"self-distilling {len(keep)} {tag} prompts x {cfg.distill_tokens} tokens")
         return self_distill(llm, [k[0] for k in keep], [k[1] for k in keep], cfg.distill_tokens,
-                            partial=work / f"distill_{tag}.partial.jsonl")
+                            batch=cfg.distill_batch, partial=work / f"distill_{tag}.partial.jsonl",
+                            seconds=cfg.distill_seconds if tag == "train" else None)
 
     def fixed(ss):
         return [e for s in ss if (e := render(tok, s, cfg.prompt_format, template, cfg.max_tokens)) is not None]

@@ -128,7 +128,7 @@ def test_train_head_eagle1_online(sharp_model, data_file, tmp_path):
             "--prompt-format", "{prompt}", "--self-distill", "1000", "--distill-tokens", "40", "--max-tokens", "64",
             "--batch-tokens", "512", "--steps", "16", "--lr", "1e-2", "--warmup-steps", "4", "--ttt-steps", "2",
             "--checkpoint-every", "8", "--eval-every", "16", "--heldout", "4", "--eval-prompts", "0",
-            "--online", "--device", "cpu", "--no-progress"]
+            "--online", "--distill-batch", "7", "--feature-batch-tokens", "100", "--device", "cpu", "--no-progress"]
     r = CliRunner().invoke(train_head, args, catch_exceptions=False)
     assert r.exit_code == 0, r.output
     assert not (out / "work" / "features" / "train").exists()
@@ -141,6 +141,20 @@ def test_train_head_eagle1_online(sharp_model, data_file, tmp_path):
     outs = spec.generate(PROMPTS[:4], params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     assert sum(o.metrics["mean_accepted_tokens"] for o in outs) / 4 > 1.3
+
+
+def test_self_distill_batches_and_time_budget(sharp_model, tmp_path):
+    """Batches of any size give the same continuations; a spent time budget starts no batch, and
+    a budget left open distils every prompt."""
+    from eagle_worker.llm import LLM
+    from eagle_worker.training.distill import self_distill
+
+    llm = LLM(model=str(sharp_model))
+    prompts = [llm.tokenizer.encode(p) for p in PROMPTS[:5]]
+    whole = self_distill(llm, prompts, ["s"] * 5, 6, batch=64, progress=False)
+    assert [e.ids[:e.loss_start] for e in whole] == prompts and all(len(e.ids) == e.loss_start + 6 for e in whole)
+    assert self_distill(llm, prompts, ["s"] * 5, 6, batch=2, progress=False, seconds=1e9) == whole
+    assert self_distill(llm, prompts, ["s"] * 5, 6, batch=2, progress=False, seconds=0) == []
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
