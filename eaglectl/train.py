@@ -34,6 +34,8 @@ def _command_line() -> str:
 @click.option("--draft-vocab-size", default=16384, show_default=True, type=int, help="EAGLE-3 draft vocabulary.")
 @click.option("--steps", default=None, type=int, help="Optimizer steps (default: --epochs over the data).")
 @click.option("--epochs", default=1.0, show_default=True, type=float)
+@click.option("--train-seconds", default=None, type=click.FloatRange(min=0),
+              help="Time budget for training: the planned steps are cut to what the measured pace fits.")
 @click.option("--lr", default=3e-4, show_default=True, type=float)
 @click.option("--warmup-steps", default=50, show_default=True, type=int)
 @click.option("--batch-tokens", default=4096, show_default=True, type=int, help="Tokens per optimizer step.")
@@ -66,7 +68,8 @@ def _command_line() -> str:
 @click.option("--threads", default=None, type=int, help="torch threads.")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--no-progress", is_flag=True)
-def train_head(target, fmt, data, out, work_dir, prompt_format, init_head, draft_vocab_size, steps, epochs, lr, warmup_steps,
+def train_head(target, fmt, data, out, work_dir, prompt_format, init_head, draft_vocab_size, steps, epochs, train_seconds, lr,
+               warmup_steps,
                batch_tokens, max_tokens, ttt_steps, self_distill, distill_tokens, distill_batch, distill_seconds,
                feature_batch_tokens, fixed_text, drop_responses, heldout,
                checkpoint_every, eval_every, eval_prompts, online, full_vocab_labels, dtype, bf16, device, threads, seed,
@@ -81,7 +84,8 @@ def train_head(target, fmt, data, out, work_dir, prompt_format, init_head, draft
         click.echo("error: --prompt-format must be 'chat' or contain {prompt}", err=True)
         sys.exit(2)
     row_len = max(64, max_tokens)
-    tc = TrainConfig(steps=steps, epochs=epochs, lr=lr, warmup_steps=warmup_steps, batch_tokens=max(batch_tokens, row_len),
+    tc = TrainConfig(steps=steps, epochs=epochs, seconds=train_seconds, lr=lr, warmup_steps=warmup_steps,
+                     batch_tokens=max(batch_tokens, row_len),
                      row_len=row_len, ttt_steps=ttt_steps, bf16=bf16, checkpoint_every=checkpoint_every,
                      eval_every=eval_every, seed=seed, threads=threads)
     cfg = PipelineConfig(target=target, out=out, data=list(data), format=fmt, work_dir=work_dir, dtype=dtype, device=device,

@@ -25,6 +25,7 @@ from eagle_worker.training.ttt import Rows, chain_accepted, unrolled_forward
 class TrainConfig:
     steps: int | None = None          # optimizer steps; None: `epochs` over the data
     epochs: float = 1.0
+    seconds: float | None = None      # time budget: the plan is cut to the steps that fit (cosine included)
     lr: float = 3e-4
     min_lr_ratio: float = 0.1
     warmup_steps: int = 50
@@ -280,6 +281,14 @@ class Trainer:
         return {"heldout_acc": [c / max(1, v) for c, v in zip(correct, valid)],
                 "heldout_chain_tau": 1 + acc_sum / max(1, bases), "heldout_positions": bases}
 
+    def _fit_budget(self, elapsed: float, steps_done: int) -> None:
+        """With a time budget, cut the plan to the steps the measured pace fits into what is left
+        (10% kept for evaluations and checkpoints), so the schedule still ends at its low rate."""
+        if self.cfg.seconds is None or steps_done < 10:
+            return
+        left = 0.9 * self.cfg.seconds - elapsed
+        self.total = min(self.total, self.step + max(0, int(left / (elapsed / steps_done))))
+
     def fit(self, progress: bool = True) -> dict:
         from tqdm import tqdm
 
@@ -292,6 +301,7 @@ class Trainer:
             for b, rows in epoch_batches(self.train_store, cfg, self.epoch, self.produce, skip=self.batch_in_epoch):
                 m = self.train_step(rows)
                 self.batch_in_epoch = b + 1
+                self._fit_budget(time.time() - t0, self.step - start_step)
                 tokens += m["tokens"]
                 rec = {"step": self.step, "epoch": self.epoch, **m, "lr": self.opt.param_groups[0]["lr"],
                        "s_per_step": (time.time() - t0) / max(1, self.step - start_step)}

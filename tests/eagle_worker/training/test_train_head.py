@@ -128,7 +128,8 @@ def test_train_head_eagle1_online(sharp_model, data_file, tmp_path):
             "--prompt-format", "{prompt}", "--self-distill", "1000", "--distill-tokens", "40", "--max-tokens", "64",
             "--batch-tokens", "512", "--steps", "16", "--lr", "1e-2", "--warmup-steps", "4", "--ttt-steps", "2",
             "--checkpoint-every", "8", "--eval-every", "16", "--heldout", "4", "--eval-prompts", "0",
-            "--online", "--distill-batch", "7", "--feature-batch-tokens", "100", "--device", "cpu", "--no-progress"]
+            "--online", "--distill-batch", "7", "--feature-batch-tokens", "100", "--train-seconds", "1e6",
+            "--device", "cpu", "--no-progress"]
     r = CliRunner().invoke(train_head, args, catch_exceptions=False)
     assert r.exit_code == 0, r.output
     assert not (out / "work" / "features" / "train").exists()
@@ -164,3 +165,19 @@ def test_train_head_on_a_missing_gpu_says_so(sharp_model, data_file, tmp_path):
     r = CliRunner().invoke(train_head, args)
     assert r.exit_code == 2 and "'cuda'" in r.output and "CUDA is not available" in r.output
     assert not (tmp_path / "h" / "model.safetensors").exists()
+
+
+def test_a_time_budget_cuts_the_plan_to_the_measured_pace():
+    from types import SimpleNamespace
+
+    from eagle_worker.training.trainer import TrainConfig, Trainer
+
+    def cut(seconds, elapsed, done, total=1000, step=20):
+        t = SimpleNamespace(cfg=TrainConfig(seconds=seconds), total=total, step=step)
+        Trainer._fit_budget(t, elapsed, done)
+        return t.total
+
+    assert cut(10.0, 2.0, 20) == 90          # 0.1 s a step, 7 s left of 90% of 10 s: 70 more steps
+    assert cut(10.0, 9.5, 20) == 20          # past the budget: stop at once
+    assert cut(1e6, 2.0, 20) == 1000         # a budget larger than the plan changes nothing
+    assert cut(None, 2.0, 20) == 1000 and cut(10.0, 2.0, 5) == 1000   # no budget; pace not yet measured
