@@ -164,6 +164,16 @@ def engine_tau(target: str, dtype: str, head_dir: str | Path, prompts: list[list
             "acceptance_rate_per_depth": llm.engine.stats().get("acceptance_rate_per_depth")}
 
 
+def _distill_engine_args(cfg: PipelineConfig) -> dict:
+    """The training engine holds a whole distillation batch at once (KV for every sequence, prefill
+    chunks to match) and does not speculate: batches are large, where drafting pays least, and a
+    head being (re)trained for this target must not need one to exist."""
+    block = 16
+    return {"spec": None, "block_size": block, "max_num_seqs": cfg.distill_batch,
+            "max_num_batched_tokens": max(1024, 16 * cfg.distill_batch),
+            "num_kv_blocks": cfg.distill_batch * (-(-cfg.max_tokens // block) + 1)}
+
+
 def run(cfg: PipelineConfig, progress: bool = True) -> dict:
     from eagle_worker.llm import LLM
     from eagle_worker.speculative.head_init import new_head
@@ -175,7 +185,7 @@ def run(cfg: PipelineConfig, progress: bool = True) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     (work / "pipeline_config.json").write_text(json.dumps(asdict(cfg), indent=1) + "\n")
     t_start = time.time()
-    llm = LLM(model=cfg.target, dtype=cfg.dtype, device=cfg.device)
+    llm = LLM(model=cfg.target, dtype=cfg.dtype, device=cfg.device, **_distill_engine_args(cfg))
     runner = llm.engine.runner
     model, hf_config = runner.model, runner.hf_config
     train_ex, held_ex, held_prompts = build_examples(cfg, llm, work)
