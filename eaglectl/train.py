@@ -68,12 +68,10 @@ def _command_line() -> str:
 @click.option("--threads", default=None, type=int, help="torch threads.")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--no-progress", is_flag=True)
-def train_head(target, fmt, data, out, work_dir, prompt_format, init_head, draft_vocab_size, steps, epochs, train_seconds, lr,
-               warmup_steps,
-               batch_tokens, max_tokens, ttt_steps, self_distill, distill_tokens, distill_batch, distill_seconds,
-               feature_batch_tokens, fixed_text, drop_responses, heldout,
-               checkpoint_every, eval_every, eval_prompts, online, full_vocab_labels, dtype, bf16, device, threads, seed,
-               no_progress):
+def train_head(target, fmt, data, out, work_dir, prompt_format, init_head, draft_vocab_size, steps, epochs, train_seconds,
+               lr, warmup_steps, batch_tokens, max_tokens, ttt_steps, self_distill, distill_tokens, distill_batch,
+               distill_seconds, feature_batch_tokens, fixed_text, drop_responses, heldout, checkpoint_every, eval_every,
+               eval_prompts, online, full_vocab_labels, dtype, bf16, device, threads, seed, no_progress):
     """Train an EAGLE-3 (or EAGLE-1) draft head for TARGET on prompts/responses from --data."""
     import json
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from eagle_worker.config import EngineConfig
 from eagle_worker.training.data import load_samples
 from eagle_worker.training.distill import self_distill
 from eagle_worker.training.features import Extractor, FeatureSpec, FeatureStore, OnlineFeatures, extract
@@ -113,20 +114,20 @@ def build_examples(cfg: PipelineConfig, llm, work: Path) -> tuple[list[Example],
     n_distill = min(cfg.self_distill, len(train_s))
     max_prompt = cfg.max_tokens - cfg.distill_tokens
 
-    def distilled(ss, tag):
+    def distilled(ss, tag, seconds=None):
         ps = [prompt_ids(tok, s, cfg.prompt_format, template) for s in ss]
         keep = [(p if len(p) <= max_prompt else p[:1] + p[len(p) - max_prompt + 1:], s.source) for p, s in zip(ps, ss)]
         _log(f"self-distilling {len(keep)} {tag} prompts x {cfg.distill_tokens} tokens")
         return self_distill(llm, [k[0] for k in keep], [k[1] for k in keep], cfg.distill_tokens,
                             batch=cfg.distill_batch, partial=work / f"distill_{tag}.partial.jsonl",
-                            seconds=cfg.distill_seconds if tag == "train" else None)
+                            seconds=seconds)
 
     def fixed(ss):
         return [e for s in ss if (e := render(tok, s, cfg.prompt_format, template, cfg.max_tokens)) is not None]
 
     def train_make():
         rest = train_s[n_distill:] if cfg.fixed_text is None else train_s[n_distill:n_distill + cfg.fixed_text]
-        return (distilled(train_s[:n_distill], "train") if n_distill else []) + fixed(rest)
+        return (distilled(train_s[:n_distill], "train", cfg.distill_seconds) if n_distill else []) + fixed(rest)
 
     def held_make():   # the held-out set is what serving sees: the target's own continuations
         return distilled(held_s, "held-out") if cfg.self_distill else fixed(held_s)
@@ -168,8 +169,8 @@ def _distill_engine_args(cfg: PipelineConfig) -> dict:
     """The training engine holds a whole distillation batch at once (KV for every sequence, prefill
     chunks to match) and does not speculate: batches are large, where drafting pays least, and a
     head being (re)trained for this target must not need one to exist."""
-    block = 16
-    return {"spec": None, "block_size": block, "max_num_seqs": cfg.distill_batch,
+    block = EngineConfig.block_size
+    return {"spec": None, "max_num_seqs": cfg.distill_batch,
             "max_num_batched_tokens": max(1024, 16 * cfg.distill_batch),
             "num_kv_blocks": cfg.distill_batch * (-(-cfg.max_tokens // block) + 1)}
 

@@ -18,7 +18,7 @@ from eagle_worker.config import EngineConfig
 
 PROMPTS = ["The quick brown fox", "def add(a, b):\n", "Question: what is two plus two?\nAnswer:", "x",
            "Speculative decoding drafts tokens and verifies them in one pass.",
-           "red green blue red green blue red green"]   # ends on a seen bigram: lookup drafts at once
+           "red green blue red green blue red green"]   # repeats itself: lookup has occurrences to copy
 GREEDY = dict(max_tokens=24, temperature=0.0, ignore_eos=True)
 SAMPLED = dict(max_tokens=16, temperature=1.0, top_k=3, ignore_eos=True)
 
