@@ -177,9 +177,20 @@ def test_a_poison_request_takes_down_two_replicas_and_no_more(deploy):
     r = requests.post(f"{trio.url}/v1/completions", timeout=120,
                       json={"model": MODEL, "prompt": "[die-always:1] poison", "max_tokens": 8})
     assert r.status_code == 500 and r.json()["error"]["code"] == "replicas_died", r.text
-    assert wait_for(lambda: len(replicas()) == 3 and len(before - replicas()) == 2, 180), (before, replicas())
-    assert len(before & replicas()) == 1     # the third one lives on
+    assert "2 replicas died while serving it" in r.json()["error"]["message"]
+    assert wait_for(lambda: len(replicas()) == 3 and len(before - replicas()) >= 2, 180), (before, replicas())
+    # The poison kills every replica it runs on: exactly two replica processes crashed. (Whether Serve
+    # also restarts the third for a slow health check on a loaded 2-core machine is Serve's business.)
+    assert len(_crashed_replicas("trio")) == 2, _crashed_replicas("trio")
     assert trio.client.completions.create(model=MODEL, prompt="fine", max_tokens=2).usage.completion_tokens == 2
+
+
+def _crashed_replicas(app_name: str) -> list[str]:
+    """Replica actors of the app whose process crashed (not stopped by Serve), from the GCS actor table."""
+    import ray
+    return [a["ActorID"] for a in ray._private.state.actors().values()
+            if a["ActorClassName"] == f"ServeReplica:{app_name}:LLMServer" and a["State"] == "DEAD"
+            and "SYSTEM_ERROR" in str(a.get("DeathCause"))]
 
 
 def _wait_healthy(app):
