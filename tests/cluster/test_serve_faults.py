@@ -179,9 +179,10 @@ def test_a_poison_request_takes_down_two_replicas_and_no_more(deploy):
     assert r.status_code == 500 and r.json()["error"]["code"] == "replicas_died", r.text
     assert "2 replicas died while serving it" in r.json()["error"]["message"]
     assert wait_for(lambda: len(replicas()) == 3 and len(before - replicas()) >= 2, 180), (before, replicas())
-    # The poison kills every replica it runs on: exactly two replica processes crashed. (Whether Serve
-    # also restarts the third for a slow health check on a loaded 2-core machine is Serve's business.)
-    assert len(_crashed_replicas("trio")) == 2, _crashed_replicas("trio")
+    # The poison kills every replica it runs on: exactly two replica processes crashed. (Serve may also
+    # replace the third on a loaded CI machine, as one run saw; that is a stop, not a crash.)
+    crashed = _crashed_replicas("trio")
+    assert len(crashed) == 2, crashed
     assert trio.client.completions.create(model=MODEL, prompt="fine", max_tokens=2).usage.completion_tokens == 2
 
 
