@@ -173,7 +173,8 @@ class EagleWorker:
         if self.head is not None:
             self._write_prompt_head_kv(prefill)
         t2 = time.perf_counter()
-        self._account(batch, items, decodes, budget if trees else 0, len(trees), new_tokens, t0, t1, t2)
+        self._account(batch, items, decodes, sum(it.num_tokens for it, _ in prefill), budget if trees else 0, len(trees),
+                      new_tokens, t0, t1, t2)
         return new_tokens
 
     def _ready(self, seq: Sequence) -> bool:
@@ -473,7 +474,9 @@ class EagleWorker:
                 self.totals["accepted_at_depth"][d - 1] += 1
                 per[d - 1] += 1
 
-    def _account(self, batch, items, decodes, budget, trees, new_tokens, t0, t1, t2) -> None:
+    def _account(self, batch, items, decodes, prefill, budget, trees, new_tokens, t0, t1, t2) -> None:
+        """`prefill`: prompt tokens of the step's prefill chunks, counted before the step committed
+        them (after it, every chunk, a decode too, looks unfinished)."""
         self.totals["draft_s"] += t1 - t0
         self.totals["verify_s"] += t2 - t1
         self.totals["spec_steps" if budget else "plain_steps"] += 1
@@ -484,7 +487,6 @@ class EagleWorker:
             produced = sum(len(new_tokens.get(it.seq.request_id, ())) for it in decodes)
             self.policy.observe(len(decodes), budget, produced, step_s)
         if self.spec.lookup:            # the hybrid prices rows from every step's rows and seconds
-            prefill = sum(it.num_tokens for it in batch if it.num_tokens > 1 or not it.completes)
             rows = sum(len(x.logit_rows) for x in items)
             sampled = sum(len(x.logit_rows) for it, x in zip(batch, items) if not argmax_suffices([it.seq.params]))
             self.hybrid.observe(StepWork(len(batch), rows, *self.head_work, prefill_tokens=prefill,

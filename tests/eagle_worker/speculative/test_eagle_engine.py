@@ -135,3 +135,20 @@ def test_policy_drops_speculation_where_it_loses():
         policy.observe(32, n, int({0: 300, 2: 250, 4: 200, 8: 150, 16: 90}[n] * 0.1), 0.1)
     assert 3 <= rechecks <= 10
     assert SpecPolicy(num_draft_tokens=16, adaptive=False).choose(64) == 16
+
+
+def test_the_step_cost_sees_prefill_tokens_only_where_prompts_were_fed(tiny_model_dir):
+    """What the hybrid's cost fit learns from: a step of decodes alone has no prefill tokens, and
+    the steps' prefill tokens add up to the prompts' (a decode must not look like a prompt chunk,
+    which it does once the step has committed it)."""
+    llm = LLM(model=str(tiny_model_dir("llama")), block_size=4, num_kv_blocks=256, max_num_batched_tokens=7,
+              spec=SpecConfig(draft=None, lookup=True))
+    seen = []
+    observe = llm.engine.worker.hybrid.observe
+    llm.engine.worker.hybrid.observe = lambda work, seconds: (seen.append(work), observe(work, seconds))
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    llm.generate(PROMPTS, params)
+    prompt_tokens = sum(len(llm.tokenizer.encode(p)) for p in PROMPTS)
+    assert sum(w.prefill_tokens for w in seen) == prompt_tokens
+    decode_only = [w for w in seen if w.prefill_tokens == 0]
+    assert len(decode_only) >= 10 and all(w.target_rows >= w.sequences for w in decode_only)
