@@ -145,3 +145,14 @@ def test_the_int8_screen_serves_only_where_the_integer_gemm_is_fast(int_mm_secon
                 assert torch.equal(head.greedy(h), head(h).argmax(-1))
     finally:
         fast_int8_gemm.cache_clear()
+
+
+def test_the_int8_screen_serves_only_the_row_counts_where_it_is_faster():
+    """A bfloat16 LM head is screened for 1-3 rows only (from 4 rows its own GEMM plus `max` is as
+    fast), a float32 one up to 12 (measured: see Int8ArgmaxScreen.MAX_ROWS)."""
+    for dtype, most in ((torch.bfloat16, 3), (torch.float32, 12)):
+        w = torch.zeros(64, 16, dtype=dtype)
+        served = Int8ArgmaxScreen.serves(w)      # False where the CPU has no fast int8 GEMM
+        with torch.inference_mode():
+            assert [Int8ArgmaxScreen.usable(w, torch.zeros(m, 16, dtype=dtype)) for m in (0, 1, most, most + 1)] == \
+                [False, served, served, False]
