@@ -474,8 +474,8 @@ class EagleWorker:
                 self.totals["accepted_at_depth"][d - 1] += 1
                 per[d - 1] += 1
 
-    def _account(self, batch, items, decodes, prefill, budget, trees, new_tokens, t0, t1, t2) -> None:
-        """`prefill`: prompt tokens of the step's prefill chunks, counted before the step committed
+    def _account(self, batch, items, decodes, prefill_tokens, budget, trees, new_tokens, t0, t1, t2) -> None:
+        """`prefill_tokens`: prompt tokens of the step's prefill chunks, counted before the step committed
         them (after it, every chunk, a decode too, looks unfinished)."""
         self.totals["draft_s"] += t1 - t0
         self.totals["verify_s"] += t2 - t1
@@ -489,7 +489,7 @@ class EagleWorker:
         if self.spec.lookup:            # the hybrid prices rows from every step's rows and seconds
             rows = sum(len(x.logit_rows) for x in items)
             sampled = sum(len(x.logit_rows) for it, x in zip(batch, items) if not argmax_suffices([it.seq.params]))
-            self.hybrid.observe(StepWork(len(batch), rows, *self.head_work, prefill_tokens=prefill,
+            self.hybrid.observe(StepWork(len(batch), rows, *self.head_work, prefill_tokens=prefill_tokens,
                                          sampled_rows=sampled, trees=trees), step_s)
 
     def stats(self) -> dict:
