@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 TREES = ("dynamic", "static", "chain")
+HEAD_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 @dataclass
@@ -24,6 +25,8 @@ class SpecConfig:
     lookup_ngram: tuple[int, int] = (2, 5)   # n-gram lengths matched, longest first
     lookup_max_tokens: int = 8          # tokens per lookup branch
     lookup_max_branches: int = 3        # matches (branches) per step
+    head_dtype: str = "auto"            # the head's weights and KV: "auto" (bfloat16 under a float32 target
+                                        # where the device has bf16 arithmetic, else the target's), or a dtype
 
     def __post_init__(self) -> None:
         if self.draft is None and not self.lookup:
@@ -31,6 +34,8 @@ class SpecConfig:
         self.lookup_ngram = tuple(self.lookup_ngram)
         if len(self.lookup_ngram) != 2 or not 1 <= self.lookup_ngram[0] <= self.lookup_ngram[1]:
             raise ValueError(f"SpecConfig.lookup_ngram must be (min, max) with 1 <= min <= max, got {self.lookup_ngram!r}")
+        if self.head_dtype not in HEAD_DTYPES:
+            raise ValueError(f"SpecConfig.head_dtype must be one of {HEAD_DTYPES}, got {self.head_dtype!r}")
         if self.method not in (None, "eagle", "eagle3"):
             raise ValueError(f"SpecConfig.method must be 'eagle' or 'eagle3', got {self.method!r}")
         if self.tree not in TREES:

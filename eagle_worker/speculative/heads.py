@@ -156,6 +156,7 @@ class TargetVocab:
         return F.embedding(input_ids, self.table)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        hidden = hidden.to(self.lm_head_weight.dtype)     # a head may run in another dtype than the target
         if self.lm_head is None:
             return self.target.compute_logits(hidden)
         logits = linear(hidden, self.lm_head)
@@ -223,8 +224,8 @@ class Eagle1Head(DraftHead):
         return self.config.hidden_size
 
     def forward(self, features: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        emb = self.embed(input_ids).to(features.dtype)
-        h = self.fc(torch.cat([emb, features], dim=-1))
+        dtype = self.fc.weight.dtype                     # the target's features may be wider
+        h = self.fc(torch.cat([self.embed(input_ids).to(dtype), features.to(dtype)], dim=-1))
         return self.layers[0](positions, h)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -255,7 +256,7 @@ class Eagle3Head(DraftHead):
     def forward(self, features: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """`features` is either the fused target hidden states [T, n_aux*H] (first step) or the
         head's own previous output [T, H] (later steps)."""
-        h = self.fc(features) if features.shape[-1] != self.config.hidden_size else features
+        h = self.fc(features.to(self.fc.weight.dtype)) if features.shape[-1] != self.config.hidden_size else features
         emb = self.embed(input_ids).to(h.dtype)
         return self.midlayer(positions, emb, h)
 

@@ -35,7 +35,7 @@ from eagle_worker.speculative.acceptance import Acceptance, accept_batch
 from eagle_worker.speculative.config import SpecConfig
 from eagle_worker.speculative.draft_tree import DraftTree, StepMode
 from eagle_worker.speculative.drafter import Drafter, DraftSeq, DraftState
-from eagle_worker.speculative.head_loader import load_draft_head
+from eagle_worker.speculative.head_loader import head_dtype, load_draft_head
 from eagle_worker.speculative.heads import DraftHead, TargetVocab
 from eagle_worker.speculative.hybrid import HybridSplit, HybridState, StepContext
 from eagle_worker.speculative.lookup import NgramIndex, merge_branches, prune_to_best
@@ -76,14 +76,16 @@ class EagleWorker:
         if head is None and spec.draft:
             # the head runs on rank 0 alone; under TP it borrows full copies of the sharded vocab tables
             vocab = TargetVocab(runner.model, *runner.gather_vocab()) if tp_size() > 1 else None
-            head = load_draft_head(spec.draft, runner.model, runner.hf_config, vocab)
+            head = load_draft_head(spec.draft, runner.model, runner.hf_config, vocab,
+                                   head_dtype(spec.head_dtype, runner.dtype, runner.device))
         self.head = head
         if self.head is not None and spec.method and spec.method != self.head.kind:
             raise ValueError(f"SpecConfig.method={spec.method!r} but the head at {spec.draft} is {self.head.kind!r}")
         for layer in self.head.attention_layers() if self.head else []:   # one layer of KV, target's slot numbering
             shape = (runner.kv_cache.shape[2], layer.num_kv_heads, layer.head_dim)
-            layer.k_cache = zeroed(shape, runner.dtype, runner.device)
-            layer.v_cache = zeroed(shape, runner.dtype, runner.device)
+            dtype = next(self.head.parameters()).dtype
+            layer.k_cache = zeroed(shape, dtype, runner.device)
+            layer.v_cache = zeroed(shape, dtype, runner.device)
         self.drafter = Drafter(self.head, runner.device) if self.head else None
         if spec.tree == "chain":
             self.shape = chain(spec.depth)

@@ -120,20 +120,24 @@ def test_speculation_settings():
                       limits={"max_num_batched_tokens": 256})
     kw = cfg.engine_kwargs()
     assert kw["spec"] == {"draft": "default", "tree": "chain", "depth": 3, "top_k": 8, "num_draft_tokens": 16,
-                          "adaptive": False, "lookup": True}
+                          "adaptive": False, "lookup": True, "head_dtype": "auto"}
     assert kw["max_num_batched_tokens"] == 256
     with pytest.raises(ConfigError, match="speculation needs a draft head"):
         ServeConfig.from_dict({"draft": None, "speculation": {"lookup": False}})
     assert ServeConfig.from_dict({"draft": None, "speculation": {"lookup": True}}).engine_kwargs()["spec"]["draft"] is None
     with pytest.raises(ConfigError, match="speculation.tree"):
         ServeConfig.from_dict({"draft": "default", "speculation": {"tree": "bushy"}})
+    with pytest.raises(ConfigError, match="speculation.head_dtype"):
+        ServeConfig.from_dict({"draft": "default", "speculation": {"head_dtype": "int8"}})
 
 
 def test_engine_config_from_serve_config():
     from cluster.replica import engine_config
 
-    ec = engine_config(ServeConfig(draft="default", speculation={"tree": "static", "adaptive": False}))
+    ec = engine_config(ServeConfig(draft="default", speculation={"tree": "static", "adaptive": False,
+                                                                 "head_dtype": "float32"}))
     assert ec.spec.tree == "static" and ec.spec.draft == "default" and not ec.spec.adaptive
+    assert ec.spec.head_dtype == "float32"
     assert engine_config(ServeConfig(limits={"max_model_len": 512})).max_model_len == 512
 
 

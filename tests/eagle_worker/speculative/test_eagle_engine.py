@@ -44,6 +44,24 @@ def test_greedy_with_random_head_equals_plain(family, kind, tiny_model_dir, tmp_
     assert_no_leaks(spec.engine)
 
 
+@pytest.mark.parametrize("head_dtype", ["float32", "bfloat16"])
+def test_head_runs_in_its_own_dtype_beside_a_float32_target(head_dtype, copying_target):
+    """A bf16 head (what "auto" picks under a float32 target on hardware with bf16 arithmetic)
+    drafts from the target's float32 features into its own bf16 KV: still exact and still accepting."""
+    target, head = copying_target
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    expected = [o.token_ids for o in LLM(model=str(target), block_size=4, num_kv_blocks=512).generate(PROMPTS, params)]
+    spec = LLM(model=str(target), block_size=4, num_kv_blocks=512,
+               spec=SpecConfig(draft=str(head), lookup=False, adaptive=False, head_dtype=head_dtype))
+    worker, want = spec.engine.worker, getattr(torch, head_dtype)
+    assert next(spec.engine.runner.model.parameters()).dtype == torch.float32
+    assert {p.dtype for p in worker.head.parameters()} == {want}
+    assert {layer.k_cache.dtype for layer in worker.head.attention_layers()} == {want}
+    outs = spec.generate(PROMPTS, params)
+    assert [o.token_ids for o in outs] == expected
+    assert min(o.metrics["mean_accepted_tokens"] for o in outs) > 2.0
+
+
 @pytest.mark.parametrize("tree", ["dynamic", "static", "chain"])
 def test_accepting_head_is_lossless_and_fast_in_mixed_batches(tree, copying_target):
     target, head = copying_target
