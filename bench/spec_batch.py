@@ -30,19 +30,21 @@ from bench.prompts import PROMPT_FORMAT, SPEC_BENCH, load_questions, render
 METHODS = ("vanilla", "default", "head", "lookup", "hybrid")
 
 
-def spec_for(method: str, model: str, draft: str):
+def spec_for(method: str, model: str, draft: str, head_dtype: str = "auto"):
     from eagle_worker.speculative.config import SpecConfig, default_spec
 
     if method == "vanilla":
         return None                     # spec=None: no speculation
     if method == "default":
-        return default_spec("auto" if draft == "default" else draft, model)
+        spec = default_spec("auto" if draft == "default" else draft, model)
+        spec.head_dtype = head_dtype
+        return spec
     if method == "head":
-        return SpecConfig(draft=draft, lookup=False, adaptive=False)
+        return SpecConfig(draft=draft, lookup=False, adaptive=False, head_dtype=head_dtype)
     if method == "lookup":
         return SpecConfig(draft=None, lookup=True, adaptive=False)
     if method == "hybrid":
-        return SpecConfig(draft=draft, lookup=True, adaptive=False)
+        return SpecConfig(draft=draft, lookup=True, adaptive=False, head_dtype=head_dtype)
     raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
 
 
@@ -76,7 +78,7 @@ def run(model: str = "gemma-3-270m", prompts_file: str | Path = SPEC_BENCH, per_
         max_tokens: int = 128, dtype: str = "float32", draft: str = "default",
         methods: tuple[str, ...] = METHODS, batch_sizes: tuple[int, ...] = (1, 4, 8, 16, 32, 64),
         rounds: int = 1, temperature: float = 0.0, device: str = "cpu", threads: int | None = None,
-        json_out: str | None = "bench/results/spec_batch.json", min_prompts: int = 13) -> dict:
+        json_out: str | None = "bench/results/spec_batch.json", min_prompts: int = 13, head_dtype: str = "auto") -> dict:
     from eagle_worker import LLM, SamplingParams
 
     if "vanilla" not in methods:
@@ -88,7 +90,7 @@ def run(model: str = "gemma-3-270m", prompts_file: str | Path = SPEC_BENCH, per_
         by_cat.setdefault(r.get("category", "default"), []).append(render(r))
     prompts = [p for group in itertools.zip_longest(*by_cat.values()) for p in group if p is not None]
     kv_gb = max(1.0, 36e3 * max(batch_sizes) * (max_tokens + 400) / 2**30 * (1 if dtype == "float32" else 0.5) * 1.5)
-    engines = {m: LLM(model=model, dtype=dtype, device=device, spec=spec_for(m, model, draft), kv_cache_gb=kv_gb,
+    engines = {m: LLM(model=model, dtype=dtype, device=device, spec=spec_for(m, model, draft, head_dtype), kv_cache_gb=kv_gb,
                       max_num_seqs=max(batch_sizes)) for m in methods}
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True,
                             seed=0 if temperature else None)
@@ -99,6 +101,7 @@ def run(model: str = "gemma-3-270m", prompts_file: str | Path = SPEC_BENCH, per_
     report = {"meta": {"model": model, "dtype": dtype, "device": device, "max_tokens": max_tokens,
                        "prompt_format": PROMPT_FORMAT, "prompts": str(prompts_file), "per_category": per_category,
                        "rounds": rounds, "min_prompts": min_prompts, "temperature": temperature, "draft": draft,
+                       "head_dtype": head_dtype,
                        "methods": list(methods),
                        "torch": torch.__version__, "transformers": transformers.__version__,
                        "threads": torch.get_num_threads()},

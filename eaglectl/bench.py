@@ -55,11 +55,14 @@ def bench_decode(model, dtypes, batch_sizes, max_tokens, json_out, threads, roun
               help="2: vanilla TP 1 (1 and 2 threads), vanilla/head/hybrid TP 2 on CPU (gloo), greedy, with the "
                    "collectives' share of a step (bench/spec_tp.py; --methods, --sweep, --draft, --temperature, "
                    "tree and --warmup options do not apply).")
+@click.option("--head-dtype", default="auto", show_default=True,
+              type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+              help="With --batch-sizes: the dtype the head runs in (SpecConfig.head_dtype).")
 @click.option("--batch-sizes", default=None,
               help="Batch sizes: every method at each (bench/spec_batch.py: vanilla, the default, the fixed head, "
                    "lookup and hybrid trees); with --tp-size 2 [default 1,8] the sizes the TP run measures.")
 def bench_spec(model, prompts_file, per_category, max_tokens, dtype, draft, methods, json_out, threads,
-               temperature, num_draft_tokens, depth, top_k, rounds, device, warmup, tp_size, batch_sizes):
+               temperature, num_draft_tokens, depth, top_k, rounds, device, warmup, tp_size, head_dtype, batch_sizes):
     """Vanilla, transformers (plain, prompt lookup), our lookup, EAGLE chain/static/dynamic, hybrid at
     batch 1; or, with --batch-sizes, the default against the fixed methods at every batch size."""
     from bench.prompts import SPEC_BENCH
@@ -74,6 +77,9 @@ def bench_spec(model, prompts_file, per_category, max_tokens, dtype, draft, meth
             raise click.BadParameter(f"not a list of integers: {batch_sizes!r}", param_hint="--batch-sizes") from None
         if not sizes or min(sizes) < 1:
             raise click.BadParameter("batch sizes must be positive integers", param_hint="--batch-sizes")
+    if head_dtype != "auto" and (batch_sizes is None or tp_size == "2"):
+        raise click.BadParameter("applies to the batch-size sweep only (--batch-sizes without --tp-size 2)",
+                                 param_hint="--head-dtype")
     if tp_size == "2":
         from bench.spec_tp import run as run_tp
 
@@ -101,7 +107,7 @@ def bench_spec(model, prompts_file, per_category, max_tokens, dtype, draft, meth
         run_batch(model=model, prompts_file=prompts_file or SPEC_BENCH, per_category=per_category,
                   max_tokens=max_tokens, dtype=dtype, draft=draft, methods=chosen, batch_sizes=sizes,
                   rounds=rounds or 1, temperature=temperature, device=device, threads=threads,
-                  json_out=json_out or f"bench/results/spec_batch_{dtype}.json")
+                  json_out=json_out or f"bench/results/spec_batch_{dtype}.json", head_dtype=head_dtype)
         return
     try:
         run(model=model, prompts_file=prompts_file or SPEC_BENCH, per_category=per_category, max_tokens=max_tokens,

@@ -205,3 +205,27 @@ def test_bench_spec_tp_refuses_options_it_cannot_honour():
                        (["--batch-sizes", "0"], "--batch-sizes")):
         res = CliRunner().invoke(bench_spec, ["--tp-size", "2", *args])
         assert res.exit_code == 2 and hint in res.output, res.output
+
+
+def test_bench_spec_head_dtype_reaches_every_head_method_of_the_sweep(monkeypatch):
+    """`--head-dtype` sets the head's dtype of the default, head and hybrid methods; where nothing
+    would read it (batch 1 methods, the TP run) it is refused, not ignored."""
+    import inspect
+
+    from bench import spec_batch
+
+    calls = []
+
+    def fake_run(*args, **kwargs):
+        inspect.signature(spec_batch.run).bind(*args, **kwargs)
+        calls.append(kwargs)
+
+    monkeypatch.setattr(spec_batch, "run", fake_run)
+    res = CliRunner().invoke(bench_spec, ["--batch-sizes", "1,8", "--head-dtype", "float32"])
+    assert res.exit_code == 0, res.output
+    assert calls[0]["head_dtype"] == "float32"
+    for method in ("default", "head", "hybrid"):
+        assert spec_batch.spec_for(method, "gemma-3-270m", "default", "float32").head_dtype == "float32"
+    for args in ([], ["--tp-size", "2"]):
+        res = CliRunner().invoke(bench_spec, [*args, "--head-dtype", "float32"])
+        assert res.exit_code == 2 and "--head-dtype" in res.output, res.output
