@@ -52,8 +52,9 @@ def _engine_counts(llm) -> dict:
     worker = getattr(llm.engine, "worker", None)
     totals = getattr(worker, "totals", None)
     if not totals or "draft_nodes" not in totals:
-        return {"draft_nodes": 0, "decode_seq_steps": 0}
-    return {"draft_nodes": totals["draft_nodes"], "decode_seq_steps": totals["decode_seq_steps"]}
+        return {"draft_nodes": 0, "decode_seq_steps": 0, "draft_s": 0.0}
+    return {"draft_nodes": totals["draft_nodes"], "decode_seq_steps": totals["decode_seq_steps"],
+            "draft_s": totals["draft_s"]}
 
 
 def _once(llm, batch: list[str], params) -> dict:
@@ -71,6 +72,7 @@ def _once(llm, batch: list[str], params) -> dict:
     seq_steps = after["decode_seq_steps"] - before["decode_seq_steps"]
     return {"seconds": seconds, "tokens": tokens, "tok_s": tokens / seconds, "tau": tokens / forwards,
             "nodes_per_seq_step": (after["draft_nodes"] - before["draft_nodes"]) / seq_steps if seq_steps else 0.0,
+            "draft_share": (after["draft_s"] - before["draft_s"]) / seconds,   # lookup, the choice, the head's passes
             "steps_by_source": steps}
 
 
@@ -148,6 +150,7 @@ def _summarise(bs: int, runs: dict[str, list[list[dict]]]) -> dict:
             "ratio": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)], "pairs": len(ratios),
             "tau": statistics.mean(r["tau"] for r in flat),
             "nodes_per_seq_step": statistics.mean(r["nodes_per_seq_step"] for r in flat),
+            "draft_share": statistics.mean(r["draft_share"] for r in flat),
             "steps_by_source": {k: v / total for k, v in sorted(steps.items())} if total else {}}
     return row
 
@@ -165,9 +168,11 @@ def _print(report: dict) -> None:
     print("\n| batch | " + " | ".join(methods) + " |\n|---:|" + "---:|" * len(methods))
     for row in report["batches"]:
         _print_row(row)
-    print("\n| batch | default: nodes per sequence-step | default: steps by source |\n|---:|---:|---|")
+    print("\n| batch | default: nodes per sequence-step | default: steps by source | drafting's share of the time: "
+          + ", ".join(m for m in methods if m != "vanilla") + " |\n|---:|---:|---|---|")
     for row in report["batches"]:
         d = row["methods"].get("default")
-        if d:
-            src = ", ".join(f"{k} {v:.0%}" for k, v in d["steps_by_source"].items())
-            print(f"| {row['batch']} | {d['nodes_per_seq_step']:.2f} | {src} |")
+        src = ", ".join(f"{k} {v:.0%}" for k, v in d["steps_by_source"].items()) if d else "-"
+        shares = ", ".join(f"{r.get('draft_share', 0.0):.1%}" for m, r in row["methods"].items() if m != "vanilla")
+        print(f"| {row['batch']} | {d['nodes_per_seq_step']:.2f} | {src} | {shares} |" if d else
+              f"| {row['batch']} | - | - | {shares} |")
