@@ -370,7 +370,7 @@ def head_dtype(setting: str, target_dtype: torch.dtype, device: torch.device) ->
     where the device has bf16 arithmetic (a CUDA GPU that supports it, a CPU with AVX512-BF16 or
     AMX), else the target's. The head only proposes: the target verifies every token in its own
     dtype, so the output does not change, and the head was trained under bf16 autocast anyway; its
-    GEMMs are 2-4x faster in bf16 on such a CPU (the head's passes are most of its drafting cost)."""
+    GEMMs are about 2x faster in bf16 on such a CPU (the head's passes are most of its drafting cost)."""
     if setting != "auto":
         return getattr(torch, setting)
     if target_dtype == torch.float32 and fast_bf16(torch.device(device)):

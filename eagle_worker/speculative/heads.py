@@ -256,7 +256,8 @@ class Eagle3Head(DraftHead):
     def forward(self, features: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """`features` is either the fused target hidden states [T, n_aux*H] (first step) or the
         head's own previous output [T, H] (later steps)."""
-        h = self.fc(features.to(self.fc.weight.dtype)) if features.shape[-1] != self.config.hidden_size else features
+        dtype = self.fc.weight.dtype                     # the target's features may be wider
+        h = self.fc(features.to(dtype)) if features.shape[-1] != self.config.hidden_size else features.to(dtype)
         emb = self.embed(input_ids).to(h.dtype)
         return self.midlayer(positions, emb, h)
 
