@@ -20,6 +20,7 @@ import itertools
 import json
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -37,8 +38,7 @@ def spec_for(method: str, model: str, draft: str, head_dtype: str = "auto"):
         return None                     # spec=None: no speculation
     if method == "default":
         spec = default_spec("auto" if draft == "default" else draft, model)
-        spec.head_dtype = head_dtype
-        return spec
+        return replace(spec, head_dtype=head_dtype) if spec is not None else None
     if method == "head":
         return SpecConfig(draft=draft, lookup=False, adaptive=False, head_dtype=head_dtype)
     if method == "lookup":

@@ -208,3 +208,10 @@ def native_bf16() -> bool:
     except OSError:
         return False
     return bool(flags & {"avx512_bf16", "amx_bf16"}) and torch.backends.mkldnn.is_available()
+
+
+def fast_bf16(device: torch.device) -> bool:
+    """`device` has bf16 arithmetic: a CUDA GPU that supports it, or a CPU with bf16 dot products."""
+    if device.type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    return device.type == "cpu" and native_bf16()

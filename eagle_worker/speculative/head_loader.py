@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from eagle_worker.layers.argmax_screen import native_bf16
+from eagle_worker.layers.argmax_screen import fast_bf16
 from eagle_worker.layers.linear import default_weight_loader
 from eagle_worker.layers.rotary import rope_config
 from eagle_worker.parallel import single_rank
@@ -376,12 +376,6 @@ def head_dtype(setting: str, target_dtype: torch.dtype, device: torch.device) ->
     if target_dtype == torch.float32 and fast_bf16(torch.device(device)):
         return torch.bfloat16
     return target_dtype
-
-
-def fast_bf16(device: torch.device) -> bool:
-    if device.type == "cuda":
-        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    return device.type == "cpu" and native_bf16()
 
 
 def build_head_like_target(cfg: HeadConfig, target: nn.Module, vocab: TargetVocab | None = None,

@@ -224,7 +224,7 @@ class Eagle1Head(DraftHead):
         return self.config.hidden_size
 
     def forward(self, features: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        dtype = self.fc.weight.dtype                     # the target's features may be wider
+        dtype = self.fc.weight.dtype                     # the target's features may be in another dtype
         h = self.fc(torch.cat([self.embed(input_ids).to(dtype), features.to(dtype)], dim=-1))
         return self.layers[0](positions, h)
 
@@ -256,7 +256,7 @@ class Eagle3Head(DraftHead):
     def forward(self, features: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """`features` is either the fused target hidden states [T, n_aux*H] (first step) or the
         head's own previous output [T, H] (later steps)."""
-        dtype = self.fc.weight.dtype                     # the target's features may be wider
+        dtype = self.fc.weight.dtype                     # the target's features may be in another dtype
         h = self.fc(features.to(dtype)) if features.shape[-1] != self.config.hidden_size else features.to(dtype)
         emb = self.embed(input_ids).to(h.dtype)
         return self.midlayer(positions, emb, h)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from eagle_worker.layers.argmax_screen import fast_bf16
 from eagle_worker.speculative.heads import DraftHead
 from eagle_worker.training.features import FeatureStore, OnlineFeatures, Seq, load_shard
 from eagle_worker.training.ttt import Rows, chain_accepted, unrolled_forward
@@ -44,17 +45,6 @@ class TrainConfig:
     shards_in_memory: int = 4
     seed: int = 0
     threads: int | None = None
-
-
-def bf16_supported() -> bool:
-    """The hardware has bf16 arithmetic (CUDA, or a CPU with AVX512-BF16/AMX)."""
-    if torch.cuda.is_available():
-        return torch.cuda.is_bf16_supported()
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def plan_rows(lengths: list[int], row_len: int) -> list[list[int]]:
@@ -200,7 +190,7 @@ class Trainer:
         self.total = cfg.steps or max(1, int(self.spe * cfg.epochs))
         self.step, self.epoch, self.batch_in_epoch = 0, 0, 0
         self.history: list[dict] = []
-        self.autocast = cfg.bf16 == "on" or (cfg.bf16 == "auto" and self.device.type == "cuda" and bf16_supported())
+        self.autocast = cfg.bf16 == "on" or (cfg.bf16 == "auto" and self.device.type == "cuda" and fast_bf16(self.device))
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:

@@ -226,6 +226,7 @@ def test_bench_spec_head_dtype_reaches_every_head_method_of_the_sweep(monkeypatc
     assert calls[0]["head_dtype"] == "float32"
     for method in ("default", "head", "hybrid"):
         assert spec_batch.spec_for(method, "gemma-3-270m", "default", "float32").head_dtype == "float32"
+    assert spec_batch.spec_for("default", "gemma-3-270m", "none", "float32") is None     # --draft none: no speculation
     for args in ([], ["--tp-size", "2"]):
         res = CliRunner().invoke(bench_spec, [*args, "--head-dtype", "float32"])
         assert res.exit_code == 2 and "--head-dtype" in res.output, res.output

@@ -365,16 +365,17 @@ def test_config_promising_qkv_bias_without_tensors_is_refused(tmp_path):
 
 
 def test_auto_head_dtype_is_bf16_under_a_float32_target_only_where_bf16_is_fast(monkeypatch):
+    from eagle_worker.layers import argmax_screen
     from eagle_worker.speculative import head_loader
     from eagle_worker.speculative.config import SpecConfig
 
     cpu = torch.device("cpu")
-    monkeypatch.setattr(head_loader, "native_bf16", lambda: True)
+    monkeypatch.setattr(argmax_screen, "native_bf16", lambda: True)
     assert head_loader.head_dtype("auto", torch.float32, cpu) == torch.bfloat16
     assert head_loader.head_dtype("auto", torch.bfloat16, cpu) == torch.bfloat16
     assert head_loader.head_dtype("auto", torch.float16, cpu) == torch.float16      # never widened or changed
     assert head_loader.head_dtype("float32", torch.float32, cpu) == torch.float32    # asked for: kept
-    monkeypatch.setattr(head_loader, "native_bf16", lambda: False)                   # bf16 emulated: no gain
+    monkeypatch.setattr(argmax_screen, "native_bf16", lambda: False)                   # bf16 emulated: no gain
     assert head_loader.head_dtype("auto", torch.float32, cpu) == torch.float32
     assert head_loader.head_dtype("bfloat16", torch.float32, cpu) == torch.bfloat16
     with pytest.raises(ValueError, match="head_dtype"):
