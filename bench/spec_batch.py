@@ -31,7 +31,7 @@ from bench.prompts import PROMPT_FORMAT, SPEC_BENCH, load_questions, render
 METHODS = ("vanilla", "default", "head", "lookup", "hybrid")
 
 
-def spec_for(method: str, model: str, draft: str, head_dtype: str = "auto"):
+def spec_for(method: str, model: str, draft: str, head_dtype: str = "target"):
     from eagle_worker.speculative.config import SpecConfig, default_spec
 
     if method == "vanilla":
@@ -80,7 +80,7 @@ def run(model: str = "gemma-3-270m", prompts_file: str | Path = SPEC_BENCH, per_
         max_tokens: int = 128, dtype: str = "float32", draft: str = "default",
         methods: tuple[str, ...] = METHODS, batch_sizes: tuple[int, ...] = (1, 4, 8, 16, 32, 64),
         rounds: int = 1, temperature: float = 0.0, device: str = "cpu", threads: int | None = None,
-        json_out: str | None = "bench/results/spec_batch.json", min_prompts: int = 13, head_dtype: str = "auto") -> dict:
+        json_out: str | None = "bench/results/spec_batch.json", min_prompts: int = 13, head_dtype: str = "target") -> dict:
     from eagle_worker import LLM, SamplingParams
 
     if "vanilla" not in methods:

@@ -176,9 +176,9 @@ class SpeculationConfig(_Strict):
     num_draft_tokens: int = Field(16, ge=1, description="tree nodes verified per step")
     adaptive: bool = Field(True, description="size the tree per step from batch size and measured speed")
     lookup: bool = Field(True, description="also propose prompt-lookup continuations (false: the head alone)")
-    head_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="the head's dtype: auto = bfloat16 under a float32 target where the device has bf16 "
-        "arithmetic, else the target's (the target verifies every token: the output does not change)")
+    head_dtype: Literal["target", "auto", "float32", "bfloat16", "float16"] = Field(
+        "target", description="the head's dtype: the target's, or auto = bfloat16 under a float32 target where the "
+        "device has bf16 arithmetic (the target verifies every token: the output does not change)")
 
 
 class IngressConfig(_Strict):

@@ -55,8 +55,8 @@ def bench_decode(model, dtypes, batch_sizes, max_tokens, json_out, threads, roun
               help="2: vanilla TP 1 (1 and 2 threads), vanilla/head/hybrid TP 2 on CPU (gloo), greedy, with the "
                    "collectives' share of a step (bench/spec_tp.py; --methods, --sweep, --draft, --temperature, "
                    "tree and --warmup options do not apply).")
-@click.option("--head-dtype", default="auto", show_default=True,
-              type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+@click.option("--head-dtype", default="target", show_default=True,
+              type=click.Choice(["target", "auto", "float32", "bfloat16", "float16"]),
               help="With --batch-sizes: the dtype the head runs in (SpecConfig.head_dtype).")
 @click.option("--batch-sizes", default=None,
               help="Batch sizes: every method at each (bench/spec_batch.py: vanilla, the default, the fixed head, "
@@ -77,7 +77,7 @@ def bench_spec(model, prompts_file, per_category, max_tokens, dtype, draft, meth
             raise click.BadParameter(f"not a list of integers: {batch_sizes!r}", param_hint="--batch-sizes") from None
         if not sizes or min(sizes) < 1:
             raise click.BadParameter("batch sizes must be positive integers", param_hint="--batch-sizes")
-    if head_dtype != "auto" and (batch_sizes is None or tp_size == "2"):
+    if head_dtype != "target" and (batch_sizes is None or tp_size == "2"):
         raise click.BadParameter("applies to the batch-size sweep only (--batch-sizes without --tp-size 2)",
                                  param_hint="--head-dtype")
     if tp_size == "2":

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 TREES = ("dynamic", "static", "chain")
-HEAD_DTYPES = ("auto", "float32", "bfloat16", "float16")
+HEAD_DTYPES = ("target", "auto", "float32", "bfloat16", "float16")
 
 
 @dataclass
@@ -25,8 +25,8 @@ class SpecConfig:
     lookup_ngram: tuple[int, int] = (2, 5)   # n-gram lengths matched, longest first
     lookup_max_tokens: int = 8          # tokens per lookup branch
     lookup_max_branches: int = 3        # matches (branches) per step
-    head_dtype: str = "auto"            # the head's weights and KV: "auto" (bfloat16 under a float32 target
-                                        # where the device has bf16 arithmetic, else the target's), or a dtype
+    head_dtype: str = "target"          # the head's weights and KV: the target's dtype, "auto" (bfloat16 under a
+                                        # float32 target where the device has bf16 arithmetic), or a dtype
 
     def __post_init__(self) -> None:
         if self.draft is None and not self.lookup:

@@ -120,7 +120,7 @@ def test_speculation_settings():
                       limits={"max_num_batched_tokens": 256})
     kw = cfg.engine_kwargs()
     assert kw["spec"] == {"draft": "default", "tree": "chain", "depth": 3, "top_k": 8, "num_draft_tokens": 16,
-                          "adaptive": False, "lookup": True, "head_dtype": "auto"}
+                          "adaptive": False, "lookup": True, "head_dtype": "target"}
     assert kw["max_num_batched_tokens"] == 256
     with pytest.raises(ConfigError, match="speculation needs a draft head"):
         ServeConfig.from_dict({"draft": None, "speculation": {"lookup": False}})

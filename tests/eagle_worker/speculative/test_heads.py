@@ -378,5 +378,7 @@ def test_auto_head_dtype_is_bf16_under_a_float32_target_only_where_bf16_is_fast(
     monkeypatch.setattr(argmax_screen, "native_bf16", lambda: False)                   # bf16 emulated: no gain
     assert head_loader.head_dtype("auto", torch.float32, cpu) == torch.float32
     assert head_loader.head_dtype("bfloat16", torch.float32, cpu) == torch.bfloat16
+    assert head_loader.head_dtype("target", torch.float32, cpu) == torch.float32       # the default
+    assert SpecConfig(draft="default").head_dtype == "target"
     with pytest.raises(ValueError, match="head_dtype"):
         SpecConfig(draft="default", head_dtype="int8")
