@@ -122,6 +122,9 @@ class HybridSplit:
     PROBE_EVERY = 16           # a skipped head still drafts on the 16th skipped step, then the 32nd after
     MAX_PROBE_EVERY = 64       # that, ... up to every 64th while skipping keeps being right
     PROBE_SHARE = 0.02         # a probe's expected loss: at most this share of the time sat out and of the remaining time
+    # a 1-node head tree's accepted tokens per step over a 2-node tree's: the head's first guess alone
+    # (measured: the fixed head with 1 and 2 nodes, Spec-Bench, 0.43 and 0.65 tokens a step)
+    FIRST_NODE_SHARE = 0.67
 
     def __init__(self, cost: StepCost | None = None, depth: int = 5, top_k: int = 8, prior_ema: float = 0.05):
         self.prior_ema = prior_ema
@@ -176,23 +179,32 @@ class HybridSplit:
               catch_up_s: float, budget: int, share: float) -> Option:
         """The cheapest way to draft in `mode` (lookup's depth), and its expected seconds for the
         request's remaining tokens (per token when unbounded)."""
-        head_n = 0
-        if mode == StepMode.MERGED:
-            head_n = self.head_nodes(st, budget)
-        elif mode == StepMode.HEAD:
-            head_n = self.alone_nodes(budget)
         best = None
-        depths = range(1, max(map(len, branches)) + 1) if mode in (StepMode.LOOKUP, StepMode.MERGED) else (0,)
-        for k in depths:
-            nodes = trie_nodes(branches, k) if k else 0
-            if k > 1 and head_n + nodes > budget:
-                break
-            seconds, tokens = self._step(st, mode, k, head_n + nodes, head_n, step, share)
+        for k, nodes, head_n in self._plans(st, mode, branches, budget):
+            seconds, tokens = self._step(st, mode, k, nodes, head_n, step, share)
             if best is None or seconds / tokens < best[1] / best[2]:
                 best = (Choice(mode, k, head_n), seconds, tokens)
         choice, seconds, tokens = best
-        cost = seconds / tokens if remaining is None else remaining * seconds / tokens + (catch_up_s if head_n else 0.0)
+        cost = seconds / tokens if remaining is None else remaining * seconds / tokens + (catch_up_s if choice.head_nodes else 0.0)
         return Option(choice, cost, seconds, tokens)
+
+    def _plans(self, st: HybridState, mode: StepMode, branches, budget: int) -> list[tuple[int, int, int]]:
+        """(lookup depth, tree nodes, head nodes) of each way to draft in `mode`: lookup's branches cut
+        to each depth (beside the head's share of the budget when merged), or the head alone with its
+        usual small tree or its first guess only (one row and one pass: where rows are dear, a head
+        that hits half the time pays with one node and not with two)."""
+        if mode == StepMode.HEAD:
+            return [(0, n, n) for n in sorted({1, self.alone_nodes(budget)})]
+        if mode == StepMode.PLAIN:
+            return [(0, 0, 0)]
+        head_n = self.head_nodes(st, budget) if mode == StepMode.MERGED else 0
+        plans = []
+        for k in range(1, max(map(len, branches)) + 1):
+            nodes = trie_nodes(branches, k)
+            if k > 1 and head_n + nodes > budget:
+                break
+            plans.append((k, head_n + nodes, head_n))
+        return plans
 
     def _step(self, st: HybridState, mode: StepMode, lookup_depth: int, nodes: int, head_n: int,
               step: StepContext, share: float = 1.0) -> tuple[float, float]:
@@ -201,7 +213,7 @@ class HybridSplit:
         share of the head's passes; the tokens it should make."""
         g = st.gains or self.prior
         tokens = 1.0 + (self.expected_lookup(st.lookup_outcome, lookup_depth) if lookup_depth else 0.0)
-        tokens += {StepMode.MERGED: g["extra"], StepMode.HEAD: g["head"]}.get(mode, 0.0)
+        tokens += {StepMode.MERGED: g["extra"], StepMode.HEAD: g["head"] * self.head_size_share(head_n)}.get(mode, 0.0)
         c = self.cost
         per_row = c.coefficient("per_row") + (c.coefficient("per_sampled_row") if st.sampled else 0.0)
         seconds = c.coefficient("fixed") * share / step.batch_size + c.coefficient("per_seq") + per_row * (1 + nodes)
@@ -230,6 +242,12 @@ class HybridSplit:
         """A catch-up over a stretch: `tokens` pending pairs (all sequences) through the head in `seconds`."""
         self.catch_up.observe(("catch_up",), tokens, seconds)
 
+    @classmethod
+    def head_size_share(cls, head_nodes: int) -> float:
+        """What a head-alone tree of `head_nodes` makes of the head's gain (`gains["head"]` is that
+        of its usual tree of 2 or more nodes): a 1-node tree, its first guess alone, FIRST_NODE_SHARE."""
+        return cls.FIRST_NODE_SHARE if head_nodes == 1 else 1.0
+
     @staticmethod
     def alone_nodes(budget: int) -> int:
         """Nodes of a head tree drafted where lookup has nothing: an eighth of the budget. The head
@@ -245,10 +263,12 @@ class HybridSplit:
         share = (st.ema_lookup + 0.1) / (st.ema_head + st.ema_lookup + 0.2)
         return max(1, budget - max(1, round(budget * share)))
 
-    def observe_accepted(self, st: HybridState, mode: StepMode | str, head_only: int, tokens: int) -> None:
+    def observe_accepted(self, st: HybridState, mode: StepMode | str, head_only: int, tokens: int,
+                         head_nodes: int = 2) -> None:
         """One verified step: `head_only` accepted draft tokens on nodes only the head proposed (the
-        head's gain in this mode), `tokens` made in all (the share lookup did not carry); updates the
-        request's estimates and the worker's."""
+        head's gain in this mode; alone, scaled to its usual tree's from a tree of `head_nodes`),
+        `tokens` made in all (the share lookup did not carry); updates the request's estimates and
+        the worker's."""
         mode = StepMode(mode)
         free = tokens if mode in (StepMode.PLAIN, StepMode.HEAD) else 0
         a = self.prior_ema
@@ -258,6 +278,8 @@ class HybridSplit:
         if not st.gains:
             st.gains = self.new_gains()
         key = {StepMode.MERGED: "extra", StepMode.HEAD: "head"}.get(mode)
+        if key == "head":
+            head_only /= self.head_size_share(head_nodes)
         if key:
             st.gains[key] = 0.7 * st.gains[key] + 0.3 * head_only
             self.prior[key] = (1 - self.prior_ema) * self.prior[key] + self.prior_ema * head_only

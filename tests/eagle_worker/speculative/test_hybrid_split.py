@@ -7,7 +7,8 @@ from eagle_worker.speculative.hybrid import Choice, HybridSplit, HybridState, St
 from eagle_worker.speculative.step_cost import StepCost, StepWork
 
 # seconds: a step's fixed cost, a sequence, a verified row, a head row with logits, a head pass. A
-# plain step at batch 1 costs 32 ms, the head alone (2 nodes: 3 rows, 3 head rows, 2 passes) 52 ms.
+# plain step at batch 1 costs 32 ms, the head alone 52 ms with 2 nodes (3 rows, 3 head rows, 2
+# passes) and 41 ms with its first guess alone (2 rows, 1 head row, 1 pass; 0.67 of the gain).
 CPU = (0.030, 0.0, 0.002, 0.002, 0.005)
 
 
@@ -31,11 +32,14 @@ def _mode(split, st, branches, step=1, **kw) -> str:
 
 def test_head_drafts_only_where_its_trees_pay():
     split = _split()
-    weak, strong = _state(head=0.5), _state(head=2.0)          # 52 ms / 1.5 tokens > 32 ms / 1 token
+    weak, strong = _state(head=0.3), _state(head=2.0)          # 41 ms / 1.2 tokens > 32 ms / 1 token
     weak_choices = [_mode(split, weak, None) for _ in range(60)]
     assert [i for i, c in enumerate(weak_choices) if c == "head"] == [15, 47]   # probes after 16, then 32 skips
     assert set(weak_choices) == {"plain", "head"}
     assert all(split.choose(strong, None, 1) == Choice(StepMode.HEAD, 0, 2) for _ in range(40))
+    # a head that hits half the time pays with its first guess alone (41 ms / 1.34 tokens), not with
+    # two nodes (52 ms / 1.5)
+    assert all(split.choose(_state(head=0.5), None, 1) == Choice(StepMode.HEAD, 0, 1) for _ in range(10))
     # the same head pays on a device where its rows and passes are cheap
     cheap = _split((0.030, 0.0, 0.002, 0.0005, 0.001))
     assert all(_mode(cheap, _state(head=0.5), None) == "head" for _ in range(10))
@@ -128,7 +132,7 @@ def test_head_joins_lookup_only_when_the_merged_tree_is_faster():
 def test_lookup_sits_out_after_a_miss_and_its_proposals_are_still_scored():
     split = _split()
     _expect(split, miss=0.05, partial=4.0, complete=6.0)
-    missed = _state("miss", head=0.5)                         # lookup 34 ms / 1.05, head 52 ms / 1.5 > plain 32 ms / 1
+    missed = _state("miss", head=0.3)                         # lookup 34 ms / 1.05, head 41 ms / 1.2 > plain 32 ms / 1
     assert _mode(split, missed, [[7, 8, 9]]) == "plain"
     split.shadow(missed, 3, [[7, 8, 9], [7, 5]], budget=8)    # proposed after tokens [1, 2, 3]
     split.score_shadow(missed, [1, 2, 3])                     # nothing followed yet
@@ -199,13 +203,13 @@ def test_a_probe_spends_at_most_a_fiftieth_of_the_time_sat_out_and_of_the_remain
     split = _split()
     for _ in range(3):
         split.observe_catch_up(100, 0.010)
-    st = _state(head=0.5)                              # plain: 32 ms a token; the head: 52 ms / 1.5 tokens
+    st = _state(head=0.3)                              # plain: 32 ms a token; the head's first guess: 41 ms / 1.2
     st.free_tokens = (1.0, 1.0)                        # all remaining tokens the head's to help with
-    # a probe catching up on 500 tokens is expected to lose 50 ms + 52 ms - 1.5 * 32 ms = 54 ms: due
-    # after 16 skipped steps, it waits for 85 steps of 32 ms (2.72 s, a fiftieth: 54.4 ms)
-    modes = [_mode(split, st, None, remaining=1000, stretch=500) for _ in range(85)]
-    assert modes == ["plain"] * 84 + ["head"]
-    # 80 tokens left (2.56 s): 54 ms is more than a fiftieth of it -> the head stays out however long
+    # a probe catching up on 500 tokens is expected to lose 50 ms + 41 ms - 1.2 * 32 ms = 52.6 ms:
+    # due after 16 skipped steps, it waits for 83 steps of 32 ms (2.66 s, a fiftieth: 53.1 ms)
+    modes = [_mode(split, st, None, remaining=1000, stretch=500) for _ in range(83)]
+    assert modes == ["plain"] * 82 + ["head"]
+    # 80 tokens left (2.56 s): 52.6 ms is more than a fiftieth of it -> the head stays out however long
     assert {_mode(split, st, None, remaining=80, stretch=500) for _ in range(400)} == {"plain"}
     # and a probe never catches up beside lookup's branches
     assert {_mode(split, st, [[5, 6]], remaining=1000, stretch=500) for _ in range(400)} == {"lookup"}
@@ -213,15 +217,16 @@ def test_a_probe_spends_at_most_a_fiftieth_of_the_time_sat_out_and_of_the_remain
 
 def test_a_sampled_request_probes_a_weak_head_later_than_a_greedy_one():
     """This CPU's costs at batch 8 (a 48 ms step, a 0.9 ms row, 5 ms more when it is sampled, a 3.3
-    ms head pass): a probe of a head accepting 0.44 tokens loses 4.8 ms for a greedy request (8.1 ms
-    a step) and 12.6 ms for a sampled one (13.1 ms a step): a fiftieth of 30 and of 49 skipped steps."""
+    ms head pass): a probe of a head accepting 0.44 tokens (its first guess alone: 0.29) loses 1.8 ms
+    for a greedy request (8.1 ms a step) and 5.3 ms for a sampled one (13.1 ms a step): the greedy
+    one is due at the 16th skipped step (the first a probe may come), the sampled one at the 21st."""
     split = _split((0.048, 0.0012, 0.0009, 0.0, 0.0033, 0.0, 0.005))
     greedy, sampled = _state(head=0.44), _state(head=0.44)
     sampled.sampled = True
-    greedy_modes = [_mode(split, greedy, None, step=8) for _ in range(30)]
-    sampled_modes = [_mode(split, sampled, None, step=8) for _ in range(49)]
-    assert greedy_modes == ["plain"] * 29 + ["head"]
-    assert sampled_modes == ["plain"] * 48 + ["head"]
+    greedy_modes = [_mode(split, greedy, None, step=8) for _ in range(16)]
+    sampled_modes = [_mode(split, sampled, None, step=8) for _ in range(21)]
+    assert greedy_modes == ["plain"] * 15 + ["head"]
+    assert sampled_modes == ["plain"] * 20 + ["head"]
 
 
 def test_a_head_that_sat_out_does_not_catch_up_beside_lookups_branches():
@@ -276,7 +281,7 @@ def test_a_skipped_proposal_that_copying_resumed_on_counts_for_the_outcome_it_fo
     sitting out plus accepted after), not left to the proposals that broke at once."""
     split = _split()
     _expect(split, miss=0.05, partial=4.0)
-    missed = _state("miss", head=0.5)
+    missed = _state("miss", head=0.3)
     assert _mode(split, missed, [[7, 8, 9, 10, 11]]) == "plain"
     split.shadow(missed, 3, [[7, 8, 9, 10, 11]], budget=8)
     split.score_shadow(missed, [1, 2, 3, 7])                     # the plain step's token follows it
@@ -363,3 +368,16 @@ def test_the_cost_fit_over_a_sliding_window_is_the_fit_of_the_window():
     assert len(cost.window) == 32
     assert cost.coefficient("per_prefill_token") == cost._prior[5]     # gone from the window: the prior
     assert abs(cost.coefficient("per_tree") - 0.004) < 0.001
+
+
+def test_a_one_node_head_step_counts_for_the_share_of_the_usual_trees_gain_it_makes():
+    """The head's gain is kept in units of its usual (2-node) tree: a first guess alone that hits
+    every time stands for 1 / FIRST_NODE_SHARE of those, and is priced back to 1 token a step."""
+    split = _split()
+    one, two = HybridState(), HybridState()
+    for _ in range(30):
+        split.observe_accepted(one, "head", 1, 2, head_nodes=1)
+        split.observe_accepted(two, "head", 1, 2, head_nodes=2)
+    assert abs(one.gains["head"] * HybridSplit.FIRST_NODE_SHARE - 1.0) < 0.01
+    assert abs(two.gains["head"] - 1.0) < 0.01
+    assert HybridSplit.head_size_share(1) == HybridSplit.FIRST_NODE_SHARE and HybridSplit.head_size_share(3) == 1.0
