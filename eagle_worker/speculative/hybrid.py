@@ -185,7 +185,8 @@ class HybridSplit:
             if best is None or seconds / tokens < best[1] / best[2]:
                 best = (Choice(mode, k, head_n), seconds, tokens)
         choice, seconds, tokens = best
-        cost = seconds / tokens if remaining is None else remaining * seconds / tokens + (catch_up_s if choice.head_nodes else 0.0)
+        catch_up = catch_up_s if choice.head_nodes else 0.0
+        cost = seconds / tokens if remaining is None else remaining * seconds / tokens + catch_up
         return Option(choice, cost, seconds, tokens)
 
     def _plans(self, st: HybridState, mode: StepMode, branches, budget: int) -> list[tuple[int, int, int]]:
