@@ -4,8 +4,9 @@ neither) and how many nodes each gets: the batch-aware budget.
 Prompt lookup is nearly free to draft but its branches cost verification rows; the head costs a
 drafting pass and rows too. So each step picks, per request, the drafting with the fewest expected
 seconds per token: plain (1 token per step), lookup with its branches cut to the depth that pays
-best (1 + what that much of lookup's proposal is expected to add), head (1 + the head's recent
-accepted tokens) or merged (lookup's + what the head's own nodes recently added beside lookup).
+best (1 + what that much of lookup's proposal is expected to add), head (its first guess alone or
+its small tree: 1 + the head's recent accepted tokens, scaled to the tree) or merged (lookup's +
+what the head's own nodes recently added beside lookup).
 A request's seconds are its share of the step's fixed cost (the fixed cost over the batch size),
 its rows and its share of the head's passes, priced by `StepCost`, the device's measured cost of a
 row (and a sampled row's extra: at temperature 1 a row costs several greedy ones): at batch 1 the
