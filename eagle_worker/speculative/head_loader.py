@@ -370,8 +370,8 @@ def head_dtype(setting: str, target_dtype: torch.dtype, device: torch.device) ->
     "auto" bfloat16 under a float32 target where the device has bf16 arithmetic (a CUDA GPU that
     supports it, a CPU with AVX512-BF16 or AMX), else the target's. The head only proposes: the
     target verifies every token in its own dtype, so the output does not change; a bf16 head's
-    GEMMs are about 2x faster on such a CPU, but in the job benchmark (float32, up to 64 in flight)
-    the default's τ fell from 1.83 to 1.23 with it, not yet understood: so it is opt-in."""
+    GEMMs are about 2x faster on such a CPU and draft the same tokens, but drafting is a few percent
+    of a run, below what the CPU benchmarks resolve: so it is opt-in."""
     if setting == "target":
         return target_dtype
     if setting != "auto":
