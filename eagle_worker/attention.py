@@ -204,8 +204,7 @@ class Attention(nn.Module):
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         if ctx.use_cache:
-            self.k_cache.index_copy_(0, ctx.slot_mapping, k)
-            self.v_cache.index_copy_(0, ctx.slot_mapping, v)
+            self.store_kv(k, v, ctx.slot_mapping)
             k_src, v_src = self.k_cache, self.v_cache
         else:
             k_src, v_src = k, v
@@ -230,6 +229,12 @@ class Attention(nn.Module):
                 o = o.transpose(1, 2).reshape(-1, self.num_heads, self.head_dim)
             out.index_copy_(0, g.out_index, o.index_select(0, g.valid_index))
         return out.view(T, self.num_heads * self.head_dim)
+
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Write K/V rows [T, kv_heads * head_dim] (or already split) into their cache slots."""
+        T = k.shape[0]
+        self.k_cache.index_copy_(0, slot_mapping, k.view(T, self.num_kv_heads, self.head_dim))
+        self.v_cache.index_copy_(0, slot_mapping, v.view(T, self.num_kv_heads, self.head_dim))
 
     def _folded(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, Q: int) -> torch.Tensor:
         """Decodes and small trees: the Q queries of every query head sharing a KV head become that

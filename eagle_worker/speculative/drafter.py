@@ -71,9 +71,16 @@ class Drafter:
             hidden = hidden[logit_rows]
         return hidden, torch.log_softmax(self.head.logits(hidden).float(), dim=-1)
 
+    STRETCH = 16     # more pending pairs than a step accepts: the head sat out; their K/V go first, alone
+
     @torch.inference_mode()
     def catch_up(self, batch: list[DraftSeq]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write every pending pair into the head's KV; return (hidden, log-probs) after each root."""
+        """Write every pending pair into the head's KV; return (hidden, log-probs) after each root.
+        Only the roots' hidden states are wanted, so a long stretch writes the K/V of all but its
+        root's pair on its own first (no attention, no MLP for those rows)."""
+        stretches = [(d.slots, d.state, 1) for d in batch if len(d.state.tokens) > self.STRETCH]
+        if stretches:
+            self.write_ahead(stretches)
         attn, slot_map, feats, toks, pos, last = [], [], [], [], [], []
         start = 0
         for d in batch:
@@ -96,24 +103,20 @@ class Drafter:
 
     @torch.inference_mode()
     def write_ahead(self, batch: list[tuple[torch.Tensor, DraftState, int]]) -> None:
-        """Write each state's pending pairs but its last `keep` into the head's KV (no logits)."""
-        attn, slot_map, feats, toks, pos = [], [], [], [], []
-        start = 0
+        """Write each state's pending pairs but its last `keep` into the head's KV: K/V only (no
+        attention, no MLP, no logits), the same K/V a full pass writes."""
+        slot_map, feats, toks, pos = [], [], [], []
         for slots, st, keep in batch:
             m = len(st.tokens) - keep
             f = torch.cat(st.features)
             end = st.start + m
-            positions = torch.arange(st.start, end)
-            attn.append(SeqAttention(q_start=start, q_positions=positions, kv_slots=slots[:end], kv_positions=torch.arange(end)))
             slot_map.append(slots[st.start:end])
             feats.append(f[:m])
             toks.extend(st.tokens[:m])
-            pos.append(positions)
-            start += m
+            pos.append(torch.arange(st.start, end))
             st.start, st.features, st.tokens = end, [f[m:]] if keep else [], st.tokens[m:]
-        ctx = build_context(attn, torch.cat(slot_map), self.device)
-        with attention_context(ctx):
-            self.head(torch.cat(feats), torch.tensor(toks).to(self.device), torch.cat(pos).to(self.device))
+        self.head.write_kv(torch.cat(feats), torch.tensor(toks).to(self.device), torch.cat(pos).to(self.device),
+                           torch.cat(slot_map).to(self.device))
 
     def _level(self, batch: list[DraftSeq], parent_hidden: torch.Tensor, tokens: torch.Tensor,
                node_offsets: torch.Tensor, seen_offsets: torch.Tensor, seen_depths: torch.Tensor,

@@ -80,6 +80,13 @@ class HeadAttention(nn.Module):
         q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v))
 
+    def write_kv(self, positions: torch.Tensor, x: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """The K/V `forward` would write for these rows, without attending: a row's K/V depends on
+        its own input alone."""
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q, k = self.rotary_emb(positions, q, k)
+        self.attn.store_kv(k, v, slot_mapping)
+
 
 class HeadMLP(nn.Module):
     def __init__(self, cfg: HeadConfig):
@@ -105,6 +112,9 @@ class Eagle1Layer(nn.Module):
         h = h + self.self_attn(positions, h)
         return h + self.mlp(self.post_attention_layernorm(h))
 
+    def write_kv(self, positions: torch.Tensor, h: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        self.self_attn.write_kv(positions, h, slot_mapping)
+
 
 class Eagle3Layer(nn.Module):
     """EAGLE-3 midlayer: attention over [normed embedding | normed hidden], residual = hidden."""
@@ -124,6 +134,10 @@ class Eagle3Layer(nn.Module):
         x = torch.cat([self.input_layernorm(emb), hn], dim=-1)
         h = residual + self.self_attn(positions, x)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def write_kv(self, positions: torch.Tensor, emb: torch.Tensor, h: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(h)], dim=-1)
+        self.self_attn.write_kv(positions, x, slot_mapping)
 
 
 def _raw_embedding(target: nn.Module):
@@ -166,7 +180,9 @@ class TargetVocab:
 
 class DraftHead(nn.Module):
     """Common interface: `forward(features[T, F], input_ids[T], positions[T]) -> hidden[T, H]`,
-    `logits(hidden) -> [T, draft vocab]`, `to_target_ids(draft ids)`, `attention_layers()`.
+    `write_kv(features, input_ids, positions, slot_mapping)` (only the KV `forward` writes, for rows
+    whose hidden is not wanted), `logits(hidden) -> [T, draft vocab]`, `to_target_ids(draft ids)`,
+    `attention_layers()`.
     The target is referenced, not owned: its parameters are not part of the head's state dict."""
 
     kind = ""
@@ -224,9 +240,15 @@ class Eagle1Head(DraftHead):
         return self.config.hidden_size
 
     def forward(self, features: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.layers[0](positions, self._input(features, input_ids))
+
+    def write_kv(self, features: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        self.layers[0].write_kv(positions, self._input(features, input_ids), slot_mapping)
+
+    def _input(self, features: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         dtype = self.fc.weight.dtype                     # the target's features may be in another dtype
-        h = self.fc(torch.cat([self.embed(input_ids).to(dtype), features.to(dtype)], dim=-1))
-        return self.layers[0](positions, h)
+        return self.fc(torch.cat([self.embed(input_ids).to(dtype), features.to(dtype)], dim=-1))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.vocab.logits(hidden)
@@ -256,10 +278,16 @@ class Eagle3Head(DraftHead):
     def forward(self, features: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """`features` is either the fused target hidden states [T, n_aux*H] (first step) or the
         head's own previous output [T, H] (later steps)."""
+        return self.midlayer(positions, *self._inputs(features, input_ids))
+
+    def write_kv(self, features: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        self.midlayer.write_kv(positions, *self._inputs(features, input_ids), slot_mapping)
+
+    def _inputs(self, features: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         dtype = self.fc.weight.dtype                     # the target's features may be in another dtype
         h = self.fc(features.to(dtype)) if features.shape[-1] != self.config.hidden_size else features.to(dtype)
-        emb = self.embed(input_ids).to(h.dtype)
-        return self.midlayer(positions, emb, h)
+        return self.embed(input_ids).to(h.dtype), h
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         h = self.norm(hidden)

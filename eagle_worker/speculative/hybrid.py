@@ -123,9 +123,11 @@ class HybridSplit:
     PROBE_EVERY = 16           # a skipped head still drafts on the 16th skipped step, then the 32nd after
     MAX_PROBE_EVERY = 64       # that, ... up to every 64th while skipping keeps being right
     PROBE_SHARE = 0.02         # a probe's expected loss: at most this share of the time sat out and of the remaining time
-    # a 1-node head tree's accepted tokens per step over a 2-node tree's: the head's first guess alone
-    # (measured: the fixed head with 1 and 2 nodes, Spec-Bench, 0.43 and 0.65 tokens a step)
+    # a 1-node head tree's accepted tokens per step over its usual tree's, before the worker has
+    # measured its own (`observe_accepted`'s first_node): the fixed head with 1 and 2 nodes on
+    # Spec-Bench made 0.43 and 0.65 tokens a step
     FIRST_NODE_SHARE = 0.67
+    FIRST_NODE_RATE = 0.02      # how fast the measured share moves: about the last 50 multi-node head steps
 
     def __init__(self, cost: StepCost | None = None, depth: int = 5, top_k: int = 8, prior_ema: float = 0.05):
         self.prior_ema = prior_ema
@@ -136,6 +138,8 @@ class HybridSplit:
         self.lookup_reach = {o: [1.0] for o in LOOKUP_OUTCOMES}
         self.catch_up = StepMeans(0.2)                         # ("catch_up",) -> (tokens, seconds)
         self.free_tokens = (0.5, 1.0)      # tokens per step made on steps lookup did not carry, all tokens per step
+        # the head's multi-node steps alone: what their first node alone would have made, what they made
+        self.first_node = (self.FIRST_NODE_SHARE, 1.0)
 
     def new_gains(self) -> dict[str, float]:
         """A new request's expected accepted tokens: what this worker has seen so far."""
@@ -244,11 +248,14 @@ class HybridSplit:
         """A catch-up over a stretch: `tokens` pending pairs (all sequences) through the head in `seconds`."""
         self.catch_up.observe(("catch_up",), tokens, seconds)
 
-    @classmethod
-    def head_size_share(cls, head_nodes: int) -> float:
+    def head_size_share(self, head_nodes: int) -> float:
         """What a head-alone tree of `head_nodes` makes of the head's gain (`gains["head"]` is that
-        of its usual tree of 2 or more nodes): a 1-node tree, its first guess alone, FIRST_NODE_SHARE."""
-        return cls.FIRST_NODE_SHARE if head_nodes == 1 else 1.0
+        of its usual tree of 2 or more nodes): a 1-node tree, its first guess alone, the share this
+        worker measured (FIRST_NODE_SHARE until it has)."""
+        if head_nodes != 1:
+            return 1.0
+        first, made = self.first_node
+        return min(1.0, max(0.05, first / made)) if made > 0 else self.FIRST_NODE_SHARE
 
     @staticmethod
     def alone_nodes(budget: int) -> int:
@@ -266,12 +273,17 @@ class HybridSplit:
         return max(1, budget - max(1, round(budget * share)))
 
     def observe_accepted(self, st: HybridState, mode: StepMode | str, head_only: int, tokens: int,
-                         head_nodes: int = 2) -> None:
+                         head_nodes: int = 2, first_node: bool | None = None) -> None:
         """One verified step: `head_only` accepted draft tokens on nodes only the head proposed (the
         head's gain in this mode; alone, scaled to its usual tree's from a tree of `head_nodes`),
         `tokens` made in all (the share lookup did not carry); updates the request's estimates and
-        the worker's."""
+        the worker's. `first_node`: for the head alone with 2 or more nodes, whether its first guess
+        (node 1) was accepted, which is what a 1-node tree would have made (the target's token after
+        the root does not depend on the tree): the worker's measure of `head_size_share(1)`."""
         mode = StepMode(mode)
+        if mode == StepMode.HEAD and head_nodes > 1 and first_node is not None:
+            r = self.FIRST_NODE_RATE
+            self.first_node = tuple((1 - r) * x + r * y for x, y in zip(self.first_node, (float(first_node), head_only)))
         free = tokens if mode in (StepMode.PLAIN, StepMode.HEAD) else 0
         a = self.prior_ema
         self.free_tokens = tuple((1 - a) * x + a * y for x, y in zip(self.free_tokens, (free, tokens)))

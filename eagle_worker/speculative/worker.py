@@ -462,7 +462,8 @@ class EagleWorker:
         if self.spec.lookup:
             m.steps_by_source[mode.value] = m.steps_by_source.get(mode.value, 0) + 1
             head_only = sum(1 for i in accepted if tree.from_head[i] and not tree.from_lookup[i])
-            self.hybrid.observe_accepted(hs, mode, head_only, len(accepted) + 1, head_nodes=sum(tree.from_head[1:]))
+            self.hybrid.observe_accepted(hs, mode, head_only, len(accepted) + 1, head_nodes=sum(tree.from_head[1:]),
+                                         first_node=1 in accepted)    # node 1: the head's first guess
             if mode in (StepMode.LOOKUP, StepMode.MERGED):   # a whole branch accepted: the path ends on a lookup leaf
                 self.hybrid.observe_lookup(hs, lk, bool(lk) and tree.lookup_leaf(accepted[-1]))
 

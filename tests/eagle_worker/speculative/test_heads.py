@@ -292,6 +292,47 @@ def test_head_runs_on_a_paged_kv_cache(tmp_path):
     close(torch.cat([a, b]), full, 1e-5)
 
 
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_write_kv_writes_the_kv_a_full_pass_writes_and_nothing_else(tmp_path, kind):
+    """Rows whose hidden state is not wanted (a prompt, a stretch the head sat out) write their K/V
+    alone: the same cache contents as the full forward, other slots untouched, and a later step
+    through that cache drafts as after the full pass."""
+    target, tcfg = make_target()
+    if kind == "eagle":
+        cfg = cfg_llama2_chat_7b()
+        sd, width = eagle1_state(cfg, target, fc_bias=True, qkv_bias=False, dtype=torch.float32), H
+    else:
+        cfg = cfg_eagle3_llama31_8b()
+        sd, width = eagle3_state(cfg, torch.float32), 3 * H
+    head = load_draft_head(write_head(tmp_path / "h", cfg, sd, "st"), target, tcfg)
+    attn = head.attention_layers()[0]
+    g = torch.Generator().manual_seed(3)
+    ids, feats = torch.randint(0, V, (8,), generator=g), torch.randn(8, width, generator=g)
+    slots = torch.tensor([17, 18, 19, 20, 40, 41, 42, 43])
+    caches = []
+    for kv_only in (False, True):
+        attn.k_cache = torch.full((64, attn.num_kv_heads, attn.head_dim), 7.0)
+        attn.v_cache = torch.full((64, attn.num_kv_heads, attn.head_dim), 7.0)
+        with torch.no_grad():
+            if kv_only:
+                head.write_kv(feats[:5], ids[:5], torch.arange(5), slots[:5])
+            else:
+                ctx = build_context([SeqAttention(0, list(range(5)), slots[:5], list(range(5)))], slots[:5], torch.device("cpu"))
+                with attention_context(ctx):
+                    head(feats[:5], ids[:5], torch.arange(5))
+            ctx = build_context([SeqAttention(0, [5, 6, 7], slots, list(range(8)))], slots[5:], torch.device("cpu"))
+            with attention_context(ctx):
+                step = head(feats[5:], ids[5:], torch.arange(5, 8))
+        caches.append((attn.k_cache.clone(), attn.v_cache.clone(), step))
+    (k0, v0, s0), (k1, v1, s1) = caches
+    assert torch.allclose(k0, k1, atol=1e-6) and torch.allclose(v0, v1, atol=1e-6)
+    untouched = torch.ones(64, dtype=torch.bool)
+    untouched[slots] = False
+    assert bool((k1[untouched] == 7.0).all()) and bool((v1[untouched] == 7.0).all())
+    assert not torch.allclose(k1[slots[:5]], torch.full_like(k1[slots[:5]], 7.0))
+    close(s1, s0, 1e-5)
+
+
 def test_mismatched_head_is_refused_naming_the_tensor(tmp_path):
     target, tcfg = make_target(hidden=32)
     big, _ = make_target()

@@ -380,4 +380,29 @@ def test_a_one_node_head_step_counts_for_the_share_of_the_usual_trees_gain_it_ma
         split.observe_accepted(two, "head", 1, 2, head_nodes=2)
     assert abs(one.gains["head"] * HybridSplit.FIRST_NODE_SHARE - 1.0) < 0.01
     assert abs(two.gains["head"] - 1.0) < 0.01
-    assert HybridSplit.head_size_share(1) == HybridSplit.FIRST_NODE_SHARE and HybridSplit.head_size_share(3) == 1.0
+    assert split.head_size_share(1) == HybridSplit.FIRST_NODE_SHARE and split.head_size_share(3) == 1.0
+
+
+def test_the_worker_learns_what_the_heads_first_guess_alone_makes_from_its_multi_node_steps():
+    """A multi-node head step says what a 1-node tree would have made there (its first guess
+    accepted or not: the target's token does not depend on the tree). Where the head's tokens come
+    from its other nodes, its first guess alone is not worth a step and the head keeps its 2-node
+    tree; where the first guess makes them all, the 1-node tree makes the whole gain for less."""
+    split, st = _split(), _state(head=1.0)
+    assert split.choose(st, [], 1).head_nodes == 1                 # the prior share (0.67): one node
+    for _ in range(300):                                            # hits come from the second node only
+        split.observe_accepted(HybridState(), "head", 1, 2, head_nodes=2, first_node=False)
+    assert split.head_size_share(1) < 0.1
+    assert split.choose(_state(head=1.0), [], 1).head_nodes == 2
+    for _ in range(300):                                            # the first guess makes every token
+        split.observe_accepted(HybridState(), "head", 1, 2, head_nodes=2, first_node=True)
+    assert split.head_size_share(1) > 0.95
+    assert split.choose(_state(head=1.0), [], 1).head_nodes == 1
+    one = HybridState()
+    for _ in range(30):                                             # a 1-node step's gain, scaled by the learned share
+        split.observe_accepted(one, "head", 1, 2, head_nodes=1)
+    assert abs(one.gains["head"] - 1 / split.head_size_share(1)) < 0.01
+    before = split.first_node
+    split.observe_accepted(HybridState(), "merged", 1, 2, head_nodes=2, first_node=True)   # not the head alone
+    split.observe_accepted(HybridState(), "head", 1, 2, head_nodes=1, first_node=True)     # no other nodes
+    assert split.first_node == before
