@@ -78,6 +78,10 @@ class Drafter:
         """Write every pending pair into the head's KV; return (hidden, log-probs) after each root.
         Only the roots' hidden states are wanted, so a long stretch writes the K/V of all but its
         root's pair on its own first (no attention, no MLP for those rows)."""
+        for d in batch:                       # before anything is written
+            st, m = d.state, len(d.state.tokens)
+            if m == 0 or st.start + m != d.committed:
+                raise RuntimeError(f"draft state out of sync: pending {st.start}+{m}, committed {d.committed}")
         stretches = [(d.slots, d.state, 1) for d in batch if len(d.state.tokens) > self.STRETCH]
         if stretches:
             self.write_ahead(stretches)
@@ -86,8 +90,6 @@ class Drafter:
         for d in batch:
             st, c = d.state, d.committed
             m = len(st.tokens)
-            if m == 0 or st.start + m != c:
-                raise RuntimeError(f"draft state out of sync: pending {st.start}+{m}, committed {c}")
             positions = torch.arange(st.start, c)
             attn.append(SeqAttention(q_start=start, q_positions=positions, kv_slots=d.slots[:c], kv_positions=torch.arange(c)))
             slot_map.append(d.slots[st.start:c])
