@@ -56,6 +56,8 @@ class DraftSeq:
 
 
 class Drafter:
+    STRETCH = 16     # more pending pairs than a step accepts: the head sat out; their K/V go first, alone
+
     def __init__(self, head: DraftHead, device: torch.device):
         self.head = head
         self.device = device
@@ -70,8 +72,6 @@ class Drafter:
         if logit_rows is not None:
             hidden = hidden[logit_rows]
         return hidden, torch.log_softmax(self.head.logits(hidden).float(), dim=-1)
-
-    STRETCH = 16     # more pending pairs than a step accepts: the head sat out; their K/V go first, alone
 
     @torch.inference_mode()
     def catch_up(self, batch: list[DraftSeq]) -> tuple[torch.Tensor, torch.Tensor]:
