@@ -333,6 +333,39 @@ def test_write_kv_writes_the_kv_a_full_pass_writes_and_nothing_else(tmp_path, ki
     close(s1, s0, 1e-5)
 
 
+def test_a_long_catch_up_writes_its_stretch_kv_alone_and_drafts_as_one_full_pass(tmp_path, monkeypatch):
+    """A catch-up over more than Drafter.STRETCH pending pairs writes all but the root's pair K/V-only,
+    then runs the root through the head: the same cache and root log-probs as one full pass."""
+    from eagle_worker.speculative.drafter import Drafter, DraftSeq, DraftState
+
+    target, tcfg = make_target()
+    cfg = cfg_eagle3_llama31_8b()
+    head = load_draft_head(write_head(tmp_path / "h", cfg, eagle3_state(cfg, torch.float32), "st"), target, tcfg)
+    attn = head.attention_layers()[0]
+    g = torch.Generator().manual_seed(4)
+    n = Drafter.STRETCH + 5
+    feats, ids = torch.randn(n, 3 * H, generator=g), torch.randint(0, V, (n,), generator=g).tolist()
+    slots = torch.arange(3, 3 + n + 4)
+    drafter = Drafter(head, torch.device("cpu"))
+    written, out = [], []
+    write = drafter.write_ahead
+    monkeypatch.setattr(drafter, "write_ahead", lambda batch: written.append(len(batch[0][1].tokens)) or write(batch))
+    for stretch in (10 ** 6, Drafter.STRETCH):        # one full pass, then the split
+        monkeypatch.setattr(Drafter, "STRETCH", stretch)
+        attn.k_cache = torch.zeros(64, attn.num_kv_heads, attn.head_dim)
+        attn.v_cache = torch.zeros(64, attn.num_kv_heads, attn.head_dim)
+        st = DraftState(start=0)
+        st.add(feats, ids)
+        hidden, lp = drafter.catch_up([DraftSeq(committed=n, slots=slots, root_token=ids[-1], state=st)])
+        assert (st.start, st.tokens) == (n, [])
+        out.append((attn.k_cache.clone(), attn.v_cache.clone(), hidden, lp))
+    assert written == [n]                              # only the long stretch took the K/V-only pass
+    (k0, v0, h0, lp0), (k1, v1, h1, lp1) = out
+    assert torch.allclose(k0, k1, atol=1e-6) and torch.allclose(v0, v1, atol=1e-6)
+    close(h1, h0, 1e-5)
+    close(lp1, lp0, 1e-4)
+
+
 def test_mismatched_head_is_refused_naming_the_tensor(tmp_path):
     target, tcfg = make_target(hidden=32)
     big, _ = make_target()
