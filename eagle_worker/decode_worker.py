@@ -10,7 +10,7 @@ import torch
 from eagle_worker.block_manager import BlockManager
 from eagle_worker.model_runner import ForwardItem, ForwardResult, ModelRunner
 from eagle_worker.outputs import TokenLogprob
-from eagle_worker.sampler import argmax_suffices, sample
+from eagle_worker.sampler import argmax_suffices, screenable
 from eagle_worker.scheduler import ScheduledSeq
 
 NewTokens = dict[str, list[tuple[int, TokenLogprob | None]]]
@@ -29,7 +29,8 @@ def forward_item(block_manager: BlockManager, item: ScheduledSeq) -> ForwardItem
     return ForwardItem(token_ids=seq.token_ids[start:start + n], positions=torch.arange(start, start + n),
                        new_slots=slots[start:], ctx_slots=slots[:start],
                        logit_rows=[n - 1] if item.completes else [],
-                       score_tokens=score, score_top=seq.params.prompt_logprobs or 0)
+                       score_tokens=score, score_top=seq.params.prompt_logprobs or 0,
+                       full_logits=not screenable(seq.params))
 
 
 def record_prompt_logprobs(batch: list[ScheduledSeq], result: ForwardResult) -> None:
@@ -72,7 +73,7 @@ class DecodeWorker:
             self.block_manager.commit(it.seq, it.num_tokens)
         if not sampling:
             return {}
-        if result.logits is None:
+        if result.rows is None:
             return {it.seq.request_id: [(t, None)] for it, t in zip(sampling, result.argmax.tolist())}
-        drawn = sample(result.logits, [it.seq.sample_row() for it in sampling])
+        drawn = result.rows.sample(list(range(len(sampling))), [it.seq.sample_row() for it in sampling])
         return {it.seq.request_id: [d] for it, d in zip(sampling, drawn)}

@@ -13,6 +13,7 @@ from eagle_worker import default_models
 from eagle_worker.attention import SeqAttention, attention_context, build_context
 from eagle_worker.config import EngineConfig
 from eagle_worker.loader import load_weights, resolve_model_path
+from eagle_worker.logit_rows import LogitRows
 from eagle_worker.malloc_tuning import keep_large_allocations
 from eagle_worker.models.registry import model_class_for
 from eagle_worker.outputs import TokenLogprob
@@ -35,11 +36,14 @@ class ForwardItem:
     new_token_mask: torch.Tensor | None = None   # [n, n] visibility among new tokens; None = causal
     score_tokens: list[int] | None = None        # prompt_logprobs: the tokens new rows 0.. predict
     score_top: int = 0                           # ... and how many alternatives each keeps
+    full_logits: bool = True                     # its logit rows' full logits are computed with the
+                                                 # forward (False: only if asked, see logit_rows.py)
 
 
 @dataclass
 class ForwardResult:
-    logits: torch.Tensor | None      # [sum(len(logit_rows)), V] in item order; None when only argmax was asked
+    rows: LogitRows | None           # the LM head over the logit rows (sum(len(logit_rows)), in item
+                                     # order); None when only argmax was asked
     hidden: torch.Tensor             # [T, H] final-norm output of every new token
     aux_hidden: list[torch.Tensor]   # inputs of the requested layers, [T, H] each
     row_offsets: list[int]           # start of each item's tokens in the flat batch
@@ -138,7 +142,9 @@ class ModelRunner:
     def forward(self, items: list[ForwardItem], aux_layers: tuple[int, ...] = (),
                 argmax_only: bool = False) -> ForwardResult:
         """`argmax_only`: every logit row is consumed greedily (no logprobs), so return the argmax
-        and skip full-vocabulary logits where the LM head can (see layers/argmax_screen.py)."""
+        and skip full-vocabulary logits where the LM head can (see layers/argmax_screen.py);
+        otherwise the rows' LM head, run now for items that want full logits (all of them under
+        tensor parallelism) and for the others when asked (logit_rows.py)."""
         self._drive("forward", items, aux_layers, argmax_only)
         return self.forward_local(items, aux_layers, argmax_only)
 
@@ -146,7 +152,7 @@ class ModelRunner:
     def forward_local(self, items: list[ForwardItem], aux_layers: tuple[int, ...] = (),
                       argmax_only: bool = False) -> ForwardResult:
         """This rank's share of `forward`, without telling the other ranks (tp_worker.py calls it)."""
-        seqs, slot_mapping, token_ids, positions, logit_index, offsets = [], [], [], [], [], []
+        seqs, slot_mapping, token_ids, positions, logit_index, offsets, full = [], [], [], [], [], [], []
         start = 0
         for it in items:
             n, ctx = len(it.token_ids), len(it.ctx_slots)
@@ -159,6 +165,8 @@ class ModelRunner:
             slot_mapping.append(it.new_slots)
             token_ids.extend(it.token_ids)
             positions.append(it.positions)
+            if it.full_logits or tp_size() > 1:
+                full.extend(range(len(logit_index), len(logit_index) + len(it.logit_rows)))
             logit_index.extend(start + r for r in it.logit_rows)
             start += n
         slot_mapping = torch.cat(slot_mapping)
@@ -171,10 +179,10 @@ class ModelRunner:
         idx = torch.tensor(logit_index, dtype=torch.long, device=self.device)
         scores = [self._score(hidden, o, it) if it.score_tokens else None for o, it in zip(offsets, items)]
         if argmax_only and logit_index:
-            return ForwardResult(logits=None, hidden=hidden, aux_hidden=aux, row_offsets=offsets,
+            return ForwardResult(rows=None, hidden=hidden, aux_hidden=aux, row_offsets=offsets,
                                  argmax=self.model.greedy_tokens(hidden[idx]), scores=scores)
-        logits = self.model.compute_logits(hidden[idx]) if logit_index else hidden.new_empty(0, 0)
-        return ForwardResult(logits=logits, hidden=hidden, aux_hidden=aux, row_offsets=offsets, scores=scores)
+        rows = LogitRows(self.model, hidden[idx], full)
+        return ForwardResult(rows=rows, hidden=hidden, aux_hidden=aux, row_offsets=offsets, scores=scores)
 
     def _score(self, hidden: torch.Tensor, offset: int, item: ForwardItem) -> list[TokenLogprob]:
         """Logprobs of `item.score_tokens` under the rows before them, reduced to top-k block by

@@ -15,6 +15,7 @@ of the raw logits (never NaN probabilities, never an exception from the draw).
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -64,7 +65,11 @@ def keyed_bits(seed: int, position: int, vocab: int, device: torch.device | str 
     key = (vocab, str(device))
     if key not in _STRIDES:
         _STRIDES[key] = torch.arange(vocab, dtype=torch.long, device=device) * _i64(_GAMMA)
-    x = _STRIDES[key] + _i64((draw_key(seed, position) + _GAMMA) & _MASK64)
+    return _mixed_bits(_STRIDES[key] + _i64((draw_key(seed, position) + _GAMMA) & _MASK64))
+
+
+def _mixed_bits(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's output mix of states `x` (int64, overwritten), top 53 bits."""
     y = torch.empty_like(x)
     for shift, mult in ((30, _M1), (27, _M2)):
         torch.bitwise_right_shift(x, shift, out=y).bitwise_and_((1 << (64 - shift)) - 1)
@@ -78,6 +83,30 @@ def keyed_uniforms(seed: int, position: int, vocab: int, device: torch.device | 
     return keyed_bits(seed, position, vocab, device).double().add_(0.5).mul_(2.0 ** -53)
 
 
+def gumbel_of(bits: torch.Tensor) -> torch.Tensor:
+    """Float64 Gumbel noise G = -log(-log u) of keyed bits (u = (bits + 0.5) / 2**53)."""
+    return bits.double().add_(0.5).mul_(2.0 ** -53).log_().neg_().log_().neg_()
+
+
+def gumbel_upper(bits: torch.Tensor) -> torch.Tensor:
+    """Float32 upper bounds of gumbel_of(bits), cheaper: u is rounded up to 24 bits (G grows with u;
+    the last step of u, up to 1, gives +inf) and the float32 logs' error is covered by the
+    caller's slack."""
+    u = bits.bitwise_right_shift(29).add_(1).float().mul_(2.0 ** -24)
+    return u.log_().neg_().log_().neg_()
+
+
+def keyed_gumbel_argmax(scores: torch.Tensor, seeds: list[int], positions: list[int]) -> torch.Tensor:
+    """Row r's argmax of float64 `scores` [R, V] (log-weights; -inf: never) plus the Gumbel noise of
+    (seeds[r], positions[r]); -1 for a row with NaN or +inf, or nothing finite."""
+    V = scores.shape[-1]
+    out = []
+    for x, s, t in zip(scores, seeds, positions):
+        score = gumbel_of(keyed_bits(s, t, V, x.device)).add_(x)
+        out.append(torch.where(torch.isfinite(x.max()), row_argmax(score), -1))   # max: NaN if any
+    return torch.stack(out) if out else torch.empty(0, dtype=torch.long, device=scores.device)
+
+
 def keyed_choice(probs: torch.Tensor, seeds: list[int], positions: list[int]) -> torch.Tensor:
     """Row r's token drawn from `probs` [R, V] (non-negative weights) with the noise of
     (seeds[r], positions[r]): the Gumbel-max argmax of log p + G, G = -log(-log u) per token. A
@@ -85,14 +114,9 @@ def keyed_choice(probs: torch.Tensor, seeds: list[int], positions: list[int]) ->
     changes the token only if the top two perturbed scores are that close, unlike an inverse CDF,
     where every one of a 262k vocabulary's tiny tail intervals is a boundary to fall across.
     Rows without finite positive mass answer -1 (the caller falls back)."""
-    V = probs.shape[-1]
-    out = []
-    for p, s, t in zip(probs, seeds, positions):
-        noise = keyed_uniforms(s, t, V, probs.device).log_().neg_().log_()       # log(-log u) = -G
-        score = p.double().log_().sub_(noise)
-        mass = p.sum(dtype=torch.float64)       # NaN or inf anywhere makes it non-finite (weights >= 0)
-        out.append(torch.where(torch.isfinite(mass) & (mass > 0), row_argmax(score), -1))
-    return torch.stack(out) if out else torch.empty(0, dtype=torch.long, device=probs.device)
+    mass = probs.sum(-1, dtype=torch.float64)        # NaN or inf anywhere makes it non-finite (weights >= 0)
+    drawn = keyed_gumbel_argmax(probs.double().log(), seeds, positions)
+    return torch.where(torch.isfinite(mass) & (mass > 0), drawn, -1)
 
 
 @dataclass
@@ -130,29 +154,42 @@ def processed_logits(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
     return x
 
 
-def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Probabilities [..., V] after temperature, top-k, top-p and min-p (float32). Always keeps the
-    most likely token, so finite logits give a distribution with mass."""
-    logits = logits.float() / max(params.temperature, 1e-5)
-    V = logits.shape[-1]
+def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Log-weights [..., V] of the distribution a sampled row draws from (float64): the logits over
+    the temperature, -inf where top-k, top-p or min-p drop a token. Always keeps the most likely
+    token, so finite logits give a distribution with mass."""
+    z = logits.double() / max(params.temperature, 1e-5)
+    V = z.shape[-1]
     if 0 < params.top_k < V:
-        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if params.top_p < 1.0:
-        sorted_p, idx = probs.sort(dim=-1, descending=True)
-        drop = sorted_p.cumsum(-1) - sorted_p > params.top_p   # keep the smallest set reaching top_p
-        probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p.masked_fill(drop, 0.0))
-    if params.min_p > 0.0:
-        probs = probs.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), 0.0)
+        kth = torch.topk(z, params.top_k, dim=-1).values[..., -1:]
+        z = z.masked_fill(z < kth, float("-inf"))
     if params.top_p < 1.0 or params.min_p > 0.0:
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
+        probs = torch.softmax(z.float(), dim=-1)
+        drop = torch.zeros_like(probs, dtype=torch.bool)
+        if params.top_p < 1.0:
+            sorted_p, idx = probs.sort(dim=-1, descending=True)
+            drop.scatter_(-1, idx, sorted_p.cumsum(-1) - sorted_p > params.top_p)   # keep the smallest set reaching top_p
+        if params.min_p > 0.0:
+            drop |= probs < params.min_p * probs.amax(-1, keepdim=True)
+        z = z.masked_fill(drop, float("-inf"))
+    return z
+
+
+def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Probabilities [..., V] after temperature, top-k, top-p and min-p (float32)."""
+    return torch.softmax(filtered_logits(logits, params), dim=-1).float()
+
+
+def screenable(params: SamplingParams) -> bool:
+    """A row whose token the LM head's screen can decide without full logits: no logprobs and no
+    processing, and greedy or a temperature-only draw (`screened_draw`)."""
+    return (params.logprobs is None and not params.processes_logits
+            and (params.greedy or (params.top_k in (0, -1) and params.top_p == 1.0 and params.min_p == 0.0)))
 
 
 def draw_tokens(logits: torch.Tensor, rows: list[SampleRow]) -> list[int]:
     """The token of each row of raw `logits` [R, V]: greedy rows the processed argmax, the others the
-    keyed Gumbel-max draw."""
+    keyed Gumbel-max draw from their filtered log-weights."""
     if all(r.params.greedy and not r.params.processes_logits for r in rows):
         return logits.argmax(-1).tolist()
     out = []
@@ -161,11 +198,39 @@ def draw_tokens(logits: torch.Tensor, rows: list[SampleRow]) -> list[int]:
         if row.params.greedy:
             tok = int(torch.nan_to_num(x, nan=float("-inf")).argmax())
         else:
-            tok = int(keyed_choice(filtered_probs(x, row.params)[None], [row.seed], [row.position])[0])
+            tok = int(keyed_gumbel_argmax(filtered_logits(x, row.params)[None], [row.seed], [row.position])[0])
             if tok < 0:    # no finite mass (non-finite logits): the raw argmax still answers
                 tok = int(torch.nan_to_num(raw.float(), nan=float("-inf")).argmax())
         out.append(tok)
     return out
+
+
+def screened_draw(approx: torch.Tensor, err: torch.Tensor, exact, row: SampleRow) -> int | None:
+    """`draw_tokens`' token for a temperature-only row, from screened logits: `approx` [V] (float32)
+    within `err` ([V] or [1]) of the exact logits, and `exact(ids)`, the exact logits of those tokens.
+    Every token's score has an upper bound (screened logit, its error and `gumbel_upper`, over the
+    temperature); the best exact score of the few highest bounds is a floor the winner reaches, so
+    only tokens whose bound reaches it are scored exactly, in float64 as the full draw scores them:
+    the same token, without the [V] logits, their float64 pass or a float64 noise per token.
+    None when the screen cannot decide (non-finite logits): the caller draws from full logits."""
+    T = max(row.params.temperature, 1e-5)
+    top_abs = float(approx.abs().max())
+    if not math.isfinite(top_abs):
+        return None
+    bits = keyed_bits(row.seed, row.position, approx.shape[-1], approx.device)
+    upper = (approx + err).div_(T).add_(gumbel_upper(bits))
+    # float32 rounding of the bound's terms (logits over T; noise bounds under 17 unless +inf)
+    upper.add_((top_abs + float(err.max())) / T * 2.0 ** -20 + 2.0 ** -15)
+
+    def scores(ids: torch.Tensor) -> torch.Tensor:
+        return exact(ids).double().div_(T).add_(gumbel_of(bits[ids]))
+
+    floor = scores(upper.topk(min(4, len(upper))).indices).max()
+    cand = (upper >= floor).nonzero().flatten()
+    best = scores(cand)
+    if not torch.isfinite(best.max()):
+        return None
+    return int(cand[row_argmax(best)])
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], tops: list[int | None]) -> list[TokenLogprob | None]:
@@ -184,9 +249,3 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], tops: list[int | Non
     for j, i in enumerate(want):
         out[i] = TokenLogprob(tokens[i], chosen[j], list(zip(top_i[j][:tops[i]], top_v[j][:tops[i]])))
     return out
-
-
-def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[tuple[int, TokenLogprob | None]]:
-    """(token, logprob entry or None) for each row of raw `logits` [R, V]."""
-    tokens = draw_tokens(logits, rows)
-    return list(zip(tokens, token_logprobs(logits, tokens, [r.params.logprobs for r in rows])))

@@ -56,8 +56,9 @@ class Int8ArgmaxScreen:
         return (Int8ArgmaxScreen.serves(weight) and hidden.device.type == "cpu"
                 and 1 <= rows <= Int8ArgmaxScreen.MAX_ROWS[weight.dtype] and not torch.is_grad_enabled())
 
-    def argmax(self, hidden: torch.Tensor, weight: torch.Tensor, post=None) -> torch.Tensor:
-        """`post`: the model's monotone logit transform (softcapping), applied to the exact rows."""
+    def screen(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Screened logits [M, V] (float32) of hidden rows [M, H], and their error bound: within
+        half[r] * self.scale[v] of the exact float logit (half: [M, 1])."""
         h = hidden.reshape(-1, hidden.shape[-1]).float()
         M = h.shape[0]
         # h = a1*q1 + a2*q2 + e, per row, with q1, q2 int8 and |e| <= a2/2 (about 2^-15 of max|h|)
@@ -75,6 +76,21 @@ class Int8ArgmaxScreen:
         # float rounding here and in the reference GEMM (slack)
         l1, e1 = h.abs().sum(1, keepdim=True), e.abs().sum(1, keepdim=True)
         half = ((l1 + e1) / 254 * (1 + 1e-3) + e1 + 1e-4 * l1) * 127
+        return approx, half
+
+    def bounds(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Screened logits [M, V] and each one's error bound [M, V], the exact logits' rounding to
+        the weight's dtype included (for a sampled draw, `sampler.screened_draw`)."""
+        approx, half = self.screen(hidden)
+        err = half * self.scale
+        if self.rounds_to_bf16:
+            err.add_((approx.abs() + err) * 2 ** -7)
+        return approx, err
+
+    def argmax(self, hidden: torch.Tensor, weight: torch.Tensor, post=None) -> torch.Tensor:
+        """`post`: the model's monotone logit transform (softcapping), applied to the exact rows."""
+        approx, half = self.screen(hidden)
+        M = approx.shape[0]
         top, at = approx.max(1, keepdim=True)
         floor = top - half * self.scale[at]              # the best row's lower end: <= the exact maximum
         if self.rounds_to_bf16:                          # the reference rounds to bf16: values within 2^-8 may tie
@@ -128,7 +144,9 @@ class Bf16ArgmaxScreen:
     def usable(weight: torch.Tensor, hidden: torch.Tensor) -> bool:
         return Bf16ArgmaxScreen.serves(weight) and hidden.device.type == "cpu" and not torch.is_grad_enabled()
 
-    def argmax(self, hidden: torch.Tensor, weight: torch.Tensor, post=None) -> torch.Tensor:
+    def _screen(self, hidden: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+        """Screened logits of hidden rows [M, H] in vocabulary blocks ([M, V/n] bf16 each), each row's
+        largest, and the bound [M, 1] within which every one is of the exact float32 logit."""
         h = hidden.reshape(-1, hidden.shape[-1]).float()
         hb = h.to(torch.bfloat16)
         n_h, n_hb = h.norm(dim=1, keepdim=True), hb.float().norm(dim=1, keepdim=True)
@@ -142,6 +160,16 @@ class Bf16ArgmaxScreen:
         big = torch.maximum(top.abs(), low.abs())                                    # max |screened| per row
         bound = ((n_hb * self.max_dw + (n_eh + self.gamma * n_h) * self.max_w + big * 2.0 ** -8)
                  * (1 + 1e-3) + 1e-6)
+        return approx, top, bound
+
+    def bounds(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Screened logits [M, V] (float32) and their error bound [M, 1] (for a sampled draw,
+        `sampler.screened_draw`)."""
+        approx, _, bound = self._screen(hidden)
+        return torch.cat(approx, 1).float(), bound
+
+    def argmax(self, hidden: torch.Tensor, weight: torch.Tensor, post=None) -> torch.Tensor:
+        approx, top, bound = self._screen(hidden)
         # a logit can be the reference maximum only if its upper end reaches the best lower end;
         # compared in bf16 against the floor rounded down (a float32 threshold would promote the
         # output to a float32 temporary twice its size)
@@ -152,7 +180,7 @@ class Bf16ArgmaxScreen:
         starts = [0, *itertools.accumulate(a.shape[1] for a in approx)]
         cand = torch.cat([(a >= floor_bf16).any(0).nonzero().flatten() + start     # union over rows
                           for a, start in zip(approx, starts)])
-        exact = F.linear(h, weight.index_select(0, cand))                           # [M, C], float32
+        exact = F.linear(hidden.reshape(-1, hidden.shape[-1]).float(), weight.index_select(0, cand))   # [M, C], float32
         if post is not None:
             exact = post(exact)
         return cand[exact.argmax(1)].view(hidden.shape[:-1])

@@ -72,6 +72,19 @@ class ParallelLMHead(VocabParallelEmbedding):
         logits = self(hidden)
         return row_argmax(post(logits) if post is not None else logits)
 
+    def screen_bounds(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Screened logits of `hidden` rows and their error bounds (see `Int8ArgmaxScreen.bounds`),
+        where a screen serves this head and that many rows; None where only full logits do."""
+        if self.tp_size == 1 and Int8ArgmaxScreen.usable(self.weight, hidden):
+            return self._int8().bounds(hidden)
+        if self.tp_size == 1 and len(hidden) and Bf16ArgmaxScreen.usable(self.weight, hidden):
+            return self._bf16().bounds(hidden)
+        return None
+
+    def logits_at(self, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The exact logits of tokens `ids` for hidden rows [M, H]: [M, len(ids)] (one rank's head)."""
+        return F.linear(hidden.to(self.weight.dtype), self.weight.index_select(0, ids))
+
     def prepare_greedy(self) -> None:
         """Build the screens `greedy` uses on this device now (at load, about 1.2 s for a 262K
         vocabulary), not inside the first requests' steps."""

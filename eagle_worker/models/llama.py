@@ -154,6 +154,15 @@ class CausalLM(nn.Module):
         """compute_logits(hidden).argmax(-1), without full logits where the LM head can avoid them."""
         return self.lm_head.greedy(hidden, self._softcap if self.final_logit_softcapping else None)
 
+    def screen_bounds(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Screened logits and their error bounds where the LM head screens (not under softcapping,
+        which the bounds do not follow); None where only `compute_logits` answers."""
+        return None if self.final_logit_softcapping else self.lm_head.screen_bounds(hidden)
+
+    def logits_at(self, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """compute_logits(hidden)[:, ids], for a model whose head screens (one rank, no softcapping)."""
+        return self.lm_head.logits_at(hidden, ids)
+
     def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
         cap = self.final_logit_softcapping
         return torch.tanh(logits / cap) * cap if cap else logits

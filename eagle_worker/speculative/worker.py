@@ -28,7 +28,7 @@ from eagle_worker.decode_worker import NewTokens, forward_item, record_prompt_lo
 from eagle_worker.model_runner import ForwardItem, ForwardResult, ModelRunner, zeroed
 from eagle_worker.outputs import TokenLogprob
 from eagle_worker.parallel import tp_size
-from eagle_worker.sampler import argmax_suffices, draw_tokens, sample, token_logprobs
+from eagle_worker.sampler import argmax_suffices, screenable, token_logprobs
 from eagle_worker.scheduler import ScheduledSeq
 from eagle_worker.sequence import Sequence
 from eagle_worker.speculative.acceptance import Acceptance, accept_batch
@@ -332,7 +332,8 @@ class EagleWorker:
         slots = self.block_manager.slots(seq, 0, c + n)
         mask = ancestor_mask(torch.tensor([tree.parents]))[0]
         return ForwardItem(token_ids=tree.tokens, positions=c + torch.tensor(tree.depth), new_slots=slots[c:],
-                           ctx_slots=slots[:c], logit_rows=list(range(n)), new_token_mask=mask)
+                           ctx_slots=slots[:c], logit_rows=list(range(n)), new_token_mask=mask,
+                           full_logits=not screenable(seq.params))
 
     # ---- verification -----------------------------------------------------------------------
     def _verify(self, batch: list[ScheduledSeq], items: list[ForwardItem], trees: dict[str, DraftTree],
@@ -357,13 +358,9 @@ class EagleWorker:
         if not wanted:
             return {}
         idx = [row for _, row in wanted]
-        if result.logits is None:
+        if result.rows is None:
             return {it.seq.request_id: (t, None) for (it, _), t in zip(wanted, result.argmax[idx].tolist())}
-        if idx == list(range(idx[0], idx[0] + len(idx))):   # a view: no copy of R x 262k floats a step
-            logits = result.logits[idx[0]:idx[0] + len(idx)]
-        else:
-            logits = result.logits[torch.tensor(idx, device=result.logits.device)]
-        drawn = sample(logits, [it.seq.sample_row() for it, _ in wanted])
+        drawn = result.rows.sample(idx, [it.seq.sample_row() for it, _ in wanted])
         return {it.seq.request_id: d for (it, _), d in zip(wanted, drawn)}
 
     def _commit_plain(self, it: ScheduledSeq, sampled: tuple | None, offset: int,
@@ -395,7 +392,7 @@ class EagleWorker:
         if not work:
             return []
         batch = TreeBatch.stack([t.parents for _, t, _, _ in work], [t.tokens for _, t, _, _ in work])
-        if result.logits is None:
+        if result.rows is None:
             return accept_batch(batch, result.argmax, row_offsets=torch.tensor([row for _, _, row, _ in work]))
 
         def target_tokens(b: torch.Tensor, node: torch.Tensor) -> torch.Tensor:
@@ -404,7 +401,7 @@ class EagleWorker:
                 seq, tree, row, _ = work[bb]
                 rows.append(row + n)
                 ctx.append(seq.sample_row(tree.path_tokens(n)))
-            return torch.tensor(draw_tokens(result.logits[torch.tensor(rows, device=result.logits.device)], ctx))
+            return torch.tensor(result.rows.tokens(rows, ctx))
 
         return accept_batch(batch, target_tokens)
 
@@ -420,8 +417,8 @@ class EagleWorker:
         self._count_sources(seq, rs.hybrid, acc.path[1:], tree)
         lps: list[TokenLogprob | None] = [None] * len(acc.tokens)
         if seq.params.logprobs is not None:
-            rows = row + torch.tensor(acc.path, device=result.logits.device)
-            lps = token_logprobs(result.logits[rows], acc.tokens, [seq.params.logprobs] * len(acc.tokens))
+            lps = token_logprobs(result.rows.logits([row + i for i in acc.path]), acc.tokens,
+                                 [seq.params.logprobs] * len(acc.tokens))
         seq.metrics.num_target_forwards += 1
         seq.metrics.num_decode_tokens += len(acc.tokens)
         self._count_depths(seq, tree.depth, acc.num_accepted)
