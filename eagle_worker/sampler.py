@@ -209,7 +209,7 @@ def screened_draw(approx: torch.Tensor, err: torch.Tensor, exact, row: SampleRow
     """`draw_tokens`' token for a temperature-only row, from screened logits: `approx` [V] (float32)
     within `err` ([V] or [1]) of the exact logits, and `exact(ids)`, the exact logits of those tokens.
     Every token's score has an upper bound (screened logit, its error and `gumbel_upper`, over the
-    temperature); the best exact score of the few highest bounds is a floor the winner reaches, so
+    temperature); the exact score of the highest bound is a floor the winner reaches, so
     only tokens whose bound reaches it are scored exactly, in float64 as the full draw scores them:
     the same token, without the [V] logits, their float64 pass or a float64 noise per token.
     None when the screen cannot decide (non-finite logits): the caller draws from full logits."""
@@ -225,7 +225,7 @@ def screened_draw(approx: torch.Tensor, err: torch.Tensor, exact, row: SampleRow
     def scores(ids: torch.Tensor) -> torch.Tensor:
         return exact(ids).double().div_(T).add_(gumbel_of(bits[ids]))
 
-    floor = scores(upper.topk(min(4, len(upper))).indices).max()
+    floor = scores(row_argmax(upper)[None])[0]
     cand = (upper >= floor).nonzero().flatten()
     best = scores(cand)
     if not torch.isfinite(best.max()):

@@ -163,10 +163,10 @@ class Bf16ArgmaxScreen:
         return approx, top, bound
 
     def bounds(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Screened logits [M, V] (float32) and their error bound [M, 1] (for a sampled draw,
-        `sampler.screened_draw`)."""
+        """Screened logits [M, V] (bfloat16, half a float32 copy's bytes) and their error bound
+        [M, 1] (for a sampled draw, `sampler.screened_draw`)."""
         approx, _, bound = self._screen(hidden)
-        return torch.cat(approx, 1).float(), bound
+        return torch.cat(approx, 1), bound
 
     def argmax(self, hidden: torch.Tensor, weight: torch.Tensor, post=None) -> torch.Tensor:
         approx, top, bound = self._screen(hidden)
