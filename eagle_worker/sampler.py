@@ -206,7 +206,7 @@ def draw_tokens(logits: torch.Tensor, rows: list[SampleRow]) -> list[int]:
 
 
 def screened_draw(approx: torch.Tensor, err: torch.Tensor, exact, row: SampleRow) -> int | None:
-    """`draw_tokens`' token for a temperature-only row, from screened logits: `approx` [V] (float32)
+    """`draw_tokens`' token for a temperature-only row, from screened logits: `approx` [V] (float32, bf16)
     within `err` ([V] or [1]) of the exact logits, and `exact(ids)`, the exact logits of those tokens.
     Every token's score has an upper bound (screened logit, its error and `gumbel_upper`, over the
     temperature); the exact score of the highest bound is a floor the winner reaches, so

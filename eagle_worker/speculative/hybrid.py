@@ -9,7 +9,7 @@ its small tree: 1 + the head's recent accepted tokens, scaled to the tree) or me
 what the head's own nodes recently added beside lookup).
 A request's seconds are its share of the step's fixed cost (the fixed cost over the batch size),
 its rows and its share of the head's passes, priced by `StepCost`, the device's measured cost of a
-row (and a sampled row's extra: at temperature 1 a row costs several greedy ones): at batch 1 the
+row (and a sampled row's extra, the keyed draw of each row acceptance visits): at batch 1 the
 fixed cost dominates and a likely token is worth a row; at batch 64 a row costs about as much as a
 request's whole share, so only a source that is likely to hit keeps its nodes (a copy lookup is
 certain of keeps its branch, a head that rarely hits drafts nothing).

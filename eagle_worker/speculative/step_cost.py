@@ -2,8 +2,9 @@
 
 Verification rows all need logits (on Gemma 3 the 262k-vocab LM head is most of a row's cost),
 so a step's seconds grow with its rows; a row its sequence samples (temperature > 0, logprobs,
-penalties) costs more again: the full LM head instead of the argmax screen, and the sampler's pass
-over the vocabulary (on this CPU about 6 ms more at batch 8, several greedy rows' worth); each
+penalties) costs more again: the keyed draw at each row acceptance visits (screened for a
+temperature-only row, logit_rows.py) and, for logprobs or processed sampling, the full LM head
+instead of the screen and the sampler's passes over the vocabulary; each
 sequence adds its own attention and bookkeeping, however many rows its tree has, and one that
 verifies a tree more (its tree mask, the acceptance walk, compacting its accepted KV); the head's
 drafting adds its own rows and one pass per level; the prompt tokens of prefill chunks in the
