@@ -28,7 +28,10 @@ class LogitRows:
     def logits(self, rows: list[int]) -> torch.Tensor:
         """Full logits [len(rows), V] of these rows."""
         if all(r in self._where for r in rows):
-            return self._logits[torch.tensor([self._where[r] for r in rows], device=self._logits.device)]
+            at = [self._where[r] for r in rows]
+            if at and at == list(range(at[0], at[0] + len(at))):     # a view: no copy of R x 262k floats a step
+                return self._logits[at[0]:at[0] + len(at)]
+            return self._logits[torch.tensor(at, device=self._logits.device)]
         return self.model.compute_logits(self.hidden[torch.tensor(rows, device=self.hidden.device)])
 
     @torch.inference_mode()
