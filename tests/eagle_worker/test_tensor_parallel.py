@@ -1,5 +1,7 @@
 """tp_size=2 (two gloo processes, rank 1 in the worker loop) gives the same greedy tokens as tp_size=1,
-on a Gemma 3 config with a single KV head (replicated across ranks) and an odd vocabulary split."""
+on a Gemma 3 config with a single KV head (replicated across ranks) and an odd vocabulary split, and
+the same seeded temperature-1 tokens: full logits gathered across the ranks there, the LM head's
+screen on one rank (logit_rows.py)."""
 from __future__ import annotations
 
 import socket
@@ -24,23 +26,28 @@ def _rank(rank: int, world: int, port: int, model: str, out):
     kw = dict(model=model, tp_size=world, block_size=4, num_kv_blocks=128)
     if rank == 0:
         llm = LLM(**kw)
-        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-        out.put([o.token_ids for o in llm.generate(PROMPTS, params)])
+        out.put([[o.token_ids for o in llm.generate(PROMPTS, p)] for p in _params()])
         llm.engine.shutdown()
     else:
         run_tp_worker(EngineConfig(**kw))
     dist.destroy_process_group()
 
 
-def test_tp2_greedy_equals_tp1(tmp_path):
+def _params() -> list[SamplingParams]:
+    return [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+            SamplingParams(max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)]
+
+
+def test_tp2_greedy_and_sampled_equal_tp1(tmp_path):
     from tests.conftest import save_random_model, tiny_config
 
     torch.manual_seed(0)
     cfg = tiny_config("gemma3", vocab_size=321)
     cfg.num_key_value_heads = 1
     save_random_model(cfg, tmp_path)
-    expected = [o.token_ids for o in LLM(model=str(tmp_path), block_size=4, num_kv_blocks=128).generate(
-        PROMPTS, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))]
+    single = LLM(model=str(tmp_path), block_size=4, num_kv_blocks=128)
+    expected = [[o.token_ids for o in single.generate(PROMPTS, p)] for p in _params()]
+    assert expected[0] != expected[1]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
