@@ -38,14 +38,13 @@ class LogitRows:
     def tokens(self, rows: list[int], draws: list[SampleRow]) -> list[int]:
         """The token of each row under its draw context, as `draw_tokens` gives it from full logits."""
         out: list[int | None] = [None] * len(rows)
-        greedy = [j for j, (r, d) in enumerate(zip(rows, draws))
-                  if r not in self._where and d.params.greedy and not d.params.processes_logits]
+        screened = [j for j, (r, d) in enumerate(zip(rows, draws)) if r not in self._where and screenable(d.params)]
+        greedy = [j for j in screened if draws[j].params.greedy]
+        sampled = [j for j in screened if not draws[j].params.greedy]
         if greedy:
             ids = self.model.greedy_tokens(self.hidden[torch.tensor([rows[j] for j in greedy], device=self.hidden.device)])
             for j, t in zip(greedy, ids.tolist()):
                 out[j] = t
-        sampled = [j for j, (r, d) in enumerate(zip(rows, draws))
-                   if out[j] is None and r not in self._where and screenable(d.params)]
         if sampled:
             h = self.hidden[torch.tensor([rows[j] for j in sampled], device=self.hidden.device)]
             screen = self.model.screen_bounds(h)
