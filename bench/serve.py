@@ -160,23 +160,27 @@ _RAY = StartedRay()  # the Ray this benchmark started, if any: it goes when the 
 
 
 def local_config(model: str, draft: str | None, name: str, port: int, max_num_seqs: int, max_tokens: int,
-                 dtype: str, threads: int, stream_interval: int = 1, direct_ingress: bool = False):
-    """The app this benchmark starts: one replica computing on `threads` torch threads."""
+                 dtype: str, threads: int, stream_interval: int = 1, direct_ingress: bool = False,
+                 colocate: bool | None = None):
+    """The app this benchmark starts: one replica computing on `threads` torch threads (with the
+    ingress in its process unless `colocate` is False)."""
     from cluster.config import ServeConfig
 
     return ServeConfig(model=model, draft=draft, dtype=dtype, app_name=name, port=port, num_replicas=1,
                        resources_per_rank={"cpu": 1, "threads": threads},
-                       ingress={"stream_interval": stream_interval, "direct": direct_ingress},
+                       ingress={"stream_interval": stream_interval, "direct": direct_ingress, "colocate": colocate},
                        limits={"max_num_seqs": max_num_seqs, "max_queued_requests": max_num_seqs,
                                "max_tokens": max(max_tokens, 16)})
 
 
 def _start_local(model: str, draft: str | None, name: str, port: int, max_num_seqs: int, max_tokens: int,
-                 dtype: str, threads: int, stream_interval: int = 1, direct_ingress: bool = False) -> str:
+                 dtype: str, threads: int, stream_interval: int = 1, direct_ingress: bool = False,
+                 colocate: bool | None = None) -> str:
     """Deploy the app on this machine's Ray (started here if needed); its base URL."""
     from cluster.serve_app import local_ray_env, run_serve
 
-    cfg = local_config(model, draft, name, port, max_num_seqs, max_tokens, dtype, threads, stream_interval, direct_ingress)
+    cfg = local_config(model, draft, name, port, max_num_seqs, max_tokens, dtype, threads, stream_interval, direct_ingress,
+                       colocate)
     if not os.environ.get("RAY_ADDRESS"):   # as `eaglectl serve` starts its Ray (run_serve)
         os.environ.update(local_ray_env(cfg))
     _RAY.start(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False,
@@ -184,17 +188,26 @@ def _start_local(model: str, draft: str | None, name: str, port: int, max_num_se
     return run_serve(cfg, blocking=False)
 
 
-def engine_levels(cfg, prompts_for, concurrencies: tuple[int, ...], max_tokens: int, threads: int) -> list[dict]:
-    """The same prompts through the engine in this process (`LLM.generate`, `concurrency` at a time,
-    greedy, ignore_eos), with `cfg`'s engine settings and `threads` torch threads."""
+def load_engine(cfg, threads: int):
+    """`LLM` with `cfg`'s engine settings on `threads` torch threads, warmed up."""
     import torch
 
     from eagle_worker import LLM, SamplingParams
 
     torch.set_num_threads(threads)
     llm = LLM(**cfg.engine_kwargs())
+    llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))   # warm-up
+    return llm
+
+
+def engine_levels(llm, prompts_for, concurrencies: tuple[int, ...], max_tokens: int, rnd: int = 0) -> list[dict]:
+    """The same prompts through the engine in this process (`LLM.generate`, `concurrency` at a time,
+    greedy, ignore_eos)."""
+    import torch
+
+    from eagle_worker import SamplingParams
+
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    llm.generate(prompts_for(1)[:1], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))   # warm-up
     rows = []
     for c in concurrencies:
         prompts = prompts_for(c)
@@ -202,17 +215,30 @@ def engine_levels(cfg, prompts_for, concurrencies: tuple[int, ...], max_tokens: 
         outs = [o for i in range(0, len(prompts), c) for o in llm.generate(prompts[i:i + c], sp)]
         duration = time.perf_counter() - t0
         n = sum(len(o.token_ids) for o in outs)
-        row = {"setup": "engine", "draft": None, "concurrency": c, "num_prompts": len(prompts), "completed": len(outs),
-               "failed": 0, "duration_s": duration, "request_throughput": len(outs) / duration,
+        row = {"setup": "engine", "draft": None, "concurrency": c, "round": rnd, "num_prompts": len(prompts),
+               "completed": len(outs), "failed": 0, "duration_s": duration, "request_throughput": len(outs) / duration,
                "output_throughput": n / duration, "total_output_tokens": n, "tau": None, "errors": [],
                "threads": torch.get_num_threads()}
         for key, metric in (("ttft_ms", "ttft_s"), ("tpot_ms", "tpot_s"), ("e2el_ms", "latency_s")):
             row[key] = _summary([1e3 * o.metrics[metric] for o in outs if (o.metrics or {}).get(metric) is not None])
         row["itl_ms"] = _summary([])
         rows.append(row)
-        print(f"bench serve: engine c={c}: {n / duration:.2f} out tok/s ({threads} threads)", flush=True)
-    llm.engine.shutdown()
+        print(f"bench serve: engine c={c} round {rnd}: {n / duration:.2f} out tok/s ({row['threads']} threads)",
+              flush=True)
     return rows
+
+
+def _http_level(name: str, draft: str | None, base: str, served: str, prompts: list[str], c: int, max_tokens: int,
+                timeout: float, rnd: int, engine_row: dict | None) -> dict:
+    row = bench_level(base, served, prompts, c, max_tokens, timeout=timeout)
+    row.update(setup=name, draft=draft, round=rnd)
+    if name == "plain":
+        row["tau"] = None  # no speculation: tokens per forward says nothing there
+        if engine_row and engine_row["output_throughput"]:
+            row["vs_engine"] = row["output_throughput"] / engine_row["output_throughput"]
+    print(f"bench serve: {name} c={c} round {rnd}: {row['completed']}/{row['num_prompts']} done, "
+          f"{row['output_throughput']:.2f} out tok/s, TTFT median {_fmt(row['ttft_ms']['median'], 0)} ms", flush=True)
+    return row
 
 
 def _stop_local(name: str) -> None:
@@ -248,7 +274,8 @@ def run(url: str | None = None, model: str = "gemma-3-270m", concurrencies: tupl
         num_prompts: int = 8, max_tokens: int = 48, draft: str | None = "default",
         json_out: str | None = "bench/results/serve.json", dtype: str = "float32",
         request_timeout_s: float = 900, prompts: list[str] | None = None, threads: int | None = None,
-        engine_baseline: bool = True, stream_interval: int = 1, direct_ingress: bool = False) -> dict:
+        engine_baseline: bool = True, stream_interval: int = 1, direct_ingress: bool = False,
+        colocate: bool | None = None, rounds: int = 1) -> dict:
     """Benchmark the endpoint at `url`, or (url=None) an app started here without and with the head,
     after the engine itself with the same threads (`engine_baseline`).
 
@@ -279,11 +306,17 @@ def run(url: str | None = None, model: str = "gemma-3-270m", concurrencies: tupl
         setups = [("plain", None)] + ([("eagle", head)] if head else [])
     port = _free_port()
     engine_rows: dict[int, dict] = {}
-    if url is None and engine_baseline:   # before Ray starts: nothing else computes meanwhile
-        base_cfg = local_config(model, None, "bench-engine", port, max(concurrencies), max_tokens, dtype, threads)
-        for row in engine_levels(base_cfg, prompts_for, concurrencies, max_tokens, threads):
+    llm = None
+
+    def engine_round(rnd: int) -> None:
+        for row in engine_levels(llm, prompts_for, concurrencies, max_tokens, rnd):
             engine_rows[row["concurrency"]] = row
             results.append(row)
+
+    if url is None and engine_baseline:   # the first round before Ray starts: nothing else computes meanwhile
+        llm = load_engine(local_config(model, None, "bench-engine", port, max(concurrencies), max_tokens, dtype,
+                                       threads), threads)
+        engine_round(0)
     try:
         for name, setup_draft in setups:
             app = f"bench-{name}"
@@ -293,40 +326,40 @@ def run(url: str | None = None, model: str = "gemma-3-270m", concurrencies: tupl
                     t0 = time.perf_counter()
                     base = _start_local(model, setup_draft, app, port, max_num_seqs=max(concurrencies),
                                         max_tokens=max_tokens, dtype=dtype, threads=threads,
-                                        stream_interval=stream_interval, direct_ingress=direct_ingress)
+                                        stream_interval=stream_interval, direct_ingress=direct_ingress,
+                                        colocate=colocate)
                     print(f"bench serve: {name} up in {time.perf_counter() - t0:.0f}s at {base}", flush=True)
                 served = _served_model(base)
                 warm = _stream_one(requests.Session(), base, served, pool[0], 4, request_timeout_s)  # load/compile paths
                 if not warm["ok"]:
                     raise RuntimeError(f"warm-up request failed: {warm['error']}")
-                for c in concurrencies:
-                    row = bench_level(base, served, prompts_for(c), c, max_tokens, timeout=request_timeout_s)
-                    row.update(setup=name, draft=setup_draft)
-                    if name == "plain":
-                        row["tau"] = None  # no speculation: tokens per forward says nothing there
-                        eng = engine_rows.get(c)
-                        if eng and eng["output_throughput"]:
-                            row["vs_engine"] = row["output_throughput"] / eng["output_throughput"]
-                    results.append(row)
-                    print(f"bench serve: {name} c={c}: {row['completed']}/{row['num_prompts']} done, "
-                          f"{row['output_throughput']:.2f} out tok/s, TTFT median {_fmt(row['ttft_ms']['median'], 0)} ms",
-                          flush=True)
+                for rnd in range(rounds if name == "plain" else 1):
+                    if rnd and llm is not None:   # again, beside the idle app: this machine's speed drifts
+                        engine_round(rnd)
+                    for c in concurrencies:
+                        results.append(_http_level(name, setup_draft, base, served, prompts_for(c), c, max_tokens,
+                                                   request_timeout_s, rnd, engine_rows.get(c)))
             finally:
                 if url is None:
                     _stop_local(app)
     finally:
+        if llm is not None:
+            llm.engine.shutdown()
         _RAY.shutdown()
     report = {"meta": {"model": model, "url": url, "draft": head, "concurrencies": list(concurrencies),
                        "num_prompts": num_prompts, "max_tokens": max_tokens, "dtype": dtype, "threads": threads,
                        "stream_interval": stream_interval, "direct_ingress": direct_ingress,
-                       "cpus": os.cpu_count(), "machine": platform.machine(), "notes": notes,
+                       "ingress": "separate" if colocate is False else "colocated (one replica)",
+                       "rounds": rounds, "cpus": os.cpu_count(), "machine": platform.machine(), "notes": notes,
                        "method": "streamed /v1/completions, greedy, ignore_eos, closed loop at each concurrency; "
                                  "engine: LLM.generate of the same prompts, concurrency at a time, same threads"},
               "results": results}
     table = markdown(results)
-    ratios = [f"c={r['concurrency']}: {r['vs_engine']:.2f}x" for r in results if r.get("vs_engine")]
-    if ratios:
-        table += "\n\nHTTP (no head) vs LLM.generate, same threads: " + ", ".join(ratios)
+    ratios = {c: [r["vs_engine"] for r in results if r.get("vs_engine") and r["concurrency"] == c] for c in concurrencies}
+    if any(ratios.values()):
+        report["vs_engine_median"] = {str(c): statistics.median(v) for c, v in ratios.items() if v}
+        table += "\n\nHTTP (no head) vs LLM.generate, same threads, median of rounds: " + ", ".join(
+            f"c={c}: {statistics.median(v):.2f}x ({' / '.join(f'{x:.2f}' for x in v)})" for c, v in ratios.items() if v)
     print(table + ("\n\n" + "\n".join(f"note: {n}" for n in notes) if notes else ""), flush=True)
     if json_out:
         Path(json_out).parent.mkdir(parents=True, exist_ok=True)

@@ -27,7 +27,8 @@ Example YAML (every key optional)::
     placement_strategy: PACK          # PACK | STRICT_PACK (all ranks of a replica on one node)
     resources_per_rank: {cpu: 1, gpu: 0, threads: null}   # cpu/gpu: Ray's reservation; threads: torch
                                       # threads on CPU, null = the node's cores / ranks that share it
-    # ingress: {num_replicas: 1, num_cpus: 0}   # the HTTP front reserves no CPU by default
+    # ingress: {num_replicas: 1, num_cpus: 0, colocate: null}   # the HTTP front reserves no CPU by default;
+                                      # colocate: in the engine's process where there is one replica
     limits: {max_model_len: 2048, max_tokens: 1024, max_num_seqs: 64,
              max_queued_requests: 64, max_router_queue: 128}
                                       # capacity = replicas x (max_num_seqs + max_queued_requests); the
@@ -193,6 +194,9 @@ class IngressConfig(_Strict):
     direct: bool = Field(False, description="Ray Serve's direct ingress (experimental in Ray 2.60): the ingress "
                          "replica serves HTTP on `port` itself, without Serve's proxy, one hop fewer per streamed "
                          "chunk; only where `eaglectl serve` starts Ray, with one ingress replica")
+    colocate: bool | None = Field(None, description="the ingress and the engine in one process (one deployment, "
+                                  "`LLMServer`): no Ray message per streamed chunk. None (default): where the app "
+                                  "has one engine replica, no autoscaling, one ingress replica reserving no CPU")
 
 
 class ServeConfig(_Strict):
@@ -245,7 +249,20 @@ class ServeConfig(_Strict):
             raise ValueError("ingress.direct: one ingress replica serves the port (ingress.num_replicas must be 1)")
         if any(not k.strip() for k in self.api_keys):
             raise ValueError("api_keys must not contain empty keys")
+        if self.ingress.colocate and not self._colocatable():
+            raise ValueError("ingress.colocate: the ingress shares a process with the engine only where the app has "
+                             "one engine replica (num_replicas: 1, no autoscaling), one ingress replica "
+                             "(ingress.num_replicas: 1) and the ingress reserves no CPU of its own (ingress.num_cpus: 0)")
         return self
+
+    def _colocatable(self) -> bool:
+        return (self.autoscaling is None and (self.num_replicas or 1) == 1 and self.ingress.num_replicas == 1
+                and self.ingress.num_cpus == 0)
+
+    @property
+    def colocated(self) -> bool:
+        """One deployment serves HTTP and runs the engine (`ingress.colocate`, or where it may)."""
+        return self._colocatable() if self.ingress.colocate is None else self.ingress.colocate
 
     # ---- derived values --------------------------------------------------------------------
     @property
@@ -261,6 +278,15 @@ class ServeConfig(_Strict):
     def max_ongoing_per_replica(self) -> int:
         """Serve's per-replica cap: what the engine runs plus what it may queue."""
         return self.limits.max_num_seqs + self.limits.max_queued_requests
+
+    @property
+    def llm_server_max_ongoing(self) -> int:
+        """Serve's per-replica cap of the `LLMServer` deployment: the engine's, and where the ingress
+        shares its process, at least the ingress's open HTTP requests (the ingress admits, answering
+        503 beyond `admission_limit`)."""
+        if self.colocated:
+            return max(self.max_ongoing_per_replica, self.ingress.max_ongoing_requests)
+        return self.max_ongoing_per_replica
 
     @property
     def max_engine_replicas(self) -> int:

@@ -4,7 +4,9 @@ Two deployments: `OpenAIIngress` (HTTP, validation, auth, chat templating and to
 metrics; it loads the tokenizer, not the weights) and
 `LLMServer` (cluster/replica.py: one engine per replica, TP ranks in the replica's placement
 group). The ingress reaches replicas through a DeploymentHandle whose routing is
-`cluster.router.LoadAwareRouter`; Serve autoscales `LLMServer` on ongoing requests.
+`cluster.router.LoadAwareRouter`; Serve autoscales `LLMServer` on ongoing requests. An app with one
+engine replica is one deployment instead (`ColocatedServer`, named `LLMServer`): the same ingress
+with the engine in its process (`ServeConfig.colocated`).
 
 Entry points: `app_builder(args)` (`cluster.serve_app:app_builder` in Serve config files and
 KubeRay RayService specs; args are a ServeConfig dict), `build_app(config)` and
@@ -29,6 +31,7 @@ from cluster import openai_api as oa
 from cluster.config import ConfigError, ServeConfig
 from cluster.cpu_threads import engine_env, serve_env
 from cluster.ingress_prompts import IngressPrompts
+from cluster.local_engine import LocalEngine
 from cluster.metrics import ServeMetrics, StatusCounter, note_status, set_active
 from cluster.openai_render import ChatRender, CompletionRender, all_or_none, merge_streams
 from cluster.placement import check_fits
@@ -94,7 +97,6 @@ def _unless_failed(out: Any) -> Any:
 api.add_middleware(StatusCounter)
 
 
-@serve.deployment(name="OpenAIIngress")
 @serve.ingress(api)
 class OpenAIIngress:
     def __init__(self, config: dict, engine):
@@ -320,13 +322,53 @@ class OpenAIIngress:
         return Response(self.metrics.render(replicas), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
+class ColocatedServer(OpenAIIngress):
+    """The ingress with its engine in the same process, as the one deployment `LLMServer`
+    (`ServeConfig.colocated`: one engine replica). The endpoints reach the engine through
+    `LocalEngine`; a job's rows (cluster/app_client.py) and Serve's health and routing probes reach it
+    through the methods below, as they reach a separate `LLMServer`."""
+
+    async def __init__(self, config: dict):
+        self.replica = EngineReplica(config)
+        await super().__init__(config, LocalEngine(self.replica))
+
+    async def submit(self, *args, **kwargs) -> AsyncIterator[Any]:
+        outputs = self.replica.submit(*args, **kwargs)
+        try:
+            async for out in outputs:
+                yield out
+        finally:
+            await outputs.aclose()   # now: the replica's stream aborts the request if it did not finish
+
+    async def abort(self, request_id: str) -> None:
+        await self.replica.abort(request_id)
+
+    async def stats(self) -> dict[str, Any]:
+        return await self.replica.stats()
+
+    async def engine_info(self) -> dict[str, Any]:
+        return await self.replica.engine_info()
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        return self.replica.record_routing_stats()
+
+    def check_health(self) -> None:
+        self.replica.check_health()
+
+    async def __del__(self):  # Serve calls this when it stops the replica
+        replica = getattr(self, "replica", None)
+        if replica is not None:
+            replica.shutdown()
+        await super().__del__()   # the ASGI app's lifespan
+
+
 # ---- building and running ----------------------------------------------------------------------
 def engine_deployment_options(config: ServeConfig) -> dict[str, Any]:
     """Serve options of the engine deployment: replica count/autoscaling, resources, routing, caps."""
     bundle = config.resources_per_rank.bundle()
     opts: dict[str, Any] = dict(
         name="LLMServer",
-        max_ongoing_requests=config.max_ongoing_per_replica,
+        max_ongoing_requests=config.llm_server_max_ongoing,
         max_queued_requests=-1,   # the ingress's Admission bounds what waits (see cluster/router.py)
         request_router_config=router_config(prefix_aware=config.enable_prefix_caching),
         health_check_period_s=2.0,
@@ -349,11 +391,13 @@ def build_app(config: ServeConfig):
         raise ConfigError(f"ingress.direct: Serve's controller must start with {DIRECT_INGRESS}=1 "
                           "(`eaglectl serve` without --address sets it; on another cluster set it on every node)")
     cfg = config.model_dump(mode="json")
+    if config.colocated:
+        return serve.deployment(ColocatedServer).options(**engine_deployment_options(config)).bind(cfg)
     llm = serve.deployment(EngineReplica).options(**engine_deployment_options(config))
-    ingress = OpenAIIngress.options(num_replicas=config.ingress.num_replicas, max_constructor_retry_count=3,
-                                    max_ongoing_requests=config.ingress.max_ongoing_requests,
-                                    ray_actor_options={"num_cpus": config.ingress.num_cpus,
-                                                       "runtime_env": {"env_vars": serve_env()}})
+    ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress").options(
+        num_replicas=config.ingress.num_replicas, max_constructor_retry_count=3,
+        max_ongoing_requests=config.ingress.max_ongoing_requests,
+        ray_actor_options={"num_cpus": config.ingress.num_cpus, "runtime_env": {"env_vars": serve_env()}})
     return ingress.bind(cfg, llm.bind(cfg))
 
 

@@ -180,10 +180,12 @@ def serve_config_v2(cfg: DeployConfig) -> dict[str, Any]:
     repeated as a deployment override so `kubectl get rayservice -o yaml` shows it."""
     s = cfg.serve
     args = s.model_dump(mode="json", exclude_unset=True)
-    llm = {"name": "LLMServer", **s.replica_count_options(), "max_ongoing_requests": s.max_ongoing_per_replica}
+    llm = {"name": "LLMServer", **s.replica_count_options(), "max_ongoing_requests": s.llm_server_max_ongoing}
+    ingress = {"name": "OpenAIIngress", "num_replicas": s.ingress.num_replicas}
+    deployments = [llm] if s.colocated else [llm, ingress]   # colocated: one deployment (cluster/serve_app.py)
     return {"proxy_location": "EveryNode", "http_options": {"host": "0.0.0.0", "port": s.port},
             "applications": [{"name": s.app_name, "route_prefix": "/", "import_path": IMPORT_PATH, "args": args,
-                              "deployments": [llm, {"name": "OpenAIIngress", "num_replicas": s.ingress.num_replicas}]}]}
+                              "deployments": deployments}]}
 
 
 def _scrape_annotations(port: int) -> dict[str, str]:

@@ -152,15 +152,20 @@ def bench_job(model, rows, max_tokens, draft, replicas, json_out):
               help="The started app's ingress.stream_interval: streamed chunks carry up to this many tokens.")
 @click.option("--direct-ingress", is_flag=True,
               help="The started app's ingress.direct: the ingress replica serves HTTP, no Serve proxy (experimental).")
+@click.option("--rounds", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Engine and HTTP levels taking turns this many times; HTTP/engine is the median of the rounds' ratios.")
+@click.option("--separate-ingress", is_flag=True,
+              help="The started app's ingress.colocate: false: the ingress in its own process, not the engine's.")
 @click.option("--json", "json_out", default="bench/results/serve.json", show_default=True)
 def bench_serve(url, model, concurrencies, num_prompts, max_tokens, draft, threads, engine_baseline, stream_interval,
-                direct_ingress, json_out):
+                direct_ingress, rounds, separate_ingress, json_out):
     """HTTP load vs the engine itself: request throughput, output tok/s, TTFT, TPOT, ITL per concurrency."""
     from bench.serve import run
 
     run(url=url, model=model, concurrencies=tuple(int(c) for c in concurrencies.split(",")),
         num_prompts=num_prompts, max_tokens=max_tokens, draft=draft, json_out=json_out, threads=threads,
-        engine_baseline=engine_baseline, stream_interval=stream_interval, direct_ingress=direct_ingress)
+        engine_baseline=engine_baseline, stream_interval=stream_interval, direct_ingress=direct_ingress,
+        colocate=False if separate_ingress else None, rounds=rounds)
 
 
 @bench.command("mixed")

@@ -66,15 +66,18 @@ def test_bench_serve_measures_http_against_the_engine_with_the_same_threads(tmp_
     _bench_subprocess(tmp_path, f"""
 from bench.serve import run
 run(model={str(tiny_model_dir("llama"))!r}, concurrencies=(1, 2), num_prompts=2, max_tokens=4, draft="none",
-    json_out={str(out)!r}, threads=1, prompts={SHORT!r})
+    json_out={str(out)!r}, threads=1, prompts={SHORT!r}, rounds=2)
 """)
     report = json.loads(out.read_text())
-    rows = {(r["setup"], r["concurrency"]): r for r in report["results"]}
-    assert set(rows) == {("engine", 1), ("engine", 2), ("plain", 1), ("plain", 2)}
-    assert report["meta"]["threads"] == 1 and rows[("engine", 1)]["threads"] == 1
-    for (setup, c), r in rows.items():
+    rows = {(r["setup"], r["concurrency"], r["round"]): r for r in report["results"]}
+    assert set(rows) == {(s, c, k) for s in ("engine", "plain") for c in (1, 2) for k in (0, 1)}
+    assert report["meta"]["threads"] == 1 and rows[("engine", 1, 0)]["threads"] == 1
+    for r in rows.values():
         assert r["completed"] == r["num_prompts"] == 2 and r["total_output_tokens"] == 8, r
-    assert all(rows[("plain", c)]["vs_engine"] > 0 for c in (1, 2))
+    for c in (1, 2):     # each round's HTTP level against that round's engine level
+        ratios = [rows[("plain", c, k)]["output_throughput"] / rows[("engine", c, k)]["output_throughput"] for k in (0, 1)]
+        assert [rows[("plain", c, k)]["vs_engine"] for k in (0, 1)] == pytest.approx(ratios)
+        assert report["vs_engine_median"][str(c)] == pytest.approx(sum(ratios) / 2)
 
 
 @pytest.mark.slow

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
 
 from cluster.config import ConfigError, ServeConfig
 from cluster.cpu_threads import engine_env, serve_env
@@ -233,3 +234,26 @@ def test_local_serve_refuses_a_head_that_is_not_here(tmp_path):
     result = CliRunner().invoke(main, ["serve", "--config", str(path)], env={"RAY_ADDRESS": ""})
     assert result.exit_code == 2, result.output
     assert "draft: draft head" in result.output and "no-such-head" in result.output and "is not a folder" in result.output
+
+
+def test_colocation_is_where_the_app_has_one_engine_replica():
+    base = dict(model="fake", engine="tests.cluster.fake_engine")
+    assert ServeConfig(**base).colocated and ServeConfig(**base, num_replicas=1).colocated
+    assert not ServeConfig(**base, num_replicas=2).colocated
+    assert not ServeConfig(**base, autoscaling={"min_replicas": 1, "max_replicas": 1}).colocated
+    assert not ServeConfig(**base, ingress={"num_replicas": 2}).colocated
+    assert not ServeConfig(**base, ingress={"num_cpus": 0.5}).colocated
+    assert not ServeConfig(**base, ingress={"colocate": False}).colocated
+    one = ServeConfig(**base, limits={"max_num_seqs": 4, "max_queued_requests": 4})
+    assert one.llm_server_max_ongoing == one.ingress.max_ongoing_requests == 1024   # it takes HTTP requests
+    assert ServeConfig(**base, num_replicas=2, limits={"max_num_seqs": 4, "max_queued_requests": 4}
+                       ).llm_server_max_ongoing == 8
+
+
+@pytest.mark.parametrize("other", [{"num_replicas": 2}, {"autoscaling": {"max_replicas": 3}},
+                                   {"ingress": {"colocate": True, "num_replicas": 2}},
+                                   {"ingress": {"colocate": True, "num_cpus": 1}}])
+def test_colocation_asked_where_it_cannot_be_is_refused_by_name(other):
+    ingress = {"colocate": True, **other.pop("ingress", {})}
+    with pytest.raises(ValidationError, match="ingress.colocate: the ingress shares a process"):
+        ServeConfig(model="fake", engine="tests.cluster.fake_engine", ingress=ingress, **other)

@@ -32,11 +32,14 @@ def _listener(root: psutil.Process, port: int) -> str:
 
 
 @pytest.mark.slow
-def test_eaglectl_serve_with_direct_ingress_answers_from_the_ingress_replica_on_its_port(tmp_path):
+@pytest.mark.parametrize("colocate,listening", [("null", "LLMServer"), ("false", "OpenAIIngress")])
+def test_eaglectl_serve_with_direct_ingress_answers_from_the_ingress_replica_on_its_port(tmp_path, colocate, listening):
+    """One engine replica: the engine's own process serves the port (colocated, the default), or the
+    separate ingress replica does."""
     port = _free_port()
     cfg = tmp_path / "serve.yaml"
     cfg.write_text(f"model: fake\nengine: {FAKE}\nport: {port}\nresources_per_rank: {{cpu: 0.5}}\n"
-                   "ingress: {direct: true}\nlimits: {max_model_len: 256, max_tokens: 32}\n")
+                   f"ingress: {{direct: true, colocate: {colocate}}}\nlimits: {{max_model_len: 256, max_tokens: 32}}\n")
     proc = subprocess.Popen([sys.executable, "-m", "eaglectl.main", "serve", "--config", str(cfg)], cwd=REPO,
                             env=_env(), text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -49,7 +52,7 @@ def test_eaglectl_serve_with_direct_ingress_answers_from_the_ingress_replica_on_
         assert "".join(streamed) == whole.choices[0].text and whole.usage.completion_tokens == 5
         assert [m.id for m in client.models.list().data] == ["fake"]
         listener = _listener(psutil.Process(proc.pid), port)
-        assert "ServeReplica:eagle:OpenAIIngress" in listener, listener     # no proxy hop: the ingress serves
+        assert f"ServeReplica:eagle:{listening}" in listener, listener     # no proxy hop: the ingress serves
     finally:
         proc.send_signal(signal.SIGINT)
         try:

@@ -44,8 +44,10 @@ def test_serve_processes_take_the_streaming_fast_path_unless_told_otherwise(monk
     streaming = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
     assert env == {**streaming, **ENGINE_MALLOC_ENV}   # the engine's process: malloc keeps large blocks too
     assert "OMP_WAIT_POLICY" not in env          # libgomp's default: spin a little between ops
-    ingress = build_app(ServeConfig())._bound_deployment
+    ingress = build_app(ServeConfig(ingress={"colocate": False}))._bound_deployment
     assert ingress.ray_actor_options["runtime_env"]["env_vars"] == streaming
+    colocated = build_app(ServeConfig())._bound_deployment   # the ingress in the engine's process: both
+    assert colocated.ray_actor_options["runtime_env"]["env_vars"] == {**streaming, **ENGINE_MALLOC_ENV}
     monkeypatch.setenv("RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD", "1")   # the operator's choice is kept
     assert serve_env()["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] == "1"
 

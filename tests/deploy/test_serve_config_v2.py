@@ -122,3 +122,20 @@ def test_an_override_without_the_apps_autoscaling_policy_is_caught():
     errs = _autoscaling_dropped(override, code, "w")
     assert len(errs) == 1 and errs[0].startswith("w.autoscaling_config.policy:"), errs
     assert _autoscaling_dropped({**override, "policy": {"policy_function": "json:dumps"}}, code, "w") == []
+
+
+@pytest.mark.parametrize("colocate,deployments", [(None, ["LLMServer"]), (True, ["LLMServer"]),
+                                                  (False, ["LLMServer", "OpenAIIngress"])])
+def test_a_one_replica_app_renders_the_deployments_it_builds(colocate, deployments):
+    """One engine replica: the ingress runs in the engine's process (one deployment) unless the config
+    turns that off; the override names exactly what the app builds, with the caps it sets."""
+    from deploy.kuberay import serve_config_v2
+
+    raw = yaml.safe_load(inputs("cpu-small")[0].read_text())
+    raw["serve"].pop("autoscaling")
+    raw["serve"]["num_replicas"] = 1
+    if colocate is not None:
+        raw["serve"]["ingress"] = {"colocate": colocate}
+    doc = serve_config_v2(DeployConfig.model_validate(raw))
+    assert [d["name"] for d in doc["applications"][0]["deployments"]] == deployments
+    assert serve_config_errors({"spec": {"serveConfigV2": yaml.safe_dump(doc)}}) == []
