@@ -92,7 +92,7 @@ def markdown(rows: list[dict]) -> str:
 def run(model: str = "gemma-3-270m", rows: int = 200, online_requests: int = 16, concurrency: int = 4,
         max_tokens: int = 32, draft: str | None = None, dtype: str = "float32", max_num_seqs: int = 16,
         threads: int | None = None, json_out: str | None = "bench/results/mixed.json",
-        prompts: list[str] | None = None) -> dict:
+        prompts: list[str] | None = None, colocate: bool | None = None) -> dict:
     from cluster.app_client import AppClient
     from cluster.cpu_threads import usable_cores
 
@@ -103,7 +103,7 @@ def run(model: str = "gemma-3-270m", rows: int = 200, online_requests: int = 16,
     report: dict = {}
     try:
         url = _start_local(model, draft, APP, port, max_num_seqs=max_num_seqs, max_tokens=max_tokens, dtype=dtype,
-                           threads=threads)
+                           threads=threads, colocate=colocate)
         served = _served_model(url)
         warm = _stream_one(requests.Session(), url, served, pool[0], 4, 600)
         if not warm["ok"]:
@@ -148,7 +148,8 @@ def run(model: str = "gemma-3-270m", rows: int = 200, online_requests: int = 16,
             notes.append("the job ended before the online load did: 'online + job' covers only part of it")
         report = {"meta": {"model": model, "draft": draft, "dtype": dtype, "rows": rows, "online_requests": online_requests,
                            "concurrency": concurrency, "max_tokens": max_tokens, "max_num_seqs": max_num_seqs,
-                           "threads": threads, "cpus": os.cpu_count(), "machine": platform.machine(),
+                           "threads": threads, "ingress": "separate" if colocate is False else "colocated (one replica)",
+                           "cpus": os.cpu_count(), "machine": platform.machine(),
                            "job_path": "jobs.runner with serve_app (eaglectl submit-job --serve-app)", "notes": notes},
                   "summary": summary, "counters_during_mixed": counters,
                   "online_alone": alone, "online_with_job": with_job, "job_alone": job_alone, "job_with_online": job_mixed}

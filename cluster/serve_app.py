@@ -331,6 +331,7 @@ class ColocatedServer(OpenAIIngress):
     async def __init__(self, config: dict):
         self.replica = EngineReplica(config)
         await super().__init__(config, LocalEngine(self.replica))
+        self._saw_stats({"max_model_len": self.replica.max_model_len})   # known here, not probed
 
     async def submit(self, *args, **kwargs) -> AsyncIterator[Any]:
         outputs = self.replica.submit(*args, **kwargs)

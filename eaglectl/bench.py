@@ -178,14 +178,17 @@ def bench_serve(url, model, concurrencies, num_prompts, max_tokens, draft, threa
 @click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16"]))
 @click.option("--max-num-seqs", default=16, show_default=True, type=click.IntRange(min=1))
 @click.option("--threads", default=None, type=click.IntRange(min=1), help="The replica's torch threads [default: every core].")
+@click.option("--separate-ingress", is_flag=True,
+              help="The app's ingress.colocate: false: the ingress in its own process, not the engine's.")
 @click.option("--json", "json_out", default="bench/results/mixed.json", show_default=True)
-def bench_mixed(model, rows, online_requests, concurrency, max_tokens, draft, dtype, max_num_seqs, threads, json_out):
+def bench_mixed(model, rows, online_requests, concurrency, max_tokens, draft, dtype, max_num_seqs, threads,
+                separate_ingress, json_out):
     """Online load alone, a job alone, and both on one app: online TTFT/TPOT with the job, job rows/s."""
     from bench.mixed import run
 
     run(model=model, rows=rows, online_requests=online_requests, concurrency=concurrency, max_tokens=max_tokens,
         draft=None if draft == "none" else draft, dtype=dtype, max_num_seqs=max_num_seqs, threads=threads,
-        json_out=json_out)
+        json_out=json_out, colocate=False if separate_ingress else None)
 
 
 @bench.command("prefix")
