@@ -415,6 +415,7 @@ async def _attempts(handle, request_id, prompt, params, priority, messages, max_
                     retry_backoff_s, restartable, on_retry, group=None, stream_interval=1) -> AsyncIterator[Any]:
     tokens_seen = 0
     deaths: dict[str, BaseException] = {}   # replica -> how it died under this request
+    last: BaseException | None = None
     for attempt in range(max_attempts):
         rid = request_id if attempt == 0 else f"{request_id}-retry{attempt}"
         if group is not None:
@@ -438,6 +439,7 @@ async def _attempts(handle, request_id, prompt, params, priority, messages, max_
                 "the server is overloaded: every replica is at capacity and the queue is full; retry later"
             ) from e
         except _DEATH as e:
+            last = e
             replica = state.routed.get(rid)
             if replica is None:                  # not routed by a LoadAwareRouter here: count every death
                 deaths[f"attempt-{attempt}"] = e
@@ -468,7 +470,9 @@ async def _attempts(handle, request_id, prompt, params, priority, messages, max_
             state.leave_group(rid)
             state.suspects.discard(rid)
             state.deferred.discard(rid)
-    raise ReplicaLostError(f"request {request_id}: {max_attempts} attempts failed (replicas unavailable); giving up")
+    tries = f"{max_attempts} attempt{'s' if max_attempts != 1 else ''}"
+    raise ReplicaLostError(f"request {request_id}: {tries} failed, the last with "
+                           f"{_describe(last) if last else 'no replica'}; giving up")
 
 
 def _describe(e: BaseException) -> str:

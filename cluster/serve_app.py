@@ -99,6 +99,8 @@ api.add_middleware(StatusCounter)
 
 @serve.ingress(api)
 class OpenAIIngress:
+    engine_attempts = 6   # a request whose replica died goes to another (cluster/router.py)
+
     def __init__(self, config: dict, engine):
         self.config = ServeConfig.from_dict(config)
         self.engine = engine
@@ -176,6 +178,7 @@ class OpenAIIngress:
         sub_ids = [rid] if req.n == 1 else [f"{rid}-{i}" for i in range(req.n)]
         its = [stream_outputs(self.engine, sub, prompt_ids, req.sampling_params(max_tokens, i), req.priority,
                               restartable=not req.stream, on_retry=self.metrics.retried, admission=self.admission,
+                              max_attempts=self.engine_attempts,
                               group=rid if req.n > 1 else None,
                               stream_interval=self.config.ingress.stream_interval if req.stream else 0)
                for i, sub in enumerate(sub_ids)]
@@ -327,6 +330,8 @@ class ColocatedServer(OpenAIIngress):
     (`ServeConfig.colocated`: one engine replica). The endpoints reach the engine through
     `LocalEngine`; a job's rows (cluster/app_client.py) and Serve's health and routing probes reach it
     through the methods below, as they reach a separate `LLMServer`."""
+
+    engine_attempts = 1   # its engine is the only one: a crashed engine is a 503 at once, while Serve restarts it
 
     async def __init__(self, config: dict):
         self.replica = EngineReplica(config)

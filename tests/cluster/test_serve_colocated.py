@@ -52,3 +52,23 @@ def test_one_replica_is_one_deployment_that_answers_as_the_two_deployment_layout
         next(r.iter_lines())
         assert handle.stats.remote().result(timeout_s=60)["num_running"] == 1
     assert wait_for(lambda: handle.stats.remote().result(timeout_s=60)["num_running"] == 0, timeout=10)
+
+
+def test_a_crashed_engine_is_a_503_naming_it_then_serve_restarts_the_replica(deploy):
+    """The colocated engine is the app's only one: a request its crash ends is answered 503 at once
+    (no retry that would find the same dead engine and blame two replicas), and Serve replaces the
+    replica, HTTP server and engine together."""
+    app = deploy(_cfg("crashy"), "/crashy")
+    r = requests.post(f"{app.url}/v1/completions", timeout=120,
+                      json={"model": MODEL, "prompt": "[crash-always:2] poison", "max_tokens": 8})
+    assert r.status_code == 503, r.text
+    err = r.json()["error"]
+    assert err["code"] == "replica_lost" and "1 attempt failed" in err["message"], err
+    assert "injected engine crash" in err["message"], err
+
+    def serves() -> bool:
+        try:
+            return app.client.completions.create(model=MODEL, prompt="after", max_tokens=2).usage.completion_tokens == 2
+        except Exception:   # the replica is being replaced
+            return False
+    assert wait_for(serves, timeout=120, interval=1)
