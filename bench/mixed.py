@@ -31,7 +31,16 @@ import requests
 
 from bench.job import write_input
 from bench.prompts import load_questions, render
-from bench.serve import _RAY, _fmt, _free_port, _served_model, _start_local, _stream_one, bench_level
+from bench.serve import (
+    _RAY,
+    _fmt,
+    _free_port,
+    _served_model,
+    _start_local,
+    _stream_one,
+    bench_level,
+    ingress_label,
+)
 
 APP = "bench-mixed"
 COUNTERS = ("offline_finished", "online_finished", "offline_preemptions", "offline_rows_preempted",
@@ -148,7 +157,7 @@ def run(model: str = "gemma-3-270m", rows: int = 200, online_requests: int = 16,
             notes.append("the job ended before the online load did: 'online + job' covers only part of it")
         report = {"meta": {"model": model, "draft": draft, "dtype": dtype, "rows": rows, "online_requests": online_requests,
                            "concurrency": concurrency, "max_tokens": max_tokens, "max_num_seqs": max_num_seqs,
-                           "threads": threads, "ingress": "separate" if colocate is False else "colocated (one replica)",
+                           "threads": threads, "ingress": ingress_label(colocate),
                            "cpus": os.cpu_count(), "machine": platform.machine(),
                            "job_path": "jobs.runner with serve_app (eaglectl submit-job --serve-app)", "notes": notes},
                   "summary": summary, "counters_during_mixed": counters,

@@ -173,6 +173,11 @@ def local_config(model: str, draft: str | None, name: str, port: int, max_num_se
                                "max_tokens": max(max_tokens, 16)})
 
 
+def ingress_label(colocate: bool | None) -> str:
+    """Where the started app's ingress runs, for the reports."""
+    return "separate" if colocate is False else "colocated (one replica)"
+
+
 def _start_local(model: str, draft: str | None, name: str, port: int, max_num_seqs: int, max_tokens: int,
                  dtype: str, threads: int, stream_interval: int = 1, direct_ingress: bool = False,
                  colocate: bool | None = None) -> str:
@@ -349,7 +354,7 @@ def run(url: str | None = None, model: str = "gemma-3-270m", concurrencies: tupl
     report = {"meta": {"model": model, "url": url, "draft": head, "concurrencies": list(concurrencies),
                        "num_prompts": num_prompts, "max_tokens": max_tokens, "dtype": dtype, "threads": threads,
                        "stream_interval": stream_interval, "direct_ingress": direct_ingress,
-                       "ingress": "separate" if colocate is False else "colocated (one replica)",
+                       "ingress": ingress_label(colocate),
                        "rounds": rounds, "cpus": os.cpu_count(), "machine": platform.machine(), "notes": notes,
                        "method": "streamed /v1/completions, greedy, ignore_eos, closed loop at each concurrency; "
                                  "engine: LLM.generate of the same prompts, concurrency at a time, same threads"},
