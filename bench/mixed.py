@@ -14,7 +14,8 @@ Reported: online TTFT / TPOT (median, p99) and output tok/s alone vs with the jo
 alone vs with the online load; whether the job was still running when the online load ended (if
 not, the "with job" numbers cover only part of the load); and the counters that show the job's rows
 made way: the router's offline rows held back (`offline_deferred`), the replica's offline rows
-preempted / deferred in the engine (cluster/priority_stats.py).
+preempted / deferred in the engine (cluster/priority_stats.py), and the offline rows the engine left
+out of a step or cut short to keep online steps within `offline_slowdown` (`num_offline_held`).
 Usage: `eaglectl bench mixed [--rows 20 --online-requests 4]`.
 """
 from __future__ import annotations
@@ -44,7 +45,7 @@ from bench.serve import (
 
 APP = "bench-mixed"
 COUNTERS = ("offline_finished", "online_finished", "offline_preemptions", "offline_rows_preempted",
-            "offline_deferred_in_engine")
+            "offline_deferred_in_engine", "num_offline_held")
 
 
 def _replica_counters(app: str) -> dict[str, int]:
@@ -101,7 +102,7 @@ def markdown(rows: list[dict]) -> str:
 def run(model: str = "gemma-3-270m", rows: int = 200, online_requests: int = 16, concurrency: int = 4,
         max_tokens: int = 32, draft: str | None = None, dtype: str = "float32", max_num_seqs: int = 16,
         threads: int | None = None, json_out: str | None = "bench/results/mixed.json",
-        prompts: list[str] | None = None, colocate: bool | None = None) -> dict:
+        prompts: list[str] | None = None, colocate: bool | None = None, offline_slowdown: float | None = 0.25) -> dict:
     from cluster.app_client import AppClient
     from cluster.cpu_threads import usable_cores
 
@@ -112,7 +113,7 @@ def run(model: str = "gemma-3-270m", rows: int = 200, online_requests: int = 16,
     report: dict = {}
     try:
         url = _start_local(model, draft, APP, port, max_num_seqs=max_num_seqs, max_tokens=max_tokens, dtype=dtype,
-                           threads=threads, colocate=colocate)
+                           threads=threads, colocate=colocate, offline_slowdown=offline_slowdown)
         served = _served_model(url)
         warm = _stream_one(requests.Session(), url, served, pool[0], 4, 600)
         if not warm["ok"]:
@@ -157,7 +158,7 @@ def run(model: str = "gemma-3-270m", rows: int = 200, online_requests: int = 16,
             notes.append("the job ended before the online load did: 'online + job' covers only part of it")
         report = {"meta": {"model": model, "draft": draft, "dtype": dtype, "rows": rows, "online_requests": online_requests,
                            "concurrency": concurrency, "max_tokens": max_tokens, "max_num_seqs": max_num_seqs,
-                           "threads": threads, "ingress": ingress_label(colocate),
+                           "threads": threads, "ingress": ingress_label(colocate), "offline_slowdown": offline_slowdown,
                            "cpus": os.cpu_count(), "machine": platform.machine(),
                            "job_path": "jobs.runner with serve_app (eaglectl submit-job --serve-app)", "notes": notes},
                   "summary": summary, "counters_during_mixed": counters,

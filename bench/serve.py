@@ -161,13 +161,13 @@ _RAY = StartedRay()  # the Ray this benchmark started, if any: it goes when the 
 
 def local_config(model: str, draft: str | None, name: str, port: int, max_num_seqs: int, max_tokens: int,
                  dtype: str, threads: int, stream_interval: int = 1, direct_ingress: bool = False,
-                 colocate: bool | None = None):
+                 colocate: bool | None = None, offline_slowdown: float | None = 0.25):
     """The app this benchmark starts: one replica computing on `threads` torch threads (with the
     ingress in its process unless `colocate` is False)."""
     from cluster.config import ServeConfig
 
     return ServeConfig(model=model, draft=draft, dtype=dtype, app_name=name, port=port, num_replicas=1,
-                       resources_per_rank={"cpu": 1, "threads": threads},
+                       resources_per_rank={"cpu": 1, "threads": threads}, offline_slowdown=offline_slowdown,
                        ingress={"stream_interval": stream_interval, "direct": direct_ingress, "colocate": colocate},
                        limits={"max_num_seqs": max_num_seqs, "max_queued_requests": max_num_seqs,
                                "max_tokens": max(max_tokens, 16)})
@@ -180,12 +180,12 @@ def ingress_label(colocate: bool | None) -> str:
 
 def _start_local(model: str, draft: str | None, name: str, port: int, max_num_seqs: int, max_tokens: int,
                  dtype: str, threads: int, stream_interval: int = 1, direct_ingress: bool = False,
-                 colocate: bool | None = None) -> str:
+                 colocate: bool | None = None, offline_slowdown: float | None = 0.25) -> str:
     """Deploy the app on this machine's Ray (started here if needed); its base URL."""
     from cluster.serve_app import local_ray_env, run_serve
 
     cfg = local_config(model, draft, name, port, max_num_seqs, max_tokens, dtype, threads, stream_interval, direct_ingress,
-                       colocate)
+                       colocate, offline_slowdown)
     if not os.environ.get("RAY_ADDRESS"):   # as `eaglectl serve` starts its Ray (run_serve)
         os.environ.update(local_ray_env(cfg))
     _RAY.start(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False,

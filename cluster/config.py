@@ -20,6 +20,8 @@ Example YAML (every key optional)::
     kv_cache_gb: null                 # KV-cache budget per replica; null = engine default
     enable_prefix_caching: true       # reuse the KV of a shared prompt prefix (vLLM's name); with
                                       # several replicas the router also prefers a prefix's replica
+    offline_slowdown: 0.25            # while online requests run, a job's rows may slow a step by at
+                                      # most this fraction (null: no cap; eagle_worker/background_cap.py)
     num_replicas: 1                   # fixed count, or instead:
     # autoscaling: {min_replicas: 1, max_replicas: 4, target_ongoing_requests: 16,
     #               upscale_delay_s: 30, downscale_delay_s: 600,
@@ -211,6 +213,10 @@ class ServeConfig(_Strict):
     engine: str = Field("eagle_worker", description="module exposing LLMEngine/EngineConfig/SamplingParams")
     tp_size: int = Field(1, ge=1, le=64)
     kv_cache_gb: float | None = Field(None, gt=0, description="KV-cache budget per replica; None = engine default")
+    offline_slowdown: float | None = Field(
+        0.25, ge=0, le=1000, allow_inf_nan=False,
+        description="while online requests run, offline (job) rows may make an engine step at most this much slower "
+        "(a fraction of the online part's modelled time); None = no cap")
     enable_prefix_caching: bool = Field(True, description="automatic prefix caching in the engine (vLLM's name) "
                                         "and prefix-aware routing across replicas")
     speculation: SpeculationConfig | None = Field(None, description="omit for the engine's default (the hybrid, or "
@@ -331,7 +337,7 @@ class ServeConfig(_Strict):
         kw: dict[str, Any] = dict(
             model=self.model, dtype=self.dtype, device=self.device, draft=self.draft,   # the engine's default_spec
             tp_size=self.tp_size, max_num_seqs=self.limits.max_num_seqs,
-            enable_prefix_caching=self.enable_prefix_caching,
+            enable_prefix_caching=self.enable_prefix_caching, offline_slowdown=self.offline_slowdown,
         )
         if self.limits.max_model_len is not None:
             kw["max_model_len"] = self.limits.max_model_len

@@ -90,6 +90,8 @@ PRIORITY_COUNTERS = {
     "online_preemptions": ("eagle_replica_online_preemptions", "times the engine preempted an online request"),
     "offline_deferred_in_engine": ("eagle_replica_offline_deferred", "offline requests still waiting for their first "
                                    "token in the engine when a younger online request got its first"),
+    "num_offline_held": ("eagle_replica_offline_held", "offline requests the engine left out of a step, or whose "
+                         "prompt chunk it cut, to keep online steps within offline_slowdown"),
 }
 # router counter -> (counter name without _total, help): this ingress's router (cluster/router_state.py)
 ROUTER_COUNTERS = {

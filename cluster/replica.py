@@ -409,9 +409,14 @@ def engine_config(config: ServeConfig) -> Any:
     backend = load_engine_module(config.engine)
     kw = config.engine_kwargs()
     spec = kw.pop("spec", None)
-    if "enable_prefix_caching" not in _config_fields(backend.EngineConfig):   # an engine without the feature
+    fields = _config_fields(backend.EngineConfig)
+    if "enable_prefix_caching" not in fields:   # an engine without the feature
         if not kw.pop("enable_prefix_caching"):
             logger.warning("enable_prefix_caching: false ignored: engine %s has no prefix caching", config.engine)
+    if "offline_slowdown" not in fields and kw.pop("offline_slowdown") is not None \
+            and "offline_slowdown" in config.model_fields_set:        # asked for, not just the default
+        logger.warning("offline_slowdown ignored: engine %s has no offline cap (offline rows are only "
+                       "admitted and preempted by priority)", config.engine)
     ec = backend.EngineConfig(**kw)
     if isinstance(spec, dict):
         spec["draft"] = ec.draft

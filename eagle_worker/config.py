@@ -35,6 +35,8 @@ class EngineConfig:
     chat_template: str | None = None   # Jinja template overriding the tokenizer's
     seed: int = 0                      # seeds the seeds drawn for requests that bring none
     enable_prefix_caching: bool = True # reuse full KV blocks of shared prefixes (vLLM's name; prefix_cache.py)
+    offline_slowdown: float | None = 0.25  # while online (priority 0) requests run, offline (priority > 0) work
+                                       # may make a step at most this much slower (background_cap.py); None: no cap
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -45,6 +47,8 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.spec must be a SpecConfig, None or 'auto', got {self.spec!r}")
             self.spec = default_spec(self.draft, self.model)
         self.draft = self.spec.draft if self.spec is not None else None   # as resolved
+        if self.offline_slowdown is not None and not 0 <= self.offline_slowdown <= 1000:   # also refuses NaN
+            raise ValueError(f"EngineConfig.offline_slowdown must be between 0 and 1000 or None, got {self.offline_slowdown!r}")
         if self.block_size <= 0 or self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
             raise ValueError("EngineConfig.block_size, max_num_seqs and max_num_batched_tokens must be positive")
 

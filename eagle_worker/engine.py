@@ -24,6 +24,7 @@ from eagle_worker.sampling_params import SamplingParams
 from eagle_worker.scheduler import Scheduler
 from eagle_worker.sequence import Sequence, SequenceStatus
 from eagle_worker.speculative.config import resolve_draft
+from eagle_worker.speculative.step_cost import StepCost
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.worker = self._make_worker(config)
         self.scheduler = Scheduler(config, self.block_manager, self.worker.num_lookahead_slots, self.max_model_len,
-                                   need_head_kv=getattr(self.worker, "head", None) is not None)
+                                   need_head_kv=getattr(self.worker, "head", None) is not None, step_cost=StepCost())
         if hasattr(self.worker, "queue_depth"):        # the hybrid prices a finished slot by who waits for it
             self.worker.queue_depth = self.scheduler.num_waiting   # no closure over the engine: no cycle
         self.chat_template = resolve_chat_template(self.tokenizer, self.runner.hf_config, config.chat_template)
@@ -118,12 +119,14 @@ class LLMEngine:
         if not batch:
             return outputs
         self._last_step = {"batch_size": len(batch), "num_tokens": sum(b.num_tokens for b in batch)}
+        started = time.perf_counter()
         try:
             new_tokens = self.worker.execute(batch)
         except Exception as e:
             if self.config.tp_size > 1:
                 raise                 # the other ranks may be inside a collective: the replica must go
             return outputs + self._fail_step(batch, e)
+        self.scheduler.observe(batch, time.perf_counter() - started)
         now = time.monotonic()
         finished = []
         for item in batch:
@@ -250,6 +253,7 @@ class LLMEngine:
             **self.totals,
             "num_preemptions_total": sum(self.scheduler.preemptions.values()),
             "num_preemptions_by_priority": {str(k): v for k, v in sorted(self.scheduler.preemptions.items())},
+            "num_offline_held": self.scheduler.offline_held,
             **self._prefix_cache_stats(),
             **self.worker.stats(),
         }

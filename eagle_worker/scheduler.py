@@ -7,6 +7,8 @@ least urgent, most recently arrived running sequence is preempted: its blocks ar
 is recomputed later (vLLM's recompute preemption), so a full cache never crashes the engine. A
 waiting request more urgent than a running one (online before offline) preempts it the same way
 when the batch is full or memory is short, so it never waits for less urgent work to finish.
+While online work runs beside offline work, the online part of a step is planned first and offline
+work joins it only within `offline_slowdown` of its modelled time (background_cap.py).
 
 With prefix caching, a request admitted takes its longest cached prefix first and is fed only the
 rest. One whose next block another running request is computing right now waits a step for it
@@ -25,9 +27,11 @@ import bisect
 import sys
 from dataclasses import dataclass
 
+from eagle_worker.background_cap import BackgroundCap, step_work
 from eagle_worker.block_manager import BlockManager
 from eagle_worker.config import EngineConfig
 from eagle_worker.sequence import Sequence, SequenceStatus
+from eagle_worker.speculative.step_cost import StepCost
 
 
 @dataclass
@@ -45,8 +49,9 @@ class ScheduledSeq:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager, num_lookahead_slots: int = 0,
-                 max_model_len: int | None = None, need_head_kv: bool = False):
+                 max_model_len: int | None = None, need_head_kv: bool = False, step_cost: StepCost | None = None):
         self.config = config
+        self.step_cost = step_cost           # the engine's measured step time, for the offline cap
         self.need_head_kv = need_head_kv     # cached blocks must carry the EAGLE head's KV too
         self.block_manager = block_manager
         self.num_lookahead_slots = num_lookahead_slots
@@ -54,6 +59,7 @@ class Scheduler:
         self.waiting: list[tuple[tuple[int, float], Sequence]] = []   # sorted by (priority, arrival)
         self.running: list[Sequence] = []
         self.preemptions: dict[int, int] = {}   # priority -> sequences preempted (for memory or for a more urgent one)
+        self.offline_held = 0                   # offline items the cap left out of a step or cut short
 
     def add(self, seq: Sequence) -> None:
         key = (seq.priority, seq.metrics.arrival_time)
@@ -77,12 +83,51 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         batch: list[ScheduledSeq] = []
         self.running.sort(key=lambda s: (s.num_pending_tokens > 1, s.priority, s.metrics.arrival_time))
-        for seq in list(self.running):
+        cap = self._background_cap()
+        if cap is None:
+            budget = self._schedule_running(self.running, batch, budget)
+            self._admit_waiting(batch, budget)
+        else:          # online work first, then offline work as far as the cap allows
+            budget = self._schedule_running([s for s in self.running if s.priority <= 0], batch, budget)
+            budget = self._admit_waiting(batch, budget, online_only=True)
+            cap.start([(item.num_tokens, item.completes) for item in batch])
+            budget = self._schedule_running([s for s in self.running if s.priority > 0], batch, budget, cap)
+            self._admit_waiting(batch, budget, cap=cap)
+            self.offline_held += cap.held
+        if self.num_lookahead_slots:
+            self._reserve_lookahead(batch)
+        return batch
+
+    def observe(self, batch: list[ScheduledSeq], seconds: float) -> None:
+        """A step's measured time, for the cost model the offline cap prices steps with."""
+        if self.step_cost is not None and self.config.offline_slowdown is not None:
+            self.step_cost.observe(step_work([(item.num_tokens, item.completes) for item in batch]), seconds)
+
+    def _background_cap(self) -> BackgroundCap | None:
+        """The cap for this step: only with a slowdown set and online work running or waiting
+        beside offline work."""
+        if self.config.offline_slowdown is None or self.step_cost is None:
+            return None
+        online = any(s.priority <= 0 for s in self.running) or any(k[0] <= 0 for k, _ in self.waiting)
+        offline = any(s.priority > 0 for s in self.running) or any(k[0] > 0 for k, _ in self.waiting)
+        if not (online and offline):
+            return None
+        return BackgroundCap(self.step_cost, self.config.offline_slowdown, self.block_manager.block_size)
+
+    def _schedule_running(self, seqs: list[Sequence], batch: list[ScheduledSeq], budget: int,
+                          cap: BackgroundCap | None = None) -> int:
+        """Feed running sequences (in the order given); preempt the least urgent where KV is
+        short. Returns the token budget left."""
+        for seq in list(seqs):
             if seq not in self.running:        # preempted by an earlier sequence in this loop
                 continue
             if budget <= 0:
                 break
             n = min(seq.num_pending_tokens, budget)
+            if cap is not None:
+                n = cap.tokens(seq.num_pending_tokens, budget, True)
+                if n == 0:
+                    continue                   # keeps its KV; runs in a step with room
             while not self.block_manager.can_append(seq, n):
                 victim = self._least_urgent()
                 budget += self._preempt_scheduled(victim, batch)
@@ -92,10 +137,20 @@ class Scheduler:
                 continue
             self.block_manager.append_slots(seq, n)
             batch.append(ScheduledSeq(seq, n))
+            if cap is not None:
+                cap.take(n, batch[-1].completes)
             budget -= n
+        return budget
+
+    def _admit_waiting(self, batch: list[ScheduledSeq], budget: int, online_only: bool = False,
+                       cap: BackgroundCap | None = None) -> int:
+        """Admit waiting requests by (priority, arrival) while budget, sequence limit and KV allow
+        (`online_only`: priority <= 0 only). Returns the token budget left."""
         i = 0
         while i < len(self.waiting) and budget > 0:
             seq = self.waiting[i][1]
+            if online_only and seq.priority > 0:
+                break
             if self._wait_for_prefix(seq):
                 i += 1
                 continue
@@ -107,19 +162,21 @@ class Scheduler:
             while not self.block_manager.can_append(seq, min(seq.num_pending_tokens, budget)) and self._outranks(seq):
                 budget += self._preempt_scheduled(self._least_urgent(), batch)
             n = min(seq.num_pending_tokens, budget)
-            if not self.block_manager.can_append(seq, n):
+            if cap is not None:
+                n = cap.tokens(seq.num_pending_tokens, budget, True)
+            if n == 0 or not self.block_manager.can_append(seq, n):
                 self.block_manager.free(seq)
-                break                          # admission by KV memory: wait for blocks
+                break                          # admission by KV memory (or the cap): wait
             self.waiting.pop(i)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self._admit_prefix(seq)
             self.block_manager.append_slots(seq, n)
             batch.append(ScheduledSeq(seq, n, admitted=True))
+            if cap is not None:
+                cap.take(n, batch[-1].completes)
             budget -= n
-        if self.num_lookahead_slots:
-            self._reserve_lookahead(batch)
-        return batch
+        return budget
 
     def _least_urgent(self) -> Sequence:
         return max(self.running, key=lambda s: (s.priority, s.metrics.arrival_time))

@@ -180,15 +180,28 @@ def bench_serve(url, model, concurrencies, num_prompts, max_tokens, draft, threa
 @click.option("--threads", default=None, type=click.IntRange(min=1), help="The replica's torch threads [default: every core].")
 @click.option("--separate-ingress", is_flag=True,
               help="The app's ingress.colocate: false: the ingress in its own process, not the engine's.")
+@click.option("--offline-slowdown", default="0.25", show_default=True,
+              help="The app's offline_slowdown (how much a job's rows may slow online steps), or none: no cap.")
 @click.option("--json", "json_out", default="bench/results/mixed.json", show_default=True)
 def bench_mixed(model, rows, online_requests, concurrency, max_tokens, draft, dtype, max_num_seqs, threads,
-                separate_ingress, json_out):
+                separate_ingress, offline_slowdown, json_out):
     """Online load alone, a job alone, and both on one app: online TTFT/TPOT with the job, job rows/s."""
     from bench.mixed import run
 
     run(model=model, rows=rows, online_requests=online_requests, concurrency=concurrency, max_tokens=max_tokens,
         draft=None if draft == "none" else draft, dtype=dtype, max_num_seqs=max_num_seqs, threads=threads,
-        json_out=json_out, colocate=False if separate_ingress else None)
+        json_out=json_out, colocate=False if separate_ingress else None,
+        offline_slowdown=None if offline_slowdown == "none" else _nonnegative(offline_slowdown, "--offline-slowdown"))
+
+
+def _nonnegative(text: str, option: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value < float("inf"):
+        raise click.BadParameter(f"{text!r} is not a number >= 0 or 'none'", param_hint=option)
+    return value
 
 
 @bench.command("prefix")

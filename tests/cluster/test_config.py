@@ -13,7 +13,8 @@ def test_defaults_are_servable():
     cfg = ServeConfig()
     assert cfg.model_name == "gemma-3-270m" and cfg.replica_count_options() == {"num_replicas": 1}
     assert cfg.engine_kwargs() == dict(model="gemma-3-270m", dtype="float32", device="cpu", draft="auto",
-                                       tp_size=1, max_num_seqs=64, enable_prefix_caching=True)
+                                       tp_size=1, max_num_seqs=64, enable_prefix_caching=True,
+                                       offline_slowdown=0.25)
     assert not cfg.auth_enabled and cfg.resolve_api_keys() == frozenset()
 
 
@@ -50,6 +51,9 @@ def _write(tmp_path, text):
     ("autoscaling: {min_replicas: 5, max_replicas: 2}", "min_replicas (5) > max_replicas (2)"),
     ("placement_strategy: SPREAD", "placement_strategy:"),
     ("ingress: {stream_interval: 0}", "ingress.stream_interval:"),
+    ("offline_slowdown: -0.5", "offline_slowdown: Input should be greater than or equal to 0"),
+    ("offline_slowdown: .nan", "offline_slowdown: Input should be a finite number"),
+    ("offline_slowdown: lots", "offline_slowdown: Input should be a valid number"),
     ("device: cuda", "needs resources_per_rank.gpu: 1"),
     ("modle: typo", "modle: unknown field"),
     ("- just\n- a list", "expected a mapping"),
@@ -140,6 +144,21 @@ def test_engine_config_from_serve_config():
     assert ec.spec.tree == "static" and ec.spec.draft == "default" and not ec.spec.adaptive
     assert ec.spec.head_dtype == "float32"
     assert engine_config(ServeConfig(limits={"max_model_len": 512})).max_model_len == 512
+
+
+def test_offline_slowdown_reaches_the_engine_config_and_a_custom_engine_without_it_is_still_served(caplog):
+    from cluster import replica
+
+    assert replica.engine_config(ServeConfig(draft=None)).offline_slowdown == 0.25
+    assert replica.engine_config(ServeConfig(draft=None, offline_slowdown=None)).offline_slowdown is None
+    assert replica.engine_config(ServeConfig(draft=None, offline_slowdown=2)).offline_slowdown == 2
+    fake = dict(engine="tests.cluster.fake_engine", model="fake", draft=None)
+    with caplog.at_level("WARNING"):
+        assert not hasattr(replica.engine_config(ServeConfig(**fake, offline_slowdown=None)), "offline_slowdown")
+        replica.engine_config(ServeConfig(**fake))          # the default: nothing to say
+        assert "offline_slowdown" not in caplog.text
+        replica.engine_config(ServeConfig(**fake, offline_slowdown=0.5))
+    assert "offline_slowdown ignored: engine tests.cluster.fake_engine has no offline cap" in caplog.text
 
 
 def test_prefix_caching_reaches_the_engine_config(caplog, monkeypatch):
