@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import bisect
 import sys
+import time
 from dataclasses import dataclass
 
-from eagle_worker.background_cap import BackgroundCap, step_work
+from eagle_worker.background_cap import ONLINE_GRACE_S, BackgroundCap, step_work
 from eagle_worker.block_manager import BlockManager
 from eagle_worker.config import EngineConfig
 from eagle_worker.sequence import Sequence, SequenceStatus
@@ -60,6 +61,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.preemptions: dict[int, int] = {}   # priority -> sequences preempted (for memory or for a more urgent one)
         self.offline_held = 0                   # offline items the cap left out of a step or cut short
+        self._online_limit: tuple[float, float] | None = None   # the last online step's cap: (seconds, when)
 
     def add(self, seq: Sequence) -> None:
         key = (seq.priority, seq.metrics.arrival_time)
@@ -91,6 +93,8 @@ class Scheduler:
             budget = self._schedule_running([s for s in self.running if s.priority <= 0], batch, budget)
             budget = self._admit_waiting(batch, budget, online_only=True)
             cap.start([(item.num_tokens, item.completes) for item in batch])
+            if cap.recent_limit_s is None:
+                self._online_limit = (cap.limit_s, time.monotonic())
             budget = self._schedule_running([s for s in self.running if s.priority > 0], batch, budget, cap)
             self._admit_waiting(batch, budget, cap=cap)
             self.offline_held += cap.held
@@ -104,15 +108,20 @@ class Scheduler:
             self.step_cost.observe(step_work([(item.num_tokens, item.completes) for item in batch]), seconds)
 
     def _background_cap(self) -> BackgroundCap | None:
-        """The cap for this step: only with a slowdown set and online work running or waiting
-        beside offline work."""
+        """The cap for this step: only with a slowdown set and offline work beside online work
+        running or waiting, or beside online work a moment ago (`ONLINE_GRACE_S`)."""
         if self.config.offline_slowdown is None or self.step_cost is None:
             return None
         online = any(s.priority <= 0 for s in self.running) or any(k[0] <= 0 for k, _ in self.waiting)
         offline = any(s.priority > 0 for s in self.running) or any(k[0] > 0 for k, _ in self.waiting)
-        if not (online and offline):
+        if not offline:
             return None
-        return BackgroundCap(self.step_cost, self.config.offline_slowdown, self.block_manager.block_size)
+        if online:
+            return BackgroundCap(self.step_cost, self.config.offline_slowdown, self.block_manager.block_size)
+        if self._online_limit is not None and time.monotonic() - self._online_limit[1] < ONLINE_GRACE_S:
+            return BackgroundCap(self.step_cost, self.config.offline_slowdown, self.block_manager.block_size,
+                                 recent_limit_s=self._online_limit[0])
+        return None
 
     def _schedule_running(self, seqs: list[Sequence], batch: list[ScheduledSeq], budget: int,
                           cap: BackgroundCap | None = None) -> int:

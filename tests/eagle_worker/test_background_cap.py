@@ -80,8 +80,27 @@ def test_an_offline_prompt_is_cut_to_the_chunk_that_fits_and_resumes_later():
     for b in batch:
         bm.commit(b.seq, b.num_tokens)
     online.token_ids.append(7)
-    sch.remove(online)          # online done: the rest of the prompt goes whole
+    sch.remove(online)          # online done: the rest of the prompt (12 + 5.5 s) fits the last limit
     assert [(b.seq.request_id, b.num_tokens, b.completes) for b in sch.schedule()] == [("off", 55, True)]
+
+
+def test_offline_steps_stay_within_the_last_online_limit_for_a_moment_after_online_work_ends(monkeypatch):
+    from eagle_worker import background_cap
+    from eagle_worker import scheduler as scheduler_module
+
+    clock = [1000.0]
+    monkeypatch.setattr(scheduler_module.time, "monotonic", lambda: clock[0])
+    sch, bm = scheduler(0.5)
+    online = make_seq("on", 4)
+    offline = [make_seq(f"off{i}", 4, priority=1) for i in range(10)]
+    decoding(sch, bm, [online] + offline)
+    assert len(sch.schedule()) == 1 + 5                 # limit 1.5 x (10 + 1) = 16.5 s: 5 offline fit, +1 s each
+    sch.remove(online)          # the client's next request is on its way: steps stay short meanwhile
+    clock[0] += background_cap.ONLINE_GRACE_S / 2
+    held = sch.offline_held
+    assert len(sch.schedule()) == 6 and sch.offline_held == held + 4     # 10 + 6 <= 16.5
+    clock[0] += background_cap.ONLINE_GRACE_S      # no online work for a while: offline takes the whole step
+    assert len(sch.schedule()) == 10
 
 
 def test_a_prompt_that_fits_nowhere_still_advances_a_block_at_a_time():

@@ -229,6 +229,7 @@ def test_job_through_the_app_equals_own_replicas_and_online_requests_preempt_it(
     metrics = urllib.request.urlopen(tiny_app["url"].removesuffix("/v1") + "/metrics", timeout=60).read().decode()
     preempted, deferred = m["runs"][-1]["preempted_rows"], _metric(metrics, "eagle_replica_offline_deferred_total")
     assert preempted + deferred > 0, (m["runs"][-1], metrics)
+    assert "eagle_replica_offline_held_total{" in metrics     # the offline cap's count (background_cap.py)
 
 
 def _metric(text: str, name: str) -> float:
