@@ -151,3 +151,35 @@ def test_the_engine_measures_its_steps_and_the_cap_never_changes_tokens(tiny_mod
 def test_a_slowdown_out_of_range_is_refused_by_name(bad):
     with pytest.raises(ValueError, match="offline_slowdown"):
         EngineConfig(offline_slowdown=bad)
+
+
+@pytest.mark.parametrize("spec", ["head", "hybrid"])
+def test_speculating_sequences_left_out_of_steps_generate_the_same_tokens(spec, copying_target):
+    """A drafted sequence that sits steps out (its head state and lookahead slots untouched meanwhile)
+    continues exactly where it stopped."""
+    from eagle_worker.speculative.config import SpecConfig
+
+    target, head = copying_target
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompts = ["The quick brown fox", "Bonjour", "def add(a, b):\n", "x", "The lazy dog", "two plus two", "abc abc"]
+
+    def run(slowdown, cost):
+        spec_config = SpecConfig(draft=str(head), lookup=spec == "hybrid")
+        engine = LLMEngine(EngineConfig(model=str(target), block_size=4, num_kv_blocks=512, spec=spec_config,
+                                        offline_slowdown=slowdown))
+        if cost is not None:
+            engine.scheduler.step_cost = StepCost(coefficients=cost)
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{i}", p, params, priority=0 if i % 3 == 0 else 1)
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.token_ids
+        assert_no_leaks(engine)
+        return engine, done
+
+    _, expected = run(None, None)
+    capped, got = run(0.0, COST)
+    assert got == expected and len(got) == len(prompts)
+    assert capped.stats()["num_offline_held"] > 0
