@@ -118,32 +118,40 @@ def test_a_waiting_online_request_is_planned_before_running_offline_work():
     assert [(b.seq.request_id, b.num_tokens) for b in sch.schedule()] == [("on", 8), ("off0", 1)]
 
 
+PROMPTS = ["The quick brown fox", "Bonjour", "def add(a, b):\n", "x", "The lazy dog", "two plus two", "abc abc"]
+
+
+def run_engine(config: EngineConfig, online: list[bool], cost=None, max_tokens=12):
+    """PROMPTS (online where `online` says, offline otherwise) through an `LLMEngine` until done:
+    the engine and each request's tokens. `cost` fixes the scheduler's cost model."""
+    engine = LLMEngine(config)
+    if cost is not None:
+        engine.scheduler.step_cost = StepCost(coefficients=cost)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for i, (prompt, is_online) in enumerate(zip(PROMPTS, online)):
+        engine.add_request(f"r{i}", prompt, params, priority=0 if is_online else 1)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+    assert_no_leaks(engine)
+    return engine, done
+
+
 def test_the_engine_measures_its_steps_and_the_cap_never_changes_tokens(tiny_model_dir):
-    path = tiny_model_dir("llama")
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    prompts = ["The quick brown fox", "Bonjour", "def add(a, b):\n", "x", "The lazy dog", "two plus two"]
+    online = [i < 2 for i in range(len(PROMPTS))]
 
-    def run(slowdown, cost):
-        engine = LLMEngine(EngineConfig(model=str(path), block_size=4, num_kv_blocks=256, draft=None,
-                                        offline_slowdown=slowdown))
-        if cost is not None:
-            engine.scheduler.step_cost = StepCost(coefficients=cost)
-        for i, p in enumerate(prompts):
-            engine.add_request(f"r{i}", p, params, priority=0 if i < 2 else 1)
-        done = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = out.token_ids
-        assert_no_leaks(engine)
-        return engine, done
+    def config(slowdown):
+        return EngineConfig(model=str(tiny_model_dir("llama")), block_size=4, num_kv_blocks=256, draft=None,
+                            offline_slowdown=slowdown)
 
-    free, expected = run(None, None)
+    free, expected = run_engine(config(None), online)
     assert free.stats()["num_offline_held"] == 0
-    capped, got = run(0.0, COST)
-    assert got == expected and len(got) == len(prompts)
+    capped, got = run_engine(config(0.0), online, COST)
+    assert got == expected and len(got) == len(PROMPTS)
     assert capped.stats()["num_offline_held"] > 0
-    measured, got = run(0.25, None)           # the engine's own StepCost, fitted from its steps
+    measured, got = run_engine(config(0.25), online)           # the engine's own StepCost, fitted from its steps
     assert got == expected and measured.scheduler.step_cost.measured
 
 
@@ -160,26 +168,13 @@ def test_speculating_sequences_left_out_of_steps_generate_the_same_tokens(spec, 
     from eagle_worker.speculative.config import SpecConfig
 
     target, head = copying_target
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    prompts = ["The quick brown fox", "Bonjour", "def add(a, b):\n", "x", "The lazy dog", "two plus two", "abc abc"]
+    online = [i % 3 == 0 for i in range(len(PROMPTS))]
 
-    def run(slowdown, cost):
-        spec_config = SpecConfig(draft=str(head), lookup=spec == "hybrid")
-        engine = LLMEngine(EngineConfig(model=str(target), block_size=4, num_kv_blocks=512, spec=spec_config,
-                                        offline_slowdown=slowdown))
-        if cost is not None:
-            engine.scheduler.step_cost = StepCost(coefficients=cost)
-        for i, p in enumerate(prompts):
-            engine.add_request(f"r{i}", p, params, priority=0 if i % 3 == 0 else 1)
-        done = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = out.token_ids
-        assert_no_leaks(engine)
-        return engine, done
+    def config(slowdown):
+        return EngineConfig(model=str(target), block_size=4, num_kv_blocks=512, offline_slowdown=slowdown,
+                            spec=SpecConfig(draft=str(head), lookup=spec == "hybrid"))
 
-    _, expected = run(None, None)
-    capped, got = run(0.0, COST)
-    assert got == expected and len(got) == len(prompts)
+    _, expected = run_engine(config(None), online, max_tokens=16)
+    capped, got = run_engine(config(0.0), online, COST, max_tokens=16)
+    assert got == expected and len(got) == len(PROMPTS)
     assert capped.stats()["num_offline_held"] > 0
