@@ -63,7 +63,7 @@ class BackgroundCap:
             return 0
         n = want if self._fits(want, samples_at_end and want == pending) else self._largest_fit(want)
         if n == 0 and self.admitted == 0:     # progress: one offline item a step, however costly
-            n = want if want == 1 else min(want, max(self.min_chunk, 1))
+            n = min(want, self.min_chunk)
         if n < want:
             self.held += 1
         return n
