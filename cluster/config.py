@@ -47,10 +47,10 @@ from __future__ import annotations
 import os
 from enum import Enum
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from eagle_worker.engine_api import draft_rules
 
@@ -64,12 +64,26 @@ class PlacementStrategy(str, Enum):
     STRICT_PACK = "STRICT_PACK"  # all ranks of a replica on one node or not scheduled at all
 
 
-class _Strict(BaseModel):
-    # Unknown keys are almost always typos in hand-written YAML: reject them.
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class StrictModel(BaseModel):
+    # Unknown keys are almost always typos in hand-written YAML: reject them; so are inf/NaN, and a
+    # YAML boolean (`yes`, `true`) where a number belongs, which pydantic would read as 1.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, bool) and _numeric(cls.model_fields[info.field_name].annotation):
+            raise ValueError(f"expected a number, got {str(value).lower()}")
+        return value
 
 
-class AutoscalingConfig(_Strict):
+def _numeric(annotation: Any) -> bool:
+    """An int or float field (optional or not), where a YAML boolean is a mistake."""
+    args = get_args(annotation) or (annotation,)
+    return any(a in (int, float) for a in args) and bool not in args
+
+
+class AutoscalingConfig(StrictModel):
     """Ray Serve autoscaling of engine replicas, driven by ongoing requests per replica."""
 
     min_replicas: int = Field(1, ge=0)
@@ -111,7 +125,7 @@ class AutoscalingConfig(_Strict):
         return out
 
 
-class RankResources(_Strict):
+class RankResources(StrictModel):
     """Resources one tensor-parallel rank (one process) reserves; CPU may be fractional.
 
     `cpu` is Ray's logical reservation (how many ranks fit on a node), not the rank's thread count:
@@ -131,7 +145,7 @@ class RankResources(_Strict):
         return out
 
 
-class Limits(_Strict):
+class Limits(StrictModel):
     """Admission limits: what one request may ask for and how much work a replica queues."""
 
     max_model_len: int | None = Field(None, ge=16, description="prompt + output tokens; None = engine default")
@@ -170,7 +184,7 @@ class Limits(_Strict):
         return self
 
 
-class SpeculationConfig(_Strict):
+class SpeculationConfig(StrictModel):
     """EAGLE settings beyond `draft` (the engine's SpecConfig); omit for the engine's defaults."""
 
     tree: Literal["dynamic", "static", "chain"] = "dynamic"
@@ -184,7 +198,7 @@ class SpeculationConfig(_Strict):
         "device has bf16 arithmetic (the target verifies every token: the output does not change)")
 
 
-class IngressConfig(_Strict):
+class IngressConfig(StrictModel):
     """The HTTP front (FastAPI) deployment. It reserves no CPU by default (as Serve's own proxy):
     a fractional reservation made it unschedulable whenever the replicas reserved every CPU."""
 
@@ -201,11 +215,11 @@ class IngressConfig(_Strict):
                                   "has one engine replica, no autoscaling, one ingress replica reserving no CPU")
 
 
-class ServeConfig(_Strict):
+class ServeConfig(StrictModel):
     """The whole serving cluster: model, parallelism, scaling, placement, limits and auth."""
 
-    model: str = "gemma-3-270m"
-    served_model_name: str | None = None
+    model: str = Field("gemma-3-270m", min_length=1)
+    served_model_name: str | None = Field(None, min_length=1)
     draft: str | None = Field("auto", description='"auto" (the hybrid with the built-in head, or prompt lookup '
                               'where the model has none), a head folder, "default", or None/"none" (no speculation)')
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
@@ -231,8 +245,9 @@ class ServeConfig(_Strict):
     api_keys_env: str | None = None
     api_keys_file: str | None = None
     chat_template: str | None = None
-    app_name: str = "eagle"
-    host: str = "127.0.0.1"
+    app_name: str = Field("eagle", min_length=1, pattern=r"^\S(.*\S)?$",
+                          description="the Serve application's name (no leading or trailing blanks)")
+    host: str = Field("127.0.0.1", min_length=1)
     port: int = Field(8000, ge=1, le=65535)
 
     @model_validator(mode="after")
@@ -245,7 +260,11 @@ class ServeConfig(_Strict):
             raise ValueError("device: cpu must not reserve GPUs (resources_per_rank.gpu: 0)")
         if self.speculation is not None and self.draft is None and not self.speculation.lookup:
             raise ValueError("speculation needs a draft head (draft: auto, default or a folder) or speculation.lookup: true")
-        choose, resolve = draft_rules(self.engine)
+        try:
+            choose, resolve = draft_rules(self.engine)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"engine: {self.engine!r} is not an engine module (LLMEngine, EngineConfig, "
+                             f"SamplingParams): {e}") from None
         if choose(self.draft, self.model) == "default":   # a folder may live only where replicas run
             try:
                 resolve("default", self.model)
@@ -408,7 +427,7 @@ def read_yaml(path: str | os.PathLike, empty_ok: bool = False) -> dict[str, Any]
     ConfigError naming the file. An empty file is {} when `empty_ok`."""
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)
     except OSError as e:
         raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
     except yaml.YAMLError as e:
@@ -419,6 +438,20 @@ def read_yaml(path: str | os.PathLike, empty_ok: bool = False) -> dict[str, Any]
         got = "an empty file" if data is None else type(data).__name__
         raise ConfigError(f"{path}: expected a mapping at the top level, got {got}")
     return data
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load, but a key given twice in one mapping is an error: silently keeping the last
+    one hides an edit that did not take."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 def format_validation_error(err: ValidationError, source: str = "config", what: str = "serve config",

@@ -18,6 +18,13 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 
+def context_error(prompt_tokens: int, max_tokens: int, max_model_len: int) -> str:
+    """OpenAI's 400 message for a request whose prompt plus max_tokens exceed the context."""
+    return (f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, {max_tokens} in the completion). "
+            "Please reduce the length of the messages or completion.")
+
+
 class APIError(Exception):
     """An error to send as `{"error": {...}}` with an HTTP status."""
 

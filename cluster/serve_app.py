@@ -174,6 +174,10 @@ class OpenAIIngress:
         """Shared body of both endpoints: `n` engine requests (`<id>-<i>`, seed + i) for one prompt of
         token ids; `render` builds the endpoint's responses/chunks."""
         t0 = time.monotonic()
+        limit = self.admission.offline_limit if req.priority > 0 else self.admission.limit
+        if req.n > limit:       # each sample is admitted as a request: more than fit at once would wait forever
+            raise oa.APIError(400, f"n: {req.n} samples are more requests than this server admits at once "
+                              f"({limit})", param="n")
         rid = oa.new_id(render.prefix)
         sub_ids = [rid] if req.n == 1 else [f"{rid}-{i}" for i in range(req.n)]
         its = [stream_outputs(self.engine, sub, prompt_ids, req.sampling_params(max_tokens, i), req.priority,
@@ -250,6 +254,7 @@ class OpenAIIngress:
         req = await self._parse(request, oa.CompletionRequest)
         max_tokens = 1 if req.score_only else self._max_tokens(req.max_tokens, default=16)
         ids, text = await self.prompts.completion(req.prompt, self._context(), need_text=req.echo)
+        self._fits_context(len(ids), None if req.score_only else req.max_tokens)
         render = CompletionRender(self.config.model_name, self.prompts, req, text, ids)
         return await self._run("completions", req, ids, max_tokens, render)
 
@@ -262,7 +267,16 @@ class OpenAIIngress:
             raise oa.APIError(400, f"messages: {e}", param="messages") from None
         max_tokens = self._max_tokens(req.requested_max_tokens, default=self.config.limits.max_tokens)
         ids = await self.prompts.chat(messages, self._context())
+        self._fits_context(len(ids), req.requested_max_tokens)
         return await self._run("chat", req, ids, max_tokens, ChatRender(self.config.model_name, self.prompts, req))
+
+    def _fits_context(self, prompt_tokens: int, requested: int | None) -> None:
+        """A max_tokens the client asked for that cannot fit beside the prompt is a 400, as OpenAI and
+        vLLM answer it (without one, generation stops at the context with finish_reason length)."""
+        context = self._context()
+        if requested and context and prompt_tokens + requested > context:
+            raise oa.APIError(400, oa.context_error(prompt_tokens, requested, context), param="max_tokens",
+                              code="context_length_exceeded")
 
     def _context(self) -> int | None:
         """max_model_len for the prompt-length check: configured, or as a live replica reported it."""
@@ -472,6 +486,7 @@ def run_serve(config: ServeConfig, address: str | None = None, blocking: bool = 
     host = "127.0.0.1" if config.host in ("0.0.0.0", "::") else config.host
     url = f"http://{host}:{config.port}"
     previous = _stop_on_signals() if blocking else {}
+    deployed = False          # only an app this call deployed is deleted on the way out
     try:
         if config.ingress.direct and address is not None:
             raise ConfigError("ingress.direct needs a Ray that `eaglectl serve` starts (no --address or "
@@ -481,6 +496,8 @@ def run_serve(config: ServeConfig, address: str | None = None, blocking: bool = 
                 os.environ.update(local_ray_env(config))
             ray.init(address=address, namespace="eagle-serve", ignore_reinit_error=True)
         serve.start(http_options=_http_options(config))
+        _check_cluster_free(config)
+        deployed = True
         deploy_app(config)
         if blocking:
             _stop_on_signals()      # again: ray.init installs a SIGTERM handler of its own
@@ -492,10 +509,34 @@ def run_serve(config: ServeConfig, address: str | None = None, blocking: bool = 
             raise
         logger.info("interrupted: shutting down %s", config.app_name)
     finally:
-        if blocking and ray.is_initialized():
+        if blocking and deployed and ray.is_initialized():
             _delete_app(config.app_name)
         restore_signals(previous)
     return url
+
+
+def _check_cluster_free(config: ServeConfig) -> None:
+    """ConfigError where deploying would take over what another server runs on this cluster: an app
+    of the same name (Serve would redeploy it, and this process delete it on exit), another app on
+    route / (where every app of ours is served), or a Serve whose proxy already listens on another
+    port (Serve applies HTTP options only when it starts)."""
+    try:
+        details = serve.context._get_global_client().get_serve_details()
+    except Exception:  # a Serve without the details API: deploy as before
+        logger.debug("serve details unavailable", exc_info=True)
+        return
+    for name, app in (details.get("applications") or {}).items():
+        if app.get("status") == "DELETING":
+            continue
+        if name == config.app_name:
+            raise ConfigError(f"app_name: an app named {name!r} is already running on this cluster; stop it first, "
+                              "or give this one another app_name")
+        if app.get("route_prefix") == "/":
+            raise ConfigError(f"app {name!r} already serves route / on this cluster; stop it first")
+    port = (details.get("http_options") or {}).get("port")
+    if port and not config.ingress.direct and port != config.port:
+        raise ConfigError(f"port: Serve on this cluster already listens on port {port} (its HTTP options are "
+                          f"set when it starts), not {config.port}; set port: {port}")
 
 
 def _stop_on_signals() -> dict:

@@ -7,9 +7,17 @@ import math
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
+from pydantic import Field, StringConstraints, ValidationError, model_validator
 
-from cluster.config import DEPLOY_SECTIONS, ConfigError, PlacementStrategy, ServeConfig, format_validation_error, read_yaml
+from cluster.config import (
+    DEPLOY_SECTIONS,
+    ConfigError,
+    PlacementStrategy,
+    ServeConfig,
+    StrictModel,
+    format_validation_error,
+    read_yaml,
+)
 
 RAY_VERSION = "2.60.0"          # must equal the Ray in the image (deploy/Dockerfile.* ARG RAY_VERSION)
 IMAGE_VERSION = "0.1.0"         # tag of the images the README builds
@@ -21,28 +29,24 @@ Ref = Annotated[str, StringConstraints(pattern=r"^[a-z0-9]([-.a-z0-9]*[a-z0-9])?
 Quantity = Annotated[str, StringConstraints(pattern=r"^([0-9]+(\.[0-9]+)?|\.[0-9]+)(m|[KMGTPE]i?)?$")]
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class SecretRef(_Strict):
+class SecretRef(StrictModel):
     """One key of a Kubernetes Secret, exposed to the pods as an environment variable."""
     name: Ref
     key: str
 
 
-class PodResources(_Strict):
+class PodResources(StrictModel):
     """Requests = limits (Ray sizes itself from the limits; GPUs must be equal anyway)."""
     cpu: Quantity
     memory: Quantity
     ephemeral_storage: Quantity | None = None
 
 
-class HeadPodConfig(_Strict):
+class HeadPodConfig(StrictModel):
     resources: PodResources = PodResources(cpu="2", memory="8Gi")
 
 
-class WorkerPodConfig(_Strict):
+class WorkerPodConfig(StrictModel):
     """Worker pods. Serving replicas live only here (the head advertises 0 CPUs)."""
     gpus_per_node: int = Field(0, ge=0, le=16)
     gpu_product: str | None = Field(None, description=f"node label {GPU_PRODUCT_LABEL}, e.g. NVIDIA-L4")
@@ -52,7 +56,7 @@ class WorkerPodConfig(_Strict):
     node_selector: dict[str, str] = Field(default_factory=dict)
 
 
-class StorageConfig(_Strict):
+class StorageConfig(StrictModel):
     """Weights are mounted (a PVC holding models and EAGLE heads) or downloaded at start, never baked."""
     models_claim: Ref | None = None           # PVC mounted read-only at models_path
     models_path: str = "/models"
@@ -61,7 +65,7 @@ class StorageConfig(_Strict):
     cache_size: Quantity = "20Gi"             # emptyDir for the HF / built-in model caches
 
 
-class DataVolume(_Strict):
+class DataVolume(StrictModel):
     claim: Ref                                # PVC, ReadWriteMany: the driver and every replica see it
     path: str = "/data"
 
@@ -70,7 +74,7 @@ class DataVolume(_Strict):
 _SECRET_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "GOOGLE_APPLICATION_CREDENTIALS")
 
 
-class ObjectStoreConfig(_Strict):
+class ObjectStoreConfig(StrictModel):
     """Credentials and settings for s3:// and gs:// input/output, in the job cluster's Ray pods (the
     driver and the replicas), as pyarrow.fs reads them from the environment."""
     credentials_secret: Ref | None = None     # envFrom: every key of this Secret becomes an env var
@@ -96,7 +100,7 @@ def object_store_scheme(location: str) -> str | None:
     return scheme.lower()
 
 
-class JobData(_Strict):
+class JobData(StrictModel):
     """Where jobs run through the serving app (`serve_app: true` in job.yaml) read and write: their
     driver runs on the RayService's head, so the RayService's pods mount the volume and get the
     credentials (set once with the fleet, not per job: a change of pods is a new cluster)."""
@@ -104,7 +108,7 @@ class JobData(_Strict):
     object_store: ObjectStoreConfig | None = None
 
 
-class KubeConfig(_Strict):
+class KubeConfig(StrictModel):
     """Deployment-only settings: the `kubernetes:` section of the config file."""
     name: Name = "eagle"
     namespace: Name | None = None
@@ -133,7 +137,7 @@ class KubeConfig(_Strict):
         return self
 
 
-class DeployConfig(_Strict):
+class DeployConfig(StrictModel):
     """A serve config plus how to run it on Kubernetes; checks that the two fit together."""
     serve: ServeConfig = ServeConfig()
     kubernetes: KubeConfig = KubeConfig()
@@ -242,7 +246,7 @@ def reachable(input: str, output: str, data: "RayJobConfig | JobData | None", vo
                          f"or drop {store_key}")
 
 
-class RayJobConfig(_Strict):
+class RayJobConfig(StrictModel):
     """A batch RayJob: `eaglectl submit-job` over a Parquet (or OpenAI Batch JSONL) dataset.
 
     Input and output are object-store URLs (s3://, gs://: every pod reads and writes the bucket with

@@ -191,16 +191,17 @@ def bench_mixed(model, rows, online_requests, concurrency, max_tokens, draft, dt
     run(model=model, rows=rows, online_requests=online_requests, concurrency=concurrency, max_tokens=max_tokens,
         draft=None if draft == "none" else draft, dtype=dtype, max_num_seqs=max_num_seqs, threads=threads,
         json_out=json_out, colocate=False if separate_ingress else None,
-        offline_slowdown=None if offline_slowdown == "none" else _nonnegative(offline_slowdown, "--offline-slowdown"))
+        offline_slowdown=None if offline_slowdown == "none" else _slowdown(offline_slowdown, "--offline-slowdown"))
 
 
-def _nonnegative(text: str, option: str) -> float:
+def _slowdown(text: str, option: str) -> float:
+    """A number the serve config's `offline_slowdown` accepts (0 to 1000), checked before anything starts."""
     try:
         value = float(text)
     except ValueError:
         value = float("nan")
-    if not 0 <= value < float("inf"):
-        raise click.BadParameter(f"{text!r} is not a number >= 0 or 'none'", param_hint=option)
+    if not 0 <= value <= 1000:
+        raise click.BadParameter(f"{text!r} is not a number from 0 to 1000 or 'none'", param_hint=option)
     return value
 
 

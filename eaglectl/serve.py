@@ -23,8 +23,8 @@ def serve(config_path, host, port, address):
     try:
         cfg = ServeConfig.from_yaml(config_path) if config_path else ServeConfig()
         overrides = {k: v for k, v in (("host", host), ("port", port)) if v is not None}
-        if overrides:
-            cfg = cfg.model_copy(update=overrides)
+        if overrides:            # validated as if the file had them (a copy with updates skips validation)
+            cfg = ServeConfig.from_dict({**cfg.model_dump(exclude_unset=True), **overrides}, source="--host/--port")
         address = address or os.environ.get("RAY_ADDRESS")
         if not address:              # the replicas run on this machine: their head must be here
             cfg.check_draft_here()
@@ -37,3 +37,5 @@ def serve(config_path, host, port, address):
         run_serve(cfg, address=address, blocking=True)
     except (InsufficientResourcesError, ConfigError) as e:   # a config this cluster cannot run: say why
         fail(str(e))
+    except RuntimeError as e:    # the app failed to deploy: deploy_app's message carries the replicas' reasons
+        fail(f"the app failed to start: {e}")

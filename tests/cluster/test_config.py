@@ -54,6 +54,20 @@ def _write(tmp_path, text):
     ("offline_slowdown: -0.5", "offline_slowdown: Input should be greater than or equal to 0"),
     ("offline_slowdown: .nan", "offline_slowdown: Input should be a finite number"),
     ("offline_slowdown: lots", "offline_slowdown: Input should be a valid number"),
+    ("offline_slowdown: yes", "offline_slowdown: expected a number, got true"),
+    ("port: true", "port: expected a number, got true"),
+    ("limits: {max_num_seqs: false}", "limits.max_num_seqs: expected a number, got false"),
+    ("kv_cache_gb: .inf", "kv_cache_gb: Input should be a finite number"),
+    ("resources_per_rank: {cpu: .inf}", "resources_per_rank.cpu: Input should be a finite number"),
+    ("autoscaling: {max_replicas: 2, target_ongoing_requests: .inf}", "autoscaling.target_ongoing_requests: Input"),
+    ("ingress: {num_cpus: .nan}", "ingress.num_cpus: Input should be a finite number"),
+    ("app_name: ''", "app_name: String should have at least 1 character"),
+    ("app_name: ' eagle'", "app_name: String should match pattern"),
+    ("model: ''", "model: String should have at least 1 character"),
+    ("engine: os", "engine: 'os' is not an engine module"),
+    ("engine: no_such_engine_module", "engine: 'no_such_engine_module' is not an engine module"),
+    ("offline_slowdown: 0.5\noffline_slowdown: 2", "duplicate key 'offline_slowdown'"),
+    ("limits: {max_tokens: 8, max_tokens: 9}", "duplicate key 'max_tokens'"),
     ("device: cuda", "needs resources_per_rank.gpu: 1"),
     ("modle: typo", "modle: unknown field"),
     ("- just\n- a list", "expected a mapping"),
@@ -276,3 +290,14 @@ def test_colocation_asked_where_it_cannot_be_is_refused_by_name(other):
     ingress = {"colocate": True, **other.pop("ingress", {})}
     with pytest.raises(ValidationError, match="ingress.colocate: the ingress shares a process"):
         ServeConfig(model="fake", engine="tests.cluster.fake_engine", ingress=ingress, **other)
+
+
+@pytest.mark.parametrize("args,needle", [(["--port", "70000"], "port: Input should be less than or equal to 65535"),
+                                         (["--host", ""], "host: String should have at least 1 character")])
+def test_eaglectl_serve_validates_its_overrides_before_starting_anything(args, needle):
+    from click.testing import CliRunner
+
+    from eaglectl.serve import serve
+
+    res = CliRunner().invoke(serve, args)
+    assert res.exit_code == 2 and needle in res.output, res.output

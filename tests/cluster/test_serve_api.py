@@ -106,6 +106,7 @@ def _err(exc_info):
 @pytest.mark.parametrize("kwargs,status,param,needle", [
     (dict(max_tokens=10_000), 400, "max_tokens", "limit of 32"),
     (dict(prompt="hello " * 200), 400, "prompt", "maximum context"),
+    (dict(prompt=list(range(5, 105)), max_tokens=30), 400, "max_tokens", "maximum context length is 128 tokens"),
     (dict(model="no-such-model"), 404, "model", "does not exist"),
     (dict(temperature=-1), 400, "temperature", "greater than or equal"),
     (dict(top_p=0), 400, "top_p", "greater than"),
@@ -125,6 +126,17 @@ def test_bad_completion_requests(app, kwargs, status, param, needle):
     err = _err(ei)
     assert err["param"] == param and needle in err["message"], err
     assert err["type"] and "code" in err
+
+
+def test_a_prompt_near_the_context_without_max_tokens_stops_at_the_context(app):
+    """Only a max_tokens the client asked for is refused when it cannot fit (OpenAI, vLLM); without
+    one, generation runs up to the context."""
+    r = app.client.completions.create(model=MODEL, prompt=list(range(5, 120)), temperature=0, extra_body=NO_EOS)
+    assert r.choices[0].finish_reason == "length" and r.usage.total_tokens == 128
+    with pytest.raises(openai.BadRequestError) as ei:
+        app.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello " * 70}],
+                                           max_tokens=30)
+    assert _err(ei)["code"] == "context_length_exceeded" and _err(ei)["param"] == "max_tokens", _err(ei)
 
 
 def test_bad_chat_requests(app):

@@ -26,6 +26,8 @@ def _env() -> dict:
 
 
 def test_cpu_2_on_a_2_cpu_cluster_starts_and_asking_for_more_fails_at_once(tmp_path):
+    """...and a second server on the same cluster (same app name, another app on route /, another port)
+    is refused without touching the first."""
     port = _free_port()
     script = textwrap.dedent(f"""
         import ray
@@ -49,6 +51,21 @@ def test_cpu_2_on_a_2_cpu_cluster_starts_and_asking_for_more_fails_at_once(tmp_p
         import requests
         r = requests.post(url + "/v1/completions", json={{"model": "fake", "prompt": "hi", "max_tokens": 3}}, timeout=120)
         print("HTTP", r.status_code, r.json()["usage"]["completion_tokens"], flush=True)
+        from cluster.config import ConfigError
+        for other in (dict(), dict(app_name="other")):          # a second server never takes this one over
+            try:
+                run_serve(ServeConfig(**base, resources_per_rank={{"cpu": 2}}, **other), blocking=False)
+                print("TOOK OVER", other, flush=True)
+            except ConfigError as e:
+                print("REFUSED SECOND:", e, flush=True)
+        r = requests.post(url + "/v1/completions", json={{"model": "fake", "prompt": "hi", "max_tokens": 3}}, timeout=120)
+        print("STILL SERVING", r.status_code, flush=True)
+        serve.delete("eagle")
+        try:
+            run_serve(ServeConfig(**{{**base, "port": {port} + 1}}), blocking=False)
+            print("TOOK OVER port", flush=True)
+        except ConfigError as e:
+            print("REFUSED SECOND:", e, flush=True)
         serve.shutdown()
     """)
     out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=_env(), text=True, capture_output=True,
@@ -59,6 +76,11 @@ def test_cpu_2_on_a_2_cpu_cluster_starts_and_asking_for_more_fails_at_once(tmp_p
     assert "CPU 2.5" in refused[1] and "missing CPU 0.5" in refused[1]
     assert "starts 3 replica(s)" in refused[2]
     assert f"THREADS {usable_cores()} CPU 2.0" in out and "HTTP 200 3" in out, out[-4000:]
+    second = [line for line in out.splitlines() if line.startswith("REFUSED SECOND:")]
+    assert "TOOK OVER" not in out and len(second) == 3 and "STILL SERVING 200" in out, out[-4000:]
+    assert "an app named 'eagle' is already running" in second[0]
+    assert "app 'eagle' already serves route /" in second[1]
+    assert f"already listens on port {port}" in second[2] and f"not {port + 1}" in second[2]
 
 
 def test_eaglectl_serve_without_a_config_runs_one_replica_on_every_core(tmp_path):

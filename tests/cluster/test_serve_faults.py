@@ -225,6 +225,16 @@ def router_queued(deploy):
                                                                 "max_router_queue": 8}), "/rq")
 
 
+def test_n_beyond_what_the_server_admits_at_once_is_a_400_not_a_503_forever(router_queued):
+    """Each sample is admitted as a request: n above the admission limit (1 + 8 here) could never be
+    admitted, so it is refused naming n instead of answered 503 + Retry-After on every try."""
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    r = requests.post(f"{router_queued.url}/v1/completions", json=body | {"n": 12}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n" and "(9)" in r.json()["error"]["message"], r.text
+    r = requests.post(f"{router_queued.url}/v1/completions", json=body | {"n": 9}, timeout=120)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 9, r.text
+
+
 def _completion_order(app, jobs) -> list[str]:
     done: list[str] = []
 

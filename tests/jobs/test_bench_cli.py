@@ -230,3 +230,11 @@ def test_bench_spec_head_dtype_reaches_every_head_method_of_the_sweep(monkeypatc
     for args in ([], ["--tp-size", "2"]):
         res = CliRunner().invoke(bench_spec, [*args, "--head-dtype", "float32"])
         assert res.exit_code == 2 and "--head-dtype" in res.output, res.output
+
+
+@pytest.mark.parametrize("value", ["5000", "-1", "inf", "nan", "lots"])
+def test_bench_mixed_refuses_a_slowdown_the_serve_config_would_refuse(value):
+    from eaglectl.bench import bench_mixed
+
+    res = CliRunner().invoke(bench_mixed, ["--offline-slowdown", value])
+    assert res.exit_code == 2 and "--offline-slowdown" in res.output and "0 to 1000" in res.output, res.output
