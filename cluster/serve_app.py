@@ -16,6 +16,7 @@ KubeRay RayService specs; args are a ServeConfig dict), `build_app(config)` and
 import asyncio
 import logging
 import os
+import re
 import threading
 import time
 from typing import Any, AsyncIterator
@@ -440,10 +441,17 @@ def deploy_app(config: ServeConfig, route_prefix: str = "/") -> None:
         try:
             for name, dep in serve.status().applications[config.app_name].deployments.items():
                 if dep.message:
-                    details.append(f"{name}: {dep.message}")
+                    details.append(f"{name}: {_last_error(dep.message)}")
         except Exception:  # status unavailable: keep Serve's own message
             pass
         raise RuntimeError("\n".join([str(e), *details])) from e
+
+
+def _last_error(message: str) -> str:
+    """A failed replica's own words: the last `SomeError: ...` line of the tracebacks Serve reports
+    (the whole message where it has none; the tracebacks stay in the controller's log)."""
+    errors = re.findall(r"^\S*(?:Error|Exception)\w*: .+$", message, re.M)
+    return errors[-1] if errors else message
 
 
 DIRECT_INGRESS = "RAY_SERVE_ENABLE_DIRECT_INGRESS"
