@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 from eaglectl.common import fail
 from jobs.driver import EXIT_CANCELLED, EXIT_FAILED, EXIT_WITH_ERRORS, RESULT_MARKER  # light imports
@@ -89,6 +90,9 @@ def submit_job(input, fmt, stop, address, job_id, wait, **opts):
     """
     from jobs.job_config import JobConfig, JobConfigError
 
+    # only the options given: `--serve-app` refuses an own-replica flag given even at its default value
+    ctx = click.get_current_context()
+    opts = {k: v for k, v in opts.items() if ctx.get_parameter_source(k) is not ParameterSource.DEFAULT}
     if opts.get("speculation") is not None:
         try:
             opts["speculation"] = json.loads(opts["speculation"])
@@ -131,8 +135,9 @@ def _submit_remote(cfg, address: str, job_id: str | None, wait: bool) -> None:
     except ConnectionError as e:
         fail(str(e), EXIT_FAILED)
     click.echo(f"job {jid}: {st['status']}" + (f" ({st['message']})" if st.get("message") else ""))
-    if st["status"] != "SUCCEEDED":
-        sys.exit(EXIT_FAILED)
+    code = ray_jobs.exit_code(st)       # the driver's own: 2 bad input or settings, 130 cancelled, ...
+    if code:
+        sys.exit(code)
     try:
         with_errors = RESULT_MARKER in ray_jobs.logs(address, jid)
     except (ConnectionError, RuntimeError):

@@ -36,10 +36,11 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
+from cluster.openai_api import context_error
 from cluster.replica import Failed, Rejected
 from jobs.input_reader import Row
 from jobs.job_config import JobConfig
-from jobs.openai_batch import context_error, openai_logprobs
+from jobs.openai_batch import openai_logprobs
 from jobs.replica_pool import OFFLINE_PRIORITY, JobFailed, _first_line, row_result
 
 logger = logging.getLogger(__name__)
@@ -248,9 +249,10 @@ class AppPool:
             self._missing = 0
         else:
             self._missing += 1      # twice in a row: one empty answer may be a controller hiccup
-        if self._missing >= 2:
-            raise JobFailed(f"serve app {self.cfg.serve_app!r} is gone (running apps: "
-                            f"{', '.join(sorted(apps)) or 'none'}); committed output is kept, run the "
+        if self._missing >= 2:   # each app with its state: one being deleted is listed, but not as running
+            listing = ", ".join(f"{n} ({s})" for n, s in sorted(apps.items())) or "none"
+            raise JobFailed(f"serve app {self.cfg.serve_app!r} is gone ({'being deleted; ' if status else ''}"
+                            f"apps on the cluster: {listing}); committed output is kept, run the "
                             "same command again once it is back")
         self._lost_streak = 0
 

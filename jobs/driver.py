@@ -59,14 +59,14 @@ def drive(cfg, ray_address: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from jobs.job_config import JobConfig
+    from jobs.job_config import RESOLVED, JobConfig
 
     p = argparse.ArgumentParser(prog="python -m jobs.driver", description="The job driver on a cluster "
                                 "(the Ray job entrypoint that `eaglectl submit-job --address ...` submits).")
     p.add_argument("--config-json", required=True, help="The job's resolved JobConfig as JSON.")
     p.add_argument("--address", default="auto", help="Ray cluster to join (default: %(default)s).")
     args = p.parse_args(argv)
-    code = drive(JobConfig.model_validate_json(args.config_json), args.address)
+    code = drive(JobConfig.model_validate_json(args.config_json, context=RESOLVED), args.address)
     sys.exit(EXIT_OK if code == EXIT_WITH_ERRORS else code)   # Ray: a job with error rows still SUCCEEDED
 
 

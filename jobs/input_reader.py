@@ -8,7 +8,8 @@ the row comes out of `iter_rows` with `error` set and the job writes it as an er
 
 Memory: `iter_rows` holds one record batch (`batch_rows` rows) at a time, never a whole file.
 Row ids: the `id` column (Parquet) or `custom_id` (JSONL); without them, `<file>:<row index>`
-with the file relative to the input root, so re-running the same command derives the same ids.
+with the file relative to the input root, so re-running the same command derives the same ids. A
+file with ids needs one in every row: a null never falls back to a derived id (another row's id).
 OpenAI Batch request lines are checked and parsed in jobs/openai_requests.py.
 """
 from __future__ import annotations
@@ -144,8 +145,8 @@ def _check_parquet(f: InputFile, plan: InputPlan, keep_columns: bool) -> int:
             if not (ok(t) or pa.types.is_null(t)):
                 raise InputError(f"{path}: column `{col}` has type {t}; expected {expected}")
     _set_id_type(plan, path, schema.field("id").type if "id" in names else None, meta.num_rows)
-    if "id" in names and pa.types.is_integer(schema.field("id").type):
-        _no_null_ids(path, meta, names.index("id"))
+    if _has_ids(schema):
+        _no_null_ids(f, plan.fs, meta, "integer" if pa.types.is_integer(schema.field("id").type) else "string")
     if keep_columns:
         kept = pa.schema([schema.field(n) for n in names if n != "id"])
         if plan.kept is None:
@@ -188,13 +189,37 @@ def _set_id_type(plan: InputPlan, path: str, t: pa.DataType | None, num_rows: in
                          "(cast the `id` column, or give every file one)")
 
 
-def _no_null_ids(path: str, meta, col: int) -> None:
-    """Integer ids cannot fall back to derived (string) ids, so nulls there are refused (footer statistics)."""
+def _has_ids(schema: pa.Schema) -> bool:
+    """Whether the file's rows have their own ids (an `id` column of nulls only is no ids: derived ones)."""
+    return "id" in schema.names and not pa.types.is_null(schema.field("id").type)
+
+
+def _no_null_ids(f: InputFile, fs: pafs.FileSystem, meta, kind: str) -> None:
+    """A file with ids needs one in every row, refused up front by the footer statistics (a null cannot
+    fall back to a derived id: an integer one would change the type, a string one `<file>:<row>` may be
+    another row's real id, which would then be skipped as its duplicate). Nulls the statistics miss
+    are caught at run time: those rows are listed as unreadable (`_parquet_row`, `_unreadable`)."""
+    col = next(i for i in range(meta.num_columns) if meta.schema.column(i).path == "id")   # (leaf, not field, index)
+    offset = 0
     for rg in range(meta.num_row_groups):
         st = meta.row_group(rg).column(col).statistics
         if st is not None and st.has_null_count and st.null_count:
-            raise InputError(f"{path}: the integer `id` column has {st.null_count} null value(s) in row group {rg}; "
-                             "give every row an id (or use string ids)")
+            raise InputError(f"{f.display}: the {kind} `id` column has {st.null_count} null value(s) in row group "
+                             f"{rg} ({_null_rows(f, fs, rg, offset)}); give every row an id, or drop the `id` "
+                             "column for derived ids (`<file>:<row>`)")
+        offset += meta.row_group(rg).num_rows
+
+
+def _null_rows(f: InputFile, fs: pafs.FileSystem, rg: int, offset: int) -> str:
+    """Which rows of the file have a null id (the first few), read from that row group's `id` column alone."""
+    try:
+        with fs.open_input_file(f.path) as fh:
+            ids = pq.ParquetFile(fh).read_row_group(rg, columns=["id"]).column("id")
+        rows = [offset + i for i, v in enumerate(ids.is_null().to_pylist()) if v]
+    except Exception:    # unreadable data pages: the job reports them when it reads the file
+        return "rows unknown"
+    return ("row " if len(rows) == 1 else "rows ") + ", ".join(map(str, rows[:5])) + (
+        f" and {len(rows) - 5} more" if len(rows) > 5 else "")
 
 
 # ---- streaming rows -------------------------------------------------------------------------------
@@ -225,6 +250,7 @@ def _parquet_rows(f: InputFile, plan: InputPlan, batch_rows: int) -> Iterator[Ro
 def _row_groups(f: InputFile, plan: InputPlan, pf: pq.ParquetFile, batch_rows: int) -> Iterator[Row]:
     wanted = ("id", "prompt", "messages") + OVERRIDES
     columns = [c for c in pf.schema_arrow.names if c in wanted or plan.kept is not None]
+    derive = not _has_ids(pf.schema_arrow)
     offset = 0
     for rg in range(pf.metadata.num_row_groups):
         size, done = pf.metadata.row_group(rg).num_rows, 0
@@ -235,7 +261,8 @@ def _row_groups(f: InputFile, plan: InputPlan, pf: pq.ParquetFile, batch_rows: i
                 if batch is None:
                     break
                 cols = batch.to_pydict()
-                rows = [_parquet_row({k: v[i] for k, v in cols.items()}, f"{f.label}:{offset + done + i}", plan)
+                rows = [_parquet_row({k: v[i] for k, v in cols.items()},
+                                     f"{f.label}:{offset + done + i}" if derive else None, plan)
                         for i in range(batch.num_rows)]
             except Exception as e:
                 yield from _unreadable(f, plan, pf, rg, offset + done, offset + size, e)
@@ -249,38 +276,38 @@ def _row_groups(f: InputFile, plan: InputPlan, pf: pq.ParquetFile, batch_rows: i
 def _unreadable(f: InputFile, plan: InputPlan, pf, rg: int, start: int, end: int, err: Exception) -> Iterator[Row]:
     where = f"{f.display}: " + (f"row group {rg}" if rg >= 0 else "the file")
     msg = f"{where} cannot be read ({type(err).__name__}: {str(err).strip().splitlines()[0][:200] if str(err).strip() else ''})"
-    if "id" not in (pf.schema_arrow.names if pf is not None else _columns(f, plan)):
+    if not _has_ids(pf.schema_arrow if pf is not None else _schema(f, plan)):
         ids = [f"{f.label}:{i}" for i in range(start, end)]
     else:
         try:
             group_start = _group_offset(pf, rg)
             ids = pf.read_row_group(rg, columns=["id"]).column("id").to_pylist()[start - group_start:end - group_start]
-            if any(i is None for i in ids):
-                raise ValueError("null ids")
         except Exception:
-            plan.unreadable.append({"file": f.display, "row_group": rg, "rows": end - start, "error": msg})
-            return
-    for rid in ids:
-        yield Row(id=rid, error=msg)
+            ids = [None] * (end - start)
+    nulls = sum(i is None for i in ids)
+    if nulls:       # rows without a readable id cannot be written under one: skipped, listed in the manifest
+        plan.unreadable.append({"file": f.display, "row_group": rg, "rows": nulls, "error": msg})
+    yield from (Row(id=rid, error=msg) for rid in ids if rid is not None)
 
 
 def _group_offset(pf, rg: int) -> int:
     return sum(pf.metadata.row_group(i).num_rows for i in range(rg))
 
 
-def _columns(f: InputFile, plan: InputPlan) -> list[str]:
+def _schema(f: InputFile, plan: InputPlan) -> pa.Schema:
     try:
         with plan.fs.open_input_file(f.path) as fh:
-            return pq.read_schema(fh).names
+            return pq.read_schema(fh)
     except Exception:
-        return ["id"]     # unknown: treat the ids as unknown
+        return pa.schema([("id", pa.string())])     # unknown: treat the ids as unknown
 
 
-def _parquet_row(rec: dict, derived_id: str, plan: InputPlan) -> Row:
-    rid = rec.get("id")
-    row = Row(id=derived_id if rid is None else rid)
-    if rid is None and pa.types.is_integer(plan.id_type):
-        raise ValueError("a null integer id")     # -> the row group's rows are reported unreadable
+def _parquet_row(rec: dict, derived_id: str | None, plan: InputPlan) -> Row:
+    """One input row; `derived_id` None: the file has ids (a null one here escaped the footer check)."""
+    rid = rec.get("id") if derived_id is None else derived_id
+    if rid is None:
+        raise ValueError("a row without an id (null `id`)")   # -> `_unreadable`: never a derived id
+    row = Row(id=rid)
     if plan.kept is not None:
         row.extra = {plan.kept_names[k]: rec.get(k) for k in plan.kept_names}
     row.params = {k: rec[k] for k in OVERRIDES if rec.get(k) is not None}

@@ -11,14 +11,19 @@ from __future__ import annotations
 import glob as _glob
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from cluster.config import SpeculationConfig
+from cluster.openai_api import MAX_SEED
 from eagle_worker.engine_api import draft_rules
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
+# A count or size beyond a 32-bit int is a typo, and would overflow where it meets arrays (the output's
+# int32 token counts, the engine's tensors): refused with the field's name instead of failing every row.
+Count = Annotated[int, Field(le=2**31 - 1)]
+RESOLVED = {"resolved": True}   # validation context of a config that already passed its edge (the driver's JSON)
 
 
 class JobConfigError(ValueError):
@@ -26,7 +31,8 @@ class JobConfigError(ValueError):
 
 
 class JobConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # NaN and infinities (`--temperature inf`) are refused like any other out-of-range value
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     # what to read and where to write
     input: str
@@ -45,7 +51,7 @@ class JobConfig(BaseModel):
     device: Literal["cpu", "cuda"] = "cpu"
     engine: str = Field("eagle_worker", description="module exposing LLMEngine/EngineConfig/SamplingParams")
     chat_template: str | None = None
-    max_model_len: int | None = Field(None, ge=16)
+    max_model_len: Count | None = Field(None, ge=16)
     enable_prefix_caching: bool = Field(True, description="reuse the KV cache of shared prompt prefixes; "
                                         "does not change outputs, so a resume may change it")
     speculation: SpeculationConfig | None = Field(None, description="EAGLE settings beyond `draft` (the serve "
@@ -53,35 +59,36 @@ class JobConfig(BaseModel):
                                                   "sized per step); does not change outputs, so a resume may change it")
 
     # sampling defaults (per-row columns override them)
-    max_tokens: int = Field(256, ge=1)
+    max_tokens: Count = Field(256, ge=1)
     temperature: float = Field(0.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(-1, ge=-1)
-    seed: int | None = None
+    top_k: Count = Field(-1, ge=-1)
+    seed: int | None = Field(None, ge=0, lt=MAX_SEED, description="the engine's range: [0, 2**63)")
     stop: list[str] | None = None
 
     # execution: own replicas, or a running Serve app (jobs/app_pool.py)
     serve_app: str | None = Field(None, min_length=1, description="send rows to this running Serve application "
                                   "(`eaglectl serve`'s app name) instead of starting replicas; the app's engine "
                                   "settings (model, dtype, draft, context) are the job's")
-    replicas: int = Field(1, ge=1)
-    tp_size: int = Field(1, ge=1)
+    replicas: Count = Field(1, ge=1)
+    tp_size: Count = Field(1, ge=1)
     cpus_per_replica: float | None = Field(None, gt=0, description="default: the CPUs of the cluster split evenly")
-    max_num_seqs: int = Field(64, ge=1)
-    max_in_flight: int | None = Field(None, ge=1, description="rows sent to one replica at once; default a batch plus a quarter")
-    min_ready_replicas: int = Field(1, ge=1, description="replicas loaded before rows are sent (benchmarks: all)")
-    max_row_retries: int = Field(1, ge=0, description="re-runs of a row whose replica died, then an error row")
-    max_replica_restarts: int | None = Field(None, ge=0, description="default: 2 per replica + 2")
+    max_num_seqs: Count = Field(64, ge=1)
+    max_in_flight: Count | None = Field(None, ge=1, description="rows sent to one replica at once; default a batch "
+                                        "plus a quarter")
+    min_ready_replicas: Count = Field(1, ge=1, description="replicas loaded before rows are sent (benchmarks: all)")
+    max_row_retries: Count = Field(1, ge=0, description="re-runs of a row whose replica died, then an error row")
+    max_replica_restarts: Count | None = Field(None, ge=0, description="default: 2 per replica + 2")
     startup_timeout_s: float = Field(900.0, gt=0)
 
     engine_from_app: bool = Field(False, description="internal: model/dtype/draft/... were filled in from "
                                   "the serve app's engine config (jobs/app_pool.py), not given")
 
     # committing output
-    rows_per_file: int = Field(10_000, ge=1)
-    row_group_rows: int = Field(1_000, ge=1)
+    rows_per_file: Count = Field(10_000, ge=1)
+    row_group_rows: Count = Field(1_000, ge=1)
     commit_interval_s: float = Field(30.0, gt=0, description="a file is committed at least this often")
-    read_batch_rows: int = Field(256, ge=1)
+    read_batch_rows: Count = Field(256, ge=1)
     log_interval_s: float = Field(10.0, gt=0)
 
     @field_validator("input", "output")
@@ -99,7 +106,7 @@ class JobConfig(BaseModel):
         return v or None
 
     @model_validator(mode="after")
-    def _consistent(self) -> "JobConfig":
+    def _consistent(self, info: ValidationInfo) -> "JobConfig":
         if self.row_group_rows > self.rows_per_file:
             self.row_group_rows = self.rows_per_file
         if self.max_model_len is not None and self.max_tokens >= self.max_model_len:
@@ -107,13 +114,15 @@ class JobConfig(BaseModel):
         if self.speculation is not None and self.draft == "none":
             raise ValueError("--draft none turns speculation off: drop --speculation, or pick a draft "
                              "(auto, default or a head folder)")
-        if self.serve_app is not None and not self.engine_from_app:
-            own = [flag for field, flag in OWN_REPLICA_FLAGS.items()
-                   if getattr(self, field) != type(self).model_fields[field].default]
+        # what the user GAVE, even at its default value (`--model gemma-3-270m` is refused too); the driver's
+        # JSON (context RESOLVED) holds every field, and its client checked this already
+        if self.serve_app is not None and not self.engine_from_app and not (info.context or {}).get("resolved"):
+            own = [flag for field, flag in OWN_REPLICA_FLAGS.items() if field in self.model_fields_set]
             if own:
-                raise ValueError(f"--serve-app {self.serve_app}: {', '.join(own)} only apply to a job's own "
-                                 "replicas; the app's engine settings are used (drop "
-                                 f"{'it' if len(own) == 1 else 'them'}, or drop --serve-app)")
+                one = len(own) == 1
+                raise ValueError(f"--serve-app {self.serve_app}: {', '.join(own)} only appl{'ies' if one else 'y'} "
+                                 "to a job's own replicas; the app's engine settings are used (drop "
+                                 f"{'it' if one else 'them'}, or drop --serve-app)")
         return self
 
     # ---- derived values --------------------------------------------------------------------
@@ -179,7 +188,9 @@ class JobConfig(BaseModel):
 
     @classmethod
     def from_options(cls, **kwargs) -> "JobConfig":
-        """Build from CLI options (None = use the default), raising JobConfigError with field names."""
+        """Build from the CLI options the user gave (None = use the default; a value given is given even when
+        it equals the default: `--serve-app` refuses own-replica flags by that), raising JobConfigError with
+        field names."""
         try:
             return cls(**{k: v for k, v in kwargs.items() if v is not None})
         except ValidationError as e:

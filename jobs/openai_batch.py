@@ -69,8 +69,3 @@ def openai_logprobs(entries: list, token_ids: list[int], token_text, chat: bool)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
-def context_error(prompt_tokens: int, max_tokens: int, max_model_len: int) -> str:
-    """OpenAI's 400 message for a request whose prompt plus max_tokens exceed the context."""
-    return (f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, {max_tokens} in the completion). "
-            "Please reduce the length of the messages or completion.")

@@ -101,19 +101,27 @@ class OutputDir:
     def open(self, fingerprint: dict, overwrite: bool = False, identity: dict | None = None,
              retry_errors: bool = False) -> tuple[IdSet, RowCounts]:
         """Lock the folder and return (ids already committed, their counts). With `retry_errors`,
-        committed error rows are taken out first (their parts rewritten in place), so they run again."""
+        committed error rows are taken out first (their parts rewritten in place), so they run again.
+        A refused folder is left as it was found (no `.lock`, no empty folder created)."""
+        if self.folder.location in {f[0] for f in (identity or {}).get("files", [])}:
+            raise OutputError(f"{self.path}: --output is the input file itself; the output is a folder: choose "
+                              "another --output (or leave it out: beside the input)")
+        created = False
         try:
-            self.folder.mkdir()
+            created = self.folder.mkdir()
             self.folder.lock()
         except (StorageError, OSError) as e:
+            if created:
+                self.folder.rmdir()
             raise OutputError(str(e)) from None
         try:
             return self._prepare(fingerprint, overwrite, identity, retry_errors)
-        except StorageError as e:
-            self.close()
-            raise OutputError(str(e)) from None
-        except BaseException:
-            self.close()
+        except BaseException as e:
+            self.folder.unlock(leave_nothing=True)
+            if created:
+                self.folder.rmdir()
+            if isinstance(e, StorageError):
+                raise OutputError(str(e)) from None
             raise
 
     def _prepare(self, fingerprint: dict, overwrite: bool, identity: dict | None,

@@ -127,8 +127,8 @@ def summary(manifest: dict) -> str:
         f"{run.get('rows_per_s', 0):.2f} rows/s | {run.get('output_tokens_per_s', 0):.1f} output tok/s | "
         f"tau {run.get('tau', 1.0):.2f} | {run.get('replicas') or 0} replica(s)"
         f"{' of serve app ' + manifest['serve_app']['name'] if manifest.get('serve_app') else ''}"
-        f"{' | %d rows preempted (recomputed)' % run['preempted_rows'] if run.get('preempted_rows') else ''} | "
-        f"driver peak RSS {run.get('driver_peak_rss_mb') or 0:.0f} MB",
+        f"{' | %d rows preempted (recomputed)' % run['preempted_rows'] if run.get('preempted_rows') else ''}"
+        f"{' | driver peak RSS %.0f MB' % run['driver_peak_rss_mb'] if run.get('driver_peak_rss_mb') else ''}",
     ]
     noop = manifest.get("last_noop_rerun")
     if noop and noop.get("at", 0) >= run.get("updated_at", 0):

@@ -196,6 +196,21 @@ def wait(address: str, job_id: str, poll_s: float = 2.0, on_change=None, timeout
         time.sleep(poll_s)
 
 
+def exit_code(st: dict) -> int:
+    """The exit code (jobs/driver.py's table) of a finished job, from its `info`: STOPPED (`job cancel`)
+    is 130; FAILED is the driver's own code where Ray knows it (2: bad input or settings, nothing
+    generated; 130: cancelled), else 1. SUCCEEDED is 0 (3 when its log holds RESULT_MARKER: the caller
+    reads the log)."""
+    from jobs.driver import EXIT_CANCELLED, EXIT_FAILED, EXIT_OK, EXIT_USAGE
+
+    if st["status"] == "SUCCEEDED":
+        return EXIT_OK
+    if st["status"] == "STOPPED":
+        return EXIT_CANCELLED
+    code = st.get("driver_exit_code")
+    return code if code in (EXIT_USAGE, EXIT_CANCELLED) else EXIT_FAILED
+
+
 def stop(address: str, job_id: str) -> bool:
     return _call(address, client(address).stop_job, job_id)
 

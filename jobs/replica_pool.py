@@ -27,10 +27,11 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 
 from cluster.config import Limits, RankResources, ServeConfig
 from cluster.cpu_threads import engine_env
+from cluster.openai_api import context_error
 from cluster.replica import EngineDiedError, EngineReplica, Failed, Rejected, ReplicaConfigError
 from jobs.input_reader import Row
 from jobs.job_config import JobConfig
-from jobs.openai_batch import context_error, openai_logprobs
+from jobs.openai_batch import openai_logprobs
 
 logger = logging.getLogger(__name__)
 OFFLINE_PRIORITY = 1

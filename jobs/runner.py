@@ -283,6 +283,7 @@ class JobRunner:
             self.rss_by_decile.append(round(rss, 1))
 
     def _write_manifest(self, status: str, error: str | None = None) -> dict:
+        self.rss_peak = max(self.rss_peak, _rss_mb())   # also a run that read no row (an empty input) has one
         c = self.writer.committed
         rows = self.prior.rows + c.rows
         prev_runs = [r for r in self.out.manifest.get("runs", []) if r.get("run_id") != self.run_id]

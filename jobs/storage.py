@@ -95,6 +95,7 @@ class Folder:
         self.remote = is_uri(location)
         self.fs, self.root = filesystem(location)
         self._lock_fd: int | None = None
+        self._made_lock = False      # `.lock` was not there before this driver's lock()
         self._lease: dict | None = None
         self._lease_at = 0.0
 
@@ -142,9 +143,26 @@ class Folder:
         except FileNotFoundError:
             pass
 
-    def mkdir(self) -> None:
+    def mkdir(self) -> bool:
+        """Create the local folder; True when it was not there (a refused job then leaves nothing behind)."""
+        if self.remote or os.path.isdir(self.root):
+            return False
+        try:
+            os.makedirs(self.root)
+        except (FileExistsError, NotADirectoryError):
+            if os.path.isdir(self.root):     # made meanwhile by another driver (the lock decides which runs)
+                return False
+            raise StorageError(f"{self.location}: the output must be a folder, and this path is an existing file "
+                               "(or lies inside one); choose another --output") from None
+        return True
+
+    def rmdir(self) -> None:
+        """Remove the local folder if it is empty (what `mkdir` created for a job that was refused)."""
         if not self.remote:
-            os.makedirs(self.root, exist_ok=True)
+            try:
+                os.rmdir(self.root)
+            except OSError:
+                pass
 
     # ---- parts ---------------------------------------------------------------------------------
     def committed_parts(self) -> list[str]:
@@ -181,6 +199,7 @@ class Folder:
     # ---- one writer ----------------------------------------------------------------------------
     def lock(self) -> None:
         if not self.remote:
+            self._made_lock = not os.path.exists(self.path(LOCK))
             self._lock_fd = os.open(self.path(LOCK), os.O_RDWR | os.O_CREAT, 0o644)
             try:
                 fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -237,8 +256,12 @@ class Folder:
         finally:
             os.close(fd)
 
-    def unlock(self) -> None:
+    def unlock(self, leave_nothing: bool = False) -> None:
+        """Release the lock; `leave_nothing`: also remove a `.lock` this driver created (the job was refused:
+        the folder stays as it was found)."""
         if self._lock_fd is not None:
+            if leave_nothing and self._made_lock:
+                Path(self.path(LOCK)).unlink(missing_ok=True)   # while still held: no other driver is on it
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = None
         if self._lease is not None:

@@ -99,6 +99,43 @@ def test_integer_ids_stay_integers_and_types_never_mix(tmp_path):
         open_input(str(tmp_path / "nulls.parquet"))
 
 
+def test_a_null_string_id_never_takes_another_rows_id(tmp_path):
+    """A null id cannot fall back to the derived `<file>:<row>`: that may be another row's real id, which
+    would then be skipped as its duplicate. Refused up front (the footer's null count), naming the rows."""
+    inp = write_parquet(tmp_path / "idcoll.parquet", id=[None, "idcoll.parquet:0"], prompt=["", ""])
+    with pytest.raises(InputError, match=r"idcoll.parquet: the string `id` column has 1 null value\(s\) in row "
+                                         r"group 0 \(row 0\); give every row an id"):
+        run_job(JobConfig(input=str(inp), model="no-model-needed", draft="none"))
+    assert not (tmp_path / "idcoll.out").exists()
+    # a file without statistics: found at run time; the null row is listed as unreadable, the others
+    # become error rows under their own ids (rerun with --retry-errors once fixed), none is lost
+    pq.write_table(pa.table({"id": ["a", None, "nostats.parquet:1"], "prompt": ["", "x", "y"]}),
+                   tmp_path / "nostats.parquet", write_statistics=False)
+    plan = open_input(str(tmp_path / "nostats.parquet"))
+    rows = list(iter_rows(plan))
+    assert [r.id for r in rows] == ["a", "nostats.parquet:1"] and all("null `id`" in r.error for r in rows)
+    assert plan.unreadable[0]["rows"] == 1
+    # an `id` column of nulls only (type null) is no ids at all: derived ones, as without the column
+    write_parquet(tmp_path / "noids.parquet", id=pa.array([None, None], pa.null()), prompt=["a", "b"])
+    assert [r.id for r in iter_rows(open_input(str(tmp_path / "noids.parquet")))] == ["noids.parquet:0", "noids.parquet:1"]
+
+
+@pytest.mark.parametrize("name, content", [("empty.parquet", None), ("empty.jsonl", "")])
+def test_an_empty_input_completes_with_a_sensible_summary(tmp_path, name, content):
+    from jobs.progress import summary
+
+    inp = tmp_path / name
+    if content is None:
+        pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), inp)
+    else:
+        inp.write_text(content)
+    m = run_job(JobConfig(input=str(inp), model="no-model-needed", draft="none"))
+    assert m["status"] == "completed" and m["rows"] == 0 and m["complete"]
+    assert m["runs"][-1]["driver_peak_rss_mb"] > 0                      # measured, though no row ran
+    assert "RSS 0 MB" not in summary(m) and "driver peak RSS" in summary(m)
+    assert "driver peak RSS" not in summary({**m, "runs": [{**m["runs"][-1], "driver_peak_rss_mb": None}]})
+
+
 # ---- 2. corrupt data pages ----------------------------------------------------------------------
 @pytest.mark.parametrize("compression", ["zstd", "snappy", "none"])
 def test_a_corrupt_prompt_page_becomes_error_rows_of_that_row_group(tmp_path, compression):

@@ -89,6 +89,23 @@ def test_serve_app_refuses_own_replica_options():
     JobConfig.from_options(input="x.parquet", serve_app="eagle", max_tokens=8, max_in_flight=4)   # job settings: fine
 
 
+def test_an_app_being_deleted_is_not_listed_as_running(monkeypatch):
+    """Serve lists an app it is deleting: the job fails on it, and says so, each app with its state."""
+    from jobs.app_pool import AppPool
+    from jobs.replica_pool import JobFailed
+
+    monkeypatch.setattr("cluster.app_client.running_apps", lambda: {"tiny": "DELETING", "eagle": "RUNNING"})
+    pool = AppPool(JobConfig(input="x.parquet", serve_app="tiny"), client=None, engine={}, run_id="r")
+    with pytest.raises(JobFailed) as e:
+        pool._check_app()
+    assert "'tiny' is gone (being deleted; apps on the cluster: eagle (RUNNING), tiny (DELETING))" in str(e.value)
+    monkeypatch.setattr("cluster.app_client.running_apps", lambda: {})
+    pool = AppPool(JobConfig(input="x.parquet", serve_app="tiny"), client=None, engine={}, run_id="r")
+    pool._check_app()                                  # missing once may be a controller hiccup
+    with pytest.raises(JobFailed, match=r"'tiny' is gone \(apps on the cluster: none\)"):
+        pool._check_app()
+
+
 def test_bare_serve_app_means_the_app_eaglectl_serve_deploys():
     from click.testing import CliRunner
 

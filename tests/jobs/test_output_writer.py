@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pyarrow.parquet as pq
 import pytest
@@ -83,6 +84,45 @@ def test_folder_safety(tmp_path):
     (tmp_path / "x" / "notes.txt").write_text("mine")
     with pytest.raises(OutputError, match="did not write"):
         OutputDir(tmp_path / "x", "parquet").open(FP)
+
+
+def test_a_refused_output_is_left_as_it_was_found(tmp_path):
+    """A folder of someone else's files is refused without a `.lock` left in it (nothing of this tool's
+    there); a job's own output folder refused for other settings keeps its `.lock`."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "notes.txt").write_text("mine")
+    with pytest.raises(OutputError, match="did not write"):
+        OutputDir(victim, "parquet").open(FP)
+    assert sorted(os.listdir(victim)) == ["notes.txt"]
+    out = OutputDir(tmp_path / "o", "parquet")
+    out.open(FP)
+    out.write_manifest({"fingerprint": FP})
+    w = PartWriter(out, BASE_SCHEMA, "run1")
+    w.add(rec(0))
+    w.commit()
+    out.close()
+    with pytest.raises(OutputError, match="different settings"):
+        OutputDir(tmp_path / "o", "parquet").open({**FP, "max_tokens": 8})
+    assert ".lock" in os.listdir(tmp_path / "o")
+
+
+def test_an_existing_file_or_the_input_as_output_is_refused_by_name(tmp_path):
+    from jobs.job_config import JobConfig
+    from jobs.runner import run_job
+
+    from .conftest import write_parquet
+
+    inp = write_parquet(tmp_path / "victim" / "good.parquet", prompt=[""])
+    with pytest.raises(OutputError, match=f"^{re.escape(str(inp))}: --output is the input file itself"):
+        run_job(JobConfig(input=str(inp), output=str(inp), model="no-model-needed", draft="none"))
+    other = tmp_path / "victim" / "notes.txt"
+    other.write_text("mine")
+    for out in (other, other / "sub"):
+        with pytest.raises(OutputError, match=f"^{re.escape(str(out))}: the output must be a folder, and this path is "
+                                              "an existing file"):
+            run_job(JobConfig(input=str(inp), output=str(out), model="no-model-needed", draft="none"))
+    assert sorted(os.listdir(tmp_path / "victim")) == ["good.parquet", "notes.txt"] and other.read_text() == "mine"
 
 
 def test_openai_lines_and_jsonl_parts(tmp_path):

@@ -106,3 +106,31 @@ def test_explicit_address_is_not_overridden_by_ray_address(monkeypatch):
         ray_jobs.client(f"http://127.0.0.1:{port}")
     assert f"Failed to connect to Ray at address: http://127.0.0.1:{port}" in str(e.value)   # not the GCS at :1
     assert os.environ["RAY_ADDRESS"] == "127.0.0.1:1"
+
+
+@pytest.mark.parametrize("status, driver_code, log, code", [
+    ("SUCCEEDED", 0, "job completed: 10/10 rows", 0),
+    ("SUCCEEDED", 0, "eagle-job: completed with error rows (exit code 3; ...)", 3),
+    ("FAILED", 2, "error: no Serve app 'tiny' runs on this Ray cluster", 2),   # bad input or settings
+    ("FAILED", 1, "error: job failed: ...", 1),
+    ("FAILED", None, "", 1),                          # the driver never ran (Ray could not start it)
+    ("FAILED", -9, "", 1),                            # killed: no code of the table
+    ("STOPPED", None, "", 130),                       # `eaglectl job cancel`
+    ("STOPPED", 130, "", 130),
+])
+def test_submit_wait_exits_with_the_drivers_code(monkeypatch, tmp_path, status, driver_code, log, code):
+    """`submit-job --address ... --wait` follows the exit-code table of a job run here: the Ray job's
+    status and the driver's exit code decide it, not SUCCEEDED-or-1."""
+    from click.testing import CliRunner
+
+    from eaglectl.jobs import submit_job
+
+    monkeypatch.setattr(ray_jobs, "submit", lambda address, cfg, job_id: "eagle-x-1")
+    monkeypatch.setattr(ray_jobs, "jobs_address", lambda address: address)
+    monkeypatch.setattr(ray_jobs, "tail_logs", lambda address, jid, echo: echo(log + "\n"))
+    monkeypatch.setattr(ray_jobs, "wait", lambda address, jid, poll_s: {
+        "job_id": jid, "status": status, "message": "", "driver_exit_code": driver_code})
+    monkeypatch.setattr(ray_jobs, "logs", lambda address, jid: log)
+    res = CliRunner().invoke(submit_job, [str(tmp_path / "in.parquet"), "--address", "http://127.0.0.1:9"])
+    assert res.exit_code == code, res.output
+    assert f"job eagle-x-1: {status}" in res.output
