@@ -52,7 +52,7 @@ from typing import Any, Literal, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from eagle_worker.engine_api import draft_rules
+from eagle_worker.engine_api import SPEC_LIMITS, draft_rules
 
 
 class ConfigError(ValueError):
@@ -64,23 +64,29 @@ class PlacementStrategy(str, Enum):
     STRICT_PACK = "STRICT_PACK"  # all ranks of a replica on one node or not scheduled at all
 
 
+MAX_COUNT = 2**31 - 1     # Kubernetes' int32: a count or size past it is a typo (and fails the CRDs)
+
+
 class StrictModel(BaseModel):
-    # Unknown keys are almost always typos in hand-written YAML: reject them; so are inf/NaN, and a
-    # YAML boolean (`yes`, `true`) where a number belongs, which pydantic would read as 1.
+    # Unknown keys are almost always typos in hand-written YAML: reject them; so are inf/NaN, a YAML
+    # boolean (`yes`, `true`) where a number belongs, which pydantic would read as 1, and counts past int32.
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     @field_validator("*", mode="before")
     @classmethod
-    def _no_bool_numbers(cls, value: Any, info: ValidationInfo) -> Any:
-        if isinstance(value, bool) and _numeric(cls.model_fields[info.field_name].annotation):
+    def _plain_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        kinds = _numeric(cls.model_fields[info.field_name].annotation)
+        if isinstance(value, bool) and kinds:
             raise ValueError(f"expected a number, got {str(value).lower()}")
+        if isinstance(value, int) and kinds == {int} and value > MAX_COUNT:
+            raise ValueError(f"must be at most {MAX_COUNT}, got {value}")
         return value
 
 
-def _numeric(annotation: Any) -> bool:
-    """An int or float field (optional or not), where a YAML boolean is a mistake."""
+def _numeric(annotation: Any) -> set:
+    """The number types of an int or float field (optional or not), where a YAML boolean is a mistake."""
     args = get_args(annotation) or (annotation,)
-    return any(a in (int, float) for a in args) and bool not in args
+    return set() if bool in args else {a for a in args if a in (int, float)}
 
 
 class AutoscalingConfig(StrictModel):
@@ -188,9 +194,9 @@ class SpeculationConfig(StrictModel):
     """EAGLE settings beyond `draft` (the engine's SpecConfig); omit for the engine's defaults."""
 
     tree: Literal["dynamic", "static", "chain"] = "dynamic"
-    depth: int = Field(5, ge=1, description="draft levels")
-    top_k: int = Field(8, ge=1, description="dynamic tree: nodes expanded per level")
-    num_draft_tokens: int = Field(16, ge=1, description="tree nodes verified per step")
+    depth: int = Field(5, ge=1, le=SPEC_LIMITS["depth"], description="draft levels")
+    top_k: int = Field(8, ge=1, le=SPEC_LIMITS["top_k"], description="dynamic tree: nodes expanded per level")
+    num_draft_tokens: int = Field(16, ge=1, le=SPEC_LIMITS["num_draft_tokens"], description="tree nodes verified per step")
     adaptive: bool = Field(True, description="size the tree per step from batch size and measured speed")
     lookup: bool = Field(True, description="also propose prompt-lookup continuations (false: the head alone)")
     head_dtype: Literal["target", "auto", "float32", "bfloat16", "float16"] = Field(

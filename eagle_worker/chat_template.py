@@ -17,6 +17,7 @@ GEMMA_TEMPLATE = (
     "{{ m['content'] | trim }}<end_of_turn>\n"
     "{% endif %}"
     "{% endfor %}"
+    "{% if ns.system %}<start_of_turn>user\n{{ ns.system | trim }}<end_of_turn>\n{% endif %}"   # no user turn took it
     "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
 )
 
@@ -31,11 +32,48 @@ def resolve_chat_template(tokenizer, hf_config, override: str | None) -> str | N
     return FAMILY_TEMPLATES.get(getattr(hf_config, "model_type", ""))
 
 
+def check_template(template: str | None) -> None:
+    """ValueError at start for a template that cannot compile, instead of at the first chat request."""
+    if template is None:
+        return
+    import jinja2
+
+    try:
+        jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"chat_template is not a valid Jinja template: line {e.lineno}: {e.message}") from None
+
+
+def normalize_messages(messages) -> list[dict]:
+    """Messages as the templates expect them: a string role and string content, OpenAI's text parts
+    joined (`[{"type": "text", "text": ...}]`), null content as ""; ValueError naming the message."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not m["role"].strip():
+            raise ValueError(f"messages[{i}] must be an object with a string `role` and `content`")
+        content = m.get("content")
+        if isinstance(content, list):
+            if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
+                raise ValueError(f"messages[{i}].content: only text parts are supported")
+            content = "".join(str(p.get("text", "")) for p in content)
+        elif content is None:
+            content = ""
+        elif not isinstance(content, str):
+            raise ValueError(f"messages[{i}].content must be a string or a list of text parts")
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
 def render_chat(tokenizer, template: str | None, messages: list[dict], model_name: str) -> str:
     if template is None:
         raise ValueError(f"model {model_name!r} has no chat template; set `chat_template` in the config "
                          "or send a plain completion prompt")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            raise ValueError(f"messages[{i}] must be an object with 'role' and 'content'")
-    return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=True)
+    import jinja2
+
+    try:
+        return tokenizer.apply_chat_template(normalize_messages(messages), chat_template=template, tokenize=False,
+                                             add_generation_prompt=True)
+    except jinja2.TemplateError as e:     # the template itself refuses these messages (raise_exception, ...)
+        raise ValueError(f"the chat template cannot render these messages: {e}") from None

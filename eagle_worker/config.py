@@ -1,6 +1,7 @@
 """Engine configuration: which model, which device, how much KV memory, how big a step may be."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,7 @@ class EngineConfig:
                                        # may make a step at most this much slower (background_cap.py); None: no cap
 
     def __post_init__(self) -> None:
+        self._check_types()
         if self.dtype not in DTYPES:
             raise ValueError(f"EngineConfig.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         check_device(self.device)
@@ -51,7 +53,32 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.offline_slowdown must be between 0 and 1000 or None, got {self.offline_slowdown!r}")
         if self.block_size <= 0 or self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
             raise ValueError("EngineConfig.block_size, max_num_seqs and max_num_batched_tokens must be positive")
+        if not (math.isfinite(self.kv_cache_gb) and self.kv_cache_gb > 0):
+            raise ValueError(f"EngineConfig.kv_cache_gb must be a positive number, got {self.kv_cache_gb!r}")
+        for name in ("num_kv_blocks", "max_model_len"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"EngineConfig.{name} must be a positive integer or None, got {getattr(self, name)!r}")
+
+    def _check_types(self) -> None:
+        """Wrong types fail here naming the field, not deep in the model runner (`max_model_len=2.5`,
+        `enable_prefix_caching="no"`, which Python would read as true)."""
+        ints = ("tp_size", "block_size", "max_num_seqs", "max_num_batched_tokens", "seed")
+        optional_ints = ("num_kv_blocks", "max_model_len")
+        bad = [n for n in ints if not _int(getattr(self, n))]
+        bad += [n for n in optional_ints if getattr(self, n) is not None and not _int(getattr(self, n))]
+        bad += [n for n in ("kv_cache_gb",)
+                if isinstance(self.kv_cache_gb, bool) or not isinstance(self.kv_cache_gb, (int, float))]
+        bad += [n for n in ("enable_prefix_caching",) if not isinstance(self.enable_prefix_caching, bool)]
+        bad += [n for n in ("model", "dtype", "device") if not isinstance(getattr(self, n), str) or not getattr(self, n)]
+        bad += [n for n in ("draft", "chat_template") if getattr(self, n) is not None and not isinstance(getattr(self, n), str)]
+        if bad:
+            raise ValueError("EngineConfig: wrong type or empty: " + ", ".join(f"{n}={getattr(self, n)!r}" for n in bad))
+
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+
+def _int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)

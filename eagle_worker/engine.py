@@ -13,7 +13,7 @@ import random
 import time
 
 from eagle_worker.block_manager import BlockManager
-from eagle_worker.chat_template import render_chat, resolve_chat_template
+from eagle_worker.chat_template import check_template, render_chat, resolve_chat_template
 from eagle_worker.config import EngineConfig
 from eagle_worker.decode_worker import DecodeWorker
 from eagle_worker.detokenizer import detokenize_incrementally, finalize_text
@@ -44,6 +44,7 @@ class LLMEngine:
         if hasattr(self.worker, "queue_depth"):        # the hybrid prices a finished slot by who waits for it
             self.worker.queue_depth = self.scheduler.num_waiting   # no closure over the engine: no cycle
         self.chat_template = resolve_chat_template(self.tokenizer, self.runner.hf_config, config.chat_template)
+        check_template(self.chat_template)
         self.requests: dict[str, Sequence] = {}
         self._aborted: list[RequestOutput] = []
         self._seed_source = random.Random(config.seed)    # the seed of each request that brings none
@@ -136,8 +137,13 @@ class LLMEngine:
             tokens = new_tokens.get(seq.request_id)
             if not tokens:
                 continue                          # a prefill chunk that did not reach the end
-            self._append(seq, tokens)
-            outputs.append(self._output(seq))
+            try:
+                self._append(seq, tokens)
+                outputs.append(self._output(seq))
+            except Exception as e:                # its own output (detokenizing, stop checks) fails it alone
+                logger.exception("request %s failed after its step", seq.request_id)
+                self._finish(seq, "error", flush=False)
+                outputs.append(self._output(seq, error=f"the request's output failed: {type(e).__name__}: {e}"))
             if seq.is_finished:
                 finished.append(seq)
                 del self.requests[seq.request_id]

@@ -1,6 +1,7 @@
 """The offline Python API, in vLLM's shape: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 from eagle_worker.config import EngineConfig
@@ -29,41 +30,49 @@ class LLM:
         """Run all prompts to completion with continuous batching; outputs in prompt order."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompts must be a string, a list of strings or a list of token-id lists, "
+                             f"got {type(prompts).__name__}")
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         ids = [f"llm-{next(self._ids)}" for _ in prompts]
-        try:
-            for rid, prompt, p in zip(ids, prompts, params):
-                self.engine.add_request(rid, prompt, p)
-        except ValueError:
-            for rid in ids:
-                self.engine.abort(rid)
-            self.engine.step()   # drain the abort notices
-            raise
         finished: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
             from tqdm import tqdm
             bar = tqdm(total=len(ids), desc="generate")
-        prompt_logprobs = {}       # the engine sends them with a request's first output only
-        while len(finished) < len(ids):
-            for out in self.engine.step():
-                if out.prompt_logprobs is not None:
-                    prompt_logprobs[out.request_id] = out.prompt_logprobs
-                if out.finished and out.request_id in ids:
-                    out.prompt_logprobs = prompt_logprobs.pop(out.request_id, None)
-                    finished[out.request_id] = out
-                    if bar:
-                        bar.update(1)
-        if bar:
-            bar.close()
+        try:
+            for rid, prompt, p in zip(ids, prompts, params):
+                self.engine.add_request(rid, prompt, p)
+            prompt_logprobs = {}       # the engine sends them with a request's first output only
+            while len(finished) < len(ids):
+                for out in self.engine.step():
+                    if out.prompt_logprobs is not None:
+                        prompt_logprobs[out.request_id] = out.prompt_logprobs
+                    if out.finished and out.request_id in ids:
+                        out.prompt_logprobs = prompt_logprobs.pop(out.request_id, None)
+                        finished[out.request_id] = out
+                        if bar:
+                            bar.update(1)
+        except BaseException:    # a refused prompt, an error, Ctrl-C: none of this call's requests stays queued
+            for rid in ids:
+                if rid not in finished:
+                    self.engine.abort(rid)
+            with contextlib.suppress(Exception):
+                self.engine.step()           # drain the abort notices (no request of ours is left to run)
+            raise
+        finally:
+            if bar:
+                bar.close()
         return [finished[rid] for rid in ids]
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = False) -> list[RequestOutput]:
         """One conversation or a list of them, rendered with the model's chat template."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list of messages (or of conversations)")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
         prompts = [self.engine.apply_chat_template(c) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)

@@ -67,7 +67,11 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
-    memory = mmap.mmap(-1, nbytes)
+    try:
+        memory = mmap.mmap(-1, nbytes)
+    except OSError as e:      # more than the machine can map (an oversized kv_cache_gb): say how much
+        raise ValueError(f"cannot allocate {nbytes / 2**30:.1f} GiB for the KV cache ({e.strerror}); "
+                         "lower kv_cache_gb") from None
     if hasattr(mmap, "MADV_HUGEPAGE"):
         memory.madvise(mmap.MADV_HUGEPAGE)
     return torch.frombuffer(memory, dtype=torch.uint8).view(dtype).view(shape)   # keeps `memory` alive

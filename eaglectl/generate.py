@@ -40,7 +40,9 @@ def generate(model, prompt, max_tokens, temperature, top_p, top_k, seed, dtype, 
     except ValueError as e:
         fail(str(e))
     if as_json:
-        click.echo(json.dumps({"text": out.text, "token_ids": out.token_ids,
-                               "finish_reason": out.finish_reason, "metrics": out.metrics}))
+        click.echo(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
+                               "error": out.error, "metrics": out.metrics}))
     else:
         click.echo(out.text)
+    if out.finish_reason == "error":      # the engine failed the request: not a completion, whatever printed
+        fail(out.error or "the engine failed the request", code=1)

@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from eagle_worker.engine_api import normalize_messages as engine_messages
 from jobs.id_set import IdSet
 from jobs.input_files import InputError, file_identity, kind_of, label_of, resolve_files
 from jobs.output_writer import BASE_SCHEMA
@@ -325,21 +326,8 @@ def _parquet_row(rec: dict, derived_id: str | None, plan: InputPlan) -> Row:
 
 
 def normalize_messages(msgs) -> tuple[list[dict] | None, str | None]:
-    """Messages with plain string content (OpenAI text parts are joined), or an error."""
-    if not isinstance(msgs, list) or not msgs:
-        return None, "messages must be a non-empty list"
-    out = []
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            return None, f"messages[{i}] must be an object with a string `role` and `content`"
-        content = m.get("content")
-        if isinstance(content, list):
-            if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
-                return None, f"messages[{i}].content: only text parts are supported"
-            content = "".join(str(p.get("text", "")) for p in content)
-        elif content is None:
-            content = ""
-        elif not isinstance(content, str):
-            return None, f"messages[{i}].content must be a string or a list of text parts"
-        out.append({"role": m["role"], "content": content})
-    return out, None
+    """Messages with plain string content (the engine's rule: OpenAI text parts joined), or an error."""
+    try:
+        return engine_messages(msgs), None
+    except ValueError as e:
+        return None, str(e)

@@ -5,6 +5,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 TREES = ("dynamic", "static", "chain")
+# Largest tree sizes accepted (EAGLE-2's published tree is 60 nodes, depth 6, top-k 10): beyond these a
+# step's tree only costs, and a mistyped 10**9 would hang the step or fill memory instead of failing.
+SPEC_LIMITS = {"depth": 32, "top_k": 64, "num_draft_tokens": 256, "lookup_max_tokens": 64, "lookup_max_branches": 16}
 HEAD_DTYPES = ("target", "auto", "float32", "bfloat16", "float16")
 
 
@@ -32,17 +35,19 @@ class SpecConfig:
         if self.draft is None and not self.lookup:
             raise ValueError("SpecConfig needs a draft head (draft=...) or lookup=True")
         self.lookup_ngram = tuple(self.lookup_ngram)
-        if len(self.lookup_ngram) != 2 or not 1 <= self.lookup_ngram[0] <= self.lookup_ngram[1]:
-            raise ValueError(f"SpecConfig.lookup_ngram must be (min, max) with 1 <= min <= max, got {self.lookup_ngram!r}")
+        if len(self.lookup_ngram) != 2 or not all(isinstance(n, int) for n in self.lookup_ngram) \
+                or not 1 <= self.lookup_ngram[0] <= self.lookup_ngram[1] <= 64:
+            raise ValueError(f"SpecConfig.lookup_ngram must be (min, max) with 1 <= min <= max <= 64, got {self.lookup_ngram!r}")
         if self.head_dtype not in HEAD_DTYPES:
             raise ValueError(f"SpecConfig.head_dtype must be one of {HEAD_DTYPES}, got {self.head_dtype!r}")
         if self.method not in (None, "eagle", "eagle3"):
             raise ValueError(f"SpecConfig.method must be 'eagle' or 'eagle3', got {self.method!r}")
         if self.tree not in TREES:
             raise ValueError(f"SpecConfig.tree must be one of {TREES}, got {self.tree!r}")
-        for name in ("depth", "top_k", "num_draft_tokens", "lookup_max_tokens", "lookup_max_branches"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"SpecConfig.{name} must be >= 1, got {getattr(self, name)!r}")
+        for name, most in SPEC_LIMITS.items():
+            value = getattr(self, name)
+            if not (isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= most):
+                raise ValueError(f"SpecConfig.{name} must be an integer from 1 to {most}, got {value!r}")
 
 
 HEADS_DIR = Path(__file__).resolve().parent.parent / "heads"

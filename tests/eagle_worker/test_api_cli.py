@@ -29,6 +29,47 @@ def test_chat_with_configured_template_renders_and_generates(tiny_model_dir):
         llm.chat([{"content": "no role"}])
 
 
+def test_chat_takes_openai_text_parts_and_refuses_what_it_cannot_render(tiny_model_dir):
+    """`LLM.chat` reads messages as the HTTP endpoint does: text parts joined, null content empty; a
+    bad role or a non-text part is a ValueError naming the message, and a template that cannot compile
+    is refused when the engine starts."""
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+    llm = LLM(model=str(tiny_model_dir("llama")), block_size=4, num_kv_blocks=64, chat_template=template)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "two plus "}, {"type": "text", "text": "two?"}]},
+             {"role": "assistant", "content": None}]
+    assert llm.engine.apply_chat_template(parts) == "user: two plus two?\nassistant: \nassistant:"
+    for bad, needle in (([{"role": None, "content": "x"}], r"messages\[0\]"),
+                        ([{"role": "user", "content": [{"type": "image_url"}]}], "only text parts"),
+                        ([{"role": "user", "content": 5}], r"messages\[0\].content"), ([], "non-empty")):
+        with pytest.raises(ValueError, match=needle):
+            llm.chat(bad)
+    with pytest.raises(ValueError, match="chat_template is not a valid Jinja template"):
+        LLM(model=str(tiny_model_dir("llama")), block_size=4, num_kv_blocks=64, chat_template="{{")
+
+
+def test_cli_generate_exits_1_when_the_engine_fails_the_request(tiny_model_dir, monkeypatch):
+    import eagle_worker.engine as engine_module
+
+    def broken(tokenizer, seq):
+        raise RuntimeError("injected output failure")
+
+    monkeypatch.setattr(engine_module, "detokenize_incrementally", broken)
+    res = CliRunner().invoke(main, ["generate", "--model", str(tiny_model_dir("llama")), "--prompt", "hi", "--json"])
+    assert res.exit_code == 1 and "injected output failure" in res.output, res.output
+
+
+def test_speculation_sizes_past_their_limits_are_refused_not_run():
+    from eagle_worker.speculative.config import SPEC_LIMITS, SpecConfig
+
+    for name, most in SPEC_LIMITS.items():
+        SpecConfig(lookup=True, **{name: most})
+        for bad in (most + 1, 0, True, 2.0):
+            with pytest.raises(ValueError, match=f"SpecConfig.{name} must be an integer from 1 to {most}"):
+                SpecConfig(lookup=True, **{name: bad})
+    res = CliRunner().invoke(main, ["generate", "--model", "x", "--prompt", "hi", "--num-draft-tokens", "1000000000"])
+    assert res.exit_code == 2 and "num_draft_tokens" in res.output, res.output
+
+
 def test_gemma_fallback_template_matches_gemma_format():
     from jinja2 import Template
     text = Template(GEMMA_TEMPLATE).render(bos_token="<bos>", add_generation_prompt=True, messages=[
@@ -36,6 +77,9 @@ def test_gemma_fallback_template_matches_gemma_format():
         {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Bye"}])
     assert text == ("<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello<end_of_turn>\n"
                     "<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n")
+    alone = Template(GEMMA_TEMPLATE).render(bos_token="<bos>", add_generation_prompt=True,
+                                            messages=[{"role": "system", "content": "Be brief."}])
+    assert alone == "<bos><start_of_turn>user\nBe brief.<end_of_turn>\n<start_of_turn>model\n"   # never dropped
 
 
 def test_cli_generate_text_and_json(tiny_model_dir):
@@ -44,7 +88,7 @@ def test_cli_generate_text_and_json(tiny_model_dir):
     res = runner.invoke(main, ["generate", "--model", path, "--prompt", "The quick", "--max-tokens", "6", "--json"])
     assert res.exit_code == 0, res.output
     out = json.loads(res.output.strip().splitlines()[-1])
-    assert set(out) == {"text", "token_ids", "finish_reason", "metrics"}
+    assert set(out) == {"text", "token_ids", "finish_reason", "error", "metrics"} and out["error"] is None
     llm = LLM(model=path)
     expected = llm.generate("The quick", SamplingParams(max_tokens=6, temperature=0.0))[0]
     assert out["token_ids"] == expected.token_ids and out["text"] == expected.text

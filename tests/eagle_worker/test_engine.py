@@ -2,6 +2,8 @@
 prefill, preemption, seeds, stop rules, abort, bad input, and no leaked KV blocks."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -149,6 +151,11 @@ def test_incremental_outputs_and_abort(tiny_model_dir):
     (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(repetition_penalty=3.0), "repetition_penalty"),
     (dict(logit_bias={5: 101}), "logit_bias"), (dict(logit_bias={"x": 1}), "logit_bias"),
     (dict(logit_bias={-1: 1}), "logit_bias"), (dict(logit_bias=[1, 2]), "logit_bias"),
+    (dict(logit_bias={True: 1}), "logit_bias"), (dict(logit_bias={"\u0665": 1}), "logit_bias"),
+    (dict(max_tokens=True), "max_tokens"), (dict(top_k=True), "top_k"),
+    (dict(stop=[1]), "stop"), (dict(stop=b"x"), "stop"), (dict(stop=[None, "a"]), "stop"),
+    (dict(stop_token_ids=["a"]), "stop_token_ids"), (dict(stop_token_ids=[-1]), "stop_token_ids"),
+    (dict(stop_token_ids="ab"), "stop_token_ids"),
 ])
 def test_bad_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -238,3 +245,67 @@ def test_a_step_that_raises_fails_its_requests_and_the_engine_goes_on(tiny_model
     assert engine.stats()["failed_steps"] == 1
     assert llm.generate(PROMPTS[2], params)[0].token_ids == expected
     assert_no_leaks(engine)
+
+
+def test_a_request_whose_output_fails_fails_alone_and_the_llm_stays_usable(tiny_model_dir, monkeypatch):
+    """An error after the step (detokenizing, stop checks) ends that request with "error" and the
+    cause; the request beside it in the batch finishes, nothing stays queued, and the next call runs."""
+    import eagle_worker.engine as engine_module
+
+    llm = LLM(model=str(tiny_model_dir("llama")), block_size=4, num_kv_blocks=64)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    expected = llm.generate(PROMPTS[1], params)[0].token_ids
+    real = engine_module.detokenize_incrementally
+
+    def broken_for_the_first(tokenizer, seq):
+        if seq.prompt_token_ids == llm.engine.tokenize(PROMPTS[0]):
+            raise RuntimeError("injected output failure")
+        return real(tokenizer, seq)
+
+    monkeypatch.setattr(engine_module, "detokenize_incrementally", broken_for_the_first)
+    bad, good = llm.generate([PROMPTS[0], PROMPTS[1]], params)
+    assert bad.finish_reason == "error" and "injected output failure" in bad.error
+    assert good.finish_reason == "length" and good.token_ids == expected
+    assert not llm.engine.requests and llm.generate(PROMPTS[1], params)[0].token_ids == expected
+    assert_no_leaks(llm.engine)
+
+
+def test_an_interrupted_generate_leaves_nothing_queued(tiny_model_dir):
+    """Ctrl-C (or any error) in the middle of `generate` aborts that call's requests: the engine holds
+    no request and no KV block afterwards, and the next call runs normally."""
+    llm = LLM(model=str(tiny_model_dir("llama")), block_size=4, num_kv_blocks=64)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    expected = llm.generate(PROMPTS[0], params)[0].token_ids
+    step, calls = llm.engine.step, []
+
+    def interrupted_step():
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return step()
+
+    llm.engine.step = interrupted_step
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS, params)
+    llm.engine.step = step
+    assert not llm.engine.requests and not llm.engine.has_unfinished_requests()
+    assert llm.generate(PROMPTS[0], params)[0].token_ids == expected
+    assert_no_leaks(llm.engine)
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(kv_cache_gb=float("nan")), "kv_cache_gb must be a positive number"),
+    (dict(kv_cache_gb=float("inf")), "kv_cache_gb must be a positive number"),
+    (dict(kv_cache_gb="1"), "kv_cache_gb='1'"), (dict(max_model_len=0), "max_model_len must be a positive"),
+    (dict(max_model_len=2.5), "max_model_len=2.5"), (dict(num_kv_blocks=-3), "num_kv_blocks must be a positive"),
+    (dict(enable_prefix_caching="no"), "enable_prefix_caching='no'"), (dict(max_num_seqs=None), "max_num_seqs=None"),
+    (dict(draft=5), "draft=5"), (dict(model=""), "model=''"),
+])
+def test_engine_settings_of_the_wrong_type_or_range_name_the_field(kwargs, needle):
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        EngineConfig(**kwargs)
+
+
+def test_a_kv_cache_larger_than_the_machine_is_a_clear_error(tiny_model_dir):
+    with pytest.raises(ValueError, match="cannot allocate .* GiB for the KV cache .* lower kv_cache_gb"):
+        LLM(model=str(tiny_model_dir("llama")), kv_cache_gb=1e6)
