@@ -37,8 +37,8 @@ def run(model: str = "gemma-3-270m", dtypes: list[str] = ("float32", "bfloat16")
         rounds: int = 1) -> list[dict]:
     """`threads` pins torch's intra-op threads for both engines (1 keeps a shared machine's
     other processes from stalling every parallel op; the JSON records what was used)."""
-    if rounds < 1:
-        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    if rounds < 1 or max_tokens < 1 or not batch_sizes or min(batch_sizes) < 1:
+        raise ValueError(f"rounds, max_tokens and batch sizes must be >= 1, got {rounds}, {max_tokens}, {batch_sizes}")
     if threads:
         torch.set_num_threads(threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -47,8 +47,8 @@ def run(model: str = "gemma-3-270m", dtypes: list[str] = ("float32", "bfloat16")
     from eagle_worker.model_runner import resolve_model
 
     path = resolve_model(model)
-    n_prompts = max(batch_sizes)
-    prompts = [render(r) for r in load_questions(per_category=1)][:n_prompts]
+    pool = [render(r) for r in load_questions(per_category=1)]
+    prompts = [pool[i % len(pool)] for i in range(max(2, *batch_sizes))]    # cycled: batch N is N prompts
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     rows = []
     for dtype in dtypes:

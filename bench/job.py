@@ -24,6 +24,12 @@ import pyarrow.parquet as pq
 from bench.prompts import load_questions, render
 
 
+def available_rows() -> int:
+    """The most rows `write_input` writes: one a Spec-Bench question (no prompt twice, which prefix
+    caching would turn into free rows)."""
+    return len(load_questions())
+
+
 def write_input(path: Path, rows: int) -> list[str]:
     """The benchmark input: `rows` prompts taken round-robin over the categories (as even as the
     categories' sizes allow: the 8 MT-Bench ones have 10 questions each)."""
@@ -31,6 +37,8 @@ def write_input(path: Path, rows: int) -> list[str]:
     for q in load_questions():
         by_cat.setdefault(q.get("category", "default"), []).append(q)
     mixed = [q for group in itertools.zip_longest(*by_cat.values()) for q in group if q is not None]
+    if not 1 <= rows <= len(mixed):        # a slice would quietly write another count (mixed[:-1]: all but one)
+        raise ValueError(f"rows must be from 1 to {len(mixed)} (the Spec-Bench questions), got {rows}")
     picked = mixed[:rows]
     ids = [f"q{q['question_id']}" for q in picked]
     pq.write_table(pa.table({"id": ids, "prompt": [render(q) for q in picked],
@@ -60,9 +68,16 @@ def _variant(name: str, draft: str, inp: Path, out: Path, model: str, max_tokens
 
 def run(model: str = "gemma-3-270m", rows: int = 200, max_tokens: int = 64, json_out: str | None = "bench/results/job.json",
         draft: str = "auto", replicas: int = 1, max_num_seqs: int = 64) -> list[dict]:
-    from jobs.job_config import JobConfig, builtin_head_error
+    from eagle_worker.speculative.config import resolve_draft
+    from jobs.job_config import JobConfig, JobConfigError, builtin_head_error
 
-    head = JobConfig(input="x", model=model, draft=draft).resolved_draft() if draft != "none" else None
+    try:            # every setting checked before anything loads: both runs' configs are this one's
+        cfg = JobConfig.from_options(input="x", model=model, draft=draft, max_tokens=max_tokens, replicas=replicas,
+                                     max_num_seqs=max_num_seqs)
+        head = cfg.resolved_draft() if draft != "none" else None
+        resolve_draft(head, model)       # the engine's check: a head folder, or a model that ships one
+    except ValueError as e:
+        raise JobConfigError(str(e)) from None
     note = None
     if head is None and draft != "none":
         note = ("no EAGLE head for this model (" + (builtin_head_error("eagle_worker", model) or "")

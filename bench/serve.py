@@ -255,8 +255,21 @@ def _stop_local(name: str) -> None:
         pass
 
 
+class EndpointError(RuntimeError):
+    """The endpoint cannot be benchmarked: unreachable, or not an OpenAI-compatible server."""
+
+
 def _served_model(url: str) -> str:
-    return requests.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+    """The model `url` serves: the first check of an endpoint, so a wrong URL is one line, not a traceback."""
+    try:
+        r = requests.get(f"{url}/v1/models", timeout=30)
+        r.raise_for_status()
+    except requests.RequestException as e:
+        raise EndpointError(f"no answer from {url}/v1/models ({type(e).__name__}: {e})") from None
+    try:
+        return r.json()["data"][0]["id"]
+    except (ValueError, LookupError, TypeError):
+        raise EndpointError(f"{url}/v1/models lists no model: not an OpenAI-compatible endpoint") from None
 
 
 def _fmt(v, digits=1) -> str:

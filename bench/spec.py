@@ -24,6 +24,7 @@ import transformers
 from bench.prompts import PROMPT_FORMAT, SPEC_BENCH, load_questions, render
 
 OURS = ("vanilla", "lookup", "chain", "static", "dynamic", "hybrid")
+METHODS = ("vanilla", "hf", "hf_lookup", "lookup", "chain", "static", "dynamic", "hybrid")   # every one, in order
 
 
 def _spec_config(method: str, draft: str, tree: dict | None = None):
@@ -45,12 +46,14 @@ def _spec_config(method: str, draft: str, tree: dict | None = None):
 
 
 def _random_head(llm, out: Path, draft_vocab: int = 8192) -> str:
-    """A random EAGLE-3 head (accepts ~nothing): measures the cost side while no trained head exists."""
+    """A random EAGLE-3 head (accepts ~nothing): measures the cost side while no trained head exists.
+    Its draft vocabulary is the target's first `draft_vocab` ids, or all of them in a smaller vocabulary."""
     from eagle_worker.speculative.head_init import new_head
     from eagle_worker.speculative.head_loader import save_draft_head
 
     runner = llm.engine.runner
-    save_draft_head(new_head("eagle3", runner.model, runner.hf_config, torch.arange(draft_vocab)), out)
+    ids = torch.arange(min(draft_vocab, runner.model.vocab_size))
+    save_draft_head(new_head("eagle3", runner.model, runner.hf_config, ids), out)
     return str(out)
 
 
@@ -100,7 +103,7 @@ class MethodsError(ValueError):
 
 def run(model: str = "gemma-3-270m", prompts_file: str | Path = SPEC_BENCH, per_category: int = 2,
         max_tokens: int = 128, dtype: str = "bfloat16", draft: str = "default",
-        methods: tuple[str, ...] = ("vanilla", "hf", "hf_lookup", "lookup", "chain", "static", "dynamic", "hybrid"),
+        methods: tuple[str, ...] = METHODS,
         json_out: str | None = "bench/results/spec.json",
         threads: int | None = None, temperature: float = 0.0, tree: dict | None = None, rounds: int = 1,
         device: str = "cpu", warmup: int = 4) -> dict:
@@ -117,6 +120,9 @@ def run(model: str = "gemma-3-270m", prompts_file: str | Path = SPEC_BENCH, per_
     server that has been running, not while it learns."""
     if "vanilla" not in methods:
         raise MethodsError("must include vanilla: every speedup is measured against it")
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise MethodsError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
     if rounds < 1 or warmup < 0:
         raise ValueError(f"rounds must be >= 1 and warmup >= 0, got {rounds} and {warmup}")
     if threads:

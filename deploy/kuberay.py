@@ -294,6 +294,11 @@ def _submitter_pod(cfg: DeployConfig) -> dict[str, Any]:
     return {"metadata": {"labels": {**_labels(cfg, "batch"), "eagle-serve/role": "submitter"}}, "spec": spec}
 
 
+# Every file `render` may write: what a re-render may remove from its output folder when it no longer
+# renders it (rayjob.yaml without a job), and nothing else there.
+FILE_NAMES = ("rayservice.yaml", "pdb.yaml", "raycluster.yaml", "raycluster-http.yaml", "rayjob.yaml")
+
+
 def render(cfg: DeployConfig, job: RayJobConfig | None = None) -> dict[str, dict[str, Any]]:
     """File name -> manifest. Apply `rayservice.yaml` + `pdb.yaml` to serve, `rayjob.yaml` for a
     batch, `raycluster*.yaml` for an interactive cluster."""

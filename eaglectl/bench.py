@@ -3,6 +3,55 @@ from __future__ import annotations
 
 import click
 
+from eagle_worker.speculative.config import HEAD_DTYPES, SpecConfig  # light: no torch
+from eaglectl.common import POSITIVE, FiniteFloat
+
+DTYPES = ("float32", "bfloat16")
+# Beyond this many sequences at once a batch size or concurrency is a typo, not a benchmark: it would
+# build a prompt list, a KV cache and a thread pool that large before the first measurement.
+MAX_BATCH = 4096
+
+
+class CommaList(click.ParamType):
+    """A comma-separated list of positive integers (up to MAX_BATCH), or of `choices`, each at most
+    once: the one parser of every bench option that takes several values, so `0`, `-3`, `a` or `8,8`
+    are refused by click (exit 2, naming the option) before any model loads."""
+
+    def __init__(self, choices: tuple[str, ...] | None = None):
+        self.choices = choices
+        self.name = "list" if choices is None else f"list of {','.join(choices)}"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, tuple):            # a default already converted
+            return value
+        items = [s.strip() for s in str(value).split(",") if s.strip()]
+        if not items:
+            self.fail(f"{value!r} is empty", param, ctx)
+        if self.choices is None:
+            bad = [s for s in items if not (s.isdigit() and 1 <= int(s) <= MAX_BATCH)]
+            if bad:
+                self.fail(f"{bad[0]!r} is not an integer from 1 to {MAX_BATCH}", param, ctx)
+            items = [int(s) for s in items]
+        elif set(items) - set(self.choices):
+            self.fail(f"{sorted(set(items) - set(self.choices))[0]!r} is not one of {', '.join(self.choices)}",
+                      param, ctx)
+        repeated = sorted({str(x) for x in items if items.count(x) > 1})
+        if repeated:
+            self.fail(f"{repeated[0]} given more than once", param, ctx)
+        return tuple(items)
+
+
+BATCH = click.IntRange(1, MAX_BATCH)
+
+
+def _job_rows(ctx, param, rows: int) -> int:
+    """`--rows` of the Spec-Bench job input: at most one row a question (bench/job.py write_input)."""
+    from bench.job import available_rows
+
+    if rows > available_rows():
+        raise click.BadParameter(f"{rows} is more than the {available_rows()} Spec-Bench questions", ctx, param)
+    return rows
+
 
 @click.group("bench")
 def bench() -> None:
@@ -11,27 +60,27 @@ def bench() -> None:
 
 @bench.command("decode")
 @click.option("--model", default="gemma-3-270m", show_default=True)
-@click.option("--dtypes", default="float32,bfloat16", show_default=True)
-@click.option("--batch-sizes", default="1,8", show_default=True)
-@click.option("--max-tokens", default=64, show_default=True, type=int)
+@click.option("--dtypes", default="float32,bfloat16", show_default=True, type=CommaList(DTYPES))
+@click.option("--batch-sizes", default="1,8", show_default=True, type=CommaList())
+@click.option("--max-tokens", default=64, show_default=True, type=POSITIVE)
 @click.option("--json", "json_out", default="bench/results/decode.json", show_default=True)
-@click.option("--threads", default=None, type=int, help="torch intra-op threads for both engines [default: torch's].")
-@click.option("--rounds", default=3, show_default=True, type=click.IntRange(min=1),
+@click.option("--threads", default=None, type=POSITIVE, help="torch intra-op threads for both engines [default: torch's].")
+@click.option("--rounds", default=3, show_default=True, type=POSITIVE,
               help="Runs per measurement, the engines taking turns; the median counts.")
 def bench_decode(model, dtypes, batch_sizes, max_tokens, json_out, threads, rounds):
     """Tokens/s of this engine vs transformers generate, same model and dtype."""
     from bench.decode import run
 
-    run(model=model, dtypes=dtypes.split(","), batch_sizes=[int(b) for b in batch_sizes.split(",")],
-        max_tokens=max_tokens, json_out=json_out, threads=threads, rounds=rounds)
+    run(model=model, dtypes=list(dtypes), batch_sizes=list(batch_sizes), max_tokens=max_tokens, json_out=json_out,
+        threads=threads, rounds=rounds)
 
 
 @bench.command("spec")
 @click.option("--model", default="gemma-3-270m", show_default=True)
 @click.option("--prompts", "prompts_file", default=None, help="Spec-Bench-format JSONL [default: the bundled Spec-Bench].")
-@click.option("--per-category", default=2, show_default=True, type=int)
-@click.option("--max-tokens", default=128, show_default=True, type=int)
-@click.option("--dtype", default="bfloat16", show_default=True, type=click.Choice(["float32", "bfloat16"]))
+@click.option("--per-category", default=2, show_default=True, type=POSITIVE)
+@click.option("--max-tokens", default=128, show_default=True, type=POSITIVE)
+@click.option("--dtype", default="bfloat16", show_default=True, type=click.Choice(DTYPES))
 @click.option("--draft", default="default", show_default=True, help="Head folder, 'default', or 'random' (cost only).")
 @click.option("--methods", default=None,
               help="[default: vanilla,hf,hf_lookup,lookup,chain,static,dynamic,hybrid; with --batch-sizes "
@@ -39,14 +88,15 @@ def bench_decode(model, dtypes, batch_sizes, max_tokens, json_out, threads, roun
 @click.option("--json", "json_out", default=None,
               help="[default: bench/results/spec.json; with --batch-sizes bench/results/spec_batch_DTYPE.json; "
                    "with --tp-size 2 bench/results/spec_tp.json]")
-@click.option("--threads", default=None, type=int,
+@click.option("--threads", default=None, type=POSITIVE,
               help="torch intra-op threads [default: torch's; with --tp-size 2 always 1 per rank].")
-@click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy; > 0 samples.")
-@click.option("--num-draft-tokens", default=None, type=int,
+@click.option("--temperature", default=0.0, show_default=True, type=FiniteFloat(min=0),
+              help="0 = greedy; > 0 samples.")
+@click.option("--num-draft-tokens", default=None, type=POSITIVE,
               help="Node budget of the dynamic tree, the hybrid and lookup [default: SpecConfig's].")
-@click.option("--depth", default=None, type=int, help="Dynamic tree / hybrid draft levels [default: SpecConfig's].")
-@click.option("--top-k", default=None, type=int, help="Dynamic tree / hybrid expansion width [default: SpecConfig's].")
-@click.option("--rounds", default=None, type=click.IntRange(min=1),
+@click.option("--depth", default=None, type=POSITIVE, help="Dynamic tree / hybrid draft levels [default: SpecConfig's].")
+@click.option("--top-k", default=None, type=POSITIVE, help="Dynamic tree / hybrid expansion width [default: SpecConfig's].")
+@click.option("--rounds", default=None, type=POSITIVE,
               help="Passes over the prompts; each prompt's (with --batch-sizes each batch's) median time counts.")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N (every method runs there).")
 @click.option("--warmup", default=4, show_default=True, type=click.IntRange(min=0),
@@ -56,9 +106,9 @@ def bench_decode(model, dtypes, batch_sizes, max_tokens, json_out, threads, roun
                    "collectives' share of a step (bench/spec_tp.py; --methods, --sweep, --draft, --temperature, "
                    "tree and --warmup options do not apply).")
 @click.option("--head-dtype", default="target", show_default=True,
-              type=click.Choice(["target", "auto", "float32", "bfloat16", "float16"]),
+              type=click.Choice(HEAD_DTYPES),
               help="With --batch-sizes: the dtype the head runs in (SpecConfig.head_dtype).")
-@click.option("--batch-sizes", default=None,
+@click.option("--batch-sizes", default=None, type=CommaList(),
               help="Batch sizes: every method at each (bench/spec_batch.py: vanilla, the default, the fixed head, "
                    "lookup and hybrid trees); with --tp-size 2 [default 1,8] the sizes the TP run measures.")
 def bench_spec(model, prompts_file, per_category, max_tokens, dtype, draft, methods, json_out, threads,
@@ -66,17 +116,16 @@ def bench_spec(model, prompts_file, per_category, max_tokens, dtype, draft, meth
     """Vanilla, transformers (plain, prompt lookup), our lookup, EAGLE chain/static/dynamic, hybrid at
     batch 1; or, with --batch-sizes, the default against the fixed methods at every batch size."""
     from bench.prompts import SPEC_BENCH
-    from bench.spec import MethodsError, run
+    from bench.spec import METHODS, MethodsError, run
     from eagle_worker.config import check_device
 
-    sizes = None
-    if batch_sizes is not None or tp_size == "2":
+    sizes = batch_sizes or ((1, 8) if tp_size == "2" else None)
+    tree = {k: v for k, v in (("num_draft_tokens", num_draft_tokens), ("depth", depth), ("top_k", top_k)) if v is not None}
+    for key, value in tree.items():            # SpecConfig's own limits, before any model loads
         try:
-            sizes = tuple(int(b) for b in (batch_sizes or "1,8").split(",") if b)
-        except ValueError:
-            raise click.BadParameter(f"not a list of integers: {batch_sizes!r}", param_hint="--batch-sizes") from None
-        if not sizes or min(sizes) < 1:
-            raise click.BadParameter("batch sizes must be positive integers", param_hint="--batch-sizes")
+            SpecConfig(lookup=True, **{key: value})
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--" + key.replace("_", "-")) from None
     if head_dtype != "target" and (batch_sizes is None or tp_size == "2"):
         raise click.BadParameter("applies to the batch-size sweep only (--batch-sizes without --tp-size 2)",
                                  param_hint="--head-dtype")
@@ -97,12 +146,14 @@ def bench_spec(model, prompts_file, per_category, max_tokens, dtype, draft, meth
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--device") from None
     if sizes is not None:
-        from bench.spec_batch import METHODS
+        from bench.spec_batch import METHODS as BATCH_METHODS
         from bench.spec_batch import run as run_batch
 
-        chosen = tuple(methods.split(",")) if methods else METHODS
-        if "vanilla" not in chosen or set(chosen) - set(METHODS):
-            raise click.BadParameter(f"with --batch-sizes: vanilla plus any of {', '.join(METHODS[1:])}",
+        if draft == "random":
+            raise click.BadParameter("'random' is for the batch-1 methods (without --batch-sizes)", param_hint="--draft")
+        chosen = tuple(methods.split(",")) if methods else BATCH_METHODS
+        if "vanilla" not in chosen or set(chosen) - set(BATCH_METHODS):
+            raise click.BadParameter(f"with --batch-sizes: vanilla plus any of {', '.join(BATCH_METHODS[1:])}",
                                      param_hint="--methods")
         run_batch(model=model, prompts_file=prompts_file or SPEC_BENCH, per_category=per_category,
                   max_tokens=max_tokens, dtype=dtype, draft=draft, methods=chosen, batch_sizes=sizes,
@@ -112,10 +163,9 @@ def bench_spec(model, prompts_file, per_category, max_tokens, dtype, draft, meth
     try:
         run(model=model, prompts_file=prompts_file or SPEC_BENCH, per_category=per_category, max_tokens=max_tokens,
             dtype=dtype, draft=draft,
-            methods=tuple((methods or "vanilla,hf,hf_lookup,lookup,chain,static,dynamic,hybrid").split(",")),
+            methods=tuple(methods.split(",")) if methods else METHODS,
             json_out=json_out or "bench/results/spec.json", threads=threads,
-            temperature=temperature, tree={k: v for k, v in (("num_draft_tokens", num_draft_tokens), ("depth", depth),
-                                                             ("top_k", top_k)) if v is not None},
+            temperature=temperature, tree=tree,
             rounds=rounds or 1, device=device, warmup=warmup)
     except MethodsError as e:
         raise click.BadParameter(str(e), param_hint="--methods") from None
@@ -123,36 +173,40 @@ def bench_spec(model, prompts_file, per_category, max_tokens, dtype, draft, meth
 
 @bench.command("job")
 @click.option("--model", default="gemma-3-270m", show_default=True)
-@click.option("--rows", default=200, show_default=True, type=int)
-@click.option("--max-tokens", default=64, show_default=True, type=int)
+@click.option("--rows", default=200, show_default=True, type=POSITIVE, callback=_job_rows)
+@click.option("--max-tokens", default=64, show_default=True, type=POSITIVE)
 @click.option("--draft", default="auto", show_default=True,
               help="The speculative run's draft: auto (the default speculation), default, a head folder, or none.")
-@click.option("--replicas", default=1, show_default=True, type=click.IntRange(min=1))
+@click.option("--replicas", default=1, show_default=True, type=POSITIVE)
 @click.option("--json", "json_out", default="bench/results/job.json", show_default=True)
 def bench_job(model, rows, max_tokens, draft, replicas, json_out):
     """An offline job over Spec-Bench prompts, with and without speculation."""
     from bench.job import run
+    from jobs.job_config import JobConfigError
 
-    run(model=model, rows=rows, max_tokens=max_tokens, json_out=json_out, draft=draft, replicas=replicas)
+    try:
+        run(model=model, rows=rows, max_tokens=max_tokens, json_out=json_out, draft=draft, replicas=replicas)
+    except JobConfigError as e:
+        raise click.UsageError(str(e)) from None
 
 
 @bench.command("serve")
 @click.option("--url", default=None, help="An already running endpoint [default: start one on this machine].")
 @click.option("--model", default="gemma-3-270m", show_default=True)
-@click.option("--concurrencies", default="1,8", show_default=True)
-@click.option("--num-prompts", default=8, show_default=True, type=int)
-@click.option("--max-tokens", default=48, show_default=True, type=int)
+@click.option("--concurrencies", default="1,8", show_default=True, type=CommaList())
+@click.option("--num-prompts", default=8, show_default=True, type=POSITIVE)
+@click.option("--max-tokens", default=48, show_default=True, type=POSITIVE)
 @click.option("--draft", default="default", show_default=True,
               help="Head for the with-head run: folder, 'default', or 'none' (no head: plain only).")
-@click.option("--threads", default=None, type=click.IntRange(min=1),
+@click.option("--threads", default=None, type=POSITIVE,
               help="torch threads of the replica and of the LLM.generate baseline [default: every core].")
 @click.option("--engine/--no-engine", "engine_baseline", default=True, show_default=True,
               help="Also run the same prompts through LLM.generate here (same threads, no head) and report HTTP/engine.")
-@click.option("--stream-interval", default=1, show_default=True, type=click.IntRange(min=1),
+@click.option("--stream-interval", default=1, show_default=True, type=POSITIVE,
               help="The started app's ingress.stream_interval: streamed chunks carry up to this many tokens.")
 @click.option("--direct-ingress", is_flag=True,
               help="The started app's ingress.direct: the ingress replica serves HTTP, no Serve proxy (experimental).")
-@click.option("--rounds", default=1, show_default=True, type=click.IntRange(min=1),
+@click.option("--rounds", default=1, show_default=True, type=POSITIVE,
               help="Engine and HTTP levels taking turns this many times; HTTP/engine is the median of the rounds' ratios.")
 @click.option("--separate-ingress", is_flag=True,
               help="The started app's ingress.colocate: false: the ingress in its own process, not the engine's.")
@@ -160,24 +214,29 @@ def bench_job(model, rows, max_tokens, draft, replicas, json_out):
 def bench_serve(url, model, concurrencies, num_prompts, max_tokens, draft, threads, engine_baseline, stream_interval,
                 direct_ingress, rounds, separate_ingress, json_out):
     """HTTP load vs the engine itself: request throughput, output tok/s, TTFT, TPOT, ITL per concurrency."""
-    from bench.serve import run
+    from bench.serve import EndpointError, run
 
-    run(url=url, model=model, concurrencies=tuple(int(c) for c in concurrencies.split(",")),
-        num_prompts=num_prompts, max_tokens=max_tokens, draft=draft, json_out=json_out, threads=threads,
-        engine_baseline=engine_baseline, stream_interval=stream_interval, direct_ingress=direct_ingress,
-        colocate=False if separate_ingress else None, rounds=rounds)
+    try:
+        run(url=url, model=model, concurrencies=concurrencies, num_prompts=num_prompts, max_tokens=max_tokens,
+            draft=draft, json_out=json_out, threads=threads, engine_baseline=engine_baseline,
+            stream_interval=stream_interval, direct_ingress=direct_ingress,
+            colocate=False if separate_ingress else None, rounds=rounds)
+    except EndpointError as e:
+        if url is None:              # the app this run started: not the user's input
+            raise click.ClickException(str(e)) from None
+        raise click.BadParameter(str(e), param_hint="--url") from None
 
 
 @bench.command("mixed")
 @click.option("--model", default="gemma-3-270m", show_default=True)
-@click.option("--rows", default=200, show_default=True, type=click.IntRange(min=1), help="The job's rows.")
-@click.option("--online-requests", default=16, show_default=True, type=click.IntRange(min=1))
-@click.option("--concurrency", default=4, show_default=True, type=click.IntRange(min=1), help="Online requests in flight.")
-@click.option("--max-tokens", default=32, show_default=True, type=click.IntRange(min=1))
+@click.option("--rows", default=200, show_default=True, type=POSITIVE, callback=_job_rows, help="The job's rows.")
+@click.option("--online-requests", default=16, show_default=True, type=POSITIVE)
+@click.option("--concurrency", default=4, show_default=True, type=BATCH, help="Online requests in flight.")
+@click.option("--max-tokens", default=32, show_default=True, type=POSITIVE)
 @click.option("--draft", default="none", show_default=True, help="none, auto, default or a head folder.")
-@click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16"]))
-@click.option("--max-num-seqs", default=16, show_default=True, type=click.IntRange(min=1))
-@click.option("--threads", default=None, type=click.IntRange(min=1), help="The replica's torch threads [default: every core].")
+@click.option("--dtype", default="float32", show_default=True, type=click.Choice(DTYPES))
+@click.option("--max-num-seqs", default=16, show_default=True, type=BATCH)
+@click.option("--threads", default=None, type=POSITIVE, help="The replica's torch threads [default: every core].")
 @click.option("--separate-ingress", is_flag=True,
               help="The app's ingress.colocate: false: the ingress in its own process, not the engine's.")
 @click.option("--offline-slowdown", default="0.25", show_default=True,
@@ -207,25 +266,25 @@ def _slowdown(text: str, option: str) -> float:
 
 @bench.command("prefix")
 @click.option("--model", default="gemma-3-270m", show_default=True)
-@click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16"]))
+@click.option("--dtype", default="float32", show_default=True, type=click.Choice(DTYPES))
 @click.option("--draft", default="auto", show_default=True,
               help="Head for the with-head runs: auto (the model's built-in head), default, a folder, or none.")
 @click.option("--scenarios", default="a,b,c", show_default=True,
               help="a: shared system prompt; b: multi-turn conversations; c: an offline job with a shared preamble.")
-@click.option("--rounds", default=3, show_default=True, type=click.IntRange(min=1),
+@click.option("--rounds", default=3, show_default=True, type=POSITIVE,
               help="Runs of each measurement, caching off and on taking turns; the median counts.")
-@click.option("--requests", default=32, show_default=True, type=click.IntRange(min=1), help="a: requests.")
-@click.option("--system-tokens", default=512, show_default=True, type=click.IntRange(min=1), help="a: system prompt length.")
-@click.option("--question-tokens", default=20, show_default=True, type=click.IntRange(min=1),
+@click.option("--requests", default=32, show_default=True, type=POSITIVE, help="a: requests.")
+@click.option("--system-tokens", default=512, show_default=True, type=POSITIVE, help="a: system prompt length.")
+@click.option("--question-tokens", default=20, show_default=True, type=POSITIVE,
               help="a, b: each question's length.")
-@click.option("--conversations", default=8, show_default=True, type=click.IntRange(min=1), help="b: conversations.")
-@click.option("--turns", default=4, show_default=True, type=click.IntRange(min=1), help="b: turns per conversation.")
-@click.option("--history-tokens", default=256, show_default=True, type=click.IntRange(min=1),
+@click.option("--conversations", default=8, show_default=True, type=POSITIVE, help="b: conversations.")
+@click.option("--turns", default=4, show_default=True, type=POSITIVE, help="b: turns per conversation.")
+@click.option("--history-tokens", default=256, show_default=True, type=POSITIVE,
               help="b: the first turn's document length.")
-@click.option("--rows", default=200, show_default=True, type=click.IntRange(min=1), help="c: job rows.")
-@click.option("--preamble-tokens", default=400, show_default=True, type=click.IntRange(min=1),
+@click.option("--rows", default=200, show_default=True, type=POSITIVE, help="c: job rows.")
+@click.option("--preamble-tokens", default=400, show_default=True, type=POSITIVE,
               help="c: the shared few-shot preamble's length.")
-@click.option("--max-tokens", default=64, show_default=True, type=click.IntRange(min=1))
+@click.option("--max-tokens", default=64, show_default=True, type=POSITIVE)
 @click.option("--c-runner", default="job", show_default=True, type=click.Choice(["job", "engine"]),
               help="c through the jobs runner (Ray replicas, Parquet) or one LLM.generate burst.")
 @click.option("--json", "json_out", default=None,

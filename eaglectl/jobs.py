@@ -146,9 +146,12 @@ def _submit_remote(cfg, address: str, job_id: str | None, wait: bool) -> None:
 
 
 # ---- following jobs -----------------------------------------------------------------------------
-def _need_address(address: str | None) -> str:
+def _need_address(address: str | None, job_id: str | None = None) -> str:
     a = _address(address)
     if a is None:
+        if job_id is not None and Path(job_id).is_file():    # neither a submission id nor an output folder
+            fail(f"{job_id} is a file, not a job's output folder (JOB is that folder, or a submission id "
+                 "with --address or RAY_ADDRESS)")
         fail("needs --address or RAY_ADDRESS (the cluster: head:6379, http://head:8265, ray://head:10001 or auto); "
               "jobs without one run in the foreground and their status is in <output>/_manifest.json")
     return a
@@ -163,20 +166,23 @@ def _manifest_line(output: str | None) -> str | None:
             m = read_manifest(output)
         except (OSError, RuntimeError, ValueError):   # e.g. no credentials for the bucket here
             return None
-        if m:
+        if m and isinstance(m, dict):
             return summary(m)
     return None
 
 
 def _local_status(output: str, as_json: bool) -> None:
     """Status of a job from its output folder (local path or bucket URI): the manifest."""
-    from jobs.output_writer import is_locked, read_manifest
+    from jobs.output_writer import MANIFEST, is_locked, read_manifest
     from jobs.progress import summary
 
+    path = f"{output.rstrip('/')}/{MANIFEST}"
     try:
         m = read_manifest(output)
     except (OSError, RuntimeError, ValueError) as e:
-        fail(f"{output}: cannot read the job manifest ({str(e).splitlines()[0] if str(e) else type(e).__name__})")
+        fail(f"{path}: cannot read the job manifest ({str(e).splitlines()[0] if str(e) else type(e).__name__})")
+    if m is not None and not isinstance(m, dict):    # hand-edited or another tool's file: say so, not AttributeError
+        fail(f"{path}: not a job manifest (a JSON {type(m).__name__}, not an object)")
     if not m:
         fail(f"{output}: no job manifest there")
     if m.get("status") == "running" and not is_locked(output):   # flock: only trusted on this machine
@@ -205,7 +211,7 @@ def job_status(job_id, address, follow, as_json):
     if ("://" in job_id or Path(job_id).is_dir()) and _address(address) is None:   # a job's output folder
         _local_status(job_id, as_json)
         return
-    address = _need_address(address)
+    address = _need_address(address, job_id)
 
     def show(st):
         if as_json:
@@ -258,7 +264,7 @@ def job_logs(job_id, address, follow):
     """The driver's log of JOB (progress lines and summary)."""
     from jobs import ray_jobs
 
-    address = _need_address(address)
+    address = _need_address(address, job_id)
     try:
         if follow:
             ray_jobs.tail_logs(address, job_id, lambda s: click.echo(s, nl=False))
@@ -278,7 +284,7 @@ def job_cancel(job_id, address):
     from jobs import ray_jobs
 
     try:
-        stopped = ray_jobs.stop(_need_address(address), job_id)
+        stopped = ray_jobs.stop(_need_address(address, job_id), job_id)
     except ConnectionError as e:
         fail(str(e), EXIT_FAILED)
     except RuntimeError as e:

@@ -12,6 +12,17 @@ import sys
 
 import click
 
+from eaglectl.common import COUNT, POSITIVE, FiniteFloat
+
+
+def _frames_a_prompt(frame: str) -> bool:
+    """Whether `frame.format(prompt=...)` works and uses the prompt: other fields or a stray brace
+    would fail on the first sample, after the target loaded."""
+    try:
+        return frame.format(prompt="\0") != frame.format(prompt="")
+    except (AttributeError, KeyError, IndexError, ValueError):
+        return False
+
 
 def _command_line() -> str:
     argv = sys.argv[1:]
@@ -31,31 +42,34 @@ def _command_line() -> str:
               help="'chat' (the target's template), or a frame with {prompt}, e.g. 'Question: {prompt}\\nAnswer:'.")
 @click.option("--init-head", default=None,
               help="Continue training this head folder (its weights and draft vocabulary) instead of a fresh one.")
-@click.option("--draft-vocab-size", default=16384, show_default=True, type=int, help="EAGLE-3 draft vocabulary.")
-@click.option("--steps", default=None, type=int, help="Optimizer steps (default: --epochs over the data).")
-@click.option("--epochs", default=1.0, show_default=True, type=float)
-@click.option("--train-seconds", default=None, type=click.FloatRange(min=0),
+@click.option("--draft-vocab-size", default=16384, show_default=True, type=POSITIVE, help="EAGLE-3 draft vocabulary.")
+@click.option("--steps", default=None, type=POSITIVE, help="Optimizer steps (default: --epochs over the data).")
+@click.option("--epochs", default=1.0, show_default=True, type=FiniteFloat(min=0, min_open=True))
+@click.option("--train-seconds", default=None, type=FiniteFloat(min=0),
               help="Time budget for training: the planned steps are cut to what the measured pace fits.")
-@click.option("--lr", default=3e-4, show_default=True, type=float)
-@click.option("--warmup-steps", default=50, show_default=True, type=int)
-@click.option("--batch-tokens", default=4096, show_default=True, type=int, help="Tokens per optimizer step.")
-@click.option("--max-tokens", default=512, show_default=True, type=int, help="Max tokens per example (prompt + response).")
-@click.option("--ttt-steps", default=3, show_default=True, type=int, help="Unrolled draft steps (training-time test).")
-@click.option("--self-distill", default=0, show_default=True, type=int, help="Prompts whose responses the target regenerates.")
-@click.option("--distill-tokens", default=128, show_default=True, type=int, help="New tokens per self-distilled response.")
-@click.option("--distill-batch", default=64, show_default=True, type=click.IntRange(min=1),
+@click.option("--lr", default=3e-4, show_default=True, type=FiniteFloat(min=0, min_open=True))
+@click.option("--warmup-steps", default=50, show_default=True, type=COUNT)
+@click.option("--batch-tokens", default=4096, show_default=True, type=POSITIVE, help="Tokens per optimizer step.")
+@click.option("--max-tokens", default=512, show_default=True, type=click.IntRange(min=3),
+              help="Max tokens per example (prompt + response; at least 3: a prompt token and 2 to train on).")
+@click.option("--ttt-steps", default=3, show_default=True, type=POSITIVE, help="Unrolled draft steps (training-time test).")
+@click.option("--self-distill", default=0, show_default=True, type=COUNT,
+              help="Prompts whose responses the target regenerates.")
+@click.option("--distill-tokens", default=128, show_default=True, type=click.IntRange(min=2),
+              help="New tokens per self-distilled response (a shorter one is dropped).")
+@click.option("--distill-batch", default=64, show_default=True, type=POSITIVE,
               help="Prompts per self-distillation batch (larger on a GPU).")
-@click.option("--distill-seconds", default=None, type=click.FloatRange(min=0),
+@click.option("--distill-seconds", default=None, type=FiniteFloat(min=0),
               help="Time budget for self-distilling the training prompts; those not reached are left out.")
-@click.option("--feature-batch-tokens", default=2048, show_default=True, type=click.IntRange(min=1),
+@click.option("--feature-batch-tokens", default=2048, show_default=True, type=POSITIVE,
               help="Tokens per target forward when computing training features (larger on a GPU).")
-@click.option("--fixed-text", default=None, type=int,
+@click.option("--fixed-text", default=None, type=COUNT,
               help="Keep at most this many of the other samples as fixed text (default: all).")
 @click.option("--drop-responses", is_flag=True, help="Ignore responses in the data (prompt-only text or self-distill).")
-@click.option("--heldout", default=16, show_default=True, type=int, help="Held-out samples for acceptance reporting.")
-@click.option("--checkpoint-every", default=200, show_default=True, type=int)
-@click.option("--eval-every", default=200, show_default=True, type=int)
-@click.option("--eval-prompts", default=8, show_default=True, type=int,
+@click.option("--heldout", default=16, show_default=True, type=COUNT, help="Held-out samples for acceptance reporting.")
+@click.option("--checkpoint-every", default=200, show_default=True, type=POSITIVE)
+@click.option("--eval-every", default=200, show_default=True, type=POSITIVE)
+@click.option("--eval-prompts", default=8, show_default=True, type=COUNT,
               help="Held-out prompts for the final engine tau (0: skip).")
 @click.option("--online", is_flag=True, help="Compute training features on the fly, store none (targets too large to store).")
 @click.option("--full-vocab-labels", is_flag=True, help="Score the full vocabulary when extracting (exact argmax mask; slower).")
@@ -65,8 +79,8 @@ def _command_line() -> str:
               help="bf16 autocast for training; auto = on CUDA only (slower than fp32 on our CPUs, measured).")
 @click.option("--device", default="cpu", show_default=True,
               help="Where the target and the head run: cpu, cuda or cuda:N (features are kept on the host either way).")
-@click.option("--threads", default=None, type=int, help="torch threads.")
-@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--threads", default=None, type=POSITIVE, help="torch threads.")
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**63 - 1))
 @click.option("--no-progress", is_flag=True)
 def train_head(target, fmt, data, out, work_dir, prompt_format, init_head, draft_vocab_size, steps, epochs, train_seconds,
                lr, warmup_steps, batch_tokens, max_tokens, ttt_steps, self_distill, distill_tokens, distill_batch,
@@ -78,8 +92,9 @@ def train_head(target, fmt, data, out, work_dir, prompt_format, init_head, draft
     from eagle_worker.training.pipeline import PipelineConfig, run
     from eagle_worker.training.trainer import TrainConfig
 
-    if "{prompt}" not in prompt_format and prompt_format != "chat":
-        click.echo("error: --prompt-format must be 'chat' or contain {prompt}", err=True)
+    if prompt_format != "chat" and not _frames_a_prompt(prompt_format):
+        click.echo(f"error: --prompt-format must be 'chat' or a frame with {{prompt}} (and no other {{...}}), "
+                   f"not {prompt_format!r}", err=True)
         sys.exit(2)
     row_len = max(64, max_tokens)
     tc = TrainConfig(steps=steps, epochs=epochs, seconds=train_seconds, lr=lr, warmup_steps=warmup_steps,

@@ -30,7 +30,7 @@ _BOT = ("gpt", "assistant", "model", "bot", "chatgpt")
 def _first_exchange(turns: list[dict], role_key: str, text_key: str) -> tuple[str | None, str | None]:
     prompt = response = None
     system = ""
-    for t in turns:
+    for t in (t for t in turns if isinstance(t, dict)):
         role, text = str(t.get(role_key, "")).lower(), t.get(text_key)
         if not isinstance(text, str):
             continue
@@ -58,44 +58,72 @@ def parse_record(rec, source: str) -> list[Sample]:
         return [Sample(p, r, source)] if p else []
     if isinstance(rec.get("prompt"), dict) and "replies" in rec["prompt"]:   # OpenAssistant tree
         root = rec["prompt"]
-        replies = [x for x in root.get("replies") or [] if isinstance(x.get("text"), str) and not x.get("deleted")]
+        if not isinstance(root.get("text"), str) or not isinstance(root["replies"] or [], list):
+            return []
+        replies = [x for x in root["replies"] or []
+                   if isinstance(x, dict) and isinstance(x.get("text"), str) and not x.get("deleted")]
         return [Sample(root["text"], x["text"], source) for x in replies] or [Sample(root["text"], None, source)]
     if isinstance(rec.get("turns"), list) and rec["turns"]:
-        return [Sample(str(rec["turns"][0]), None, source)]
+        first = rec["turns"][0]
+        return [Sample(first, None, source)] if isinstance(first, str) and first.strip() else []
     prompt = next((rec[k] for k in _PROMPT_KEYS if isinstance(rec.get(k), str) and rec[k].strip()), None)
     if prompt is None:
         return []
     if isinstance(rec.get("instances"), list) and rec["instances"]:        # Self-Instruct
         out = []
-        for inst in rec["instances"]:
-            extra = inst.get("input") or ""
-            out.append(Sample(prompt + ("\n\n" + extra if extra.strip() else ""), inst.get("output") or None, source))
+        for inst in (x for x in rec["instances"] if isinstance(x, dict)):
+            extra = inst.get("input") if isinstance(inst.get("input"), str) else ""
+            output = inst.get("output") if isinstance(inst.get("output"), str) else None
+            out.append(Sample(prompt + ("\n\n" + extra if extra.strip() else ""), output or None, source))
         return out
     response = next((rec[k] for k in _RESPONSE_KEYS if isinstance(rec.get(k), str) and rec[k].strip()), None)
     return [Sample(prompt, response, source)]
 
 
 def read_records(path: str | Path) -> list:
+    """Records of one file; a file that does not parse is named, with the line for .jsonl."""
     path = Path(path)
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
         return pq.read_table(path).to_pylist()
-    text = path.read_text(encoding="utf-8")
-    if path.suffix == ".jsonl":
-        return [json.loads(line) for line in text.split("\n") if line.strip()]
-    data = json.loads(text)
-    return data if isinstance(data, list) else [data]
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    if path.suffix != ".jsonl":
+        data = _json(text, path)
+        return data if isinstance(data, list) else [data]
+    return [_json(line, path, n) for n, line in enumerate(text.split("\n"), 1) if line.strip()]
+
+
+def _json(text: str, path: Path, line: int | None = None):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: line {line or e.lineno}: not valid JSON ({e.msg}, column {e.colno})") from None
+
+
+def split_limit(spec: str) -> tuple[Path, int | None]:
+    """`PATH` or `PATH:N` -> (path, N). A path that exists is taken whole, colons included;
+    otherwise what follows the last colon must be a count, so `data.jsonl:-5` or `:abc` is
+    refused rather than read as a missing file."""
+    if ":" not in spec or Path(spec).exists():
+        return Path(spec), None
+    head, n = spec.rsplit(":", 1)
+    if not n.isdigit():
+        raise ValueError(f"--data {spec}: the part after ':' must be a number of samples (PATH:N), not {n!r}")
+    return Path(head), int(n)
 
 
 def load_samples(path: str | Path, limit: int | None = None, drop_responses: bool = False) -> list[Sample]:
     """Samples of one file (or every supported file of a folder), in file order.
 
     `path` may end in `:N` to take the first N samples (a mix spelled on the command line)."""
-    spec = str(path)
-    if ":" in spec and spec.rsplit(":", 1)[1].isdigit():
-        spec, n = spec.rsplit(":", 1)
-        limit = int(n) if limit is None else min(limit, int(n))
-    p = Path(spec)
+    p, n = split_limit(str(path))
+    if n is not None:
+        limit = n if limit is None else min(limit, n)
+    if not p.exists():
+        raise ValueError(f"--data {p}: no such file or folder")
     files = sorted(f for f in p.iterdir() if f.suffix in (".json", ".jsonl", ".parquet")) if p.is_dir() else [p]
     if not files:
         raise ValueError(f"{p}: no .json/.jsonl/.parquet files")
@@ -103,7 +131,16 @@ def load_samples(path: str | Path, limit: int | None = None, drop_responses: boo
     for f in files:
         for rec in read_records(f):
             for s in parse_record(rec, f"{f.parent.name}/{f.name}"):
-                out.append(Sample(s.prompt, None, s.source) if drop_responses else s)
                 if limit is not None and len(out) >= limit:
                     return out
+                out.append(Sample(s.prompt, None, s.source) if drop_responses else s)
+    return out
+
+
+def load_data(specs: list[str], drop_responses: bool = False) -> list[Sample]:
+    """Every `--data` source in order; refuses a mix that yields no sample before any work is done."""
+    out = [s for spec in specs for s in load_samples(spec, drop_responses=drop_responses)]
+    if not out:
+        raise ValueError(f"no training samples in {', '.join(specs)} (a record needs a prompt: "
+                         "prompt/question/instruction/input/text, conversations, messages or turns)")
     return out

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from eagle_worker.config import EngineConfig
-from eagle_worker.training.data import load_samples
+from eagle_worker.training.data import Sample, load_data
 from eagle_worker.training.distill import self_distill
 from eagle_worker.training.features import Extractor, FeatureSpec, FeatureStore, OnlineFeatures, extract
 from eagle_worker.training.render import Example, prompt_ids, render
@@ -60,6 +60,21 @@ class PipelineConfig:
     def kind(self) -> str:
         return {"eagle3": "eagle3", "eagle1": "eagle", "eagle": "eagle"}[self.format]
 
+    def check(self) -> None:
+        """What the options cannot say alone, refused before anything loads or is written."""
+        for opt, folder in (("--out", self.out), ("--work-dir", self.work_dir)):
+            for f in [Path(folder), *Path(folder).parents] if folder else []:
+                if f.exists() and not f.is_dir():
+                    raise ValueError(f"{opt} {folder}: {f} is a file, not a folder")
+        if self.fixed_text == 0 and not self.self_distill:
+            raise ValueError("--fixed-text 0 without --self-distill leaves nothing to train on")
+        if self.self_distill and self.max_tokens <= self.distill_tokens:
+            raise ValueError(f"--max-tokens {self.max_tokens} leaves no room for the prompt of a self-distilled "
+                             f"example (prompt + --distill-tokens {self.distill_tokens})")
+        if self.kind == "eagle3" and not self.init_head and self.draft_vocab_size < self.topk:
+            raise ValueError(f"--draft-vocab-size {self.draft_vocab_size} is below the {self.topk} target "
+                             "tokens kept per position")
+
 
 @torch.no_grad()
 def init_output_from_target(head, model, vocab_ids: torch.Tensor) -> None:
@@ -102,15 +117,33 @@ def _examples_file(path: Path, make) -> list[Example]:
     return exs
 
 
-def build_examples(cfg: PipelineConfig, llm, work: Path) -> tuple[list[Example], list[Example], list[list[int]]]:
-    """(train, held-out, held-out prompt ids); cached in the work folder."""
-    tok = llm.tokenizer
-    template = llm.engine.chat_template if cfg.prompt_format == "chat" else None
-    samples = [s for path in cfg.data for s in load_samples(path, drop_responses=cfg.drop_responses)]
+def chat_template(cfg: PipelineConfig, llm) -> str | None:
+    """The target's template for `--prompt-format chat`; a target without one is refused by name."""
+    if cfg.prompt_format != "chat":
+        return None
+    if llm.engine.chat_template is None:
+        raise ValueError(f"--prompt-format chat: model {cfg.target!r} has no chat template; "
+                         "give a frame with {prompt} instead, e.g. 'Question: {prompt}\\nAnswer:'")
+    return llm.engine.chat_template
+
+
+def split_samples(cfg: PipelineConfig, samples: list[Sample]) -> tuple[list[Sample], list[Sample]]:
+    """(held-out, train), seeded; at most a tenth is held out. Refused when nothing is left to train on."""
+    samples = list(samples)
     random.Random(cfg.seed).shuffle(samples)
     n_held = min(cfg.heldout, max(1, len(samples) // 10))
-    held_s, train_s = samples[:n_held], samples[n_held:]
-    _log(f"{len(samples)} samples from {len(cfg.data)} source(s); {len(held_s)} held out")
+    if n_held == len(samples):
+        raise ValueError(f"no training examples: the {len(samples)} sample(s) in {', '.join(cfg.data)} "
+                         "are all held out (--heldout)")
+    return samples[:n_held], samples[n_held:]
+
+
+def build_examples(cfg: PipelineConfig, llm, work: Path, held_s: list[Sample], train_s: list[Sample]
+                   ) -> tuple[list[Example], list[Example], list[list[int]]]:
+    """(train, held-out, held-out prompt ids); cached in the work folder."""
+    tok = llm.tokenizer
+    template = chat_template(cfg, llm)
+    _log(f"{len(held_s) + len(train_s)} samples from {len(cfg.data)} source(s); {len(held_s)} held out")
     n_distill = min(cfg.self_distill, len(train_s))
     max_prompt = cfg.max_tokens - cfg.distill_tokens
 
@@ -125,9 +158,13 @@ def build_examples(cfg: PipelineConfig, llm, work: Path) -> tuple[list[Example],
     def fixed(ss):
         return [e for s in ss if (e := render(tok, s, cfg.prompt_format, template, cfg.max_tokens)) is not None]
 
-    def train_make():
+    def train_make():   # raises before caching, so a rerun with other options is not stuck on an empty set
         rest = train_s[n_distill:] if cfg.fixed_text is None else train_s[n_distill:n_distill + cfg.fixed_text]
-        return (distilled(train_s[:n_distill], "train", cfg.distill_seconds) if n_distill else []) + fixed(rest)
+        exs = (distilled(train_s[:n_distill], "train", cfg.distill_seconds) if n_distill else []) + fixed(rest)
+        if not exs:
+            raise ValueError(f"no training examples: of {n_distill} self-distilled and {len(rest)} fixed-text "
+                             f"sample(s), none left a response to train on within --max-tokens {cfg.max_tokens}")
+        return exs
 
     def held_make():   # the held-out set is what serving sees: the target's own continuations
         return distilled(held_s, "held-out") if cfg.self_distill else fixed(held_s)
@@ -179,17 +216,20 @@ def run(cfg: PipelineConfig, progress: bool = True) -> dict:
     from eagle_worker.llm import LLM
     from eagle_worker.speculative.head_init import new_head
 
+    cfg.check()
+    held_s, train_s = split_samples(cfg, load_data(cfg.data, drop_responses=cfg.drop_responses))
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     out = Path(cfg.out)
     work = Path(cfg.work_dir) if cfg.work_dir else out / "work"
-    work.mkdir(parents=True, exist_ok=True)
-    (work / "pipeline_config.json").write_text(json.dumps(asdict(cfg), indent=1) + "\n")
     t_start = time.time()
     llm = LLM(model=cfg.target, dtype=cfg.dtype, device=cfg.device, **_distill_engine_args(cfg))
     runner = llm.engine.runner
     model, hf_config = runner.model, runner.hf_config
-    train_ex, held_ex, held_prompts = build_examples(cfg, llm, work)
+    chat_template(cfg, llm)      # before anything is written
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "pipeline_config.json").write_text(json.dumps(asdict(cfg), indent=1) + "\n")
+    train_ex, held_ex, held_prompts = build_examples(cfg, llm, work, held_s, train_s)
     n_train = sum(len(e.ids) for e in train_ex)
     _log(f"{len(train_ex)} train examples, {n_train} tokens; {len(held_ex)} held-out")
 
@@ -248,8 +288,8 @@ def run(cfg: PipelineConfig, progress: bool = True) -> dict:
     record.update({"steps": trainer.step, "metrics": metrics, "train_s": time.time() - t0})
     _export(head, cfg, llm, vocab_ids, out, record)
     llm = None  # free the engine before the evaluation builds its own
-    if cfg.eval_prompts:
-        prompts = held_prompts[:cfg.eval_prompts]
+    prompts = held_prompts[:cfg.eval_prompts]
+    if prompts:      # none with --heldout 0
         record["engine"] = engine_tau(cfg.target, cfg.dtype, out, prompts, cfg.eval_new_tokens,
                                       depth=max(2, cfg.train.ttt_steps + 1), device=cfg.device)
         _log(f"engine tau on {len(prompts)} held-out prompts: {record['engine']['engine_tau']:.3f}")

@@ -9,7 +9,7 @@ from click.testing import CliRunner
 
 from cluster.config import ConfigError, ServeConfig
 from deploy.deploy_config import RAY_VERSION, DeployConfig, RayJobConfig
-from deploy.kuberay import job_entrypoint, render
+from deploy.kuberay import FILE_NAMES, job_entrypoint, render, render_files
 from eaglectl.deploy import deploy
 from tests.deploy.examples import EXAMPLES, SETUPS, fresh, inputs
 
@@ -71,6 +71,55 @@ def test_cli_reports_bad_config_with_dotted_paths(tmp_path):
 def test_cli_needs_config_and_out(tmp_path):
     assert CliRunner().invoke(deploy, ["render", "--out", str(tmp_path)]).exit_code == 2
     assert "render" in CliRunner().invoke(deploy, ["--help"]).output
+
+
+def _render(cfg, out, *extra):
+    return CliRunner().invoke(deploy, ["render", "--config", str(cfg), "--out", str(out), *extra])
+
+
+def test_cli_out_under_a_file_is_one_line_naming_out(tmp_path):
+    """Not a NotADirectoryError traceback: --out's parent is a file."""
+    cfg = _write(tmp_path, "serve.yaml", "model: gemma-3-270m\n")
+    (tmp_path / "afile").write_text("x")
+    for out in (tmp_path / "afile" / "manifests", tmp_path / "afile" / "a" / "b"):
+        r = _render(cfg, out)
+        assert r.exit_code == 2 and isinstance(r.exception, SystemExit), r.output
+        assert "--out" in r.output and "afile is a file" in r.output
+
+
+def test_cli_writes_nothing_when_a_target_is_in_the_way(tmp_path):
+    """Every target is checked before the first is written: a folder named raycluster.yaml used to be
+    found after rayservice.yaml and pdb.yaml were written (IsADirectoryError, half a set)."""
+    cfg = _write(tmp_path, "serve.yaml", "model: gemma-3-270m\n")
+    out = tmp_path / "out"
+    (out / "raycluster.yaml").mkdir(parents=True)
+    r = _render(cfg, out)
+    assert r.exit_code == 2 and isinstance(r.exception, SystemExit), r.output
+    assert "--out" in r.output and "raycluster.yaml" in r.output
+    assert [p.name for p in out.iterdir()] == ["raycluster.yaml"]          # nothing written, no temp files
+
+
+def test_cli_removes_the_manifests_it_no_longer_renders_and_nothing_else(tmp_path):
+    """Rendering again without --job removes the rayjob.yaml an earlier render wrote (`kubectl apply -f
+    OUT` would start that batch job again); files the renderer never writes stay, and are noted."""
+    serve, job = inputs("cpu-small")
+    out = tmp_path / "out"
+    assert _render(serve, out, "--job", str(job)).exit_code == 0
+    assert (out / "rayjob.yaml").is_file()
+    (out / "kustomization.yaml").write_text("resources: []\n")
+    (out / "README").write_text("ours\n")
+    r = _render(serve, out)
+    assert r.exit_code == 0, r.output
+    assert "removed" in r.output and not (out / "rayjob.yaml").exists()
+    assert sorted(p.name for p in out.iterdir()) == sorted([*render_files(serve), "kustomization.yaml", "README"])
+    assert "kustomization.yaml" in r.output                                  # noted: --check reports it
+    (out / "kustomization.yaml").unlink()
+    assert _render(serve, out, "--check").exit_code == 0
+
+
+def test_file_names_are_every_manifest_the_renderer_writes():
+    serve, job = inputs("cpu-small")
+    assert sorted(render_files(serve, job)) == sorted(FILE_NAMES)
 
 
 def test_one_file_drives_serve_and_deploy():

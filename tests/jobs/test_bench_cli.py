@@ -238,3 +238,178 @@ def test_bench_mixed_refuses_a_slowdown_the_serve_config_would_refuse(value):
 
     res = CliRunner().invoke(bench_mixed, ["--offline-slowdown", value])
     assert res.exit_code == 2 and "--offline-slowdown" in res.output and "0 to 1000" in res.output, res.output
+
+
+# ---- every numeric option is checked by click, before any model loads ---------------------------------
+def _no_benchmark(monkeypatch):
+    """Every benchmark's entry point fails the test if reached: a refused option must stop before it."""
+    import bench.decode
+    import bench.job
+    import bench.mixed
+    import bench.prefix
+    import bench.serve
+    import bench.spec
+    import bench.spec_batch
+    import bench.spec_tp
+
+    for module in (bench.decode, bench.job, bench.mixed, bench.prefix, bench.serve, bench.spec, bench.spec_batch,
+                   bench.spec_tp):
+        monkeypatch.setattr(module, "run", lambda *a, _m=module.__name__, **k: pytest.fail(f"{_m}.run was reached"))
+
+
+@pytest.mark.parametrize("command,args,hint", [
+    ("decode", ["--batch-sizes", "a"], "--batch-sizes"), ("decode", ["--batch-sizes", "0"], "--batch-sizes"),
+    ("decode", ["--batch-sizes", "-3"], "--batch-sizes"), ("decode", ["--batch-sizes", "1,8,8"], "--batch-sizes"),
+    ("decode", ["--batch-sizes", "100000"], "--batch-sizes"), ("decode", ["--dtypes", "foo"], "--dtypes"),
+    ("decode", ["--dtypes", "float32,float32"], "--dtypes"), ("decode", ["--threads", "-2"], "--threads"),
+    ("decode", ["--max-tokens", "0"], "--max-tokens"), ("decode", ["--rounds", "0"], "--rounds"),
+    ("spec", ["--batch-sizes", "-1"], "--batch-sizes"), ("spec", ["--per-category", "0"], "--per-category"),
+    ("spec", ["--max-tokens", "0"], "--max-tokens"), ("spec", ["--threads", "0"], "--threads"),
+    ("spec", ["--temperature", "-1"], "--temperature"), ("spec", ["--temperature", "nan"], "--temperature"),
+    ("spec", ["--temperature", "inf"], "--temperature"), ("spec", ["--depth", "0"], "--depth"),
+    ("spec", ["--top-k", "-1"], "--top-k"), ("spec", ["--num-draft-tokens", "0"], "--num-draft-tokens"),
+    ("spec", ["--batch-sizes", "1", "--draft", "random"], "--draft"),
+    ("job", ["--rows", "-1"], "--rows"), ("job", ["--rows", "0"], "--rows"), ("job", ["--rows", "100000"], "--rows"),
+    ("job", ["--max-tokens", "0"], "--max-tokens"), ("job", ["--replicas", "0"], "--replicas"),
+    ("serve", ["--concurrencies", "a"], "--concurrencies"), ("serve", ["--concurrencies", "0,8"], "--concurrencies"),
+    ("serve", ["--concurrencies", ","], "--concurrencies"), ("serve", ["--num-prompts", "0"], "--num-prompts"),
+    ("serve", ["--max-tokens", "-5"], "--max-tokens"), ("serve", ["--threads", "0"], "--threads"),
+    ("mixed", ["--rows", "0"], "--rows"), ("mixed", ["--rows", "100000"], "--rows"),
+    ("mixed", ["--concurrency", "100000"], "--concurrency"), ("mixed", ["--max-num-seqs", "0"], "--max-num-seqs"),
+    ("prefix", ["--rows", "0"], "--rows"), ("prefix", ["--system-tokens", "0"], "--system-tokens"),
+])
+def test_bench_refuses_meaningless_numbers_naming_the_option(command, args, hint, monkeypatch):
+    """`decode --batch-sizes a` was a ValueError traceback, `0` an IndexError, `-3` a "batch -3" row,
+    `--dtypes foo` an AttributeError, `--threads -2` torch's RuntimeError, `--max-tokens 0` a traceback
+    after loading the model; `job --rows -1` wrote 479 rows. Now click refuses each: exit 2, naming it."""
+    from eaglectl.bench import bench
+
+    _no_benchmark(monkeypatch)
+    res = CliRunner().invoke(bench, [command, *args])
+    assert res.exit_code == 2 and isinstance(res.exception, SystemExit), res.output
+    assert hint in res.output, res.output
+
+
+def test_bench_lists_reach_the_benchmarks_parsed(monkeypatch):
+    """One parser for batch sizes and concurrencies: what `bench spec` accepted before still arrives."""
+    import bench.decode
+    import bench.serve
+    import bench.spec_tp
+    from eaglectl.bench import bench as bench_group
+
+    calls = {}
+    for module, name in ((bench.decode, "decode"), (bench.serve, "serve"), (bench.spec_tp, "tp")):
+        monkeypatch.setattr(module, "run", lambda _n=name, **k: calls.setdefault(_n, k))
+    assert CliRunner().invoke(bench_group, ["decode", "--batch-sizes", " 1, 16 ", "--dtypes", "bfloat16"]).exit_code == 0
+    assert calls["decode"]["batch_sizes"] == [1, 16] and calls["decode"]["dtypes"] == ["bfloat16"]
+    assert CliRunner().invoke(bench_group, ["serve", "--concurrencies", "4"]).exit_code == 0
+    assert calls["serve"]["concurrencies"] == (4,)
+    assert CliRunner().invoke(bench_group, ["spec", "--tp-size", "2"]).exit_code == 0
+    assert calls["tp"]["batch_sizes"] == (1, 8)
+
+
+def test_bench_serve_on_an_unreachable_url_says_so(tmp_path):
+    """Not requests' ConnectionError traceback: one line naming --url, before anything loads."""
+    import socket
+
+    with socket.socket() as s:                          # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    from eaglectl.bench import bench_serve
+
+    for url in (f"http://127.0.0.1:{port}", f"127.0.0.1:{port}"):
+        res = CliRunner().invoke(bench_serve, ["--url", url, "--json", str(tmp_path / "serve.json")])
+        assert res.exit_code == 2 and isinstance(res.exception, SystemExit), res.output
+        assert "--url" in res.output and "no answer from" in res.output
+    assert not (tmp_path / "serve.json").exists()
+
+
+def test_bench_serve_on_a_url_that_is_not_an_openai_endpoint_says_so(monkeypatch):
+    import bench.serve as bserve
+
+    class NotOpenAI:
+        def raise_for_status(self):
+            pass
+
+        def json(self):
+            return {"hello": "world"}
+
+    monkeypatch.setattr(bserve.requests, "get", lambda *a, **k: NotOpenAI())
+    with pytest.raises(bserve.EndpointError, match="not an OpenAI-compatible endpoint"):
+        bserve._served_model("http://somewhere")
+
+
+def test_bench_job_input_writes_exactly_the_rows_asked(tmp_path):
+    """`write_input(path, -1)` used to write all but one question (the slice mixed[:-1]), and more rows
+    than questions quietly fewer."""
+    from bench.job import available_rows, write_input
+
+    assert len(write_input(tmp_path / "a.parquet", 3)) == 3
+    ids = write_input(tmp_path / "b.parquet", available_rows())
+    assert len(set(ids)) == available_rows()
+    for rows in (-1, 0, available_rows() + 1):
+        with pytest.raises(ValueError, match="rows must be from 1"):
+            write_input(tmp_path / "c.parquet", rows)
+
+
+def test_bench_job_checks_its_job_settings_before_anything_runs(monkeypatch, tmp_path):
+    """A draft that is no head folder failed the first run's engine; a max_tokens the job config refuses
+    was a pydantic traceback. Both now exit 2 before either run."""
+    import bench.job
+    from eaglectl.bench import bench_job
+
+    monkeypatch.setattr(bench.job, "_variant", lambda *a, **k: pytest.fail("a job ran"))
+    for args, said in ((["--draft", str(tmp_path / "no-head")], "no-head"), (["--max-tokens", str(2**40)], "max_tokens")):
+        res = CliRunner().invoke(bench_job, [*args, "--json", str(tmp_path / "j.json")])
+        assert res.exit_code == 2 and isinstance(res.exception, SystemExit), res.output
+        assert said in res.output, res.output
+
+
+def test_bench_spec_refuses_unknown_methods_before_loading(monkeypatch):
+    import bench.spec as bs
+
+    monkeypatch.setattr(bs, "_runners", lambda *a, **k: pytest.fail("engines were loaded"))
+    res = CliRunner().invoke(bench_spec, ["--methods", "vanilla,dinamic"])
+    assert res.exit_code == 2 and "--methods" in res.output and "dinamic" in res.output, res.output
+
+
+def test_bench_spec_random_head_fits_a_small_vocabulary(tiny_model_dir, tmp_path):
+    """`--draft random` built an 8192-token draft vocabulary whatever the target's: an IndexError on a
+    smaller vocabulary (the tiny model's 320). Now min(8192, the target's), and the head runs."""
+    import json
+
+    import bench.spec as bs
+
+    q = tmp_path / "q.jsonl"
+    q.write_text(json.dumps({"category": "a", "turns": ["Count: 1 2 3 4"]}) + "\n")
+    rep = bs.run(model=str(tiny_model_dir("llama")), prompts_file=q, per_category=1, max_tokens=4, dtype="float32",
+                 draft="random", methods=("vanilla", "dynamic"), json_out=None, warmup=0)
+    assert rep["summary"]["dynamic"]["a"]["tok_s"] > 0
+
+
+# ---- `eaglectl job status|logs|cancel PATH`: what is wrong with the path, in one line --------------------
+def test_job_status_of_a_manifest_that_is_no_object_names_the_file(tmp_path, monkeypatch):
+    """A `_manifest.json` holding a JSON list was `AttributeError: 'list' object has no attribute 'get'`."""
+    from eaglectl.jobs import job
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    out = tmp_path / "run.out"
+    out.mkdir()
+    for text in ("[1, 2]", '"done"'):
+        (out / "_manifest.json").write_text(text)
+        res = CliRunner().invoke(job, ["status", str(out)])
+        assert res.exit_code == 2 and isinstance(res.exception, SystemExit), res.output
+        assert str(out / "_manifest.json") in res.output and "not a job manifest" in res.output
+
+
+def test_job_commands_on_a_plain_file_say_it_is_no_output_folder(tmp_path, monkeypatch):
+    """`job status FILE` said only "needs --address"; the path is a file, not a job's output folder."""
+    from eaglectl.jobs import job
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    f = tmp_path / "rows.parquet"
+    f.write_text("x")
+    for command in ("status", "logs", "cancel"):
+        res = CliRunner().invoke(job, [command, str(f)])
+        assert res.exit_code == 2, res.output
+        assert "is a file, not a job's output folder" in res.output, res.output
