@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -12,7 +13,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def check_device(device: str) -> None:
-    """Refuse a CUDA device on a machine without one, before anything loads."""
+    """Refuse a device this engine does not run on (`cpu`, `cuda`, `cuda:N`), or a CUDA device on a
+    machine without one, before anything loads."""
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", str(device)):
+        raise ValueError(f"device {device!r}: expected cpu, cuda or cuda:N")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device {device!r}: CUDA is not available on this machine")
 

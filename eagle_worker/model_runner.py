@@ -57,6 +57,10 @@ def resolve_model(name: str) -> Path:
     return resolve_model_path(name)
 
 
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [""])[0][:300]
+
+
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Zeros; on a CPU in anonymous memory the kernel zeroes a page at a time when first touched
     (torch.zeros writes every byte up front: about 2 s of an engine's start for the default 1 GiB
@@ -88,7 +92,10 @@ class ModelRunner:
         if self.device.type == "cpu":
             keep_large_allocations()
         self.model_path = resolve_model(config.model)
-        self.hf_config = AutoConfig.from_pretrained(self.model_path)
+        try:
+            self.hf_config = AutoConfig.from_pretrained(self.model_path)
+        except (OSError, ValueError, ArithmeticError) as e:     # garbage, empty, impossible sizes (0 heads)
+            raise ValueError(f"model {config.model!r}: cannot read its config.json: {_first_line(e)}") from None
         self.tokenizer = load_tokenizer(self.model_path)
         self.eos_token_ids = self._eos_token_ids()
         model_cls = model_class_for(self.hf_config)
@@ -97,6 +104,9 @@ class ModelRunner:
         try:
             with torch.device(self.device):
                 self.model = model_cls(self.hf_config)
+        except (ArithmeticError, RuntimeError, ValueError) as e:   # sizes no model can have (0 heads, a negative length)
+            raise ValueError(f"model {config.model!r}: its config.json does not describe a model this engine "
+                             f"can build: {type(e).__name__}: {_first_line(e)}") from None
         finally:
             torch.set_default_dtype(prev_dtype)
         load_weights(self.model, self.model_path)

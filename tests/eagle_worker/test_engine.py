@@ -309,3 +309,24 @@ def test_engine_settings_of_the_wrong_type_or_range_name_the_field(kwargs, needl
 def test_a_kv_cache_larger_than_the_machine_is_a_clear_error(tiny_model_dir):
     with pytest.raises(ValueError, match="cannot allocate .* GiB for the KV cache .* lower kv_cache_gb"):
         LLM(model=str(tiny_model_dir("llama")), kv_cache_gb=1e6)
+
+
+def test_a_model_folder_whose_config_cannot_build_a_model_is_named(tiny_model_dir, tmp_path):
+    import json
+    import shutil
+
+    src = tiny_model_dir("llama")
+    for name, edit, needle in (("garbage", None, "cannot read its config.json"),
+                               ("no-heads", {"num_attention_heads": 0}, "cannot read its config.json"),
+                               ("negative", {"max_position_embeddings": -5}, "does not describe a model")):
+        folder = shutil.copytree(src, tmp_path / name)
+        if edit is None:
+            (folder / "config.json").write_text("not json")
+        else:
+            cfg = json.loads((folder / "config.json").read_text())
+            (folder / "config.json").write_text(json.dumps(cfg | edit))
+        with pytest.raises(ValueError, match=f"model '{re.escape(str(folder))}': .*{needle}"):
+            LLM(model=str(folder))
+    for device in ("bogus", "mps", "meta"):
+        with pytest.raises(ValueError, match="expected cpu, cuda or cuda:N"):
+            EngineConfig(model=str(src), device=device)
