@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, StringConstraints, ValidationError, model_validator
+from pydantic import AfterValidator, Field, StringConstraints, ValidationError, model_validator
 
 from cluster.config import (
     DEPLOY_SECTIONS,
@@ -27,6 +27,18 @@ OBJECT_STORE_SCHEMES = ("s3", "gs", "gcs")       # what `eaglectl submit-job` re
 Name = Annotated[str, StringConstraints(pattern=r"^[a-z]([-a-z0-9]*[a-z0-9])?$", max_length=40)]  # what we create
 Ref = Annotated[str, StringConstraints(pattern=r"^[a-z0-9]([-.a-z0-9]*[a-z0-9])?$", max_length=253)]  # what exists
 Quantity = Annotated[str, StringConstraints(pattern=r"^([0-9]+(\.[0-9]+)?|\.[0-9]+)(m|[KMGTPE]i?)?$")]
+# What Kubernetes itself would refuse at apply time, refused at render time instead:
+def _mount_path(path: str) -> str:
+    if not path.startswith("/") or ".." in path.split("/") or any(c in path for c in ": \t\n"):
+        raise ValueError(f"{path!r} must be an absolute path without '..', ':' or blanks (a container mountPath)")
+    return path
+
+
+MountPath = Annotated[str, AfterValidator(_mount_path)]
+LabelKey = Annotated[str, StringConstraints(
+    pattern=r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")]
+LabelValue = Annotated[str, StringConstraints(pattern=r"^(([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9])?$")]
+EnvName = Annotated[str, StringConstraints(pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")]
 
 
 class SecretRef(StrictModel):
@@ -53,13 +65,13 @@ class WorkerPodConfig(StrictModel):
     resources: PodResources | None = None   # None: sized from the serve config
     min_nodes: int | None = Field(None, ge=0)  # None: from the serve replica bounds
     max_nodes: int | None = Field(None, ge=1)
-    node_selector: dict[str, str] = Field(default_factory=dict)
+    node_selector: dict[LabelKey, LabelValue] = Field(default_factory=dict)
 
 
 class StorageConfig(StrictModel):
     """Weights are mounted (a PVC holding models and EAGLE heads) or downloaded at start, never baked."""
     models_claim: Ref | None = None           # PVC mounted read-only at models_path
-    models_path: str = "/models"
+    models_path: MountPath = "/models"
     download: bool = False                    # fetch hub ids at start (EAGLE_ALLOW_DOWNLOAD=1)
     hf_token_secret: SecretRef | None = None  # HF_TOKEN for gated models
     cache_size: Quantity = "20Gi"             # emptyDir for the HF / built-in model caches
@@ -67,7 +79,7 @@ class StorageConfig(StrictModel):
 
 class DataVolume(StrictModel):
     claim: Ref                                # PVC, ReadWriteMany: the driver and every replica see it
-    path: str = "/data"
+    path: MountPath = "/data"
 
 
 # keys that are credentials: they belong in a Secret, never in the RayJob's plain `env`
@@ -78,7 +90,7 @@ class ObjectStoreConfig(StrictModel):
     """Credentials and settings for s3:// and gs:// input/output, in the job cluster's Ray pods (the
     driver and the replicas), as pyarrow.fs reads them from the environment."""
     credentials_secret: Ref | None = None     # envFrom: every key of this Secret becomes an env var
-    env: dict[str, str] = Field(default_factory=dict)   # not secret: AWS_REGION, AWS_ENDPOINT_URL, ...
+    env: dict[EnvName, str] = Field(default_factory=dict)   # not secret: AWS_REGION, AWS_ENDPOINT_URL, ...
     gcp_key_secret: SecretRef | None = None   # a GCP service-account JSON key: mounted, GOOGLE_APPLICATION_CREDENTIALS
 
     @model_validator(mode="after")
@@ -112,10 +124,10 @@ class KubeConfig(StrictModel):
     """Deployment-only settings: the `kubernetes:` section of the config file."""
     name: Name = "eagle"
     namespace: Name | None = None
-    image: str | None = None                  # None: eagle-serve:<version>-cpu|cuda
+    image: Annotated[str, StringConstraints(pattern=r"^\S+$")] | None = None   # None: eagle-serve:<version>-cpu|cuda
     image_pull_policy: Literal["IfNotPresent", "Always", "Never"] = "IfNotPresent"
     image_pull_secrets: list[Ref] = Field(default_factory=list)
-    ray_version: str = RAY_VERSION
+    ray_version: Annotated[str, StringConstraints(pattern=r"^\d+\.\d+\.\d+$")] = RAY_VERSION
     head: HeadPodConfig = HeadPodConfig()
     workers: WorkerPodConfig = WorkerPodConfig()
     storage: StorageConfig = StorageConfig()
@@ -124,7 +136,7 @@ class KubeConfig(StrictModel):
     idle_timeout_seconds: int = Field(300, ge=0)  # autoscaler v2: idle worker -> removed
     upscaling_mode: Literal["Default", "Aggressive", "Conservative"] = "Default"
     pdb_max_unavailable: int = Field(1, ge=1)
-    env: dict[str, str] = Field(default_factory=dict)
+    env: dict[EnvName, str] = Field(default_factory=dict)
     # Ray token auth on every cluster rendered from this file (KubeRay authOptions): a Secret with key
     # auth_token, shared, so a job's cluster can submit to the RayService's dashboard
     ray_auth_secret: Ref | None = None

@@ -201,6 +201,14 @@ def test_node_bounds_can_be_overridden():
     ({"resources_per_rank": {"cpu": 1, "threads": 8}}, {"workers": {"resources": {"cpu": "4", "memory": "4Gi"}}},
      "throttle"),
     ({}, {"ray_auth_secret": "Bad_Name"}, "ray_auth_secret"),
+    ({}, {"workers": {"node_selector": {"": "x"}}}, "kubernetes.workers.node_selector"),
+    ({}, {"workers": {"node_selector": {"pool": "not a label"}}}, "kubernetes.workers.node_selector.pool"),
+    ({}, {"storage": {"models_path": "models"}}, "models_path: .*absolute path"),
+    ({}, {"storage": {"models_path": "/a/../etc"}}, "models_path: .*without '..'"),
+    ({}, {"ray_version": "../../etc"}, "kubernetes.ray_version"),
+    ({}, {"image": "eagle-serve:1.0\nx"}, "kubernetes.image"),
+    ({}, {"env": {"NOT AN ENV": "1"}}, "kubernetes.env.NOT AN ENV"),
+    ({}, {"workers": {"max_nodes": 2**40}}, "at most 2147483647"),
 ])
 def test_bad_deploy_configs_are_refused(tmp_path, serve, kube, message):
     p = tmp_path / "serve.yaml"
