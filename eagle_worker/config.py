@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from eagle_worker.sampling_params import is_int
 from eagle_worker.speculative.config import SpecConfig, default_spec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -68,8 +69,8 @@ class EngineConfig:
         `enable_prefix_caching="no"`, which Python would read as true)."""
         ints = ("tp_size", "block_size", "max_num_seqs", "max_num_batched_tokens", "seed")
         optional_ints = ("num_kv_blocks", "max_model_len")
-        bad = [n for n in ints if not _int(getattr(self, n))]
-        bad += [n for n in optional_ints if getattr(self, n) is not None and not _int(getattr(self, n))]
+        bad = [n for n in ints if not is_int(getattr(self, n))]
+        bad += [n for n in optional_ints if getattr(self, n) is not None and not is_int(getattr(self, n))]
         bad += [n for n in ("kv_cache_gb",)
                 if isinstance(self.kv_cache_gb, bool) or not isinstance(self.kv_cache_gb, (int, float))]
         bad += [n for n in ("enable_prefix_caching",) if not isinstance(self.enable_prefix_caching, bool)]
@@ -83,6 +84,3 @@ class EngineConfig:
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
-
-def _int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)

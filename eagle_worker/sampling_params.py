@@ -16,13 +16,14 @@ def _number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def _int(x) -> bool:
-    """An integer, not a bool (True is an int to Python, and `max_tokens=True` is a mistake)."""
+def is_int(x) -> bool:
+    """An integer, not a bool (True is an int to Python, and `max_tokens=True` is a mistake); the
+    engine's one check of integer settings (SamplingParams, EngineConfig, SpecConfig)."""
     return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _topn(x) -> bool:
-    return x is None or (_int(x) and 0 <= x <= MAX_LOGPROBS)
+    return x is None or (is_int(x) and 0 <= x <= MAX_LOGPROBS)
 
 
 @dataclass
@@ -49,7 +50,7 @@ class SamplingParams:
             self.stop = [self.stop]
         stop_ok = self.stop is None or (isinstance(self.stop, (list, tuple)) and all(isinstance(x, str) for x in self.stop))
         ids_ok = isinstance(self.stop_token_ids or [], (list, tuple)) and all(
-            _int(t) and t >= 0 for t in self.stop_token_ids or [])
+            is_int(t) and t >= 0 for t in self.stop_token_ids or [])
         if stop_ok:
             self.stop = [x for x in (self.stop or []) if x]
         if ids_ok:
@@ -60,15 +61,15 @@ class SamplingParams:
         checks = [
             (stop_ok, "stop", f"must be a string or a list of strings, got {_short(self.stop)}"),
             (ids_ok, "stop_token_ids", f"must be a list of token ids (integers >= 0), got {_short(self.stop_token_ids)}"),
-            (_int(self.max_tokens) and self.max_tokens > 0, "max_tokens",
+            (is_int(self.max_tokens) and self.max_tokens > 0, "max_tokens",
              f"must be a positive integer, got {self.max_tokens!r}"),
             (_number(self.temperature) and self.temperature >= 0,
              "temperature", f"must be a finite number >= 0, got {self.temperature!r}"),
             (_number(self.top_p) and 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p!r}"),
-            (_int(self.top_k) and (self.top_k >= 0 or self.top_k == -1), "top_k",
+            (is_int(self.top_k) and (self.top_k >= 0 or self.top_k == -1), "top_k",
              f"must be -1 (off) or >= 0, got {self.top_k!r}"),
             (_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p!r}"),
-            (self.seed is None or (_int(self.seed) and 0 <= self.seed < MAX_SEED), "seed",
+            (self.seed is None or (is_int(self.seed) and 0 <= self.seed < MAX_SEED), "seed",
              f"must be an integer in [0, 2**63), got {self.seed!r}"),
             (_topn(self.logprobs), "logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"),
             (_topn(self.prompt_logprobs), "prompt_logprobs",
@@ -80,7 +81,7 @@ class SamplingParams:
             (_number(self.repetition_penalty) and 0 < self.repetition_penalty <= 2, "repetition_penalty",
              f"must be in (0, 2], got {self.repetition_penalty!r}"),
             (self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
-                _int(k) and k >= 0 and _number(v) and -100 <= v <= 100 for k, v in bias.items())),
+                is_int(k) and k >= 0 and _number(v) and -100 <= v <= 100 for k, v in bias.items())),
              "logit_bias", "must map token ids (integers >= 0) to numbers in [-100, 100], "
              f"got {_short(self.logit_bias)}"),
         ]

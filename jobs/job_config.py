@@ -15,14 +15,14 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from cluster.config import SpeculationConfig
+from cluster.config import MAX_COUNT, SpeculationConfig
 from cluster.openai_api import MAX_SEED
 from eagle_worker.engine_api import draft_rules
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 # A count or size beyond a 32-bit int is a typo, and would overflow where it meets arrays (the output's
 # int32 token counts, the engine's tensors): refused with the field's name instead of failing every row.
-Count = Annotated[int, Field(le=2**31 - 1)]
+Count = Annotated[int, Field(le=MAX_COUNT)]
 RESOLVED = {"resolved": True}   # validation context of a config that already passed its edge (the driver's JSON)
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from eagle_worker.sampling_params import is_int
+
 TREES = ("dynamic", "static", "chain")
 # Largest tree sizes accepted (EAGLE-2's published tree is 60 nodes, depth 6, top-k 10): beyond these a
 # step's tree only costs, and a mistyped 10**9 would hang the step or fill memory instead of failing.
@@ -46,7 +48,7 @@ class SpecConfig:
             raise ValueError(f"SpecConfig.tree must be one of {TREES}, got {self.tree!r}")
         for name, most in SPEC_LIMITS.items():
             value = getattr(self, name)
-            if not (isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= most):
+            if not (is_int(value) and 1 <= value <= most):
                 raise ValueError(f"SpecConfig.{name} must be an integer from 1 to {most}, got {value!r}")
 
 
