@@ -112,15 +112,16 @@ HARMLESS = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", 
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     include_usage: bool = False
 
 
 class _SamplingRequest(BaseModel):
     # A field we do not know is refused (400 naming it), never silently ignored; see HARMLESS.
-    # NaN and infinities (Python's JSON reads them) are refused as not finite.
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    # NaN and infinities (Python's JSON reads them) are refused as not finite. Types are strict, as
+    # OpenAI checks them: "4" or true is not an integer, 4.0 is not either; 4 is a float.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -256,7 +257,7 @@ class CompletionRequest(_SamplingRequest):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None

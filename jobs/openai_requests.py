@@ -1,9 +1,10 @@
 """OpenAI Batch input: request lines checked up front (as OpenAI checks a batch file), then turned into rows.
 
 What a request may hold: `custom_id`, `url` (`/v1/chat/completions` or `/v1/completions`), `body`
-with `messages` or `prompt` and the sampling fields below. A body field the job does not honour is
-an error row naming it (never silently ignored); `logprobs` become SamplingParams.logprobs, and
-the row asks the replica to refuse prompt + max_tokens beyond the context, as OpenAI does.
+with `messages` or `prompt` and any field the HTTP server takes, checked by the same request models;
+a body the server would refuse, or a field a batch row cannot honour (`_BATCH_ONLY`), is an error
+row naming it (never silently ignored). The row asks the replica to refuse prompt + max_tokens
+beyond the context, as OpenAI does.
 """
 from __future__ import annotations
 
@@ -11,9 +12,12 @@ import io
 import json
 from typing import Iterator
 
+from pydantic import ValidationError
+
+from cluster import openai_api as oa
 from jobs.id_set import IdSet
 from jobs.input_files import InputError
-from jobs.input_reader import CHAT_URL, COMPLETIONS_URL, OVERRIDES, InputFile, InputPlan, Row, normalize_messages
+from jobs.input_reader import CHAT_URL, COMPLETIONS_URL, InputFile, InputPlan, Row
 
 
 def check_jsonl(f: InputFile, plan: InputPlan, seen: IdSet) -> int:
@@ -56,66 +60,43 @@ def jsonl_rows(f: InputFile, plan: InputPlan) -> Iterator[Row]:
                 yield openai_row(json.loads(line))
 
 
-# OpenAI request body fields a batch job honours, and the ones it accepts without effect on the output
-_BODY_FIELDS = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "n", "logprobs", "top_logprobs",
-                "presence_penalty", "frequency_penalty"} | set(OVERRIDES)
-_BODY_NO_EFFECT = {"user", "metadata", "store", "stream"}
-MAX_LOGPROBS = 20
+# What the HTTP server takes but a batch row cannot be: one completion per row, written whole,
+# without the prompt's own logprobs (the output has no place for them), at offline priority.
+# field -> (the one value a batch row may give it, the error otherwise)
+_BATCH_ONLY = {"n": (1, "n must be 1 in batch jobs (one completion per request)"),
+               "stream": (False, "`stream` is not supported in batch jobs"),
+               "stream_options": (None, "`stream_options` is not supported in batch jobs"),
+               "echo": (False, "`echo` is not supported in batch jobs"),
+               "priority": (1, "priority must be 1 in batch jobs (their rows run at offline priority)")}
+# request fields -> the SamplingParams they set, where the names differ
+_PARAM_OF = {"max_completion_tokens": "max_tokens", "top_logprobs": "logprobs"}
 
 
 def openai_row(rec: dict) -> Row:
+    """A request line as a row. Its body is checked by the HTTP server's own request models
+    (cluster/openai_api.py), so a batch refuses what the server refuses, with the same message; a
+    body without `model` runs on the job's model (as vLLM's run_batch takes it)."""
     body = rec["body"]
-    row = Row(id=rec["custom_id"], model=body.get("model"), strict_max_tokens=True)
-    mt = body.get("max_completion_tokens", body.get("max_tokens"))
-    params = {"max_tokens": mt, **{k: body.get(k) for k in OVERRIDES if k != "max_tokens"},
-              **{k: body.get(k) for k in ("presence_penalty", "frequency_penalty")}}
-    row.params = {k: v for k, v in params.items() if v is not None}
-    unknown = sorted(k for k in body if k not in _BODY_FIELDS | _BODY_NO_EFFECT)
-    if unknown or body.get("stream"):
-        name = unknown[0] if unknown else "stream"
-        row.error, row.error_param = f"`{name}` is not supported in batch jobs", name
+    chat = rec.get("url", CHAT_URL if "messages" in body else COMPLETIONS_URL) == CHAT_URL
+    row = Row(id=rec["custom_id"], chat=chat, strict_max_tokens=True)
+    try:
+        req = (oa.ChatCompletionRequest if chat else oa.CompletionRequest).model_validate({"model": "", **body})
+        row.messages = req.template_messages() if chat else None
+    except ValidationError as e:
+        err = oa.validation_error(e)
+        row.error, row.error_param = err.message, err.param
         return row
-    if body.get("n", 1) != 1:
-        row.error, row.error_param = "n must be 1 in batch jobs (one completion per request)", "n"
+    except ValueError as e:             # a message part that is not text
+        row.error, row.error_param = f"messages: {e}", "messages"
         return row
-    row.error, row.error_param, lp = _logprobs(body, "messages" in body)
-    if row.error:
+    row.model = req.model or None
+    given = req.model_fields_set
+    refused = [f for f, (ok, _) in _BATCH_ONLY.items() if f in given and getattr(req, f) != ok]
+    if refused:
+        row.error, row.error_param = _BATCH_ONLY[refused[0]][1], refused[0]
         return row
-    if lp is not None:
-        row.params["logprobs"] = lp
-    if "messages" in body:
-        row.chat = True
-        row.messages, row.error = normalize_messages(body["messages"])
-    else:
-        p = body["prompt"]
-        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
-            p = p[0]
-        if isinstance(p, str):
-            row.prompt = p
-            row.error = None if p.strip() else "prompt is empty"
-        elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-            row.prompt = p
-        else:
-            row.error = "prompt must be a non-empty string or list of token ids (one prompt per request)"
-    if row.error:
-        row.error_param = "messages" if row.chat else "prompt"
+    wanted = {_PARAM_OF.get(f, f) for f in given}
+    params = req.sampling_params((req.requested_max_tokens if chat else req.max_tokens) or 1)
+    row.params = {k: v for k, v in params.items() if k in wanted and v is not None}
+    row.prompt = None if chat else req.prompt
     return row
-
-
-def _logprobs(body: dict, chat: bool) -> tuple[str | None, str | None, int | None]:
-    """(error, param, top-k for SamplingParams.logprobs) from OpenAI's chat (`logprobs: bool` +
-    `top_logprobs`) or completions (`logprobs: int`) fields."""
-    lp, top = body.get("logprobs"), body.get("top_logprobs")
-    if chat:
-        if lp is not None and not isinstance(lp, bool):
-            return "logprobs must be a boolean in chat completions", "logprobs", None
-        if top is not None and (not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= MAX_LOGPROBS):
-            return f"top_logprobs must be an integer from 0 to {MAX_LOGPROBS}", "top_logprobs", None
-        if top and not lp:
-            return "top_logprobs: needs logprobs set to true", "top_logprobs", None
-        return None, None, (top or 0) if lp else None
-    if top is not None:
-        return "top_logprobs is a chat completions field; completions take `logprobs: <int>`", "top_logprobs", None
-    if lp is not None and (not isinstance(lp, int) or isinstance(lp, bool) or not 0 <= lp <= MAX_LOGPROBS):
-        return f"logprobs must be an integer from 0 to {MAX_LOGPROBS} in completions", "logprobs", None
-    return None, None, lp

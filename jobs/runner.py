@@ -207,10 +207,20 @@ class JobRunner:
         if row.id in self.done_ids:
             self.skipped_done += 1
             return False
+        if row.error is None and row.model is not None and row.model not in self._model_names():
+            row.error, row.error_param = (f"model {row.model!r} does not exist; this job runs {self.cfg.model!r}",
+                                          "model")
+            self._emit(row, {"error": row.error, "error_code": "model_not_found"})
+            return False
         if row.error is not None:
             self._emit(row, {"error": row.error})
             return False
         return True
+
+    def _model_names(self) -> tuple[str, ...]:
+        """What an OpenAI request's `model` may name: the job's model, or the app's served name for it."""
+        served = self.app.engine.get("served_model_name") if self.app is not None else None
+        return (self.cfg.model,) + ((served,) if served else ())
 
     def _unread_rows(self) -> int:
         """Input rows not read yet that may need generating (an estimate: duplicates count too)."""

@@ -35,6 +35,11 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     ({"stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats", ""),
     ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed when stream is true"),
     ({"messages": [{"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}]}, "messages.0.tool_calls", ""),
+    # types as OpenAI checks them, no coercion: a string, a boolean or 4.0 is not an integer
+    ({"max_tokens": "4"}, "max_tokens", "valid integer"), ({"n": True}, "n", "valid integer"),
+    ({"max_completion_tokens": 4.0}, "max_completion_tokens", "valid integer"),
+    ({"temperature": "0.5"}, "temperature", "valid number"), ({"stream": "true"}, "stream", "valid boolean"),
+    ({"stop": ["a", 1]}, "stop", "valid string"), ({"logprobs": 1}, "logprobs", "valid boolean"),
 ])
 def test_chat_fields_refused_by_name(extra, param, needle):
     err = _refusal(oa.ChatCompletionRequest, CHAT | extra)

@@ -102,9 +102,41 @@ def test_openai_batch_rows(tmp_path):
     rows = rows_of(p)
     assert rows[0].messages == [{"role": "user", "content": "hi"}] and rows[0].chat and rows[0].model == "m"
     assert rows[0].params == {"max_tokens": 5, "temperature": 0.2, "seed": 3}
-    assert rows[1].prompt == "once upon" and rows[1].params == {"max_tokens": 4, "stop": "\n"} and not rows[1].chat
-    assert "n must be 1" in rows[2].error and rows[3].error == "prompt is empty"
+    assert rows[1].prompt == "once upon" and rows[1].params == {"max_tokens": 4, "stop": ["\n"]} and not rows[1].chat
+    assert rows[1].model is None                                    # no `model`: the job's
+    assert "n must be 1" in rows[2].error and rows[3].error == "prompt: prompt must not be empty"
     assert JobConfig(input=str(p)).output_format() == "openai-batch"
+
+
+def test_openai_batch_bodies_are_checked_as_the_http_server_checks_them(tmp_path):
+    """One set of rules: a row the server would refuse is an error row with the server's message."""
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    cases = {
+        "temp": ({**chat, "temperature": 3}, "temperature"),
+        "stops": ({**chat, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        "str-int": ({**chat, "max_tokens": "4"}, "max_tokens"),
+        "bool-int": ({**chat, "seed": True}, "seed"),
+        "nan": ({**chat, "top_p": float("nan")}, "top_p"),
+        "model-null": ({**chat, "model": None}, "model"),
+        "role": ({**chat, "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+        "image": ({**chat, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+        "tools": ({**chat, "tools": [{"type": "function"}]}, "tools"),
+        "echo": ({"prompt": "x", "echo": True, "max_tokens": 2}, "echo"),
+        "online": ({**chat, "priority": 0}, "priority"),
+        "stream": ({**chat, "stream": False, "stream_options": {"include_usage": True}}, "stream_options"),
+        "bias": ({**chat, "logit_bias": {"x": 1}}, "logit_bias"),
+    }
+    p = _jsonl(tmp_path / "b.jsonl", [{"custom_id": k, "url": "/v1/completions" if "prompt" in b else
+                                       "/v1/chat/completions", "body": b} for k, (b, _) in cases.items()]
+               + [{"custom_id": "ok", "body": {**chat, "min_p": 0.1, "logit_bias": {"7": -100}, "priority": 1,
+                                               "stop_token_ids": [3], "max_completion_tokens": 9}}])
+    rows = {r.id: r for r in rows_of(p)}
+    for k, (_, param) in cases.items():
+        assert rows[k].error and rows[k].error_param == param, (k, rows[k].error, rows[k].error_param)
+    assert "strict" not in rows["temp"].error and "less than or equal to 2" in rows["temp"].error
+    ok = rows["ok"]
+    assert ok.error is None and ok.params == {"min_p": 0.1, "logit_bias": {7: -100}, "stop_token_ids": [3],
+                                              "max_tokens": 9}
 
 
 @pytest.mark.parametrize("line, needle", [

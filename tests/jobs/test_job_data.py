@@ -253,12 +253,13 @@ def test_openai_batch_unsupported_fields_and_logprobs(tmp_path):
     p = tmp_path / "b.jsonl"
     p.write_text("".join(json.dumps(r) + "\n" for r in reqs))
     rows = {r.id: r for r in iter_rows(open_input(str(p)))}
-    assert rows["tools"].error == "`tools` is not supported in batch jobs" and rows["tools"].error_param == "tools"
+    assert rows["tools"].error == "tools: tool calling is not supported by this server"
+    assert rows["tools"].error_param == "tools"
     assert rows["stream"].error_param == "stream"
     assert rows["lp-chat"].error is None and rows["lp-chat"].params["logprobs"] == 3
     assert "needs logprobs set to true" in rows["lp-bad"].error
     assert rows["lp-cmpl"].error is None and rows["lp-cmpl"].params["logprobs"] == 2
-    assert "from 0 to 20" in rows["lp-cmpl-bad"].error
+    assert rows["lp-cmpl-bad"].error == "logprobs: Input should be less than or equal to 20"
     assert all(r.strict_max_tokens for r in rows.values())
 
 

@@ -89,9 +89,11 @@ def test_job_matches_llm_generate_with_overrides_and_bad_rows(tmp_path, tiny_mod
 def test_openai_batch_jsonl_job(tmp_path, tiny_model, local_ray):
     reqs = [
         {"custom_id": "chat-1", "method": "POST", "url": "/v1/chat/completions",
-         "body": {"model": "tiny", "messages": [{"role": "user", "content": "the fox"}], "max_tokens": 3}},
+         "body": {"model": tiny_model, "messages": [{"role": "user", "content": "the fox"}], "max_tokens": 3}},
         {"custom_id": "cmpl-1", "method": "POST", "url": "/v1/completions",
-         "body": {"model": "tiny", "prompt": "the lazy dog", "max_tokens": 2, "temperature": 0}},
+         "body": {"prompt": "the lazy dog", "max_tokens": 2, "temperature": 0}},
+        {"custom_id": "other-model", "method": "POST", "url": "/v1/completions",
+         "body": {"model": "gpt-4o", "prompt": "the lazy dog", "max_tokens": 2}},
         {"custom_id": "bad-temp", "method": "POST", "url": "/v1/completions",
          "body": {"model": "tiny", "prompt": "x", "temperature": -3}},
         {"custom_id": "bad-n", "method": "POST", "url": "/v1/chat/completions",
@@ -100,16 +102,19 @@ def test_openai_batch_jsonl_job(tmp_path, tiny_model, local_ray):
     inp = tmp_path / "batch.jsonl"
     inp.write_text("".join(json.dumps(r) + "\n" for r in reqs))
     m = run_job(JobConfig(input=str(inp), model=tiny_model, draft="none", chat_template=TEMPLATE, max_tokens=4))
-    assert m["format"] == "openai-batch" and m["rows"] == 4 and m["error_rows"] == 2
+    assert m["format"] == "openai-batch" and m["rows"] == 5 and m["error_rows"] == 3
     lines = [json.loads(x) for p in sorted((tmp_path / "batch.out").glob("part-*.jsonl"))
              for x in p.read_text().splitlines()]
     by = {x["custom_id"]: x for x in lines}
-    assert sorted(by) == sorted(r["custom_id"] for r in reqs) and len(lines) == 4
+    assert sorted(by) == sorted(r["custom_id"] for r in reqs) and len(lines) == 5
     chat = by["chat-1"]["response"]
     assert chat["status_code"] == 200 and chat["body"]["object"] == "chat.completion"
-    assert chat["body"]["model"] == "tiny" and chat["body"]["usage"]["completion_tokens"] <= 3
+    assert chat["body"]["model"] == tiny_model and chat["body"]["usage"]["completion_tokens"] <= 3
     assert isinstance(chat["body"]["choices"][0]["message"]["content"], str)
     assert by["cmpl-1"]["response"]["body"]["object"] == "text_completion"
+    assert by["cmpl-1"]["response"]["body"]["model"] == tiny_model            # no `model`: the job's
+    other = by["other-model"]["response"]["body"]["error"]
+    assert other["code"] == "model_not_found" and other["param"] == "model" and "'gpt-4o' does not exist" in other["message"]
     assert by["bad-temp"]["response"]["status_code"] == 400
     assert "temperature" in by["bad-temp"]["response"]["body"]["error"]["message"]
     assert "n must be 1" in by["bad-n"]["response"]["body"]["error"]["message"]
