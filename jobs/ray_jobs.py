@@ -26,6 +26,7 @@ import time
 import uuid
 from contextlib import contextmanager
 
+from cluster.ray_address import check_listening
 from jobs.job_config import JobConfig
 
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
@@ -65,6 +66,7 @@ def _connect(address: str):
     from ray.job_submission import JobSubmissionClient
 
     try:
+        check_listening(address)
         with _explicit(address):
             return JobSubmissionClient(_dashboard_url(address) or address)
     except AuthenticationError as e:

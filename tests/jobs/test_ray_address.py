@@ -34,6 +34,17 @@ def test_unreachable_dashboard_is_one_line_connection_error():
     assert "\n" not in msg and f"127.0.0.1:{port}" in msg and "head:6379" in msg and "http://head:8265" in msg
 
 
+def test_a_gcs_address_where_nothing_listens_fails_at_once():
+    """Ray's client would wait ~40 s for a GCS that is not there; a refused connect answers now."""
+    import time
+
+    port = free_ports(1)[0]
+    t0 = time.monotonic()
+    with pytest.raises(ConnectionError) as e:
+        ray_jobs.client(f"127.0.0.1:{port}")
+    assert time.monotonic() - t0 < 10 and f"Connection refused at 127.0.0.1:{port}" in str(e.value)
+
+
 def test_malformed_address_is_one_line_connection_error():
     with pytest.raises(ConnectionError) as e:
         ray_jobs.client("no-port-here")
