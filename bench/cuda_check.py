@@ -39,7 +39,7 @@ def _tiny_targets(root: Path) -> dict[str, Path]:
 def _random_head(target: Path, out: Path) -> Path:
     from eagle_worker import LLM
     from eagle_worker.speculative.head_init import new_head
-    from eagle_worker.speculative.head_loader import save_draft_head
+    from eagle_worker.speculative.head_saver import save_draft_head
 
     runner = LLM(model=str(target), draft=None).engine.runner
     save_draft_head(new_head("eagle3", runner.model, runner.hf_config, torch.arange(64)), out)

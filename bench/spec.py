@@ -49,7 +49,7 @@ def _random_head(llm, out: Path, draft_vocab: int = 8192) -> str:
     """A random EAGLE-3 head (accepts ~nothing): measures the cost side while no trained head exists.
     Its draft vocabulary is the target's first `draft_vocab` ids, or all of them in a smaller vocabulary."""
     from eagle_worker.speculative.head_init import new_head
-    from eagle_worker.speculative.head_loader import save_draft_head
+    from eagle_worker.speculative.head_saver import save_draft_head
 
     runner = llm.engine.runner
     ids = torch.arange(min(draft_vocab, runner.model.vocab_size))

@@ -105,7 +105,7 @@ def copying_target(tmp_path_factory):
 
     from eagle_worker import LLM
     from eagle_worker.speculative.head_init import new_head
-    from eagle_worker.speculative.head_loader import save_draft_head
+    from eagle_worker.speculative.head_saver import save_draft_head
 
     torch.manual_seed(0)
     cfg = tiny_config("qwen2")

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from eagle_worker.speculative.head_loader import build_head_like_target, head_config
+from eagle_worker.speculative.head_format import head_config
+from eagle_worker.speculative.head_loader import build_head_like_target
 from eagle_worker.speculative.heads import DraftHead
 
 

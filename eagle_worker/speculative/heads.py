@@ -1,6 +1,6 @@
 """EAGLE draft heads: one decoder layer that drafts in the target's feature space.
 
-Two published families, loaded as they are (see `head_loader.py` for the checkpoint formats):
+Two published families, loaded as they are (see `head_format.py` for the checkpoint formats):
 
 * EAGLE-1/2 (`Eagle1Head`): h = fc(cat(embed(token), feature)) — embedding FIRST, as in
   SafeAILab/EAGLE `cnets1.py` — then a Llama decoder layer without input_layernorm (the feature is

@@ -178,7 +178,7 @@ def build_examples(cfg: PipelineConfig, llm, work: Path, held_s: list[Sample], t
 def _export(head, cfg: PipelineConfig, llm, vocab_ids, out: Path, record: dict) -> None:
     """Published format in the target's serving dtype (bf16 halves the file), plus the record."""
     from eagle_worker.speculative.head_init import new_head
-    from eagle_worker.speculative.head_loader import save_draft_head
+    from eagle_worker.speculative.head_saver import save_draft_head
 
     runner = llm.engine.runner
     pub = new_head(cfg.kind, runner.model, runner.hf_config, vocab_ids if cfg.kind == "eagle3" else None)

@@ -13,7 +13,7 @@ from eagle_worker import LLM, SamplingParams
 from eagle_worker.engine import LLMEngine
 from eagle_worker.speculative.config import SpecConfig
 from eagle_worker.speculative.head_init import new_head
-from eagle_worker.speculative.head_loader import save_draft_head
+from eagle_worker.speculative.head_saver import save_draft_head
 from eagle_worker.speculative.policy import SpecPolicy
 from tests.conftest import assert_no_leaks
 

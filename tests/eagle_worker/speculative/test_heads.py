@@ -12,7 +12,8 @@ import transformers
 
 from eagle_worker.attention import SeqAttention, attention_context, build_context, causal_context
 from eagle_worker.models.registry import model_class_for
-from eagle_worker.speculative.head_loader import load_draft_head, save_draft_head
+from eagle_worker.speculative.head_loader import load_draft_head
+from eagle_worker.speculative.head_saver import save_draft_head
 from eagle_worker.speculative.heads import Eagle1Head, Eagle3Head
 
 V, H, L, DRAFT_V = 128, 64, 8, 48

@@ -12,7 +12,7 @@ from eagle_worker import LLM, SamplingParams
 from eagle_worker.speculative.config import SpecConfig
 from eagle_worker.speculative.draft_tree import DraftTree, StepMode
 from eagle_worker.speculative.head_init import new_head
-from eagle_worker.speculative.head_loader import save_draft_head
+from eagle_worker.speculative.head_saver import save_draft_head
 from eagle_worker.speculative.lookup import NgramIndex, merge_branches, prune_to_best
 from eagle_worker.speculative.step_cost import StepCost
 

@@ -15,7 +15,8 @@ from eagle_worker import LLM, SamplingParams
 from eagle_worker.attention import attention_context, causal_context
 from eagle_worker.speculative.config import SpecConfig
 from eagle_worker.speculative.head_init import new_head
-from eagle_worker.speculative.head_loader import load_draft_head, save_draft_head
+from eagle_worker.speculative.head_loader import load_draft_head
+from eagle_worker.speculative.head_saver import save_draft_head
 from tests.conftest import assert_no_leaks
 
 PROMPTS = ["The quick brown fox", "Question: what is two plus two?\nAnswer:", "def add(a, b):\n", "x"]

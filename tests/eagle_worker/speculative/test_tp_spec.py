@@ -97,7 +97,7 @@ def run_tp2(model: str, jobs: list[dict]) -> dict[str, tuple]:
 def heads_for(target, tmp_path) -> dict[str, str]:
     """A random EAGLE-1 and EAGLE-3 head for `target`, made on one rank."""
     from eagle_worker.speculative.head_init import new_head
-    from eagle_worker.speculative.head_loader import save_draft_head
+    from eagle_worker.speculative.head_saver import save_draft_head
 
     runner = LLM(model=str(target), **KV, draft=None).engine.runner
     paths = {}

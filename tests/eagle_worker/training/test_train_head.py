@@ -56,7 +56,7 @@ def _tau(model_dir, head_dir, prompts):
 def test_train_head_end_to_end_and_resume(sharp_model, data_file, tmp_path):
     from eagle_worker.llm import LLM
     from eagle_worker.speculative.head_init import new_head
-    from eagle_worker.speculative.head_loader import save_draft_head
+    from eagle_worker.speculative.head_saver import save_draft_head
 
     model = sharp_model
     out = tmp_path / "head"
