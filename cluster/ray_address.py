@@ -8,8 +8,12 @@ from __future__ import annotations
 import socket
 
 
+class ClusterUnreachable(ConnectionError):
+    """Nothing answers at the Ray address given."""
+
+
 def check_listening(address: str | None, timeout: float = 5.0) -> None:
-    """OSError naming the address when `host:port` (no scheme) refuses, does not resolve, or does not
+    """ClusterUnreachable naming the address when `host:port` (no scheme) refuses, does not resolve, or does not
     answer within `timeout`; other forms (`auto`, `ray://`, `http://`, None) are left to Ray."""
     host, sep, port = (address or "").strip().rpartition(":")
     if not sep or "://" in address or not port.isdigit() or not host:
@@ -17,6 +21,6 @@ def check_listening(address: str | None, timeout: float = 5.0) -> None:
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
     except TimeoutError:
-        raise OSError(f"no answer from {address} within {timeout:g} s") from None
+        raise ClusterUnreachable(f"no answer from {address} within {timeout:g} s") from None
     except OSError as e:
-        raise OSError(f"{e.strerror or e} at {address}") from None
+        raise ClusterUnreachable(f"{e.strerror or e} at {address}") from None

@@ -27,6 +27,7 @@ from cluster.config import ConfigError, ServeConfig
 from cluster.cpu_threads import engine_env, serve_env
 from cluster.ingress import OpenAIIngress
 from cluster.placement import check_fits
+from cluster.ray_address import check_listening
 from cluster.replica import EngineReplica
 from cluster.router import router_config
 from cluster.signals import on_stop_signals, restore_signals
@@ -151,6 +152,7 @@ def run_serve(config: ServeConfig, address: str | None = None, blocking: bool = 
             raise ConfigError("ingress.direct needs a Ray that `eaglectl serve` starts (no --address or "
                               "RAY_ADDRESS): Serve reads it when its controller starts")
         if not ray.is_initialized():
+            check_listening(address)   # ray.init would retry for minutes where nothing listens
             if address is None:   # a Ray started here: its Serve proxy takes the streaming fast path too
                 os.environ.update(local_ray_env(config))
             ray.init(address=address, namespace="eagle-serve", ignore_reinit_error=True)

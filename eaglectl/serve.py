@@ -32,10 +32,14 @@ def serve(config_path, host, port, address):
         fail(str(e))
     from cluster.config import ConfigError
     from cluster.placement import InsufficientResourcesError
+    from cluster.ray_address import ClusterUnreachable
 
     try:
         run_serve(cfg, address=address, blocking=True)
     except (InsufficientResourcesError, ConfigError) as e:   # a config this cluster cannot run: say why
         fail(str(e))
+    except ClusterUnreachable as e:
+        fail(f"cannot reach the Ray cluster at {address!r}: {e}; --address / RAY_ADDRESS takes host:GCS-port "
+             "(head:6379), ray://head:10001 or auto, and the cluster must be running")
     except RuntimeError as e:    # the app failed to deploy: deploy_app's message carries the replicas' reasons
         fail(f"the app failed to start: {e}")

@@ -301,3 +301,19 @@ def test_eaglectl_serve_validates_its_overrides_before_starting_anything(args, n
 
     res = CliRunner().invoke(serve, args)
     assert res.exit_code == 2 and needle in res.output, res.output
+
+
+def test_eaglectl_serve_at_an_address_where_nothing_listens_fails_at_once(monkeypatch):
+    """ray.init would retry for minutes; the refused connect is the answer, one line, exit 2."""
+    import ray
+    from click.testing import CliRunner
+
+    from eaglectl.serve import serve
+    from tests.ray_cluster import free_ports
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)    # as in a fresh `eaglectl serve` process
+    monkeypatch.setattr(ray, "init", lambda **kw: pytest.fail(f"ray.init reached: {kw}"))
+    port = free_ports(1)[0]
+    res = CliRunner().invoke(serve, ["--address", f"127.0.0.1:{port}"])
+    assert res.exit_code == 2, res.output
+    assert f"cannot reach the Ray cluster at '127.0.0.1:{port}': Connection refused" in res.output
