@@ -227,8 +227,12 @@ class LLMEngine:
     def _output(self, seq: Sequence, error: str | None = None) -> RequestOutput:
         out_ids = seq.output_token_ids
         emitted = seq.num_emitted_tokens
-        delta = seq.text[seq.num_emitted_chars:]
-        seq.num_emitted_tokens, seq.num_emitted_chars = len(out_ids), len(seq.text)
+        shown = len(seq.text)
+        if seq.params.stop and not seq.is_finished:   # a stop string may be completed by later tokens:
+            shown -= max(len(s) for s in seq.params.stop) - 1   # hold back what could be its start
+        shown = max(shown, seq.num_emitted_chars)
+        delta = seq.text[seq.num_emitted_chars:shown]
+        seq.num_emitted_tokens, seq.num_emitted_chars = len(out_ids), shown
         want_lp = seq.params.logprobs is not None
         prompt_lp = None
         if seq.prompt_logprobs is not None and not seq.prompt_logprobs_sent:   # with the first output only

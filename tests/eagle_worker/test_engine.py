@@ -86,6 +86,33 @@ def test_stop_token_ids_stop_strings_and_logprobs(tiny_model_dir):
     assert [x.token_id for x in lp.logprobs] == lp.token_ids and all(x.logprob <= 0 and not x.top for x in lp.logprobs)
 
 
+def _streamed(engine: LLMEngine, prompt: str, params: SamplingParams) -> tuple[list[str], object]:
+    engine.add_request("r", prompt, params)
+    deltas, last = [], None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            deltas.append(out.delta_text)
+            last = out
+    return deltas, last
+
+
+def test_streamed_text_never_runs_past_a_stop_string_that_spans_tokens(tiny_model_dir):
+    """The deltas hold back what could start a stop string, so what a client assembles from the
+    stream is the final text (vLLM's rule), also when the stop string ends in a later token."""
+    llm = LLM(model=str(tiny_model_dir("llama")), block_size=4, num_kv_blocks=256, draft=None)
+    plain = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    deltas, base = _streamed(llm.engine, PROMPTS[1], plain)
+    assert "".join(deltas) == base.text
+    bounds = [sum(len(d) for d in deltas[:i]) for i in range(1, len(deltas))]
+    text = base.text
+    stop = next(text[b - 1: b + 1] for b in bounds if 0 < b < len(text) and text[b - 1: b + 1].strip()
+                and text.index(text[b - 1: b + 1]) == b - 1)                # first seen across a token boundary
+    deltas, out = _streamed(llm.engine, PROMPTS[1], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
+                                                                  stop=[stop, "an unseen longer stop string"]))
+    assert out.finish_reason == "stop" and out.text == text[: text.index(stop)]
+    assert "".join(deltas) == out.text
+
+
 def eos_forcing_model(path, tmp_path, token: int):
     """A copy of the tiny model whose EOS row of the LM head is 1.5x the row of `token`: wherever
     `token` is the greedy choice with a positive logit, EOS now is (its logit is 1.5x that)."""
