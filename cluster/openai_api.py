@@ -155,7 +155,7 @@ class _SamplingRequest(BaseModel):
     @classmethod
     def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (v or {}).items():
-            if not key.strip().isdigit():
+            if not re.fullmatch(r"\s*[0-9]+\s*", key):      # ASCII digits: "²".isdigit() too
                 raise ValueError(f"keys must be token ids as strings (e.g. \"50256\"), got {key!r}")
             if not -100 <= bias <= 100:
                 raise ValueError(f"values must be in [-100, 100], got {bias} for token {key}")

@@ -60,7 +60,7 @@ def _index_files(folder: Path, index_name: str) -> list[Path] | None:
     return files
 
 
-def _safetensors_tensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def safetensors_tensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
     try:
@@ -76,7 +76,7 @@ def _safetensors_tensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
             yield name, tensor
 
 
-def _bin_tensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def bin_tensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
     try:
         try:
             state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
@@ -207,9 +207,9 @@ def load_weights(model: nn.Module, source: str | os.PathLike) -> None:
     with torch.no_grad():
         for file in files:
             if kind == "safetensors":
-                tensors = _safetensors_tensors(file)
+                tensors = safetensors_tensors(file)
             elif kind == "bin":
-                tensors = _bin_tensors(file)
+                tensors = bin_tensors(file)
             else:
                 tensors = _gguf_tensors(file, model)
             for name, tensor in tensors:

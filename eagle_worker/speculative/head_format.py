@@ -35,13 +35,13 @@ Refused in every layout: multi-layer heads (num_hidden_layers > 1 or layers.1.* 
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from eagle_worker.layers.rotary import rope_config
+from eagle_worker.loader import CheckpointError, bin_tensors, checkpoint_files, safetensors_tensors
 from eagle_worker.speculative.heads import HeadConfig, TargetVocab
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -55,33 +55,17 @@ class _NS:
 
 
 def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
-    """model.safetensors / pytorch_model.bin (sharded or not). `.bin` only with weights_only=True."""
-    from safetensors.torch import load_file
-
-    for index, kind in (("model.safetensors.index.json", "st"), ("pytorch_model.bin.index.json", "bin")):
-        if (folder / index).exists():
-            files = sorted(set(json.loads((folder / index).read_text())["weight_map"].values()))
-            break
-    else:
-        files = [p.name for p in sorted(folder.glob("*.safetensors"))]
-        kind = "st"
-        if not files:
-            files, kind = [p.name for p in sorted(folder.glob("pytorch_model*.bin"))], "bin"
-    if not files:
-        raise ValueError(f"draft head {folder}: no model.safetensors or pytorch_model.bin")
-    out: dict[str, torch.Tensor] = {}
-    for f in files:
-        if kind == "st":
-            out.update(load_file(str(folder / f)))
-        else:
-            try:
-                state = torch.load(folder / f, map_location="cpu", weights_only=True)
-            except Exception as e:   # includes pickles that weights_only refuses to run
-                raise ValueError(f"draft head {folder / f}: unreadable with torch.load(weights_only=True): {e}") from e
-            if not isinstance(state, dict):
-                raise ValueError(f"draft head {folder / f} does not hold a state dict")
-            out.update(state)
-    return out
+    """model.safetensors / pytorch_model.bin (sharded or not), read as the target's checkpoints are
+    (eagle_worker/loader.py: `.bin` only with weights_only=True; a corrupt or truncated file is an
+    error naming it)."""
+    try:
+        kind, files = checkpoint_files(folder)
+        if kind == "gguf":
+            raise CheckpointError("no model.safetensors or pytorch_model.bin")
+        read = safetensors_tensors if kind == "safetensors" else bin_tensors
+        return {name: tensor for f in files for name, tensor in read(f)}
+    except CheckpointError as e:
+        raise ValueError(f"draft head {folder}: {e}") from None
 
 
 def normalise_names(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

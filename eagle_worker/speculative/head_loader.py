@@ -119,9 +119,14 @@ def load_draft_head(path: str | Path, target_model: nn.Module, target_hf_config,
     sharded tables)."""
     path = Path(path)
     cfg_file = path / "config.json"
-    if not cfg_file.exists():
+    if not cfg_file.is_file():
         raise ValueError(f"draft head {path}: no config.json")
-    raw = json.loads(cfg_file.read_text())
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except (ValueError, OSError) as e:     # bad JSON, not UTF-8, unreadable
+        raise ValueError(f"draft head {cfg_file}: not a readable JSON file ({e})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"draft head {cfg_file}: expected a JSON object, got {type(raw).__name__}")
     sd = normalise_names(read_state_dict(path))
     if raw.get("speculators_model_type") is not None:
         raw, sd = from_speculators(raw, sd, path)

@@ -40,6 +40,7 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     ({"max_completion_tokens": 4.0}, "max_completion_tokens", "valid integer"),
     ({"temperature": "0.5"}, "temperature", "valid number"), ({"stream": "true"}, "stream", "valid boolean"),
     ({"stop": ["a", 1]}, "stop", "valid string"), ({"logprobs": 1}, "logprobs", "valid boolean"),
+    ({"logit_bias": {"²": 5}}, "logit_bias", "token ids"), ({"logit_bias": {"١٢": 5}}, "logit_bias", "token ids"),
 ])
 def test_chat_fields_refused_by_name(extra, param, needle):
     err = _refusal(oa.ChatCompletionRequest, CHAT | extra)
@@ -48,6 +49,7 @@ def test_chat_fields_refused_by_name(extra, param, needle):
 
 def test_union_members_are_not_named_in_param():
     assert _refusal(oa.CompletionRequest, {"model": "m", "prompt": [1.5]}).param == "prompt"
+    assert _refusal(oa.CompletionRequest, {"model": "m", "prompt": [True, False]}).param == "prompt"   # not ids
     assert _refusal(oa.ChatCompletionRequest, CHAT | {"messages": [{"role": "user", "content": 5}]}).param == \
         "messages.0.content"
 

@@ -64,7 +64,7 @@ def test_sharded_safetensors_are_loaded_one_shard_at_a_time(tmp_path, monkeypatc
     assert len(shards) > 2
 
     opened, active = [], []
-    real = loader_mod._safetensors_tensors
+    real = loader_mod.safetensors_tensors
 
     def tracking(file):
         assert not active, f"{file} opened while {active[0]} is still being read"
@@ -73,7 +73,7 @@ def test_sharded_safetensors_are_loaded_one_shard_at_a_time(tmp_path, monkeypatc
         yield from real(file)
         active.pop()
 
-    monkeypatch.setattr(loader_mod, "_safetensors_tensors", tracking)
+    monkeypatch.setattr(loader_mod, "safetensors_tensors", tracking)
     ours = build(str(tmp_path))
     load_weights(ours, tmp_path)
     assert opened == shards

@@ -457,3 +457,25 @@ def test_auto_head_dtype_is_bf16_under_a_float32_target_only_where_bf16_is_fast(
     assert SpecConfig(draft="default").head_dtype == "target"
     with pytest.raises(ValueError, match="head_dtype"):
         SpecConfig(draft="default", head_dtype="int8")
+
+
+@pytest.mark.parametrize("damage, needle", [
+    (lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:-1]),
+     "corrupted or truncated safetensors file"),
+    (lambda d: (d / "model.safetensors").write_bytes(b"\x05\x00\x00\x00\x00\x00\x00\x00{}"),
+     "corrupted or truncated safetensors file"),
+    (lambda d: (d / "config.json").write_text("[1, 2]"), "config.json: expected a JSON object, got list"),
+    (lambda d: (d / "config.json").write_text("{not json"), "config.json: not a readable JSON file"),
+    (lambda d: (d / "config.json").write_text(""), "config.json: not a readable JSON file"),
+])
+def test_a_damaged_head_folder_is_one_error_naming_the_file(tmp_path, damage, needle):
+    """As the target's loader answers a damaged checkpoint: a ValueError naming the file, never a
+    library's own exception type (eaglectl prints ValueErrors as one line)."""
+    target, tcfg = make_target()
+    cfg3 = cfg_eagle3_llama31_8b()
+    head = write_head(tmp_path / "h", cfg3, eagle3_state(cfg3, torch.float16), "st")
+    load_draft_head(head, target, tcfg)                       # intact: loads
+    damage(head)
+    with pytest.raises(ValueError, match=needle) as e:
+        load_draft_head(head, target, tcfg)
+    assert str(head) in str(e.value)
