@@ -168,6 +168,10 @@ class Limits(StrictModel):
     max_request_body_bytes: int = Field(
         2 * 2**20, ge=1024, description="largest HTTP request body the ingress reads (413 beyond; default 2 MiB)"
     )
+    request_body_timeout_s: float = Field(
+        30.0, ge=1.0, le=3600.0, description="seconds a request body may take to arrive (408 beyond): a client "
+        "that sends headers and stalls does not hold one of the ingress's open-request slots for longer"
+    )
 
     @model_validator(mode="before")
     @classmethod

@@ -11,7 +11,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
-from ray.serve.exceptions import BackPressureError
+from ray.exceptions import TaskCancelledError
+from ray.serve.exceptions import BackPressureError, RequestCancelledError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster import openai_api as oa
@@ -51,6 +52,10 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
 
 @api.exception_handler(Exception)
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    if isinstance(exc, (TaskCancelledError, RequestCancelledError)):   # the client went away: not a bug
+        logger.info("request on %s cancelled: the client disconnected", request.url.path)
+        return JSONResponse(oa.APIError(499, "client closed the request", code="client_closed").body(),
+                            status_code=499)
     logger.exception("unhandled error on %s", request.url.path)
     err = oa.APIError(500, f"internal server error: {type(exc).__name__}: {exc}", type="server_error")
     return JSONResponse(err.body(), status_code=500)
@@ -106,7 +111,8 @@ class OpenAIIngress:
 
     async def _parse(self, request: Request, model_cls):
         self._check_auth(request)
-        body = await oa.read_json_object(request, self.config.limits.max_request_body_bytes)
+        body = await oa.read_json_object(request, self.config.limits.max_request_body_bytes,
+                                         self.config.limits.request_body_timeout_s)
         try:
             req = model_cls.model_validate(body)
         except ValidationError as e:

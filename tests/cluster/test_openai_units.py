@@ -92,12 +92,26 @@ def _read(body: bytes, headers: dict | None = None, cap: int = 10_000):
     (b"{oops", {}, 400, "not valid JSON"),
     (b"\xff{}", {}, 400, "not valid JSON"),
     (b"{}", {"content-type": "application/x-www-form-urlencoded"}, 415, "Content-Type"),
+    (b"\x1f\x8b\x08", {"content-encoding": "gzip"}, 415, "Content-Encoding 'gzip' is not supported"),
 ])
 def test_read_json_object_refusals(body, headers, status, needle):
     with pytest.raises(oa.APIError) as ei:
         _read(body, headers)
     assert ei.value.status == status and needle in ei.value.message
     assert set(ei.value.body()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_a_body_that_stalls_is_a_408_and_frees_its_slot():
+    """Headers, half a body, then nothing: answered after the timeout instead of holding one of the
+    ingress's open-request slots for as long as the client likes (a slow-loris client)."""
+    class Stalled(_Request):
+        async def stream(self):
+            yield b'{"model":'
+            await asyncio.sleep(3600)
+
+    with pytest.raises(oa.APIError) as ei:
+        asyncio.run(oa.read_json_object(Stalled(b""), 10_000, timeout_s=0.2))
+    assert ei.value.status == 408 and ei.value.code == "request_timeout" and "0.2 s" in ei.value.message
 
 
 def test_read_json_object_accepts_json_types():
@@ -202,3 +216,22 @@ def test_replica_merge_keeps_logprobs_and_prompt_logprobs():
     merged = _merge([a, b])
     assert merged.new_token_ids == list(b"de") and merged.delta_text == "de"
     assert [e.token_id for e in merged.new_logprobs] == list(b"de") and merged.prompt_logprobs == a.prompt_logprobs
+
+
+def test_a_client_that_disconnects_is_logged_as_such_not_as_a_server_error(caplog):
+    """Serve cancels a request whose client went away; that is a normal event (an info line), not an
+    unhandled error with a traceback, while a real bug still is one."""
+    from ray.exceptions import TaskCancelledError
+
+    from cluster import ingress
+
+    class Req:
+        class url:
+            path = "/v1/completions"
+
+    caplog.set_level("INFO", logger="cluster.ingress")
+    res = asyncio.run(ingress._unexpected(Req(), TaskCancelledError()))
+    assert res.status_code == 499 and not any(r.exc_info for r in caplog.records)
+    assert "client disconnected" in caplog.text
+    res = asyncio.run(ingress._unexpected(Req(), KeyError("bug")))
+    assert res.status_code == 500 and any(r.exc_info for r in caplog.records if r.levelname == "ERROR")
