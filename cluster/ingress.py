@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from cluster import openai_api as oa
 from cluster.config import ServeConfig
 from cluster.ingress_prompts import IngressPrompts
-from cluster.metrics import ServeMetrics, StatusCounter, note_status, set_active
+from cluster.metrics import CLIENT_CLOSED, ServeMetrics, StatusCounter, note_status, set_active
 from cluster.openai_render import ChatRender, CompletionRender, all_or_none, merge_streams
 from cluster.replica import Failed, Rejected, engine_config
 from cluster.router import (
@@ -54,8 +54,8 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     if isinstance(exc, (TaskCancelledError, RequestCancelledError)):   # the client went away: not a bug
         logger.info("request on %s cancelled: the client disconnected", request.url.path)
-        return JSONResponse(oa.APIError(499, "client closed the request", code="client_closed").body(),
-                            status_code=499)
+        return JSONResponse(oa.APIError(CLIENT_CLOSED, "client closed the request", code="client_closed").body(),
+                            status_code=CLIENT_CLOSED)
     logger.exception("unhandled error on %s", request.url.path)
     err = oa.APIError(500, f"internal server error: {type(exc).__name__}: {exc}", type="server_error")
     return JSONResponse(err.body(), status_code=500)

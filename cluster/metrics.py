@@ -260,7 +260,9 @@ def endpoint_label(path: str) -> str:
 
 class StatusCounter:
     """ASGI middleware (keep it the outermost one): counts each HTTP request in
-    `eagle_requests_total` by its final status, and adds `Retry-After` to 429/503 answers."""
+    `eagle_requests_total` by its final status, adds `Retry-After` to 429/503 answers, and hands the
+    app a client's disconnect as ASGI's `http.disconnect` (Serve's `receive` raises
+    TaskCancelledError instead, which Serve then logs as a failed request with a traceback)."""
 
     def __init__(self, app):
         self.app = app
@@ -284,9 +286,15 @@ class StatusCounter:
                 state["complete"] = True
             await send(message)
 
+        async def receive_or_disconnect():
+            try:
+                return await receive()
+            except TaskCancelledError:
+                return {"type": "http.disconnect"}
+
         status = None
         try:
-            await self.app(scope, receive, counting_send)
+            await self.app(scope, receive_or_disconnect, counting_send)
             status = holder.get("status") or state["status"] or 500
             if state["status"] is not None and not state["complete"]:
                 status = CLIENT_CLOSED       # the body was cut off: the client went away
