@@ -71,6 +71,13 @@ def _unavailable(e: Exception) -> oa.APIError:
     return oa.APIError(503, str(e), type="server_error", code="replica_lost")
 
 
+def _accepted(out: Any) -> Any:
+    """A request's first output, or the 400 of one the engine refused (bad input)."""
+    if isinstance(out, Rejected):
+        raise oa.APIError(400, out.message, param=out.param)
+    return _unless_failed(out)
+
+
 def _unless_failed(out: Any) -> Any:
     """An output, or the 500 of a request the engine failed (its step raised; the replica lives on)."""
     if isinstance(out, Failed):
@@ -137,9 +144,7 @@ class OpenAIIngress:
             raise oa.APIError(500, "the engine returned no output", type="server_error") from None
         except (OverloadedError, ReplicaLostError) as e:
             raise _unavailable(e) from None
-        if isinstance(out, Rejected):
-            raise oa.APIError(400, out.message, param=out.param)
-        return _unless_failed(out)
+        return _accepted(out)
 
     async def _firsts(self, its: list) -> list:
         """Every choice's first output (refusals and overload become HTTP errors before headers go out)."""
@@ -176,7 +181,10 @@ class OpenAIIngress:
         self.metrics.inflight.labels(self.config.model_name).inc()
         status = 500
         try:
-            firsts = await self._firsts(its)
+            # headers wait for the first output of every choice (refusals become HTTP errors), a
+            # stream's only for the first choice: the others join as they start (with n above the
+            # engine's free slots, later choices start as earlier ones finish)
+            firsts = await self._firsts(its) if not req.stream else await self._firsts(its[:1]) + [None] * (req.n - 1)
             ttft = time.monotonic() - t0
             self.metrics.first_token(ttft)
             if not req.stream:
@@ -205,7 +213,7 @@ class OpenAIIngress:
             for chunk in render.head(rid):
                 yield oa.sse(chunk)
             async for i, out in outputs:
-                lasts[i] = out = _unless_failed(out)
+                lasts[i] = out = _unless_failed(out) if lasts[i] is not None else _accepted(out)
                 self.metrics.tokens(len(out.new_token_ids))
                 yield oa.sse(render.chunk(rid, i, out))
             if req.include_usage:

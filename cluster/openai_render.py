@@ -150,14 +150,15 @@ class ChatRender(_Render):
 
 
 async def merge_streams(its: list, firsts: list) -> AsyncIterator[tuple[int, Any]]:
-    """(choice index, output) of n engine streams as they come, each one's `first` output first.
-    Each stream is read by its own task up to its finished (or failed) output; closing this
-    generator stops the readers, so the streams can then be closed (and their requests aborted)."""
+    """(choice index, output) of n engine streams as they come, each one's `first` output first
+    (None: that stream has not started yet; its outputs come as it does). Each stream is read by
+    its own task up to its finished (or failed) output; closing this generator stops the readers,
+    so the streams can then be closed (and their requests aborted)."""
     queue: asyncio.Queue = asyncio.Queue()
 
     async def read(i: int, it, out) -> None:
         try:
-            while getattr(out, "finished", True) is False:
+            while out is None or getattr(out, "finished", True) is False:
                 out = await it.__anext__()
                 queue.put_nowait((i, out))
         except StopAsyncIteration:
@@ -168,7 +169,8 @@ async def merge_streams(its: list, firsts: list) -> AsyncIterator[tuple[int, Any
             queue.put_nowait((i, None))
 
     for i, first in enumerate(firsts):
-        yield i, first
+        if first is not None:
+            yield i, first
     readers = [asyncio.create_task(read(i, it, first)) for i, (it, first) in enumerate(zip(its, firsts))]
     try:
         remaining = len(readers)

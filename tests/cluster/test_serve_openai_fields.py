@@ -289,6 +289,27 @@ def test_abandoned_n_stream_aborts_every_choice(app):
 
     with requests.post(f"{app.url}/v1/completions", stream=True, timeout=60, json={
             "model": MODEL, "prompt": "[slow:0.05] long", "max_tokens": 60, "n": 3, "stream": True}) as r:
-        next(r.iter_lines())
-        assert _replica_stats("fields")["num_running"] == 3
+        lines = r.iter_lines()     # kept: a dropped line iterator closes the connection when collected
+        next(lines)                # the first choice has started; the others join
+        assert wait_for(lambda: _replica_stats("fields")["num_running"] == 3, timeout=5)
     assert wait_for(lambda: _replica_stats("fields")["num_running"] == 0, timeout=5)   # not after ~3 s of steps
+
+
+def test_a_stream_with_more_choices_than_engine_slots_starts_at_once(deploy):
+    """n above max_num_seqs: the later choices start only as earlier ones finish, so a stream that
+    waited for every choice's first token would send nothing until then; it starts with the first."""
+    cfg = ServeConfig(model=MODEL, engine=FAKE, app_name="fields-slots", num_replicas=1,
+                      resources_per_rank={"cpu": 0.25}, limits={"max_model_len": 256, "max_num_seqs": 2})
+    app = deploy(cfg, "/fields-slots")
+    seen = []       # (choice, finish_reason) in arrival order
+    with requests.post(f"{app.url}/v1/completions", stream=True, timeout=60, json={
+            "model": MODEL, "prompt": "[slow:0.05] x", "max_tokens": 20, "n": 4, "stream": True,
+            "ignore_eos": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith(b"data: {"):
+                choice = json.loads(line[6:])["choices"][0]
+                seen.append((choice["index"], choice["finish_reason"]))
+    first_finish = next(k for k, (_, reason) in enumerate(seen) if reason is not None)
+    assert {i for i, _ in seen[:first_finish]} <= {0, 1}      # only the running choices before one ends
+    assert seen[0][1] is None and sorted({i for i, _ in seen}) == [0, 1, 2, 3]
+    assert sum(reason == "length" for _, reason in seen) == 4
