@@ -3,7 +3,7 @@
 A job that runs next to `eaglectl serve` (or a RayService) uses the app's engine replicas instead of
 starting its own: `generate` calls the app's `LLMServer` deployment through a DeploymentHandle, so
 the app's `LoadAwareRouter` places each row (offline rows prefer replicas with headroom, a freed slot
-goes to waiting online requests first) and `cluster.router.stream_outputs` retries a row whose
+goes to waiting online requests first) and `cluster.request_retry.stream_outputs` retries a row whose
 replica died (and refuses a poison row) exactly as for HTTP requests. Rows go at priority 1 (offline):
 the engine schedules priority 0 first and preempts offline rows for online ones.
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any, AsyncIterator
 
 from cluster import backlog
-from cluster.router import stream_outputs
+from cluster.request_retry import stream_outputs
 
 ENGINE_DEPLOYMENT = "LLMServer"
 OFFLINE_PRIORITY = 1
@@ -76,10 +76,10 @@ class AppClient:
                        ) -> AsyncIterator[Any]:
         """The row's outputs as the engine streams them (cumulative: the last one is the result).
 
-        Items are the engine's RequestOutputs, or one `cluster.replica.Rejected` (the engine refused
+        Items are the engine's RequestOutputs, or one `cluster.replica_errors.Rejected` (the engine refused
         the row: an error row) or `Failed` (the engine failed it). A replica dying under the row is
         retried elsewhere, from scratch (outputs restart: keep only the last); raises
-        `cluster.router.PoisonRequestError` when two replicas died under it and `ReplicaLostError`
+        `cluster.request_retry.PoisonRequestError` when two replicas died under it and `ReplicaLostError`
         when no attempt could finish. `messages` (chat rows) are rendered by the replica's template."""
         async for out in stream_outputs(self.handle, request_id, prompt, params, priority, messages,
                                         restartable=True, stream_interval=0):

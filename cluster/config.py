@@ -5,7 +5,8 @@ KubeRay `RayService`) and the KubeRay manifest renderer, so it is light: it impo
 and of the engine only its rule for `draft` settings (through the engine contract), so every reader
 means the same head by `auto`. Load it from YAML with `ServeConfig.from_yaml(path)` (a plain serve file,
 or a deploy file's `serve:` section); a bad file raises `ConfigError` listing every offending field
-as a dotted path (`limits.max_tokens: ...`). `read_yaml` is the one YAML reader of config files.
+as a dotted path (`limits.max_tokens: ...`). Its sections are cluster/config_sections.py; `read_yaml`
+(cluster/config_yaml.py) is the one YAML reader of config files.
 
 Example YAML (every key optional)::
 
@@ -45,184 +46,23 @@ Example YAML (every key optional)::
 from __future__ import annotations
 
 import os
-from enum import Enum
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import Field, ValidationError, model_validator
 
-from eagle_worker.engine_api import SPEC_LIMITS, draft_rules
-
-
-class ConfigError(ValueError):
-    """A config that cannot be served; the message lists each bad field and why."""
-
-
-class PlacementStrategy(str, Enum):
-    PACK = "PACK"                # prefer one node, spill over when it is full
-    STRICT_PACK = "STRICT_PACK"  # all ranks of a replica on one node or not scheduled at all
-
-
-MAX_COUNT = 2**31 - 1     # Kubernetes' int32: a count or size past it is a typo (and fails the CRDs)
-
-
-class StrictModel(BaseModel):
-    # Unknown keys are almost always typos in hand-written YAML: reject them; so are inf/NaN, a YAML
-    # boolean (`yes`, `true`) where a number belongs, which pydantic would read as 1, and counts past int32.
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _plain_numbers(cls, value: Any, info: ValidationInfo) -> Any:
-        kinds = _numeric(cls.model_fields[info.field_name].annotation)
-        if isinstance(value, bool) and kinds:
-            raise ValueError(f"expected a number, got {str(value).lower()}")
-        if isinstance(value, int) and kinds == {int} and value > MAX_COUNT:
-            raise ValueError(f"must be at most {MAX_COUNT}, got {value}")
-        return value
-
-
-def _numeric(annotation: Any) -> set:
-    """The number types of an int or float field (optional or not), where a YAML boolean is a mistake."""
-    args = get_args(annotation) or (annotation,)
-    return set() if bool in args else {a for a in args if a in (int, float)}
-
-
-class AutoscalingConfig(StrictModel):
-    """Ray Serve autoscaling of engine replicas, driven by ongoing requests per replica."""
-
-    min_replicas: int = Field(1, ge=0)
-    max_replicas: int = Field(1, ge=1)
-    initial_replicas: int | None = Field(None, ge=0)
-    target_ongoing_requests: float = Field(16.0, gt=0)
-    upscale_delay_s: float = Field(30.0, ge=0)
-    downscale_delay_s: float = Field(600.0, ge=0)
-    look_back_period_s: float | None = Field(None, gt=0, description="window ongoing requests are averaged "
-                                             "over; None = Serve's default (30 s)")
-    metrics_interval_s: float | None = Field(None, gt=0, description="how often callers report their load to "
-                                             "Serve's controller; None = Serve's default (10 s; "
-                                             "Serve deprecates the field for RAY_SERVE_*_AUTOSCALING_METRIC_PUSH_INTERVAL_S)")
-
-    @model_validator(mode="after")
-    def _bounds(self) -> "AutoscalingConfig":
-        if self.min_replicas > self.max_replicas:
-            raise ValueError(f"min_replicas ({self.min_replicas}) > max_replicas ({self.max_replicas})")
-        if self.initial_replicas is not None and not (
-            self.min_replicas <= self.initial_replicas <= self.max_replicas
-        ):
-            raise ValueError("initial_replicas must lie within [min_replicas, max_replicas]")
-        return self
-
-    def to_serve(self) -> dict[str, Any]:
-        """The `autoscaling_config` dict Ray Serve expects."""
-        out = {
-            "min_replicas": self.min_replicas,
-            "max_replicas": self.max_replicas,
-            "target_ongoing_requests": self.target_ongoing_requests,
-            "upscale_delay_s": self.upscale_delay_s,
-            "downscale_delay_s": self.downscale_delay_s,
-        }
-        for key in ("initial_replicas", "look_back_period_s", "metrics_interval_s"):
-            if getattr(self, key) is not None:
-                out[key] = getattr(self, key)
-        # Serve's rule plus the offline rows jobs still have to send (cluster/autoscale.py)
-        out["policy"] = {"policy_function": "cluster.autoscale:offline_backlog_policy"}
-        return out
-
-
-class RankResources(StrictModel):
-    """Resources one tensor-parallel rank (one process) reserves; CPU may be fractional.
-
-    `cpu` is Ray's logical reservation (how many ranks fit on a node), not the rank's thread count:
-    on CPU devices a rank computes with `threads` torch threads, by default the node's cores divided
-    by the deployment's engine ranks that can share it (cluster/cpu_threads.py): one replica on a
-    machine uses every core."""
-
-    cpu: float = Field(1.0, ge=0)
-    gpu: int = Field(0, ge=0, le=1)
-    threads: int | None = Field(None, ge=1, description="torch threads per rank on CPU; None = the node's "
-                                "cores / the engine ranks that can share the node")
-
-    def bundle(self) -> dict[str, float]:
-        out = {"CPU": self.cpu}
-        if self.gpu:
-            out["GPU"] = float(self.gpu)
-        return out
-
-
-class Limits(StrictModel):
-    """Admission limits: what one request may ask for and how much work a replica queues."""
-
-    max_model_len: int | None = Field(None, ge=16, description="prompt + output tokens; None = engine default")
-    max_tokens: int = Field(1024, ge=1, description="largest max_tokens a request may ask for "
-                            "(default 1024, or max_model_len // 2 when only that is set)")
-    max_num_seqs: int = Field(64, ge=1, description="sequences the engine batches at once")
-    max_num_batched_tokens: int | None = Field(None, ge=1, description="token budget per step; None = engine default")
-    max_queued_requests: int = Field(64, ge=0, description="requests waiting inside one replica")
-    max_router_queue: int = Field(
-        128, ge=1, description="requests waiting in the ingress for a free replica slot (beyond every "
-        "replica's max_num_seqs + max_queued_requests) before 503 with Retry-After"
-    )
-
-    max_request_body_bytes: int = Field(
-        2 * 2**20, ge=1024, description="largest HTTP request body the ingress reads (413 beyond; default 2 MiB)"
-    )
-    request_body_timeout_s: float = Field(
-        30.0, ge=1.0, le=3600.0, description="seconds a request body may take to arrive (408 beyond): a client "
-        "that sends headers and stalls does not hold one of the ingress's open-request slots for longer"
-    )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _default_max_tokens(cls, data: Any) -> Any:
-        """Only max_model_len given: max_tokens defaults to what fits next to a prompt."""
-        if isinstance(data, dict) and data.get("max_model_len") and data.get("max_tokens") is None:
-            try:
-                data = {**data, "max_tokens": max(1, min(1024, int(data["max_model_len"]) // 2))}
-            except (TypeError, ValueError):
-                pass  # the field validator reports the bad max_model_len
-        return data
-
-    @model_validator(mode="after")
-    def _tokens_fit(self) -> "Limits":
-        if self.max_model_len is not None and self.max_tokens >= self.max_model_len:
-            raise ValueError(
-                f"max_tokens ({self.max_tokens}) must be < max_model_len ({self.max_model_len}) "
-                "to leave room for a prompt"
-            )
-        return self
-
-
-class SpeculationConfig(StrictModel):
-    """EAGLE settings beyond `draft` (the engine's SpecConfig); omit for the engine's defaults."""
-
-    tree: Literal["dynamic", "static", "chain"] = "dynamic"
-    depth: int = Field(5, ge=1, le=SPEC_LIMITS["depth"], description="draft levels")
-    top_k: int = Field(8, ge=1, le=SPEC_LIMITS["top_k"], description="dynamic tree: nodes expanded per level")
-    num_draft_tokens: int = Field(16, ge=1, le=SPEC_LIMITS["num_draft_tokens"], description="tree nodes verified per step")
-    adaptive: bool = Field(True, description="size the tree per step from batch size and measured speed")
-    lookup: bool = Field(True, description="also propose prompt-lookup continuations (false: the head alone)")
-    head_dtype: Literal["target", "auto", "float32", "bfloat16", "float16"] = Field(
-        "target", description="the head's dtype: the target's, or auto = bfloat16 under a float32 target where the "
-        "device has bf16 arithmetic (the target verifies every token: the output does not change)")
-
-
-class IngressConfig(StrictModel):
-    """The HTTP front (FastAPI) deployment. It reserves no CPU by default (as Serve's own proxy):
-    a fractional reservation made it unschedulable whenever the replicas reserved every CPU."""
-
-    num_replicas: int = Field(1, ge=1)
-    num_cpus: float = Field(0.0, ge=0)
-    max_ongoing_requests: int = Field(1024, ge=1, description="open HTTP requests per ingress replica")
-    stream_interval: int = Field(1, ge=1, le=1024, description="streamed responses: the first token at once, then "
-                                 "a chunk per this many tokens at most, and the last (vLLM's --stream-interval)")
-    direct: bool = Field(False, description="Ray Serve's direct ingress (experimental in Ray 2.60): the ingress "
-                         "replica serves HTTP on `port` itself, without Serve's proxy, one hop fewer per streamed "
-                         "chunk; only where `eaglectl serve` starts Ray, with one ingress replica")
-    colocate: bool | None = Field(None, description="the ingress and the engine in one process (one deployment, "
-                                  "`LLMServer`): no Ray message per streamed chunk. None (default): where the app "
-                                  "has one engine replica, no autoscaling, one ingress replica reserving no CPU")
+from cluster.config_base import ConfigError, StrictModel, format_validation_error
+from cluster.config_sections import (
+    AutoscalingConfig,
+    IngressConfig,
+    Limits,
+    PlacementStrategy,
+    RankResources,
+    SpeculationConfig,
+)
+from cluster.config_yaml import read_yaml
+from eagle_worker.engine_api import draft_rules
 
 
 class ServeConfig(StrictModel):
@@ -430,49 +270,3 @@ class ServeConfig(StrictModel):
 
 
 DEPLOY_SECTIONS = frozenset({"serve", "kubernetes"})   # the top-level keys of a deploy file
-
-
-def read_yaml(path: str | os.PathLike, empty_ok: bool = False) -> dict[str, Any]:
-    """The one reader of YAML config files (serve, deploy, RayJob): the top-level mapping, or
-    ConfigError naming the file. An empty file is {} when `empty_ok`."""
-    path = Path(path)
-    try:
-        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: invalid YAML: {e}") from None
-    if data is None and empty_ok:
-        return {}
-    if not isinstance(data, dict):
-        got = "an empty file" if data is None else type(data).__name__
-        raise ConfigError(f"{path}: expected a mapping at the top level, got {got}")
-    return data
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """yaml.safe_load, but a key given twice in one mapping is an error: silently keeping the last
-    one hides an edit that did not take."""
-
-    def construct_mapping(self, node, deep=False):
-        seen = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if isinstance(key, (str, int, float, bool)) and key in seen:
-                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
-            seen.add(key)
-        return super().construct_mapping(node, deep=deep)
-
-
-def format_validation_error(err: ValidationError, source: str = "config", what: str = "serve config",
-                            at: str = "") -> str:
-    """One line per problem, with a dotted field path: `config: limits.max_tokens: ...`; `at`
-    prefixes the paths with the section the data came from."""
-    lines = []
-    for e in err.errors():
-        loc = ".".join(str(p) for p in ((at,) if at else ()) + tuple(e["loc"])) or "(top level)"
-        msg = e["msg"].removeprefix("Value error, ")
-        if e["type"] == "extra_forbidden":
-            msg = "unknown field"
-        lines.append(f"{loc}: {msg}")
-    return f"{source}: invalid {what}:\n  " + "\n  ".join(lines)

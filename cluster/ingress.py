@@ -15,19 +15,18 @@ from ray.exceptions import TaskCancelledError
 from ray.serve.exceptions import BackPressureError, RequestCancelledError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cluster import openai_api as oa
+from cluster.admission import Admission, OverloadedError
 from cluster.config import ServeConfig
 from cluster.ingress_prompts import IngressPrompts
 from cluster.metrics import CLIENT_CLOSED, ServeMetrics, StatusCounter, note_status, set_active
+from cluster.openai_body import read_json_object
+from cluster.openai_errors import APIError, context_error, validation_error
 from cluster.openai_render import ChatRender, CompletionRender, all_or_none, merge_streams
-from cluster.replica import Failed, Rejected, engine_config
-from cluster.router import (
-    Admission,
-    OverloadedError,
-    PoisonRequestError,
-    ReplicaLostError,
-    stream_outputs,
-)
+from cluster.openai_requests import ChatCompletionRequest, CompletionRequest
+from cluster.openai_responses import ModelCard, ModelList, new_id, sse
+from cluster.replica import engine_config
+from cluster.replica_errors import Failed, Rejected
+from cluster.request_retry import PoisonRequestError, ReplicaLostError, stream_outputs
 from cluster.router_state import live_replica_stats
 from eagle_worker.engine_api import load_engine_module
 
@@ -35,8 +34,8 @@ logger = logging.getLogger(__name__)
 api = FastAPI(title="eagle-serve", docs_url=None, redoc_url=None)
 
 
-@api.exception_handler(oa.APIError)
-async def _api_error(request: Request, exc: oa.APIError) -> JSONResponse:
+@api.exception_handler(APIError)
+async def _api_error(request: Request, exc: APIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status)
 
 
@@ -46,7 +45,7 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
     message = {404: f"no route {request.url.path}", 405: f"method {request.method} is not allowed on "
                f"{request.url.path}"}.get(exc.status_code, str(exc.detail))
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    err = oa.APIError(exc.status_code, message, type=kind)
+    err = APIError(exc.status_code, message, type=kind)
     return JSONResponse(err.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
 
@@ -54,34 +53,34 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     if isinstance(exc, (TaskCancelledError, RequestCancelledError)):   # the client went away: not a bug
         logger.info("request on %s cancelled: the client disconnected", request.url.path)
-        return JSONResponse(oa.APIError(CLIENT_CLOSED, "client closed the request", code="client_closed").body(),
+        return JSONResponse(APIError(CLIENT_CLOSED, "client closed the request", code="client_closed").body(),
                             status_code=CLIENT_CLOSED)
     logger.exception("unhandled error on %s", request.url.path)
-    err = oa.APIError(500, f"internal server error: {type(exc).__name__}: {exc}", type="server_error")
+    err = APIError(500, f"internal server error: {type(exc).__name__}: {exc}", type="server_error")
     return JSONResponse(err.body(), status_code=500)
 
 
-def _unavailable(e: Exception) -> oa.APIError:
+def _unavailable(e: Exception) -> APIError:
     """503s: a full system (retry later; the status middleware adds Retry-After) or a replica lost
     under the request; 500 for a request two replicas died under (not retried: it may be the cause)."""
     if isinstance(e, OverloadedError):
-        return oa.APIError(503, str(e), type="overloaded_error", code="overloaded")
+        return APIError(503, str(e), type="overloaded_error", code="overloaded")
     if isinstance(e, PoisonRequestError):
-        return oa.APIError(500, str(e), type="server_error", code="replicas_died")
-    return oa.APIError(503, str(e), type="server_error", code="replica_lost")
+        return APIError(500, str(e), type="server_error", code="replicas_died")
+    return APIError(503, str(e), type="server_error", code="replica_lost")
 
 
 def _accepted(out: Any) -> Any:
     """A request's first output, or the 400 of one the engine refused (bad input)."""
     if isinstance(out, Rejected):
-        raise oa.APIError(400, out.message, param=out.param)
+        raise APIError(400, out.message, param=out.param)
     return _unless_failed(out)
 
 
 def _unless_failed(out: Any) -> Any:
     """An output, or the 500 of a request the engine failed (its step raised; the replica lives on)."""
     if isinstance(out, Failed):
-        raise oa.APIError(500, out.message, type="server_error")
+        raise APIError(500, out.message, type="server_error")
     return out
 
 
@@ -92,7 +91,7 @@ api.add_middleware(StatusCounter)
 
 @serve.ingress(api)
 class OpenAIIngress:
-    engine_attempts = 6   # a request whose replica died goes to another (cluster/router.py)
+    engine_attempts = 6   # a request whose replica died goes to another (cluster/request_retry.py)
 
     def __init__(self, config: dict, engine):
         self.config = ServeConfig.from_dict(config)
@@ -113,26 +112,26 @@ class OpenAIIngress:
         header = request.headers.get("authorization", "")
         key = header[7:].strip() if header.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
         if key not in self.api_keys:
-            raise oa.APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+            raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
                               type="authentication_error", code="invalid_api_key")
 
     async def _parse(self, request: Request, model_cls):
         self._check_auth(request)
-        body = await oa.read_json_object(request, self.config.limits.max_request_body_bytes,
+        body = await read_json_object(request, self.config.limits.max_request_body_bytes,
                                          self.config.limits.request_body_timeout_s)
         try:
             req = model_cls.model_validate(body)
         except ValidationError as e:
-            raise oa.validation_error(e) from None
+            raise validation_error(e) from None
         if req.model not in (self.config.model_name, self.config.model):
-            raise oa.APIError(404, f"model {req.model!r} does not exist; this server serves "
+            raise APIError(404, f"model {req.model!r} does not exist; this server serves "
                               f"{self.config.model_name!r}", param="model", code="model_not_found")
         return req
 
     def _max_tokens(self, requested: int | None, default: int) -> int:
         limit = self.config.limits.max_tokens
         if requested is not None and requested > limit:
-            raise oa.APIError(400, f"max_tokens: {requested} exceeds this server's limit of {limit}",
+            raise APIError(400, f"max_tokens: {requested} exceeds this server's limit of {limit}",
                               param="max_tokens")
         return requested if requested is not None else min(default, limit)
 
@@ -141,7 +140,7 @@ class OpenAIIngress:
         try:
             out = await it.__anext__()
         except StopAsyncIteration:
-            raise oa.APIError(500, "the engine returned no output", type="server_error") from None
+            raise APIError(500, "the engine returned no output", type="server_error") from None
         except (OverloadedError, ReplicaLostError) as e:
             raise _unavailable(e) from None
         return _accepted(out)
@@ -168,9 +167,9 @@ class OpenAIIngress:
         t0 = time.monotonic()
         limit = self.admission.offline_limit if req.priority > 0 else self.admission.limit
         if req.n > limit:       # each sample is admitted as a request: more than fit at once would wait forever
-            raise oa.APIError(400, f"n: {req.n} samples are more requests than this server admits at once "
+            raise APIError(400, f"n: {req.n} samples are more requests than this server admits at once "
                               f"({limit})", param="n")
-        rid = oa.new_id(render.prefix)
+        rid = new_id(render.prefix)
         sub_ids = [rid] if req.n == 1 else [f"{rid}-{i}" for i in range(req.n)]
         its = [stream_outputs(self.engine, sub, prompt_ids, req.sampling_params(max_tokens, i), req.priority,
                               restartable=not req.stream, on_retry=self.metrics.retried, admission=self.admission,
@@ -197,7 +196,7 @@ class OpenAIIngress:
             status = 200
             return StreamingResponse(self._sse(its, firsts, rid, req, render, t0, ttft), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
-        except oa.APIError as e:
+        except APIError as e:
             status = e.status
             raise
         finally:
@@ -211,26 +210,26 @@ class OpenAIIngress:
         outputs = merge_streams(its, firsts)
         try:
             for chunk in render.head(rid):
-                yield oa.sse(chunk)
+                yield sse(chunk)
             async for i, out in outputs:
                 lasts[i] = out = _unless_failed(out) if lasts[i] is not None else _accepted(out)
                 self.metrics.tokens(len(out.new_token_ids))
-                yield oa.sse(render.chunk(rid, i, out))
+                yield sse(render.chunk(rid, i, out))
             if req.include_usage:
-                yield oa.sse(render.usage_chunk(rid, lasts))
+                yield sse(render.usage_chunk(rid, lasts))
             for last in lasts:
                 self._finish(last, t0, ttft, count_tokens=False)
         except (ReplicaLostError, OverloadedError) as e:
             err = _unavailable(e)
             note_status(err.status)
-            yield oa.sse(err.body())
-        except oa.APIError as e:
+            yield sse(err.body())
+        except APIError as e:
             note_status(e.status)
-            yield oa.sse(e.body())
+            yield sse(e.body())
         except Exception as e:  # never end a stream silently
             logger.exception("stream %s failed", rid)
             note_status(500)
-            yield oa.sse(oa.APIError(500, f"internal error: {e!r}", type="server_error").body())
+            yield sse(APIError(500, f"internal error: {e!r}", type="server_error").body())
         finally:
             self.metrics.inflight.labels(self.config.model_name).dec()
             await outputs.aclose()   # stops the choices' readers before their streams close
@@ -246,7 +245,7 @@ class OpenAIIngress:
     # ---- routes ------------------------------------------------------------------------------
     @api.post("/v1/completions")
     async def completions(self, request: Request):
-        req = await self._parse(request, oa.CompletionRequest)
+        req = await self._parse(request, CompletionRequest)
         max_tokens = 1 if req.score_only else self._max_tokens(req.max_tokens, default=16)
         ids, text = await self.prompts.completion(req.prompt, self._context(), need_text=req.echo)
         self._fits_context(len(ids), None if req.score_only else req.max_tokens)
@@ -255,11 +254,11 @@ class OpenAIIngress:
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
-        req = await self._parse(request, oa.ChatCompletionRequest)
+        req = await self._parse(request, ChatCompletionRequest)
         try:
             messages = req.template_messages()
         except ValueError as e:
-            raise oa.APIError(400, f"messages: {e}", param="messages") from None
+            raise APIError(400, f"messages: {e}", param="messages") from None
         max_tokens = self._max_tokens(req.requested_max_tokens, default=self.config.limits.max_tokens)
         ids = await self.prompts.chat(messages, self._context())
         self._fits_context(len(ids), req.requested_max_tokens)
@@ -270,7 +269,7 @@ class OpenAIIngress:
         vLLM answer it (without one, generation stops at the context with finish_reason length)."""
         context = self._context()
         if requested and context and prompt_tokens + requested > context:
-            raise oa.APIError(400, oa.context_error(prompt_tokens, requested, context), param="max_tokens",
+            raise APIError(400, context_error(prompt_tokens, requested, context), param="max_tokens",
                               code="context_length_exceeded")
 
     def _context(self) -> int | None:
@@ -312,8 +311,8 @@ class OpenAIIngress:
                 await self._probe_stats(timeout=2)
             except Exception:
                 pass
-        card = oa.ModelCard(id=self.config.model_name, root=self.config.model, max_model_len=self.max_model_len)
-        return JSONResponse(oa.ModelList(data=[card]).model_dump(mode="json"))
+        card = ModelCard(id=self.config.model_name, root=self.config.model, max_model_len=self.max_model_len)
+        return JSONResponse(ModelList(data=[card]).model_dump(mode="json"))
 
     @api.get("/health")
     async def health(self):

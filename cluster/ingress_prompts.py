@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 
-from cluster.openai_api import APIError
+from cluster.openai_errors import APIError
 
 CONTEXT_BOUND = 32768  # tokens assumed for the character check until a replica reports max_model_len
 

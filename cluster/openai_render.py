@@ -11,7 +11,19 @@ from __future__ import annotations
 import asyncio
 from typing import Any, AsyncIterator
 
-from cluster import openai_api as oa
+from cluster.openai_responses import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionMessage,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionResponse,
+    DeltaMessage,
+    Usage,
+    finish_reason,
+    usage,
+)
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf (vLLM reports -9999.0 too)
 
@@ -30,8 +42,8 @@ def _entry(e: Any) -> tuple[float, list[tuple[int, float]]] | None:
     return e.logprob, list(e.top)
 
 
-def _total_usage(outs: list, generated: bool = True) -> oa.Usage:
-    return oa.usage(len(outs[0].prompt_token_ids), sum(len(o.token_ids) for o in outs) if generated else 0)
+def _total_usage(outs: list, generated: bool = True) -> Usage:
+    return usage(len(outs[0].prompt_token_ids), sum(len(o.token_ids) for o in outs) if generated else 0)
 
 
 class _Render:
@@ -46,7 +58,7 @@ class _Render:
 
 class CompletionRender(_Render):
     prefix = "cmpl"
-    response_cls = oa.CompletionResponse
+    response_cls = CompletionResponse
 
     def __init__(self, model: str, prompts, req, prompt_text: str, prompt_ids: list[int]):
         super().__init__(model, prompts, req)
@@ -78,7 +90,7 @@ class CompletionRender(_Render):
             return [], []
         return list(prompt_lps or [None] * len(self.prompt_ids)), list(self.prompt_ids)
 
-    def full(self, rid: str, outs: list, prompt_lps: list | None) -> oa.CompletionResponse:
+    def full(self, rid: str, outs: list, prompt_lps: list | None) -> CompletionResponse:
         choices = []
         for i, out in enumerate(outs):
             logprobs = None
@@ -87,15 +99,15 @@ class CompletionRender(_Render):
                 gen, gen_ids = ([], []) if self.score_only else (list(out.logprobs or []), list(out.token_ids))
                 logprobs, _ = self.logprobs(entries + gen, ids + gen_ids, 0)
             text = (self.prompt_text if self.req.echo else "") + ("" if self.score_only else out.text)
-            choices.append(oa.CompletionChoice(index=i, text=text, logprobs=logprobs,
-                                               finish_reason=oa.finish_reason(out.finish_reason)))
-        return oa.CompletionResponse(id=rid, model=self.model, choices=choices,
+            choices.append(CompletionChoice(index=i, text=text, logprobs=logprobs,
+                                               finish_reason=finish_reason(out.finish_reason)))
+        return CompletionResponse(id=rid, model=self.model, choices=choices,
                                      usage=_total_usage(outs, not self.score_only))
 
     def head(self, rid: str) -> list:
         return []
 
-    def chunk(self, rid: str, i: int, out) -> oa.CompletionResponse:
+    def chunk(self, rid: str, i: int, out) -> CompletionResponse:
         first = i not in self._offsets
         text, logprobs = ("" if self.score_only else out.delta_text), None
         if first and self.req.echo:
@@ -107,14 +119,14 @@ class CompletionRender(_Render):
             logprobs, self._offsets[i] = self.logprobs(entries, ids, self._offsets.get(i, 0))
         else:
             self._offsets[i] = 0
-        choice = oa.CompletionChoice(index=i, text=text, logprobs=logprobs,
-                                     finish_reason=oa.finish_reason(out.finish_reason))
-        return oa.CompletionResponse(id=rid, model=self.model, choices=[choice])
+        choice = CompletionChoice(index=i, text=text, logprobs=logprobs,
+                                     finish_reason=finish_reason(out.finish_reason))
+        return CompletionResponse(id=rid, model=self.model, choices=[choice])
 
 
 class ChatRender(_Render):
     prefix = "chatcmpl"
-    response_cls = oa.ChatCompletionChunk
+    response_cls = ChatCompletionChunk
 
     def logprobs(self, entries: list, token_ids: list[int]) -> dict[str, Any]:
         content = []
@@ -130,23 +142,23 @@ class ChatRender(_Render):
         text = self.prompts.token_text(token_id)
         return {"token": text, "logprob": _lp(logprob), "bytes": list(text.encode("utf-8", errors="replace"))}
 
-    def full(self, rid: str, outs: list, prompt_lps: list | None = None) -> oa.ChatCompletionResponse:
-        choices = [oa.ChatChoice(index=i, message=oa.ChatCompletionMessage(content=out.text),
+    def full(self, rid: str, outs: list, prompt_lps: list | None = None) -> ChatCompletionResponse:
+        choices = [ChatChoice(index=i, message=ChatCompletionMessage(content=out.text),
                                  logprobs=self.logprobs(out.logprobs or [], out.token_ids) if self.want_logprobs else None,
-                                 finish_reason=oa.finish_reason(out.finish_reason))
+                                 finish_reason=finish_reason(out.finish_reason))
                    for i, out in enumerate(outs)]
-        return oa.ChatCompletionResponse(id=rid, model=self.model, choices=choices, usage=_total_usage(outs))
+        return ChatCompletionResponse(id=rid, model=self.model, choices=choices, usage=_total_usage(outs))
 
     def head(self, rid: str) -> list:
-        return [oa.ChatCompletionChunk(id=rid, model=self.model, choices=[
-            oa.ChatChunkChoice(index=i, delta=oa.DeltaMessage(role="assistant", content=""))])
+        return [ChatCompletionChunk(id=rid, model=self.model, choices=[
+            ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
             for i in range(self.req.n)]
 
-    def chunk(self, rid: str, i: int, out) -> oa.ChatCompletionChunk:
-        delta = oa.DeltaMessage(content=out.delta_text if out.delta_text or not out.finished else None)
+    def chunk(self, rid: str, i: int, out) -> ChatCompletionChunk:
+        delta = DeltaMessage(content=out.delta_text if out.delta_text or not out.finished else None)
         logprobs = self.logprobs(getattr(out, "new_logprobs", None) or [], out.new_token_ids) if self.want_logprobs else None
-        return oa.ChatCompletionChunk(id=rid, model=self.model, choices=[
-            oa.ChatChunkChoice(index=i, delta=delta, logprobs=logprobs, finish_reason=oa.finish_reason(out.finish_reason))])
+        return ChatCompletionChunk(id=rid, model=self.model, choices=[
+            ChatChunkChoice(index=i, delta=delta, logprobs=logprobs, finish_reason=finish_reason(out.finish_reason))])
 
 
 async def merge_streams(its: list, firsts: list) -> AsyncIterator[tuple[int, Any]]:

@@ -15,7 +15,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from cluster.config import PlacementStrategy, ServeConfig
+from cluster.config import ServeConfig
+from cluster.config_sections import PlacementStrategy
 
 SKIP_ENV = "EAGLE_SERVE_SKIP_RESOURCE_CHECK"
 KEYS = ("CPU", "GPU")

@@ -26,112 +26,20 @@ import inspect
 import logging
 import os
 import queue
-import re
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from cluster.autoscale import BACKLOG_METRIC
 from cluster.config import ServeConfig
+from cluster.output_stream import OutputStream, merge_outputs, put_all
 from cluster.priority_stats import PriorityStats
+from cluster.replica_errors import EngineDiedError, Failed, Rejected, ReplicaConfigError, guess_param
 from eagle_worker.engine_api import Engine, EngineModule, load_engine_module
 
 logger = logging.getLogger(__name__)
 EXIT_GRACE_S = 1.0  # after an engine crash: time to send the errors out before the process exits
-
-# Fields an engine ValueError may name; used to fill the OpenAI error's `param`.
-_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "stop",
-           "prompt_logprobs", "logprobs", "ignore_eos", "presence_penalty", "frequency_penalty",
-           "repetition_penalty", "logit_bias", "messages", "prompt", "max_model_len")
-
-
-@dataclass
-class Rejected:
-    """The engine refused the request (bad input); maps to HTTP 400."""
-
-    message: str
-    param: str | None = None
-
-
-@dataclass
-class Failed:
-    """The engine failed this request (a step that raised fails its own requests); maps to HTTP 500.
-    Not a replica death, so never resubmitted elsewhere: it would fail there too."""
-
-    message: str
-
-
-class EngineDiedError(RuntimeError):
-    """The replica's engine loop crashed; the request may be retried on another replica."""
-
-
-class ReplicaConfigError(ValueError):
-    """The engine refused the replica's settings (a model or head that is not there or does not
-    fit, a TP size the model cannot split into): a restart cannot fix it, so callers fail the
-    deployment or job at once with this message instead of starting replicas again."""
-
-
-def guess_param(message: str) -> str | None:
-    """The request field an engine error message talks about, if any."""
-    lead = re.match(r"\s*(?:SamplingParams\.)?(\w+)", message)
-    if lead and lead.group(1) in _PARAMS:
-        return "prompt" if lead.group(1) == "max_model_len" else lead.group(1)
-    for name in _PARAMS:
-        if re.search(rf"\b{name}\b", message):
-            return "prompt" if name == "max_model_len" else name
-    return None
-
-
-@dataclass
-class _Stream:
-    """One request's way back to its `submit` generator. The engine thread holds outputs back until
-    one is due (`due`): the first at once (the prompt's ids, an early error), then one per
-    `interval` new tokens (0: none until the last), and the last. Held outputs are merged as they
-    come (each carries the whole output so far: a list of them would grow with the square of its
-    length)."""
-
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-    interval: int = 1
-    held: list = dataclasses.field(default_factory=list)   # engine thread only: at most one output
-    held_tokens: int = 0
-    sent: bool = False
-
-    def due(self, out: Any) -> bool:
-        self.held = [_merge([*self.held, out])]
-        self.held_tokens += len(getattr(out, "new_token_ids", None) or ())
-        if (getattr(out, "finished", True) or not self.sent
-                or (self.interval and self.held_tokens >= self.interval)):
-            self.sent, self.held_tokens = True, 0
-            return True
-        return False
-
-
-def _put_all(deliveries: list[tuple[asyncio.Queue, list]]) -> None:
-    for q, items in deliveries:
-        for item in items:
-            q.put_nowait(item)
-
-
-def _merge(outs: list) -> Any:
-    """Collapse consecutive outputs of one request into one (deltas and their logprobs concatenated;
-    the prompt's logprobs, sent with the first output only, kept)."""
-    if len(outs) == 1 or not dataclasses.is_dataclass(outs[-1]):
-        return outs[-1]
-    extra = {}
-    if hasattr(outs[-1], "new_logprobs"):
-        new = [o.new_logprobs for o in outs]
-        extra["new_logprobs"] = None if all(n is None for n in new) else [e for n in new for e in n or []]
-    if hasattr(outs[-1], "prompt_logprobs"):
-        extra["prompt_logprobs"] = next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), None)
-    return dataclasses.replace(
-        outs[-1],
-        new_token_ids=[t for o in outs for t in o.new_token_ids],
-        delta_text="".join(o.delta_text for o in outs),
-        **extra,
-    )
 
 
 class EngineReplica:
@@ -154,7 +62,7 @@ class EngineReplica:
             self.tp = TPGroup.create(self.config, threads=self.torch_threads)  # rank 0 joins the group here
             self.tp.start_workers()   # ranks 1..n-1 build their shards and wait for rank 0's commands
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, OutputStream] = {}
         self._priority_stats = PriorityStats()    # engine thread only
         self._backlog = None                      # BacklogReader, made on Serve's first autoscaling poll
         self._dead: BaseException | None = None
@@ -204,7 +112,7 @@ class EngineReplica:
             except Exception as e:  # no template, malformed messages, a template's raise_exception()
                 yield Rejected(f"cannot apply the chat template: {e}", "messages")
                 return
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), max(0, int(stream_interval)))
+        stream = OutputStream(asyncio.get_running_loop(), asyncio.Queue(), max(0, int(stream_interval)))
         self._streams[request_id] = stream
         added: concurrent.futures.Future = concurrent.futures.Future()
         self._cmds.put(("add", request_id, prompt, sp, priority, added))
@@ -223,7 +131,7 @@ class EngineReplica:
                 for item in items:
                     if isinstance(item, BaseException):
                         raise item
-                out = _merge(items)
+                out = merge_outputs(items)
                 if out.finished and out.finish_reason == "error":
                     finished = True
                     yield Failed(out.error or "the engine failed this request")
@@ -346,7 +254,7 @@ class EngineReplica:
             for rid in list(self._streams):
                 stream = self._streams.get(rid)
                 if stream is not None:
-                    stream.loop.call_soon_threadsafe(_put_all, [(stream.queue, [*stream.held, err])])
+                    stream.loop.call_soon_threadsafe(put_all, [(stream.queue, [*stream.held, err])])
             if _inside_ray_actor():
                 # Nothing can run here any more; dying now (rather than at the next failed health
                 # check) makes Serve stop routing to us and start a replacement at once.
@@ -390,7 +298,7 @@ class EngineReplica:
                 by_loop.setdefault(stream.loop, []).append((stream.queue, stream.held))
                 stream.held = []
         for loop, deliveries in by_loop.items():
-            loop.call_soon_threadsafe(_put_all, deliveries)
+            loop.call_soon_threadsafe(put_all, deliveries)
 
     def _snapshot_stats(self, step_s: float) -> dict[str, Any]:
         st = dict(self.engine.stats())

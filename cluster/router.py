@@ -22,104 +22,27 @@ router (`offline_deferred`). When every replica is full, a freed slot goes to th
 online request before any offline one; inside a replica the engine schedules by priority too
 (0 = online first) and preempts the least urgent sequence for a more urgent one.
 
-Replica death (`stream_outputs`): if a replica dies (actor gone, engine loop crashed) before any
-token of a request reached the client, the request is transparently re-submitted and Serve
-routes it to a live replica; once tokens were streamed, the client gets a clear `ReplicaLostError`
-instead of a silently restarted (and so duplicated) text.
-
-Poison requests: a request under which two *different* replicas died is not resubmitted again
-(`PoisonRequestError`, HTTP 500): it is most likely what kills them. Only real deaths under the
-request count: the router records which replica each attempt was routed to (`on_request_routed`),
-so the same death seen twice (a retry that lands on the replica that already died, before Serve
-notices) and a replica already seen dead by another request before this attempt was sent do not
-count. A replica a request saw die is skipped by `choose_replicas` until Serve replaces it. Retries
-of requests a replica died under ("suspects") run one per replica (`choose_replicas` and
-`_fulfill_next_pending_request` keep a second suspect off a replica that has one): were one of them
-the poison, the other would otherwise follow it onto the only replica left and die a second time.
-That bookkeeping lives in cluster/router_state.py, which the router and `stream_outputs` share:
-Serve pickles this module's router class by value, with copies of its globals.
-
-Admission (`Admission`): the ingress admits at most `ServeConfig.admission_limit` online engine requests
-at once (every replica's `max_ongoing_requests`, plus `limits.max_router_queue` waiting for a slot);
-beyond that `OverloadedError` (HTTP 503 with Retry-After) at once. Offline requests (priority >= 1)
-have a budget of their own, so batch work never takes the online one. Serve's own caller-side queue
-limit is off (`max_queued_requests: -1`): Serve counts a request as queued until it is routed, so
-a burst well within capacity reached it in the few milliseconds routing takes.
+Replica death and poison requests are `stream_outputs`'s (cluster/request_retry.py); the router
+records where each attempt went (`on_request_routed`) and skips a replica a request saw die until
+Serve replaces it. Retries of requests a replica died under ("suspects") run one per replica
+(`choose_replicas` and `_fulfill_next_pending_request` keep a second suspect off a replica that has
+one): were one of them the poison, the other would otherwise follow it onto the only replica left
+and die a second time. That bookkeeping lives in cluster/router_state.py, which the router and
+`stream_outputs` share: Serve pickles this module's router class by value, with copies of its globals.
+Admission (how many requests the ingress lets in) is cluster/admission.py.
 """
 from __future__ import annotations
 
 import asyncio
-import logging
 import random
 import time
 from collections import defaultdict, deque
-from typing import Any, AsyncIterator, Callable, List, Optional
+from typing import Any, List, Optional
 
-import ray.exceptions
-from ray.serve.exceptions import BackPressureError
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from cluster import router_state as state
 from cluster.prefix_affinity import PrefixMemory, prefer_prefix, prompt_hashes
-from cluster.replica import EngineDiedError, Failed, Rejected
-
-logger = logging.getLogger(__name__)
-
-_DEATH = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, EngineDiedError)
-try:  # Serve raises its own type when a replica goes away mid-call on some paths
-    from ray.serve.exceptions import ReplicaUnavailableError
-
-    _DEATH = _DEATH + (ReplicaUnavailableError,)
-except ImportError:  # pragma: no cover - older Ray
-    pass
-
-
-class OverloadedError(RuntimeError):
-    """Every replica is at capacity and the router queue is full (HTTP 503 with Retry-After)."""
-
-    retry_after_s = 1
-
-
-class ReplicaLostError(RuntimeError):
-    """The replica serving a request died and the request could not be retried (HTTP 503)."""
-
-
-class PoisonRequestError(ReplicaLostError):
-    """Replicas died under this request twice: it is not resubmitted again (HTTP 500)."""
-
-
-class Admission:
-    """At most `limit` online requests in flight through this caller (routed or waiting for a slot),
-    and separately at most `offline_limit` offline ones (priority >= 1), so batch work never uses
-    up what online users are admitted on.
-
-    Serve's caller-side queue limit counts a request as queued until the router has placed it, so
-    a burst far below capacity can hit it; this counts what is really outstanding instead."""
-
-    def __init__(self, limit: int, offline_limit: int | None = None):
-        self.limit, self.in_flight = max(1, int(limit)), 0
-        self.offline_limit, self.offline_in_flight = max(1, int(offline_limit or limit)), 0
-
-    def enter(self, priority: int = 0) -> None:
-        if priority > 0:
-            if self.offline_in_flight >= self.offline_limit:
-                raise OverloadedError(
-                    f"the server is overloaded: {self.offline_in_flight} offline requests in flight, the limit "
-                    f"is {self.offline_limit}; retry later")
-            self.offline_in_flight += 1
-            return
-        if self.in_flight >= self.limit:
-            raise OverloadedError(
-                f"the server is overloaded: {self.in_flight} requests in flight, the limit is {self.limit} "
-                "(every replica at capacity and the queue full); retry later")
-        self.in_flight += 1
-
-    def leave(self, priority: int = 0) -> None:
-        if priority > 0:
-            self.offline_in_flight = max(0, self.offline_in_flight - 1)
-        else:
-            self.in_flight = max(0, self.in_flight - 1)
-
 
 WAIT_S = 0.1   # how often a request with no replica it may use looks again
 PROMISE_TTL_S = 10.0   # an offline request ranked but never routed stops counting against a replica
@@ -364,120 +287,3 @@ def router_config(stats_period_s: float = 1.0, prefix_aware: bool = True) -> dic
         "request_routing_stats_period_s": stats_period_s,
         "request_routing_stats_timeout_s": max(2.0, 2 * stats_period_s),
     }
-
-
-async def stream_outputs(
-    handle,
-    request_id: str,
-    prompt: str | list[int] | None,
-    params: dict[str, Any],
-    priority: int = 0,
-    messages: list[dict] | None = None,
-    *,
-    max_attempts: int = 6,
-    max_deaths: int = 2,
-    retry_backoff_s: float = 0.25,
-    restartable: bool = False,
-    on_retry: Optional[Callable[[BaseException], None]] = None,
-    admission: Optional[Admission] = None,
-    group: Optional[str] = None,
-    stream_interval: int = 1,
-) -> AsyncIterator[Any]:
-    """Outputs of one request from whichever replica Serve picks, surviving replica deaths.
-
-    `restartable=True` (non-streaming callers, who have sent the client nothing yet) also retries
-    after tokens were produced: outputs are cumulative, so the caller just keeps the last one.
-    Raises OverloadedError when the system is full (`admission` full, or Serve's queue),
-    PoisonRequestError once `max_deaths` different replicas died under this request, and
-    ReplicaLostError when it cannot retry (tokens already streamed, or `max_attempts` attempts).
-    `on_retry(error)` is called before each retry (the ingress counts them in /metrics).
-    Requests of one `group` (the n samples of one prompt) prefer the replica a sibling went to, where
-    the engine prefills their shared prompt once. `stream_interval`: the replica's (`EngineReplica.submit`).
-    """
-    if admission is not None:
-        admission.enter(priority)
-    attempts = _attempts(handle, request_id, prompt, params, priority, messages, max_attempts, max_deaths,
-                         retry_backoff_s, restartable, on_retry, group, stream_interval)
-    try:
-        async for out in attempts:
-            yield out
-    finally:
-        try:
-            await attempts.aclose()  # now, not at garbage collection: a consumer that left cancels the call
-        finally:
-            for attempt in range(1, max_attempts):
-                state.suspects.discard(f"{request_id}-retry{attempt}")
-            if admission is not None:
-                admission.leave(priority)
-
-
-async def _attempts(handle, request_id, prompt, params, priority, messages, max_attempts, max_deaths,
-                    retry_backoff_s, restartable, on_retry, group=None, stream_interval=1) -> AsyncIterator[Any]:
-    tokens_seen = 0
-    deaths: dict[str, BaseException] = {}   # replica -> how it died under this request
-    last: BaseException | None = None
-    for attempt in range(max_attempts):
-        rid = request_id if attempt == 0 else f"{request_id}-retry{attempt}"
-        if group is not None:
-            state.groups[rid] = group
-        gen = None
-        sent_at = time.monotonic()
-        try:  # a full router queue raises BackPressureError already from `.remote()`
-            gen = handle.options(stream=True).submit.remote(rid, prompt, params, priority=priority, messages=messages,
-                                                              stream_interval=stream_interval)
-            async for out in gen:
-                if not isinstance(out, (Rejected, Failed)):
-                    tokens_seen += len(out.new_token_ids)
-                yield out
-            return
-        except (GeneratorExit, asyncio.CancelledError):  # consumer left (client disconnect): stop the work
-            if gen is not None:
-                gen.cancel()
-            raise
-        except BackPressureError as e:
-            raise OverloadedError(
-                "the server is overloaded: every replica is at capacity and the queue is full; retry later"
-            ) from e
-        except _DEATH as e:
-            last = e
-            replica = state.routed.get(rid)
-            if replica is None:                  # not routed by a LoadAwareRouter here: count every death
-                deaths[f"attempt-{attempt}"] = e
-            elif state.replica_key(replica) not in deaths and not state.seen_dead(replica, before=sent_at):
-                deaths[state.replica_key(replica)] = e   # died while this request was on it
-            if replica is not None and not isinstance(e, ray.exceptions.ActorUnavailableError):
-                state.mark_dead(replica)   # (unavailable may be a blip: Serve probes those itself)
-            if tokens_seen and not restartable:
-                raise ReplicaLostError(
-                    f"the replica serving this request died after {tokens_seen} tokens were streamed; "
-                    "the partial response cannot be resumed, please retry the request"
-                ) from e
-            if len(deaths) >= max_deaths:
-                raise PoisonRequestError(
-                    f"request {request_id} was not retried again: {len(deaths)} replicas died while serving it "
-                    f"(the last: {_describe(e)}); it may be what crashes them"
-                ) from e
-            if attempt + 1 < max_attempts:
-                state.suspects.add(f"{request_id}-retry{attempt + 1}")
-                if on_retry is not None:
-                    on_retry(e)
-                logger.warning("request %s: replica failed (%s); retrying (attempt %d/%d)",
-                               request_id, type(e).__name__, attempt + 2, max_attempts)
-                await asyncio.sleep(min(retry_backoff_s * 2**attempt, 2.0))  # let Serve catch up
-            tokens_seen = 0
-        finally:
-            state.routed.pop(rid, None)
-            state.leave_group(rid)
-            state.suspects.discard(rid)
-            state.deferred.discard(rid)
-    tries = f"{max_attempts} attempt{'s' if max_attempts != 1 else ''}"
-    raise ReplicaLostError(f"request {request_id}: {tries} failed, the last with "
-                           f"{_describe(last) if last else 'no replica'}; giving up")
-
-
-def _describe(e: BaseException) -> str:
-    """`Type: first line` of the error, unwrapped from Ray's RayTaskError."""
-    cause = getattr(e, "cause", None)
-    e = cause if isinstance(cause, BaseException) else e
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__

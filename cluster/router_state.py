@@ -1,4 +1,5 @@
-"""State the request router shares with `stream_outputs` in the caller's process (cluster/router.py).
+"""State the request router (cluster/router.py) shares with `stream_outputs` (cluster/request_retry.py)
+in the caller's process.
 
 Its own module because Serve pickles the request-router class *by value* (with its module's globals
 copied) when the deployment is created: state kept in cluster/router.py would exist twice in the

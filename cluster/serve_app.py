@@ -23,7 +23,8 @@ from typing import Any
 from ray import serve
 
 from cluster.colocated import ColocatedServer
-from cluster.config import ConfigError, ServeConfig
+from cluster.config import ServeConfig
+from cluster.config_base import ConfigError
 from cluster.cpu_threads import engine_env, serve_env
 from cluster.ingress import OpenAIIngress
 from cluster.placement import check_fits
@@ -42,7 +43,7 @@ def engine_deployment_options(config: ServeConfig) -> dict[str, Any]:
     opts: dict[str, Any] = dict(
         name="LLMServer",
         max_ongoing_requests=config.llm_server_max_ongoing,
-        max_queued_requests=-1,   # the ingress's Admission bounds what waits (see cluster/router.py)
+        max_queued_requests=-1,   # the ingress's Admission bounds what waits (see cluster/admission.py)
         request_router_config=router_config(prefix_aware=config.enable_prefix_caching),
         health_check_period_s=2.0,
         health_check_timeout_s=60.0,

@@ -9,15 +9,10 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field, StringConstraints, ValidationError, model_validator
 
-from cluster.config import (
-    DEPLOY_SECTIONS,
-    ConfigError,
-    PlacementStrategy,
-    ServeConfig,
-    StrictModel,
-    format_validation_error,
-    read_yaml,
-)
+from cluster.config import DEPLOY_SECTIONS, ServeConfig
+from cluster.config_base import ConfigError, StrictModel, format_validation_error
+from cluster.config_sections import PlacementStrategy
+from cluster.config_yaml import read_yaml
 
 RAY_VERSION = "2.60.0"          # must equal the Ray in the image (deploy/Dockerfile.* ARG RAY_VERSION)
 IMAGE_VERSION = "0.1.0"         # tag of the images the README builds

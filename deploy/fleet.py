@@ -20,7 +20,7 @@ from __future__ import annotations
 import shlex
 from typing import Any
 
-from cluster.config import ConfigError
+from cluster.config_base import ConfigError
 from deploy.deploy_config import DeployConfig, PodResources, RayJobConfig, reachable
 from deploy.kuberay import _labels, _meta, _pod, _probe, _resources, _submitter_pod, auth_options
 from jobs.job_config import OWN_REPLICA_FLAGS, submit_job_args_error

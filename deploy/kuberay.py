@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from cluster.config import ConfigError
+from cluster.config_base import ConfigError
 from cluster.cpu_threads import SERVE_STREAMING_ENV
 from deploy.deploy_config import GPU_PRODUCT_LABEL, DeployConfig, JobData, PodResources, RayJobConfig
 from jobs.job_config import submit_job_args_error

@@ -26,7 +26,7 @@ def render_cmd(config, job, out, check) -> None:
     A manifest rendered earlier and not now (rayjob.yaml without --job) is removed, so `kubectl apply
     -f OUT` never applies a stale one; other files in OUT are left alone (--check reports other YAML).
     """
-    from cluster.config import ConfigError
+    from cluster.config_base import ConfigError
     from deploy.kuberay import FILE_NAMES, render_files
 
     try:

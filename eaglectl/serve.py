@@ -30,7 +30,7 @@ def serve(config_path, host, port, address):
             cfg.check_draft_here()
     except ValueError as e:
         fail(str(e))
-    from cluster.config import ConfigError
+    from cluster.config_base import ConfigError
     from cluster.placement import InsufficientResourcesError
     from cluster.ray_address import ClusterUnreachable
 

@@ -36,8 +36,8 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
-from cluster.openai_api import context_error
-from cluster.replica import Failed, Rejected
+from cluster.openai_errors import context_error
+from cluster.replica_errors import Failed, Rejected
 from jobs.input_reader import Row
 from jobs.job_config import JobConfig
 from jobs.openai_batch import openai_logprobs
@@ -152,7 +152,8 @@ class AppPool:
 
     async def _generate(self, rid: str, prompt, params: dict, messages, check_context: bool) -> dict:
         """The whole result of one row (what JobReplica.generate returns on own replicas)."""
-        from cluster.router import OverloadedError, PoisonRequestError, ReplicaLostError
+        from cluster.admission import OverloadedError
+        from cluster.request_retry import PoisonRequestError, ReplicaLostError
 
         last = None
         max_len = self.engine.get("max_model_len")

@@ -15,8 +15,9 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from cluster.config import MAX_COUNT, SpeculationConfig
-from cluster.openai_api import MAX_SEED
+from cluster.config_base import MAX_COUNT
+from cluster.config_sections import SpeculationConfig
+from cluster.openai_requests import MAX_SEED
 from eagle_worker.engine_api import draft_rules
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")

@@ -14,7 +14,8 @@ from typing import Iterator
 
 from pydantic import ValidationError
 
-from cluster import openai_api as oa
+from cluster.openai_errors import validation_error
+from cluster.openai_requests import ChatCompletionRequest, CompletionRequest
 from jobs.id_set import IdSet
 from jobs.input_files import InputError
 from jobs.input_reader import CHAT_URL, COMPLETIONS_URL, InputFile, InputPlan, Row
@@ -74,16 +75,16 @@ _PARAM_OF = {"max_completion_tokens": "max_tokens", "top_logprobs": "logprobs"}
 
 def openai_row(rec: dict) -> Row:
     """A request line as a row. Its body is checked by the HTTP server's own request models
-    (cluster/openai_api.py), so a batch refuses what the server refuses, with the same message; a
+    (cluster/openai_requests.py), so a batch refuses what the server refuses, with the same message; a
     body without `model` runs on the job's model (as vLLM's run_batch takes it)."""
     body = rec["body"]
     chat = rec.get("url", CHAT_URL if "messages" in body else COMPLETIONS_URL) == CHAT_URL
     row = Row(id=rec["custom_id"], chat=chat, strict_max_tokens=True)
     try:
-        req = (oa.ChatCompletionRequest if chat else oa.CompletionRequest).model_validate({"model": "", **body})
+        req = (ChatCompletionRequest if chat else CompletionRequest).model_validate({"model": "", **body})
         row.messages = req.template_messages() if chat else None
     except ValidationError as e:
-        err = oa.validation_error(e)
+        err = validation_error(e)
         row.error, row.error_param = err.message, err.param
         return row
     except ValueError as e:             # a message part that is not text

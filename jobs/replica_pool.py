@@ -25,10 +25,12 @@ from typing import Any
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
 
-from cluster.config import Limits, RankResources, ServeConfig
+from cluster.config import ServeConfig
+from cluster.config_sections import Limits, RankResources
 from cluster.cpu_threads import engine_env
-from cluster.openai_api import context_error
-from cluster.replica import EngineDiedError, EngineReplica, Failed, Rejected, ReplicaConfigError
+from cluster.openai_errors import context_error
+from cluster.replica import EngineReplica
+from cluster.replica_errors import EngineDiedError, Failed, Rejected, ReplicaConfigError
 from jobs.input_reader import Row
 from jobs.job_config import JobConfig
 from jobs.openai_batch import openai_logprobs

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from cluster.config import ConfigError, ServeConfig
+from cluster.config import ServeConfig
+from cluster.config_base import ConfigError
 from cluster.cpu_threads import engine_env, serve_env
 from cluster.serve_app import app_builder, engine_deployment_options
 

@@ -13,7 +13,8 @@ import psutil
 import pytest
 from pydantic import ValidationError
 
-from cluster.config import ConfigError, ServeConfig
+from cluster.config import ServeConfig
+from cluster.config_base import ConfigError
 from tests.cluster.conftest import FAKE, REPO, _free_port, server_up
 from tests.cluster.test_serve_cores import _env
 

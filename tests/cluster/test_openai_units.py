@@ -7,17 +7,19 @@ import asyncio
 import pytest
 from pydantic import ValidationError
 
-from cluster import openai_api as oa
 from cluster.ingress_prompts import IngressPrompts
+from cluster.openai_body import read_json_object
+from cluster.openai_errors import APIError, validation_error
 from cluster.openai_render import ChatRender, CompletionRender, merge_streams
-from cluster.replica import _merge
+from cluster.openai_requests import HARMLESS, ChatCompletionRequest, CompletionRequest
+from cluster.output_stream import merge_outputs
 from tests.cluster.fake_engine import PromptTokenizer, RequestOutput, TokenLogprob
 
 
-def _refusal(model, body: dict) -> oa.APIError:
+def _refusal(model, body: dict) -> APIError:
     with pytest.raises(ValidationError) as ei:
         model.model_validate(body)
-    return oa.validation_error(ei.value)
+    return validation_error(ei.value)
 
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -43,32 +45,32 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     ({"logit_bias": {"²": 5}}, "logit_bias", "token ids"), ({"logit_bias": {"١٢": 5}}, "logit_bias", "token ids"),
 ])
 def test_chat_fields_refused_by_name(extra, param, needle):
-    err = _refusal(oa.ChatCompletionRequest, CHAT | extra)
+    err = _refusal(ChatCompletionRequest, CHAT | extra)
     assert err.status == 400 and err.param == param and needle in err.message, err.message
 
 
 def test_union_members_are_not_named_in_param():
-    assert _refusal(oa.CompletionRequest, {"model": "m", "prompt": [1.5]}).param == "prompt"
-    assert _refusal(oa.CompletionRequest, {"model": "m", "prompt": [True, False]}).param == "prompt"   # not ids
-    assert _refusal(oa.ChatCompletionRequest, CHAT | {"messages": [{"role": "user", "content": 5}]}).param == \
+    assert _refusal(CompletionRequest, {"model": "m", "prompt": [1.5]}).param == "prompt"
+    assert _refusal(CompletionRequest, {"model": "m", "prompt": [True, False]}).param == "prompt"   # not ids
+    assert _refusal(ChatCompletionRequest, CHAT | {"messages": [{"role": "user", "content": 5}]}).param == \
         "messages.0.content"
 
 
 def test_accepted_fields_and_engine_params():
-    req = oa.ChatCompletionRequest.model_validate(CHAT | {
+    req = ChatCompletionRequest.model_validate(CHAT | {
         "user": "u", "metadata": {"a": "b"}, "store": False, "response_format": {"type": "text"}, "tool_choice": "none",
         "tools": [], "logprobs": True, "top_logprobs": 3, "n": 2, "seed": 2**63 - 1,
         "messages": [{"role": "assistant", "content": "x", "refusal": None, "tool_calls": None, "audio": None}]})
-    assert set(oa.HARMLESS) <= set(oa.CompletionRequest.model_fields) & set(oa.ChatCompletionRequest.model_fields)
+    assert set(HARMLESS) <= set(CompletionRequest.model_fields) & set(ChatCompletionRequest.model_fields)
     params = req.sampling_params(8, sample=1)
     assert params["seed"] == 0 and params["logprobs"] == 3   # seed + i wraps inside [0, 2**63)
     assert "presence_penalty" not in params and "logit_bias" not in params   # defaults are not sent
-    comp = oa.CompletionRequest.model_validate({"model": "m", "prompt": "x", "echo": True, "logprobs": 2,
+    comp = CompletionRequest.model_validate({"model": "m", "prompt": "x", "echo": True, "logprobs": 2,
                                                 "logit_bias": {"7": -5}, "frequency_penalty": 0.5})
     params = comp.sampling_params(4)
     assert params["prompt_logprobs"] == 2 and params["logit_bias"] == {7: -5.0} and params["frequency_penalty"] == 0.5
     with pytest.raises(ValidationError):
-        oa.CompletionRequest.model_validate({"model": "m", "prompt": "x", "num_logprobs": 3})  # not a field
+        CompletionRequest.model_validate({"model": "m", "prompt": "x", "num_logprobs": 3})  # not a field
 
 
 class _Request:
@@ -81,7 +83,7 @@ class _Request:
 
 
 def _read(body: bytes, headers: dict | None = None, cap: int = 10_000):
-    return asyncio.run(oa.read_json_object(_Request(body, headers), cap))
+    return asyncio.run(read_json_object(_Request(body, headers), cap))
 
 
 @pytest.mark.parametrize("body,headers,status,needle", [
@@ -95,7 +97,7 @@ def _read(body: bytes, headers: dict | None = None, cap: int = 10_000):
     (b"\x1f\x8b\x08", {"content-encoding": "gzip"}, 415, "Content-Encoding 'gzip' is not supported"),
 ])
 def test_read_json_object_refusals(body, headers, status, needle):
-    with pytest.raises(oa.APIError) as ei:
+    with pytest.raises(APIError) as ei:
         _read(body, headers)
     assert ei.value.status == status and needle in ei.value.message
     assert set(ei.value.body()["error"]) == {"message", "type", "param", "code"}
@@ -109,8 +111,8 @@ def test_a_body_that_stalls_is_a_408_and_frees_its_slot():
             yield b'{"model":'
             await asyncio.sleep(3600)
 
-    with pytest.raises(oa.APIError) as ei:
-        asyncio.run(oa.read_json_object(Stalled(b""), 10_000, timeout_s=0.2))
+    with pytest.raises(APIError) as ei:
+        asyncio.run(read_json_object(Stalled(b""), 10_000, timeout_s=0.2))
     assert ei.value.status == 408 and ei.value.code == "request_timeout" and "0.2 s" in ei.value.message
 
 
@@ -131,7 +133,7 @@ def _out(rid="r", new=b"de", text="de", finished=False, prompt=b"abc", prompt_lp
 
 
 def test_completion_render_n_echo_logprobs():
-    req = oa.CompletionRequest.model_validate({"model": "m", "prompt": "abc", "echo": True, "logprobs": 1, "n": 2})
+    req = CompletionRequest.model_validate({"model": "m", "prompt": "abc", "echo": True, "logprobs": 1, "n": 2})
     render = CompletionRender("m", PromptTokenizer(), req, "abc", list(b"abc"))
     prompt_lps = [None, _lp(ord("b")), _lp(ord("c"))]
     body = render.full("id", [_out(finished=True), _out(finished=True)], prompt_lps).model_dump()
@@ -148,7 +150,7 @@ def test_completion_render_n_echo_logprobs():
 
 
 def test_chat_render_logprobs_and_heads():
-    req = oa.ChatCompletionRequest.model_validate(CHAT | {"logprobs": True, "top_logprobs": 1, "n": 2})
+    req = ChatCompletionRequest.model_validate(CHAT | {"logprobs": True, "top_logprobs": 1, "n": 2})
     render = ChatRender("m", PromptTokenizer(), req)
     assert [h.choices[0].index for h in render.head("id")] == [0, 1]
     chunk = render.chunk("id", 1, _out(new="é".encode(), text="é")).model_dump()["choices"][0]
@@ -168,15 +170,15 @@ def test_prompt_length_checked_in_characters_before_tokenizing():
             return super().tokenize(prompt)
 
     prompts = IngressPrompts(Counting())
-    with pytest.raises(oa.APIError) as ei:
+    with pytest.raises(APIError) as ei:
         asyncio.run(prompts.completion("x" * 101, max_model_len=100, need_text=False))
     assert ei.value.param == "prompt" and Counting.calls == 0
-    with pytest.raises(oa.APIError) as ei:
+    with pytest.raises(APIError) as ei:
         asyncio.run(prompts.chat([{"role": "user", "content": "x" * 101}], max_model_len=100))
     assert ei.value.param == "messages" and Counting.calls == 0
     assert asyncio.run(prompts.completion("abc", max_model_len=100, need_text=False)) == (list(b"abc"), "abc")
     assert asyncio.run(prompts.completion([97, 98], max_model_len=100, need_text=True)) == ([97, 98], "ab")
-    with pytest.raises(oa.APIError) as ei:
+    with pytest.raises(APIError) as ei:
         asyncio.run(prompts.completion([5, -1], max_model_len=100, need_text=True))
     assert ei.value.param == "prompt" and ">= 0" in ei.value.message
 
@@ -213,7 +215,7 @@ def test_merge_streams_interleaves_and_stops_readers():
 def test_replica_merge_keeps_logprobs_and_prompt_logprobs():
     a = _out(new=b"d", text="d", prompt_lps=[None, _lp(98)])
     b = _out(new=b"e", text="de", so_far=b"d")
-    merged = _merge([a, b])
+    merged = merge_outputs([a, b])
     assert merged.new_token_ids == list(b"de") and merged.delta_text == "de"
     assert [e.token_id for e in merged.new_logprobs] == list(b"de") and merged.prompt_logprobs == a.prompt_logprobs
 

@@ -7,7 +7,8 @@ import threading
 import pytest
 
 from cluster.config import ServeConfig
-from cluster.replica import EngineDiedError, EngineReplica, Rejected
+from cluster.replica import EngineReplica
+from cluster.replica_errors import EngineDiedError, Rejected
 
 FAKE = "tests.cluster.fake_engine"
 

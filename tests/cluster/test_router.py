@@ -9,15 +9,10 @@ import ray.exceptions
 from ray.serve.exceptions import BackPressureError
 
 from cluster import router_state
-from cluster.replica import EngineDiedError, Rejected, guess_param
-from cluster.router import (
-    Admission,
-    LoadAwareRouter,
-    OverloadedError,
-    PoisonRequestError,
-    ReplicaLostError,
-    stream_outputs,
-)
+from cluster.admission import Admission, OverloadedError
+from cluster.replica_errors import EngineDiedError, Rejected, guess_param
+from cluster.request_retry import PoisonRequestError, ReplicaLostError, stream_outputs
+from cluster.router import LoadAwareRouter
 
 
 @pytest.fixture(autouse=True)

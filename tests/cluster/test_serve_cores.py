@@ -51,7 +51,7 @@ def test_cpu_2_on_a_2_cpu_cluster_starts_and_asking_for_more_fails_at_once(tmp_p
         import requests
         r = requests.post(url + "/v1/completions", json={{"model": "fake", "prompt": "hi", "max_tokens": 3}}, timeout=120)
         print("HTTP", r.status_code, r.json()["usage"]["completion_tokens"], flush=True)
-        from cluster.config import ConfigError
+        from cluster.config_base import ConfigError
         for other in (dict(), dict(app_name="other")):          # a second server never takes this one over
             try:
                 run_serve(ServeConfig(**base, resources_per_rank={{"cpu": 2}}, **other), blocking=False)

@@ -18,7 +18,8 @@ import pydantic
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
-from cluster.config import ConfigError, ServeConfig
+from cluster.config import ServeConfig
+from cluster.config_base import ConfigError
 
 OUR_IMPORT_PATH = "cluster.serve_app:app_builder"
 

@@ -17,7 +17,7 @@ import textwrap
 import pytest
 import yaml
 
-from cluster.config import ConfigError
+from cluster.config_base import ConfigError
 from deploy.deploy_config import DeployConfig, RayJobConfig
 from deploy.fleet import APP_OWNED_FLAGS, dashboard_address
 from deploy.kuberay import render

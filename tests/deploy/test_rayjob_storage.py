@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from cluster.config import ConfigError
+from cluster.config_base import ConfigError
 from deploy.deploy_config import DeployConfig, RayJobConfig
 from deploy.kuberay import GCP_KEY_DIR, render
 from tests.deploy.examples import inputs

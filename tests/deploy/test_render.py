@@ -7,7 +7,8 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from cluster.config import ConfigError, ServeConfig
+from cluster.config import ServeConfig
+from cluster.config_base import ConfigError
 from deploy.deploy_config import RAY_VERSION, DeployConfig, RayJobConfig
 from deploy.kuberay import FILE_NAMES, job_entrypoint, render, render_files
 from eaglectl.deploy import deploy

@@ -215,7 +215,7 @@ def test_a_tp2_job_with_a_head_speculates_and_matches_llm_generate(tmp_path, cop
     drafts this target's own bigrams, is accepted far beyond one token per target step. (The default
     hybrid sizes trees from measured costs: on a tiny model the tree's own bookkeeping outweighs
     the model, and it rightly drafts little, so it cannot show that the TP path speculates.)"""
-    from cluster.config import SpeculationConfig
+    from cluster.config_sections import SpeculationConfig
     from eagle_worker import LLM, SamplingParams
 
     target, head = copying_target

@@ -1,0 +1,49 @@
+"""What every config (serve, job, deploy) shares: `ConfigError`, `StrictModel`, errors as dotted field paths."""
+from __future__ import annotations
+
+from typing import Any, get_args
+
+from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator
+
+
+class ConfigError(ValueError):
+    """A config that cannot be served; the message lists each bad field and why."""
+
+
+MAX_COUNT = 2**31 - 1     # Kubernetes' int32: a count or size past it is a typo (and fails the CRDs)
+
+
+class StrictModel(BaseModel):
+    # Unknown keys are almost always typos in hand-written YAML: reject them; so are inf/NaN, a YAML
+    # boolean (`yes`, `true`) where a number belongs, which pydantic would read as 1, and counts past int32.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _plain_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        kinds = _numeric(cls.model_fields[info.field_name].annotation)
+        if isinstance(value, bool) and kinds:
+            raise ValueError(f"expected a number, got {str(value).lower()}")
+        if isinstance(value, int) and kinds == {int} and value > MAX_COUNT:
+            raise ValueError(f"must be at most {MAX_COUNT}, got {value}")
+        return value
+
+
+def _numeric(annotation: Any) -> set:
+    """The number types of an int or float field (optional or not), where a YAML boolean is a mistake."""
+    args = get_args(annotation) or (annotation,)
+    return set() if bool in args else {a for a in args if a in (int, float)}
+
+
+def format_validation_error(err: ValidationError, source: str = "config", what: str = "serve config",
+                            at: str = "") -> str:
+    """One line per problem, with a dotted field path: `config: limits.max_tokens: ...`; `at`
+    prefixes the paths with the section the data came from."""
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in ((at,) if at else ()) + tuple(e["loc"])) or "(top level)"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field"
+        lines.append(f"{loc}: {msg}")
+    return f"{source}: invalid {what}:\n  " + "\n  ".join(lines)

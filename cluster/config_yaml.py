@@ -1,0 +1,42 @@
+"""The one reader of YAML config files (serve, deploy, RayJob): a duplicate key is an error."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from cluster.config_base import ConfigError
+
+
+def read_yaml(path: str | os.PathLike, empty_ok: bool = False) -> dict[str, Any]:
+    """The one reader of YAML config files (serve, deploy, RayJob): the top-level mapping, or
+    ConfigError naming the file. An empty file is {} when `empty_ok`."""
+    path = Path(path)
+    try:
+        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML: {e}") from None
+    if data is None and empty_ok:
+        return {}
+    if not isinstance(data, dict):
+        got = "an empty file" if data is None else type(data).__name__
+        raise ConfigError(f"{path}: expected a mapping at the top level, got {got}")
+    return data
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load, but a key given twice in one mapping is an error: silently keeping the last
+    one hides an edit that did not take."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
