@@ -54,7 +54,7 @@ def test_a_corrupt_file_among_good_ones(tmp_path, tiny_model, local_ray):
 
 
 def test_openai_batch_context_limit_and_logprobs(tmp_path, tiny_model, local_ray):
-    chat = {"model": "tiny", "messages": [{"role": "user", "content": "the fox"}]}
+    chat = {"model": tiny_model, "messages": [{"role": "user", "content": "the fox"}]}
     reqs = [
         {"custom_id": "too-long", "url": "/v1/chat/completions", "body": {**chat, "max_tokens": 100000}},
         {"custom_id": "chat-lp", "url": "/v1/chat/completions",
@@ -62,7 +62,7 @@ def test_openai_batch_context_limit_and_logprobs(tmp_path, tiny_model, local_ray
         {"custom_id": "cmpl-lp", "url": "/v1/completions", "body": {"prompt": "the lazy dog", "max_tokens": 3,
                                                                      "logprobs": 2}},
         {"custom_id": "plain", "url": "/v1/completions", "body": {"prompt": "the lazy dog", "max_tokens": 3}},
-        {"custom_id": "tools", "url": "/v1/chat/completions", "body": {**chat, "tools": []}},
+        {"custom_id": "tools", "url": "/v1/chat/completions", "body": {**chat, "tools": [{"type": "function"}]}},
     ]
     inp = tmp_path / "b.jsonl"
     inp.write_text("".join(json.dumps(r) + "\n" for r in reqs))
