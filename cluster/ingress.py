@@ -183,7 +183,8 @@ class OpenAIIngress:
             # headers wait for the first output of every choice (refusals become HTTP errors), a
             # stream's only for the first choice: the others join as they start (with n above the
             # engine's free slots, later choices start as earlier ones finish)
-            firsts = await self._firsts(its) if not req.stream else await self._firsts(its[:1]) + [None] * (req.n - 1)
+            started = its[:1] if req.stream else its
+            firsts = await self._firsts(started) + [None] * (len(its) - len(started))
             ttft = time.monotonic() - t0
             self.metrics.first_token(ttft)
             if not req.stream:
@@ -212,7 +213,7 @@ class OpenAIIngress:
             for chunk in render.head(rid):
                 yield sse(chunk)
             async for i, out in outputs:
-                lasts[i] = out = _unless_failed(out) if lasts[i] is not None else _accepted(out)
+                lasts[i] = out = _accepted(out)      # a later choice's first output may be a refusal
                 self.metrics.tokens(len(out.new_token_ids))
                 yield sse(render.chunk(rid, i, out))
             if req.include_usage:
