@@ -304,7 +304,7 @@ class OpenAIIngress:
             self._saw_stats(st)
         return live
 
-    @api.get("/v1/models")
+    @api.api_route("/v1/models", methods=["GET", "HEAD"])     # HEAD: probes that check a path exists
     async def models(self, request: Request):
         self._check_auth(request)
         if self.max_model_len is None:
@@ -315,7 +315,7 @@ class OpenAIIngress:
         card = ModelCard(id=self.config.model_name, root=self.config.model, max_model_len=self.max_model_len)
         return JSONResponse(ModelList(data=[card]).model_dump(mode="json"))
 
-    @api.get("/health")
+    @api.api_route("/health", methods=["GET", "HEAD"])
     async def health(self):
         """200 while some replica answers; busy replicas (backpressure) still count as healthy."""
         if live_replica_stats():  # the router sees a replica with a live engine: no probe to queue

@@ -88,9 +88,10 @@ class LLMEngine:
         if not token_ids:
             raise ValueError("prompt is empty")
         vocab = self.runner.model.vocab_size
-        bad = [t for t in params.logit_bias or {} if t >= vocab]
-        if bad:
-            raise ValueError(f"logit_bias token ids out of range [0, {vocab}): {bad[:5]}")
+        for name, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise ValueError(f"{name} token ids out of range [0, {vocab}): {bad[:5]}")
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens; the maximum context is {self.max_model_len} "
                              f"tokens including at least one generated token")

@@ -115,9 +115,17 @@ def _gguf_tensors(file: Path, model: nn.Module) -> Iterator[tuple[str, torch.Ten
 
 
 def checkpoint_files(source: str | os.PathLike) -> tuple[str, list[Path]]:
-    """(format, files) for a folder or a single file; format is safetensors, bin or gguf."""
-    path = Path(source)
-    if path.is_file():
+    """(format, files) for a folder or a single file; format is safetensors, bin or gguf.
+    Every file is a regular file: a FIFO or device under a checkpoint's name would block the read."""
+    kind, files = _checkpoint_files(Path(source))
+    for f in files:
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint file {f} is not a regular file")
+    return kind, files
+
+
+def _checkpoint_files(path: Path) -> tuple[str, list[Path]]:
+    if path.exists() and not path.is_dir():
         kinds = {".safetensors": "safetensors", ".bin": "bin", ".gguf": "gguf"}
         if path.suffix not in kinds:
             raise CheckpointError(f"unknown checkpoint file type {path}")

@@ -142,6 +142,9 @@ def load_draft_head(path: str | Path, target_model: nn.Module, target_hf_config,
     desc = (f"{type(target_model).__name__}, hidden_size={cfg.hidden_size}, vocab_size={cfg.vocab_size}, "
             f"num_layers={target_model.num_layers}")
     _check(cfg, sd, path, desc)
+    broken = [k for k, v in sd.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    if broken:     # it would load, draft nothing the target accepts, and cost every step
+        raise ValueError(f"draft head {path}: NaN or infinite values in {', '.join(sorted(broken)[:5])}")
     head = build_head_like_target(cfg, target_model, vocab, dtype)
     _load_into(head, sd)
     return head.eval()

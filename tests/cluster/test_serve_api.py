@@ -28,6 +28,9 @@ def test_models(app):
     models = app.client.models.list()
     assert [m.id for m in models.data] == [MODEL]
     assert requests.get(f"{app.url}/v1/models").json()["data"][0]["max_model_len"] == 128
+    for path in ("/v1/models", "/health"):             # HEAD as load balancers' probes send it: no body
+        head = requests.head(f"{app.url}{path}")
+        assert head.status_code == 200 and head.content == b"", (path, head.status_code)
 
 
 def test_health(app):
@@ -278,6 +281,9 @@ def test_logit_bias_forces_and_penalties_change_output(app, tokenizer):
     with pytest.raises(openai.BadRequestError) as ei:
         app.client.completions.create(**kw, logit_bias={"99999999": 5})
     assert _err(ei)["param"] == "logit_bias"
+    with pytest.raises(openai.BadRequestError) as ei:    # a stop token the model cannot make: a mistake
+        app.client.completions.create(**{**kw, "extra_body": {**NO_EOS, "stop_token_ids": [99999999]}})
+    assert _err(ei)["param"] == "stop_token_ids" and "out of range" in _err(ei)["message"]
 
 
 def test_4mb_body_is_a_413_and_messages_sent_back_are_accepted(app):

@@ -203,6 +203,8 @@ def test_bad_requests_are_refused_and_engine_keeps_serving(tiny_model_dir):
         engine.add_request("e5", "hi", {"max_tokens": 3})
     with pytest.raises(ValueError, match="logit_bias"):
         engine.add_request("e6", "hi", SamplingParams(logit_bias={10**6: 1.0}))
+    with pytest.raises(ValueError, match="stop_token_ids token ids out of range"):
+        engine.add_request("e7", "hi", SamplingParams(stop_token_ids=[3, 10**6]))
     engine.add_request("ok", "The quick", SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     with pytest.raises(ValueError, match="already running"):
         engine.add_request("ok", "again", SamplingParams())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -459,6 +460,15 @@ def test_auto_head_dtype_is_bf16_under_a_float32_target_only_where_bf16_is_fast(
         SpecConfig(draft="default", head_dtype="int8")
 
 
+def _poison(file):
+    """One tensor of a head all NaN, as a diverged training run saves it."""
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(file)
+    sd["fc.weight"] = torch.full_like(sd["fc.weight"], float("nan"))
+    save_file(sd, file)
+
+
 @pytest.mark.parametrize("damage, needle", [
     (lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:-1]),
      "corrupted or truncated safetensors file"),
@@ -467,6 +477,8 @@ def test_auto_head_dtype_is_bf16_under_a_float32_target_only_where_bf16_is_fast(
     (lambda d: (d / "config.json").write_text("[1, 2]"), "config.json: expected a JSON object, got list"),
     (lambda d: (d / "config.json").write_text("{not json"), "config.json: not a readable JSON file"),
     (lambda d: (d / "config.json").write_text(""), "config.json: not a readable JSON file"),
+    (lambda d: ((d / "model.safetensors").unlink(), os.mkfifo(d / "model.safetensors")), "not a regular file"),
+    (lambda d: _poison(d / "model.safetensors"), "NaN or infinite values in fc.weight"),
 ])
 def test_a_damaged_head_folder_is_one_error_naming_the_file(tmp_path, damage, needle):
     """As the target's loader answers a damaged checkpoint: a ValueError naming the file, never a
