@@ -12,6 +12,7 @@ from transformers import AutoConfig, GenerationConfig
 from eagle_worker import default_models
 from eagle_worker.attention import SeqAttention, attention_context, build_context
 from eagle_worker.config import EngineConfig
+from eagle_worker.layers import gemm_paths
 from eagle_worker.loader import load_weights, resolve_model_path
 from eagle_worker.logit_rows import LogitRows
 from eagle_worker.malloc_tuning import keep_large_allocations
@@ -112,6 +113,7 @@ class ModelRunner:
         load_weights(self.model, self.model_path)
         self.model.eval()
         self.model.lm_head.prepare_greedy()
+        gemm_paths.tune_module(self.model, group=True)
         self.attn_layers = self.model.attention_layers()
         self.num_kv_blocks = self._allocate_kv_cache()
         self.max_model_len = self._max_model_len()

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eagle_worker.layers import gemm_paths
 from eagle_worker.parallel import all_reduce, tp_rank, tp_size
 
 
@@ -26,27 +27,15 @@ def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shar
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias). On CPU in float32 (inference) through oneDNN: MKL's float32 GEMM
-    takes slow paths on some CPUs (seen on AMD EPYC) at every row count the engine uses, while
-    oneDNN on the same row-major weight is faster at all of them, for the decoder layers and the
-    wide LM head alike (figures: the README's benchmarks). At exactly 2 rows (a one-node tree, two
-    decoding sequences) MKL with the weight on the left, weight @ x.T, is faster still.
-    Elsewhere (bf16, CUDA, training): `F.linear`."""
+    """x @ weight.T (+ bias). On CPU in float32 (inference) through the GEMM this machine runs
+    fastest for the weight's shape and the row count (`gemm_paths`: oneDNN, MKL, or MKL with the
+    weight on the left, timed at load). Elsewhere (bf16, CUDA, training): `F.linear`."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if (rows and _onednn_linear is not None and x.device.type == "cpu" and x.dtype == torch.float32
-            and weight.dtype == torch.float32 and not torch.is_grad_enabled()):
-        x2 = x.reshape(rows, x.shape[-1])
-        if rows == 2:
-            y = torch.mm(weight, x2.t()).t().contiguous()
-            y = y + bias if bias is not None else y
-        else:
-            y = _onednn_linear(x2.contiguous(), weight, bias, "none", [], "")
+    if (rows and x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
+            and not torch.is_grad_enabled()):
+        y = gemm_paths.run(gemm_paths.path_for(weight, rows), x.reshape(rows, x.shape[-1]), weight, bias)
         return y.view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
-
-
-_onednn_linear = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None) \
-    if torch.backends.mkldnn.is_available() else None
 
 
 def _divide(n: int, d: int, what: str) -> int:

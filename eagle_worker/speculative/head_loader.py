@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from eagle_worker.layers import gemm_paths
 from eagle_worker.layers.argmax_screen import fast_bf16
 from eagle_worker.layers.linear import default_weight_loader
 from eagle_worker.parallel import single_rank
@@ -147,6 +148,7 @@ def load_draft_head(path: str | Path, target_model: nn.Module, target_hf_config,
         raise ValueError(f"draft head {path}: NaN or infinite values in {', '.join(sorted(broken)[:5])}")
     head = build_head_like_target(cfg, target_model, vocab, dtype)
     _load_into(head, sd)
+    gemm_paths.tune_module(head)
     return head.eval()
 
 
