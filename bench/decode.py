@@ -4,7 +4,9 @@ Greedy, a fixed number of new tokens per prompt (EOS ignored on both sides), bat
 one after another) and batch N (all at once: continuous batching here, left-padded batch there).
 With `rounds` > 1 each measurement repeats that many times, the two engines taking turns (the
 one that goes first alternates), and the median counts: a slow spell of a shared machine then
-does not decide a ratio. Usage: `eaglectl bench decode`.
+does not decide a ratio. In float32 the engine also runs with every GEMM on the untimed default
+rule (`layers/gemm_paths.py`), in the same rounds: what timing the paths gains on this machine.
+Usage: `eaglectl bench decode`.
 """
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ def run(model: str = "gemma-3-270m", dtypes: list[str] = ("float32", "bfloat16")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from eagle_worker import LLM, SamplingParams
+    from eagle_worker.layers import gemm_paths
     from eagle_worker.model_runner import resolve_model
 
     path = resolve_model(model)
@@ -73,16 +76,32 @@ def run(model: str = "gemma-3-270m", dtypes: list[str] = ("float32", "bfloat16")
                     return sum(len(llm.generate([p], params)[0].token_ids) for p in batch)
                 return sum(len(o.token_ids) for o in llm.generate(batch, params))
 
-            speeds = {"engine": [], "transformers": []}
+            def engine_rule_run(batch=batch, bs=bs):
+                """The same engine with every float32 GEMM on the untimed default rule (gemm_paths)."""
+                timed = dict(gemm_paths._table)
+                gemm_paths._table.clear()
+                try:
+                    return engine_run(batch, bs)
+                finally:
+                    gemm_paths._table.update(timed)
+
+            order = [("transformers", transformers_run), ("engine", engine_run)]
+            if dtype == "float32":
+                order.append(("engine_gemm_rule", engine_rule_run))
+            speeds: dict[str, list[float]] = {name: [] for name, _ in order}
             for rnd in range(rounds):
-                order = [("transformers", transformers_run), ("engine", engine_run)]
-                for name, fn in order[::-1] if rnd % 2 else order:
+                for name, fn in order[rnd % len(order):] + order[:rnd % len(order)]:
                     secs, n = _timed(fn)
                     speeds[name].append(n / secs)
             ours, theirs = statistics.median(speeds["engine"]), statistics.median(speeds["transformers"])
-            rows.append({"dtype": dtype, "batch": bs, "engine_tok_s": ours, "transformers_tok_s": theirs,
-                         "speedup_vs_transformers": ours / theirs, "rounds": speeds})
+            row = {"dtype": dtype, "batch": bs, "engine_tok_s": ours, "transformers_tok_s": theirs,
+                   "speedup_vs_transformers": ours / theirs, "rounds": speeds}
+            if "engine_gemm_rule" in speeds:   # paired per round: what timing the GEMM paths gains
+                row["engine_gemm_rule_tok_s"] = statistics.median(speeds["engine_gemm_rule"])
+                row["timed_gemm_vs_rule"] = statistics.median(a / b for a, b in zip(speeds["engine"], speeds["engine_gemm_rule"]))
+            rows.append(row)
             print(f"{dtype:9s} batch {bs:2d}: engine {ours:7.1f} tok/s  transformers {theirs:7.1f} tok/s"
+                  + (f"  engine, GEMM rule {row['engine_gemm_rule_tok_s']:7.1f} tok/s" if "engine_gemm_rule" in speeds else "")
                   + (f"  (median of {rounds})" if rounds > 1 else ""), flush=True)
         hf = llm = None  # free both models before the next dtype
     for dtype in dtypes:
@@ -101,11 +120,14 @@ def run(model: str = "gemma-3-270m", dtypes: list[str] = ("float32", "bfloat16")
 
 
 def _print_table(rows: list[dict]) -> None:
-    print("\n| dtype | batch | engine tok/s | transformers tok/s | engine / transformers | engine / own batch 1 |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("\n| dtype | batch | engine tok/s | transformers tok/s | engine / transformers | engine / own batch 1 "
+          "| engine with the GEMM rule tok/s | timed GEMM paths / rule |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
+        rule = (f"{r['engine_gemm_rule_tok_s']:.1f} | {r['timed_gemm_vs_rule']:.2f}x" if "timed_gemm_vs_rule" in r
+                else "- | -")
         print(f"| {r['dtype']} | {r['batch']} | {r['engine_tok_s']:.1f} | {r['transformers_tok_s']:.1f} | "
-              f"{r['speedup_vs_transformers']:.2f}x | {r.get('vs_own_batch1', 1.0):.2f}x |")
+              f"{r['speedup_vs_transformers']:.2f}x | {r.get('vs_own_batch1', 1.0):.2f}x | {rule} |")
 
 
 if __name__ == "__main__":       # the benchmarks' options live in one place, the CLI

@@ -2,15 +2,16 @@
 
 The fastest of oneDNN, MKL (`F.linear`) and MKL with the weight on the left (`weight @ x.T`)
 depends on the CPU, the weight's shape and the rows: on a 2-core AMD EPYC MKL took slow paths at
-every row count, while on a 2-core Intel Xeon with AMX MKL runs a decoder layer at 1-2 rows 1.5-3x
-faster than oneDNN (plain decoding at batch 1: about 25% more tokens a second) and oneDNN is ahead
-from 16 rows. So each float32 weight shape a model holds is timed once at load, per row bucket, and
-`linear` follows the table. The choice is fixed for the process, so the same batch always runs the
-same kernels. Weights of more than `MAX_OUT` rows (a vocabulary-sized LM head, whose greedy rows go
-through the argmax screens) are not timed: they keep the default rule. Timing a 270M model's shapes
-takes about a second, so the table is kept on disk (`$EAGLE_CACHE_DIR/.gemm_paths/`, keyed by the
-CPU, its core count, torch's version and thread count) for the next process on the machine; an
-unreadable or missing file means timing again.
+every row count, while on a 2-core Intel Xeon with AMX MKL runs most of a decoder layer's GEMMs at
+1-2 rows about 1.3-1.8x faster than oneDNN (plain decoding at batch 1: about 18% more tokens a
+second; batch 8 the same). So each float32 weight shape a model holds is timed once at load, per
+row bucket up to 32 rows, on weights that do not fit in cache (as a model's layers stream them),
+and `linear` follows the table; more rows, and paths no better than the margin, keep the default
+rule. The choice is fixed for the process, so the same batch always runs the same kernels. Weights
+of more than `MAX_OUT` rows (a vocabulary-sized LM head, whose greedy rows go through the argmax
+screens) are not timed. Timing a 270M model's shapes takes about 3 s, so the table is kept on disk
+(`$EAGLE_CACHE_DIR/.gemm_paths/`, keyed by the CPU, its core count, torch's version and thread
+count) for the next process on the machine; an unreadable or missing file means timing again.
 """
 from __future__ import annotations
 
@@ -27,20 +28,18 @@ import torch
 import torch.nn.functional as F
 
 PATHS = ("onednn", "mkl", "weight_left")
-BUCKETS = (1, 2, 4, 8, 16, 32, 64)       # rows are timed at the bucket at or above them; more rows: 64's
+BUCKETS = (1, 2, 4, 8, 16, 32)     # rows are timed at the bucket at or above them; more rows: the rule
 MAX_OUT = 65536
-MARGIN = 0.9        # another path replaces the default rule's only when it takes at most 90% of its time
+COLD_BYTES = 128 << 20              # more than a server CPU's last-level cache
+MARGIN = 0.85       # another path replaces the default rule's only when it takes at most 85% of its time
 
 _onednn = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None) \
     if torch.backends.mkldnn.is_available() else None
 _table: dict[tuple[int, int, int], str] = {}
 
 
-def bucket(rows: int) -> int:
-    for b in BUCKETS:
-        if rows <= b:
-            return b
-    return BUCKETS[-1]
+def bucket(rows: int) -> int | None:
+    return next((b for b in BUCKETS if rows <= b), None)
 
 
 def default_path(rows: int) -> str:
@@ -65,15 +64,21 @@ def run(path: str, x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return F.linear(x2, weight, bias)
 
 
-def _wall_seconds(fn: Callable[[], object], repeats: int = 3) -> float:
-    """The fastest of `repeats` timed calls after a warm-up: the kernel's speed, not the noise."""
-    fn()
+def _wall_seconds(fn: Callable[[], object], repeats: int = 2) -> float:
+    """The faster of `repeats` timed calls: the kernel's speed, not the noise."""
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
         best = min(best, time.perf_counter() - t0)
     return best
+
+
+def _cold_copies(out_f: int, in_f: int) -> list[torch.Tensor]:
+    """Enough copies of a weight that a pass over them reads memory, not cache, as a model's layers
+    do one after another: timed on one hot weight, MKL looked up to 2x faster at 4-8 rows than it is."""
+    n = max(2, min(256, COLD_BYTES // (4 * out_f * in_f)))
+    return [torch.full((out_f, in_f), 0.01) for _ in range(n)]     # written: real pages, not the zero page
 
 
 def tune(weights: Iterable[torch.Tensor], timer: Callable[[Callable[[], object]], float] = _wall_seconds,
@@ -102,10 +107,12 @@ def _tune_new(shapes: set, timer, cache: Path) -> None:
                 added.update({(out_f, in_f, b): v for b, v in known.items()})
                 continue
             timed = True
-            weight = torch.randn(out_f, in_f) * 0.02
+            weights = _cold_copies(out_f, in_f)
             for b in BUCKETS:
                 x = torch.randn(b, in_f)
-                seconds = {p: timer(lambda p=p: run(p, x, weight, None)) for p in PATHS}
+                for p in PATHS:                 # each path's first call builds its kernel: not timed
+                    run(p, x, weights[0], None)
+                seconds = {p: timer(lambda p=p: [run(p, x, w, None) for w in weights]) for p in PATHS}
                 best = min(seconds, key=seconds.get)
                 rule = default_path(b)
                 added[(out_f, in_f, b)] = best if seconds[best] <= MARGIN * seconds[rule] else rule
