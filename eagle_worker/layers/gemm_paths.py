@@ -3,13 +3,15 @@
 The fastest of oneDNN, MKL (`F.linear`) and MKL with the weight on the left (`weight @ x.T`)
 depends on the CPU, the weight's shape and the rows: on a 2-core AMD EPYC MKL took slow paths at
 every row count, while on a 2-core Intel Xeon with AMX MKL runs most of a decoder layer's GEMMs at
-1-2 rows about 1.3-1.8x faster than oneDNN (plain decoding at batch 1: about 18% more tokens a
-second; batch 8 the same). So each float32 weight shape a model holds is timed once at load, per
-row bucket up to 32 rows, on weights that do not fit in cache (as a model's layers stream them),
-and `linear` follows the table; more rows, and paths no better than the margin, keep the default
-rule. The choice is fixed for the process, so the same batch always runs the same kernels. Weights
+1-2 rows about 1.3-1.8x faster than oneDNN (plain decoding at batch 1: about 15% more tokens a
+second). So each float32 weight shape a model holds is timed once at load at 1, 2 and 4 rows
+(3 rows use 4's choice), on weights that do not fit in cache (as a model's layers stream them), and
+`linear` follows the table; paths no better than the margin keep the default rule. From 5 rows the
+rule holds: timed up to 32 rows, the table changed batch 8's paths and measured 0.95-0.99x of the
+rule there (the paths are within 10% of each other at those rows, below what timing at load resolves).
+The choice is fixed for the process, so the same batch always runs the same kernels. Weights
 of more than `MAX_OUT` rows (a vocabulary-sized LM head, whose greedy rows go through the argmax
-screens) are not timed. Timing a 270M model's shapes takes about 3 s, so the table is kept on disk
+screens) are not timed. Timing a 270M model's shapes takes about 1.5 s, so the table is kept on disk
 (`$EAGLE_CACHE_DIR/.gemm_paths/`, keyed by the CPU, its core count, torch's version and thread
 count) for the next process on the machine; an unreadable or missing file means timing again.
 """
@@ -28,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 PATHS = ("onednn", "mkl", "weight_left")
-BUCKETS = (1, 2, 4, 8, 16, 32)     # rows are timed at the bucket at or above them; more rows: the rule
+BUCKETS = (1, 2, 4)        # rows are timed at the bucket at or above them; more rows: the rule
 MAX_OUT = 65536
 COLD_BYTES = 128 << 20              # more than a server CPU's last-level cache
 MARGIN = 0.85       # another path replaces the default rule's only when it takes at most 85% of its time

@@ -52,28 +52,25 @@ def _timer(costs: dict[int, dict[str, float]], calls: list):
 def test_the_fastest_path_wins_by_the_margin_and_linear_follows_it(table, tmp_path, monkeypatch):
     costs = {1: {"mkl": 0.5},                 # far faster than the rule (oneDNN): chosen
              4: {"weight_left": 0.95},        # 5% faster: inside the margin, the rule stays
-             2: {"onednn": 0.3},              # the rule at 2 rows is weight_left; oneDNN beats it
-             32: {"onednn": 2.0, "mkl": 0.8, "weight_left": 0.7}}
+             2: {"onednn": 0.3}}              # the rule at 2 rows is weight_left; oneDNN beats it
     calls: list = []
     w = torch.randn(40, 48)
     added = gemm_paths.tune([w, torch.randn(40, 48), torch.randn(3, 4, 5), w.half()], _timer(costs, calls),
                             cache=tmp_path / "t.json")
     assert {k[:2] for k in added} == {(40, 48)}                     # one shape, 2-D float32 only, timed once
     assert len(calls) == len(gemm_paths.BUCKETS) * len(gemm_paths.PATHS)
-    assert table[(40, 48, 1)] == "mkl" and table[(40, 48, 4)] == "onednn"
-    assert table[(40, 48, 2)] == "onednn" and table[(40, 48, 32)] == "weight_left"
-    assert table[(40, 48, 8)] == "onednn"                            # all equal: the rule
+    assert table == {(40, 48, 1): "mkl", (40, 48, 2): "onednn", (40, 48, 4): "onednn"}
 
     used = []
     real_run = gemm_paths.run
     monkeypatch.setattr(gemm_paths, "run", lambda p, *a: (used.append(p), real_run(p, *a))[1])
     with torch.inference_mode():
-        for rows in (1, 2, 3, 20, 100):
+        for rows in (1, 2, 3, 20):
             linear(torch.randn(rows, 48), w)
-    assert used == ["mkl", "onednn", "onednn", "weight_left", "onednn"]   # 3 rows: bucket 4's; 100: the rule
+    assert used == ["mkl", "onednn", "onednn", "onednn"]     # 3 rows: 4's choice; 20: beyond the table, the rule
     with torch.inference_mode():
         linear(torch.randn(1, 48).double(), w.double())               # not float32: F.linear, no table
-    assert len(used) == 5
+    assert len(used) == 4
 
 
 def test_the_table_is_read_back_from_its_file_and_a_bad_file_is_timed_again(table, tmp_path):
