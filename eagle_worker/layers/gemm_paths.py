@@ -79,7 +79,7 @@ def _wall_seconds(fn: Callable[[], object], repeats: int = 2) -> float:
 def _cold_copies(out_f: int, in_f: int) -> list[torch.Tensor]:
     """Enough copies of a weight that a pass over them reads memory, not cache, as a model's layers
     do one after another: timed on one hot weight, MKL looked up to 2x faster at 4-8 rows than it is."""
-    n = max(2, min(256, COLD_BYTES // (4 * out_f * in_f)))
+    n = max(1, min(256, COLD_BYTES // (4 * out_f * in_f)))     # one weight past the cache is cold alone
     return [torch.full((out_f, in_f), 0.01) for _ in range(n)]     # written: real pages, not the zero page
 
 
@@ -91,7 +91,8 @@ def tune(weights: Iterable[torch.Tensor], timer: Callable[[Callable[[], object]]
     if _onednn is None:
         return {}
     every = {tuple(w.shape) for w in weights
-             if w.dim() == 2 and w.dtype == torch.float32 and w.device.type == "cpu" and w.shape[0] <= MAX_OUT}
+             if w.dim() == 2 and w.dtype == torch.float32 and w.device.type == "cpu" and 0 < w.shape[0] <= MAX_OUT
+             and w.shape[1] > 0}
     shapes = {s for s in every if (*s, BUCKETS[0]) not in _table}
     if shapes:
         _tune_new(shapes, timer, cache or cache_file())

@@ -55,9 +55,9 @@ def test_the_fastest_path_wins_by_the_margin_and_linear_follows_it(table, tmp_pa
              2: {"onednn": 0.3}}              # the rule at 2 rows is weight_left; oneDNN beats it
     calls: list = []
     w = torch.randn(40, 48)
-    added = gemm_paths.tune([w, torch.randn(40, 48), torch.randn(3, 4, 5), w.half()], _timer(costs, calls),
-                            cache=tmp_path / "t.json")
-    assert {k[:2] for k in added} == {(40, 48)}                     # one shape, 2-D float32 only, timed once
+    added = gemm_paths.tune([w, torch.randn(40, 48), torch.randn(3, 4, 5), w.half(), torch.randn(0, 48)],
+                            _timer(costs, calls), cache=tmp_path / "t.json")
+    assert {k[:2] for k in added} == {(40, 48)}          # one shape, 2-D float32 and not empty only, timed once
     assert len(calls) == len(gemm_paths.BUCKETS) * len(gemm_paths.PATHS)
     assert table == {(40, 48, 1): "mkl", (40, 48, 2): "onednn", (40, 48, 4): "onednn"}
 
