@@ -78,12 +78,8 @@ def run(model: str = "gemma-3-270m", dtypes: list[str] = ("float32", "bfloat16")
 
             def engine_rule_run(batch=batch, bs=bs):
                 """The same engine with every float32 GEMM on the untimed default rule (gemm_paths)."""
-                timed = dict(gemm_paths._table)
-                gemm_paths._table.clear()
-                try:
+                with gemm_paths.untimed():
                     return engine_run(batch, bs)
-                finally:
-                    gemm_paths._table.update(timed)
 
             order = [("transformers", transformers_run), ("engine", engine_run)]
             if dtype == "float32":

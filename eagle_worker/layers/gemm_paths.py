@@ -17,17 +17,21 @@ count) for the next process on the machine; an unreadable or missing file means 
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import platform
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from eagle_worker import default_models
+from eagle_worker.parallel import broadcast_from_rank0, tp_rank, tp_size
 
 PATHS = ("onednn", "mkl", "weight_left")
 BUCKETS = (1, 2, 4)        # rows are timed at the bucket at or above them; more rows: the rule
@@ -53,7 +57,20 @@ def default_path(rows: int) -> str:
 
 
 def path_for(weight: torch.Tensor, rows: int) -> str:
+    if rows > BUCKETS[-1]:              # most steps' rows: no lookup
+        return default_path(rows)
     return _table.get((weight.shape[0], weight.shape[1], bucket(rows))) or default_path(rows)
+
+
+@contextlib.contextmanager
+def untimed() -> Iterator[None]:
+    """Every GEMM on the default rule inside the block (`bench decode` measures what timing gains)."""
+    timed = dict(_table)
+    _table.clear()
+    try:
+        yield
+    finally:
+        _table.update(timed)
 
 
 def run(path: str, x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -128,8 +145,6 @@ def tune_module(module: torch.nn.Module, group: bool = False) -> dict:
     """`tune` over a module's parameters (a target's decoder linears, a head's projections). With
     `group` (a tensor-parallel target, called on every rank), rank 0's table holds on every rank:
     a replicated weight (a KV head several ranks share) then gets the same bits everywhere."""
-    from eagle_worker.parallel import broadcast_from_rank0, tp_rank, tp_size
-
     if not (group and tp_size() > 1):
         return tune(module.parameters())
     entries = broadcast_from_rank0(tune(module.parameters()) if tp_rank() == 0 else None)
@@ -138,8 +153,6 @@ def tune_module(module: torch.nn.Module, group: bool = False) -> dict:
 
 
 def cache_file() -> Path:
-    from eagle_worker import default_models
-
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:

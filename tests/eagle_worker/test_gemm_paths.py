@@ -60,6 +60,9 @@ def test_the_fastest_path_wins_by_the_margin_and_linear_follows_it(table, tmp_pa
     assert {k[:2] for k in added} == {(40, 48)}          # one shape, 2-D float32 and not empty only, timed once
     assert len(calls) == len(gemm_paths.BUCKETS) * len(gemm_paths.PATHS)
     assert table == {(40, 48, 1): "mkl", (40, 48, 2): "onednn", (40, 48, 4): "onednn"}
+    with gemm_paths.untimed():                                        # what bench decode compares against
+        assert gemm_paths.path_for(w, 1) == gemm_paths.default_path(1) == "onednn"
+    assert gemm_paths.path_for(w, 1) == "mkl"
 
     used = []
     real_run = gemm_paths.run
