@@ -123,7 +123,7 @@ def materialize(name: str) -> Path:
         logger.debug("built-in model %s: cached at %s (%.3fs)", name, final, time.perf_counter() - t0)
         return final
     root.mkdir(parents=True, exist_ok=True)
-    with _file_lock(root / f".{name}.lock"):
+    with file_lock(root / f".{name}.lock"):
         if _is_complete(final):  # another process built it while we waited
             logger.info("built-in model %s: built by another process, at %s", name, final)
             return final
@@ -147,7 +147,8 @@ def materialize(name: str) -> Path:
 
 
 @contextlib.contextmanager
-def _file_lock(path: Path):
+def file_lock(path: Path):
+    """An exclusive flock on `path` (created): released by the kernel if the holder dies."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)

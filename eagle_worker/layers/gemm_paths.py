@@ -14,6 +14,8 @@ of more than `MAX_OUT` rows (a vocabulary-sized LM head, whose greedy rows go th
 screens) are not timed. Timing a 270M model's shapes takes about 1.5 s, so the table is kept on disk
 (`$EAGLE_CACHE_DIR/.gemm_paths/`, keyed by the CPU, its core count, torch's version and thread
 count) for the next process on the machine; an unreadable or missing file means timing again.
+Processes that load together take turns to time (a lock beside the file), so the later ones read
+the first one's table.
 """
 from __future__ import annotations
 
@@ -117,6 +119,25 @@ def tune(weights: Iterable[torch.Tensor], timer: Callable[[Callable[[], object]]
 
 
 def _tune_new(shapes: set, timer, cache: Path) -> None:
+    with _timing_turn(cache):
+        _time_missing(shapes, timer, cache)
+
+
+@contextlib.contextmanager
+def _timing_turn(cache: Path) -> Iterator[None]:
+    """Processes loading together on one machine (replicas, TP ranks of several groups) time one
+    after another: the next one reads the table the first wrote instead of timing in its noise.
+    Without a writable cache folder each times alone, unlocked."""
+    with contextlib.ExitStack() as stack:
+        try:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            stack.enter_context(default_models.file_lock(cache.with_name(cache.name + ".lock")))
+        except OSError:
+            pass
+        yield
+
+
+def _time_missing(shapes: set, timer, cache: Path) -> None:
     stored = _read(cache)
     added: dict[tuple[int, int, int], str] = {}
     timed = False

@@ -5,11 +5,13 @@ wall-clock."""
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from eagle_worker import default_models
 from eagle_worker.layers import gemm_paths
 from eagle_worker.layers.linear import linear
 
@@ -82,7 +84,7 @@ def test_the_table_is_read_back_from_its_file_and_a_bad_file_is_timed_again(tabl
     gemm_paths.tune([torch.randn(40, 48)], _timer({1: {"mkl": 0.1}}, calls), cache=file)
     stored = json.loads(file.read_text())
     assert stored["40,48,1"] == "mkl" and len(stored) == len(gemm_paths.BUCKETS)
-    assert [p.name for p in tmp_path.iterdir()] == ["gemm.json"]      # no temp files left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gemm.json", "gemm.json.lock"]   # no temp files left
 
     table.clear()
     calls.clear()
@@ -106,3 +108,27 @@ def test_the_cache_file_is_per_machine_and_thread_count(monkeypatch, tmp_path):
     finally:
         torch.set_num_threads(threads)
     assert a.parent == tmp_path / ".gemm_paths" and a != b
+
+
+def test_a_process_loading_beside_one_that_times_waits_and_reads_its_table(table, tmp_path):
+    """Two replicas loading together: the second waits for the first's timing and reads its file
+    instead of timing in its noise (the test holds the lock as the first would)."""
+    file = tmp_path / "gemm.json"
+    calls: list = []
+    with default_models.file_lock(tmp_path / "gemm.json.lock"):
+        waiting = threading.Thread(target=gemm_paths.tune, args=([torch.randn(40, 48)], _timer({}, calls)),
+                                   kwargs={"cache": file})
+        waiting.start()
+        waiting.join(0.5)
+        assert waiting.is_alive() and calls == [] and (40, 48, 1) not in table    # waits its turn
+        file.write_text(json.dumps({f"40,48,{b}": "mkl" for b in gemm_paths.BUCKETS}))   # the first's table
+    waiting.join(30)
+    assert not waiting.is_alive()
+    assert calls == [] and all(table[(40, 48, b)] == "mkl" for b in gemm_paths.BUCKETS)   # read, not timed
+
+
+def test_without_a_writable_cache_folder_it_times_unlocked(table, tmp_path):
+    (tmp_path / "file").write_text("")
+    calls: list = []
+    gemm_paths.tune([torch.randn(40, 48)], _timer({1: {"mkl": 0.1}}, calls), cache=tmp_path / "file" / "sub" / "t.json")
+    assert len(calls) == len(gemm_paths.BUCKETS) * len(gemm_paths.PATHS) and table[(40, 48, 1)] == "mkl"
