@@ -18,6 +18,8 @@ def read_yaml(path: str | os.PathLike, empty_ok: bool = False) -> dict[str, Any]
         data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)
     except OSError as e:
         raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not a text file (byte {e.start} is not UTF-8)") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: invalid YAML: {e}") from None
     if data is None and empty_ok:

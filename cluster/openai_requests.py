@@ -240,9 +240,10 @@ class ChatCompletionRequest(_SamplingRequest):
         return self.max_completion_tokens or self.max_tokens
 
     def template_messages(self) -> list[dict[str, str]]:
-        """Messages as plain dicts for the chat template ('developer' is OpenAI's new 'system')."""
+        """Messages as plain dicts for the chat template ('developer' is OpenAI's new 'system'; a
+        participant's `name` passed on, as vLLM does)."""
         out = []
         for m in self.messages:
             role = "system" if m.role == "developer" else m.role
-            out.append({"role": role, "content": m.text()})
+            out.append({"role": role, "content": m.text(), **({"name": m.name} if m.name else {})})
         return out

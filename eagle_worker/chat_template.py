@@ -48,11 +48,17 @@ def normalize_messages(messages) -> list[dict]:
     """Messages as the templates expect them: a string role and string content, OpenAI's text parts
     joined (`[{"type": "text", "text": ...}]`), null content as ""; ValueError naming the message."""
     if not isinstance(messages, list) or not messages:
-        raise ValueError("messages must be a non-empty list")
+        raise ValueError(f"messages must be a non-empty list of {{role, content}} objects, got {_kind(messages)}")
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not m["role"].strip():
-            raise ValueError(f"messages[{i}] must be an object with a string `role` and `content`")
+            raise ValueError(f"messages[{i}] must be an object with a string `role` and `content`, got {_kind(m)}")
+        extra = sorted(k for k, v in m.items() if k not in MESSAGE_FIELDS and v not in (None, [], {}, ""))
+        if extra:      # a field the template never sees is refused, not dropped (empty ones a client echoes back pass)
+            raise ValueError(f"messages[{i}]: unsupported field(s) {', '.join(map(repr, extra))}; "
+                             f"a message has {', '.join(MESSAGE_FIELDS)}")
+        if m.get("name") is not None and not isinstance(m["name"], str):
+            raise ValueError(f"messages[{i}].name must be a string")
         content = m.get("content")
         if isinstance(content, list):
             if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
@@ -62,8 +68,15 @@ def normalize_messages(messages) -> list[dict]:
             content = ""
         elif not isinstance(content, str):
             raise ValueError(f"messages[{i}].content must be a string or a list of text parts")
-        out.append({"role": m["role"], "content": content})
+        out.append({"role": m["role"], "content": content, **({"name": m["name"]} if m.get("name") else {})})
     return out
+
+
+MESSAGE_FIELDS = ("role", "content", "name")     # `name` goes to the template, as in vLLM (most ignore it)
+
+
+def _kind(x) -> str:
+    return repr(x)[:60] if isinstance(x, str) else type(x).__name__
 
 
 def render_chat(tokenizer, template: str | None, messages: list[dict], model_name: str) -> str:

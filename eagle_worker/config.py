@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from eagle_worker.sampling_params import is_int
-from eagle_worker.speculative.config import SpecConfig, default_spec
+from eagle_worker.sampling_params import MAX_SEED, is_int
+from eagle_worker.speculative.config import SpecConfig, choose_draft, default_spec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -49,11 +49,24 @@ class EngineConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"EngineConfig.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         check_device(self.device)
+        if self.spec is not None and not isinstance(self.spec, (SpecConfig, str)):
+            raise ValueError(f"EngineConfig.spec must be a SpecConfig, None or 'auto', got {type(self.spec).__name__} "
+                             f"(build one: SpecConfig(**settings))")
         if isinstance(self.spec, str):
             if self.spec != "auto":
                 raise ValueError(f"EngineConfig.spec must be a SpecConfig, None or 'auto', got {self.spec!r}")
             self.spec = default_spec(self.draft, self.model)
+        elif self.draft != "auto" and choose_draft(self.draft, self.model) != (self.spec.draft if self.spec else None):
+            raise ValueError(f"EngineConfig: draft={self.draft!r} and spec={self.spec!r} disagree; give the head "
+                             f"in one of them (spec's draft field)")
         self.draft = self.spec.draft if self.spec is not None else None   # as resolved
+        if self.tp_size < 1:
+            raise ValueError(f"EngineConfig.tp_size must be at least 1, got {self.tp_size!r}")
+        if not 0 <= self.seed < MAX_SEED:
+            raise ValueError(f"EngineConfig.seed must be an integer in [0, 2**63), got {self.seed!r}")
+        if self.offline_slowdown is not None and (isinstance(self.offline_slowdown, bool)
+                                                  or not isinstance(self.offline_slowdown, (int, float))):
+            raise ValueError(f"EngineConfig.offline_slowdown must be a number or None, got {self.offline_slowdown!r}")
         if self.offline_slowdown is not None and not 0 <= self.offline_slowdown <= 1000:   # also refuses NaN
             raise ValueError(f"EngineConfig.offline_slowdown must be between 0 and 1000 or None, got {self.offline_slowdown!r}")
         if self.block_size <= 0 or self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:

@@ -122,7 +122,14 @@ def materialize(name: str) -> Path:
     if _is_complete(final):
         logger.debug("built-in model %s: cached at %s (%.3fs)", name, final, time.perf_counter() - t0)
         return final
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise ValueError(f"the model cache {root} (EAGLE_CACHE_DIR or ~/.cache/eagle-serve/models) is a file, "
+                         f"not a folder") from None
+    except OSError as e:
+        raise ValueError(f"the model cache {root} (EAGLE_CACHE_DIR or ~/.cache/eagle-serve/models) cannot be "
+                         f"created: {e.strerror}") from None
     with file_lock(root / f".{name}.lock"):
         if _is_complete(final):  # another process built it while we waited
             logger.info("built-in model %s: built by another process, at %s", name, final)

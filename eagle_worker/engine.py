@@ -8,6 +8,7 @@ requests (finish_reason "error", with the cause), and the engine goes on with th
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -20,7 +21,7 @@ from eagle_worker.detokenizer import detokenize_incrementally, finalize_text
 from eagle_worker.model_runner import ModelRunner
 from eagle_worker.outputs import RequestOutput, TokenLogprob
 from eagle_worker.prompt_tokenizer import encode_prompt
-from eagle_worker.sampling_params import SamplingParams
+from eagle_worker.sampling_params import SamplingParams, is_token_id
 from eagle_worker.scheduler import Scheduler
 from eagle_worker.sequence import Sequence, SequenceStatus
 from eagle_worker.speculative.config import resolve_draft
@@ -71,14 +72,19 @@ class LLMEngine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        params = dataclasses.replace(params)    # checked again (a field set after building) and the request's own
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already running")
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise ValueError("prompt is empty")
             token_ids = self.tokenize(prompt)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            token_ids = list(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            odd = next(((i, t) for i, t in enumerate(prompt) if not is_token_id(t)), None)
+            if odd is not None:
+                raise ValueError(f"prompt token ids must be integers; position {odd[0]} is {type(odd[1]).__name__} "
+                                 f"{odd[1]!r}"[:200])
+            token_ids = [int(t) for t in prompt]
             vocab = self.runner.model.vocab_size
             bad = [t for t in token_ids if not 0 <= t < vocab]
             if bad:

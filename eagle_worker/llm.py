@@ -7,7 +7,7 @@ import itertools
 from eagle_worker.config import EngineConfig
 from eagle_worker.engine import LLMEngine
 from eagle_worker.outputs import RequestOutput
-from eagle_worker.sampling_params import SamplingParams
+from eagle_worker.sampling_params import SamplingParams, is_token_id
 
 
 class LLM:
@@ -28,7 +28,7 @@ class LLM:
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Run all prompts to completion with continuous batching; outputs in prompt order."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and is_token_id(prompts[0])):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
             raise ValueError(f"prompts must be a string, a list of strings or a list of token-id lists, "
@@ -73,6 +73,9 @@ class LLM:
         """One conversation or a list of them, rendered with the model's chat template."""
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of messages (or of conversations)")
+        if not isinstance(messages[0], (dict, list)):
+            raise ValueError(f"messages[0] must be a message ({{'role': ..., 'content': ...}}) or a conversation "
+                             f"(a list of them), got {type(messages[0]).__name__}")
         conversations = [messages] if isinstance(messages[0], dict) else messages
         prompts = [self.engine.apply_chat_template(c) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)

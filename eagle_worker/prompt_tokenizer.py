@@ -15,6 +15,10 @@ from eagle_worker.tokenizer_loader import load_tokenizer
 def encode_prompt(tokenizer, prompt: str) -> list[int]:
     """Prompt text -> token ids, with the tokenizer's BOS unless the text already starts with it
     (a chat template may hold BOS)."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:      # a lone surrogate ("\\ud800" in JSON): the tokenizer's TypeError names nothing
+        raise ValueError(f"prompt is not valid Unicode text ({e.reason} at character {e.start})") from None
     bos = tokenizer.bos_token
     add_special = not (bos and prompt.startswith(bos))
     return tokenizer.encode(prompt, add_special_tokens=add_special)

@@ -1,8 +1,10 @@
 """Per-request sampling parameters (the vLLM names and ranges), validated when built so bad input
-fails early with a message naming the field."""
+fails early with a message naming the field (the engine takes a validated copy of each request's:
+a field changed after building is checked again, and cannot move a request in flight)."""
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 
 # Temperatures below this sample like greedy decoding (vLLM's _SAMPLING_EPS): dividing logits by a
@@ -20,6 +22,11 @@ def is_int(x) -> bool:
     """An integer, not a bool (True is an int to Python, and `max_tokens=True` is a mistake); the
     engine's one check of integer settings (SamplingParams, EngineConfig, SpecConfig)."""
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def is_token_id(x) -> bool:
+    """An integer token id as a prompt may hold it: Python's or numpy's, never a bool."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def _topn(x) -> bool:
@@ -80,6 +87,9 @@ class SamplingParams:
              f"must be in [-2, 2], got {self.frequency_penalty!r}"),
             (_number(self.repetition_penalty) and 0 < self.repetition_penalty <= 2, "repetition_penalty",
              f"must be in (0, 2], got {self.repetition_penalty!r}"),
+            (isinstance(self.ignore_eos, bool), "ignore_eos", f"must be true or false, got {self.ignore_eos!r}"),
+            (isinstance(self.include_stop_str_in_output, bool), "include_stop_str_in_output",
+             f"must be true or false, got {self.include_stop_str_in_output!r}"),
             (self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
                 is_int(k) and k >= 0 and _number(v) and -100 <= v <= 100 for k, v in bias.items())),
              "logit_bias", "must map token ids (integers >= 0) to numbers in [-100, 100], "

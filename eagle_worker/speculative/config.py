@@ -34,12 +34,23 @@ class SpecConfig:
                                         # float32 target where the device has bf16 arithmetic), or a dtype
 
     def __post_init__(self) -> None:
+        for name in ("adaptive", "lookup"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"SpecConfig.{name} must be true or false, got {getattr(self, name)!r}")
+        if self.draft is not None and not isinstance(self.draft, str):
+            raise ValueError(f"SpecConfig.draft must be a head folder, 'default' or None, got {self.draft!r}")
         if self.draft is None and not self.lookup:
             raise ValueError("SpecConfig needs a draft head (draft=...) or lookup=True")
-        self.lookup_ngram = tuple(self.lookup_ngram)
-        if len(self.lookup_ngram) != 2 or not all(isinstance(n, int) for n in self.lookup_ngram) \
-                or not 1 <= self.lookup_ngram[0] <= self.lookup_ngram[1] <= 64:
-            raise ValueError(f"SpecConfig.lookup_ngram must be (min, max) with 1 <= min <= max <= 64, got {self.lookup_ngram!r}")
+        ngram = self.lookup_ngram
+        if not (isinstance(ngram, (list, tuple)) and len(ngram) == 2 and all(is_int(n) for n in ngram)
+                and 1 <= ngram[0] <= ngram[1] <= 64):
+            raise ValueError(f"SpecConfig.lookup_ngram must be (min, max) with 1 <= min <= max <= 64, got {ngram!r}")
+        self.lookup_ngram = tuple(ngram)
+        choices = self.static_choices
+        if choices is not None and not (isinstance(choices, (list, tuple)) and choices and all(
+                isinstance(c, (list, tuple)) and all(is_int(i) for i in c) for c in choices)):
+            raise ValueError(f"SpecConfig.static_choices must be a non-empty list of paths (lists of child indices), "
+                             f"got {choices!r}"[:300])
         if self.head_dtype not in HEAD_DTYPES:
             raise ValueError(f"SpecConfig.head_dtype must be one of {HEAD_DTYPES}, got {self.head_dtype!r}")
         if self.method not in (None, "eagle", "eagle3"):

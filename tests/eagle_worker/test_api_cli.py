@@ -38,9 +38,16 @@ def test_chat_takes_openai_text_parts_and_refuses_what_it_cannot_render(tiny_mod
     parts = [{"role": "user", "content": [{"type": "text", "text": "two plus "}, {"type": "text", "text": "two?"}]},
              {"role": "assistant", "content": None}]
     assert llm.engine.apply_chat_template(parts) == "user: two plus two?\nassistant: \nassistant:"
+    named = "{% for m in messages %}{{ m.get('name', m['role']) }}: {{ m['content'] }}\n{% endfor %}"
+    llm_named = LLM(model=str(tiny_model_dir("llama")), block_size=4, num_kv_blocks=64, chat_template=named)
+    echoed = {"role": "user", "content": "hi", "name": "bob", "refusal": None, "tool_calls": []}   # empty extras pass
+    assert llm_named.engine.apply_chat_template([echoed]) == "bob: hi\n"       # the name reaches the template
     for bad, needle in (([{"role": None, "content": "x"}], r"messages\[0\]"),
                         ([{"role": "user", "content": [{"type": "image_url"}]}], "only text parts"),
-                        ([{"role": "user", "content": 5}], r"messages\[0\].content"), ([], "non-empty")):
+                        ([{"role": "user", "content": 5}], r"messages\[0\].content"), ([], "non-empty"),
+                        (["hi"], r"messages\[0\] must be a message .* got str"),
+                        ([{"role": "user", "content": "hi", "foo": 1}], r"messages\[0\]: unsupported field\(s\) 'foo'"),
+                        ([{"role": "user", "content": "hi", "name": 5}], r"messages\[0\].name must be a string")):
         with pytest.raises(ValueError, match=needle):
             llm.chat(bad)
     with pytest.raises(ValueError, match="chat_template is not a valid Jinja template"):
@@ -60,6 +67,15 @@ def test_cli_generate_exits_1_when_the_engine_fails_the_request(tiny_model_dir, 
 
 def test_speculation_sizes_past_their_limits_are_refused_not_run():
     from eagle_worker.speculative.config import SPEC_LIMITS, SpecConfig
+
+    for kwargs, needle in ((dict(lookup="no"), "SpecConfig.lookup must be true or false"),
+                           (dict(lookup=True, adaptive="no"), "SpecConfig.adaptive must be true or false"),
+                           (dict(lookup=True, lookup_ngram=5), "lookup_ngram must be"),
+                           (dict(lookup=True, lookup_ngram=(True, True)), "lookup_ngram must be"),
+                           (dict(lookup=True, static_choices="x"), "static_choices must be"),
+                           (dict(draft=5), "SpecConfig.draft must be")):
+        with pytest.raises(ValueError, match=needle):
+            SpecConfig(**kwargs)
 
     for name, most in SPEC_LIMITS.items():
         SpecConfig(lookup=True, **{name: most})

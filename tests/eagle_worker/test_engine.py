@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from eagle_worker import LLM, SamplingParams
+from eagle_worker import LLM, SamplingParams, SpecConfig
 from eagle_worker.config import EngineConfig
 from eagle_worker.engine import LLMEngine
 from tests.conftest import assert_no_leaks
@@ -183,6 +183,8 @@ def test_incremental_outputs_and_abort(tiny_model_dir):
     (dict(stop=[1]), "stop"), (dict(stop=b"x"), "stop"), (dict(stop=[None, "a"]), "stop"),
     (dict(stop_token_ids=["a"]), "stop_token_ids"), (dict(stop_token_ids=[-1]), "stop_token_ids"),
     (dict(stop_token_ids="ab"), "stop_token_ids"),
+    (dict(ignore_eos="no"), "ignore_eos"), (dict(ignore_eos=2), "ignore_eos"),
+    (dict(include_stop_str_in_output="no"), "include_stop_str_in_output"),
 ])
 def test_bad_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -205,7 +207,23 @@ def test_bad_requests_are_refused_and_engine_keeps_serving(tiny_model_dir):
         engine.add_request("e6", "hi", SamplingParams(logit_bias={10**6: 1.0}))
     with pytest.raises(ValueError, match="stop_token_ids token ids out of range"):
         engine.add_request("e7", "hi", SamplingParams(stop_token_ids=[3, 10**6]))
-    engine.add_request("ok", "The quick", SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    with pytest.raises(ValueError, match="position 1 is str"):
+        engine.add_request("e8", [5, "hi"], SamplingParams())
+    with pytest.raises(ValueError, match="position 2 is bool"):
+        engine.add_request("e9", [5, 6, True], SamplingParams())
+    with pytest.raises(ValueError, match="not valid Unicode text .* at character 4"):
+        engine.add_request("e10", "abc \ud800 def", SamplingParams())
+    changed = SamplingParams(max_tokens=3)
+    changed.max_tokens = 0                         # set after building: checked again when the request is added
+    with pytest.raises(ValueError, match="max_tokens"):
+        engine.add_request("e11", "hi", changed)
+    changed = SamplingParams(max_tokens=3)
+    changed.temperature = float("nan")
+    with pytest.raises(ValueError, match="temperature"):
+        engine.add_request("e12", "hi", changed)
+    mine = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    engine.add_request("ok", "The quick", mine)
+    mine.max_tokens = 50                           # the running request keeps what it was added with
     with pytest.raises(ValueError, match="already running"):
         engine.add_request("ok", "again", SamplingParams())
     outs = []
@@ -329,6 +347,13 @@ def test_an_interrupted_generate_leaves_nothing_queued(tiny_model_dir):
     (dict(max_model_len=2.5), "max_model_len=2.5"), (dict(num_kv_blocks=-3), "num_kv_blocks must be a positive"),
     (dict(enable_prefix_caching="no"), "enable_prefix_caching='no'"), (dict(max_num_seqs=None), "max_num_seqs=None"),
     (dict(draft=5), "draft=5"), (dict(model=""), "model=''"),
+    (dict(tp_size=0), "tp_size must be at least 1"), (dict(seed=-1), "seed must be an integer in [0, 2**63)"),
+    (dict(seed=2**70), "seed must be an integer in [0, 2**63)"),
+    (dict(offline_slowdown="x"), "offline_slowdown must be a number or None"),
+    (dict(offline_slowdown=True), "offline_slowdown must be a number or None"),
+    (dict(spec={"depth": 3}), "spec must be a SpecConfig, None or 'auto', got dict"),
+    (dict(draft="/tmp/nope", spec=SpecConfig(lookup=True)), "disagree"),
+    (dict(draft="default", spec=None), "disagree"),
 ])
 def test_engine_settings_of_the_wrong_type_or_range_name_the_field(kwargs, needle):
     with pytest.raises(ValueError, match=re.escape(needle)):
