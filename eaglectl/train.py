@@ -3,7 +3,10 @@
 Example (the shipped gemma-3-270m head; see eagle_worker/heads/gemma-3-270m/TRAINING.md):
     eaglectl train-head --target gemma-3-270m --format eagle3 --data data/train/gsm8k/train.jsonl:2000 \\
         --out heads/g270 --prompt-format 'Question: {prompt}\\nAnswer:' --self-distill 200
-Rerunning the same command resumes (distilled data, feature shards and checkpoints are reused).
+Rerunning the same command resumes (distilled data, feature shards and checkpoints are reused); a
+work folder whose examples came from other data or example settings is refused, not reused.
+Checkpoints are exported to --out while training runs: training_record.json says "complete": false
+until training finished (an interrupted run leaves a usable but unfinished head).
 """
 from __future__ import annotations
 
@@ -36,7 +39,8 @@ def _command_line() -> str:
 @click.option("--format", "fmt", default="eagle3", show_default=True, type=click.Choice(["eagle3", "eagle1"]))
 @click.option("--data", multiple=True, required=True,
               help="Prompt/response file or folder (.json/.jsonl/.parquet); PATH:N takes the first N. Repeatable.")
-@click.option("--out", required=True, help="Output folder: config.json + model.safetensors + training_record.json.")
+@click.option("--out", required=True, help="Output folder: config.json + model.safetensors + training_record.json "
+                   "(\"complete\": false while training).")
 @click.option("--work-dir", default=None, help="Features and checkpoints (default OUT/work); reused to resume.")
 @click.option("--prompt-format", default="chat", show_default=True,
               help="'chat' (the target's template), or a frame with {prompt}, e.g. 'Question: {prompt}\\nAnswer:'.")
@@ -114,6 +118,10 @@ def train_head(target, fmt, data, out, work_dir, prompt_format, init_head, draft
     except ValueError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
+    except OSError as e:      # disk full, a folder made read-only mid-run: one line, not a traceback
+        where = f"{e.filename}: " if e.filename else ""
+        click.echo(f"error: {where}{e.strerror or e}", err=True)
+        sys.exit(1)
     click.echo(json.dumps({k: record.get(k) for k in ("steps", "train_tokens", "metrics", "engine")}, default=str))
 
 

@@ -3,6 +3,7 @@ against the head the config describes, the weights loaded into our packed layers
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -23,6 +24,8 @@ from eagle_worker.speculative.head_format import (
     refuse_yarn,
 )
 from eagle_worker.speculative.heads import DraftHead, HeadConfig, TargetVocab, build_head
+
+logger = logging.getLogger(__name__)
 
 _PACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
@@ -111,6 +114,19 @@ def _load_into(head: DraftHead, sd: dict[str, torch.Tensor]) -> None:
             head.d2t.zero_()
 
 
+def warn_if_unfinished(path: Path) -> None:
+    """`train-head` exports its checkpoints while it trains; a head whose training record says it
+    did not finish (an interrupted run) still loads, with a warning."""
+    try:
+        record = json.loads((path / "training_record.json").read_text())
+    except (OSError, ValueError):
+        return
+    if isinstance(record, dict) and record.get("complete") is False:
+        logger.warning("draft head %s is a checkpoint of an unfinished training run (step %s of %s; "
+                       "training_record.json says complete: false)", path, record.get("steps"),
+                       (record.get("train_config") or {}).get("steps", "?"))
+
+
 def load_draft_head(path: str | Path, target_model: nn.Module, target_hf_config,
                     vocab: TargetVocab | None = None, dtype: torch.dtype | None = None) -> DraftHead:
     """Build the head for `target_model` from an EAGLE-1/2 or EAGLE-3 checkpoint folder, on the
@@ -128,6 +144,7 @@ def load_draft_head(path: str | Path, target_model: nn.Module, target_hf_config,
         raise ValueError(f"draft head {cfg_file}: not a readable JSON file ({e})") from None
     if not isinstance(raw, dict):
         raise ValueError(f"draft head {cfg_file}: expected a JSON object, got {type(raw).__name__}")
+    warn_if_unfinished(path)
     sd = normalise_names(read_state_dict(path))
     if raw.get("speculators_model_type") is not None:
         raw, sd = from_speculators(raw, sd, path)

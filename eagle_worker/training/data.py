@@ -101,6 +101,9 @@ def _json(text: str, path: Path, line: int | None = None):
         return json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: line {line or e.lineno}: not valid JSON ({e.msg}, column {e.colno})") from None
+    except RecursionError:      # the decoder recurses per nesting level: 200k `[` exhaust the stack
+        where = f"line {line}: " if line else ""
+        raise ValueError(f"{path}: {where}not valid JSON (nested too deeply)") from None
 
 
 def split_limit(spec: str) -> tuple[Path, int | None]:
@@ -124,7 +127,8 @@ def load_samples(path: str | Path, limit: int | None = None, drop_responses: boo
         limit = n if limit is None else min(limit, n)
     if not p.exists():
         raise ValueError(f"--data {p}: no such file or folder")
-    files = sorted(f for f in p.iterdir() if f.suffix in (".json", ".jsonl", ".parquet")) if p.is_dir() else [p]
+    files = (sorted(f for f in p.iterdir() if f.suffix in (".json", ".jsonl", ".parquet") and f.is_file())
+             if p.is_dir() else [p])     # regular files only: a subfolder named `x.json/` is not data
     if not files:
         raise ValueError(f"{p}: no .json/.jsonl/.parquet files")
     out: list[Sample] = []

@@ -3,6 +3,8 @@ shards -> training -> a published head + config.json + training record.
 
 Everything lands in the work folder and is reused on a rerun of the same command (distilled
 responses, vocabulary, feature shards, checkpoints), so a killed run resumes where it stopped.
+A rerun whose samples or example settings differ is refused (workdir.py); the training record
+says "complete": false on the heads exported at checkpoints, true once training finished.
 """
 from __future__ import annotations
 
@@ -19,9 +21,11 @@ from eagle_worker.config import EngineConfig
 from eagle_worker.training.data import Sample, load_data
 from eagle_worker.training.distill import self_distill
 from eagle_worker.training.features import Extractor, FeatureSpec, FeatureStore, OnlineFeatures, extract
+from eagle_worker.training.preflight import check_folder, check_init_head, check_max_tokens, local_context, native_context
 from eagle_worker.training.render import Example, prompt_ids, render
 from eagle_worker.training.trainer import TrainConfig, Trainer
 from eagle_worker.training.vocab import coverage, draft_vocab, token_counts
+from eagle_worker.training.workdir import check_stamp, examples_stamp, write_stamp
 
 
 @dataclass
@@ -63,9 +67,8 @@ class PipelineConfig:
     def check(self) -> None:
         """What the options cannot say alone, refused before anything loads or is written."""
         for opt, folder in (("--out", self.out), ("--work-dir", self.work_dir)):
-            for f in [Path(folder), *Path(folder).parents] if folder else []:
-                if f.exists() and not f.is_dir():
-                    raise ValueError(f"{opt} {folder}: {f} is a file, not a folder")
+            if folder:
+                check_folder(opt, folder)
         if self.fixed_text == 0 and not self.self_distill:
             raise ValueError("--fixed-text 0 without --self-distill leaves nothing to train on")
         if self.self_distill and self.max_tokens <= self.distill_tokens:
@@ -74,6 +77,9 @@ class PipelineConfig:
         if self.kind == "eagle3" and not self.init_head and self.draft_vocab_size < self.topk:
             raise ValueError(f"--draft-vocab-size {self.draft_vocab_size} is below the {self.topk} target "
                              "tokens kept per position")
+        if self.init_head:
+            check_init_head(self.init_head)
+        check_max_tokens(self.max_tokens, local_context(self.target), self.target)
 
 
 @torch.no_grad()
@@ -107,10 +113,12 @@ def _log(msg: str) -> None:
     print(f"[train-head {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def _examples_file(path: Path, make) -> list[Example]:
+def _examples_file(path: Path, make, seal=None) -> list[Example]:
     if path.exists():
         return [Example(**json.loads(line)) for line in path.read_text().split("\n") if line.strip()]
     exs = make()
+    if seal:
+        seal()
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(json.dumps(asdict(e)) + "\n" for e in exs))
     tmp.replace(path)
@@ -138,9 +146,10 @@ def split_samples(cfg: PipelineConfig, samples: list[Sample]) -> tuple[list[Samp
     return samples[:n_held], samples[n_held:]
 
 
-def build_examples(cfg: PipelineConfig, llm, work: Path, held_s: list[Sample], train_s: list[Sample]
+def build_examples(cfg: PipelineConfig, llm, work: Path, held_s: list[Sample], train_s: list[Sample], seal=None
                    ) -> tuple[list[Example], list[Example], list[list[int]]]:
-    """(train, held-out, held-out prompt ids); cached in the work folder."""
+    """(train, held-out, held-out prompt ids); cached in the work folder. `seal()` is called before
+    the first file made from them is written (the work folder's record of what built them)."""
     tok = llm.tokenizer
     template = chat_template(cfg, llm)
     _log(f"{len(held_s) + len(train_s)} samples from {len(cfg.data)} source(s); {len(held_s)} held out")
@@ -151,6 +160,8 @@ def build_examples(cfg: PipelineConfig, llm, work: Path, held_s: list[Sample], t
         ps = [prompt_ids(tok, s, cfg.prompt_format, template) for s in ss]
         keep = [(p if len(p) <= max_prompt else p[:1] + p[len(p) - max_prompt + 1:], s.source) for p, s in zip(ps, ss)]
         _log(f"self-distilling {len(keep)} {tag} prompts x {cfg.distill_tokens} tokens")
+        if seal:
+            seal()
         return self_distill(llm, [k[0] for k in keep], [k[1] for k in keep], cfg.distill_tokens,
                             batch=cfg.distill_batch, partial=work / f"distill_{tag}.partial.jsonl",
                             seconds=seconds)
@@ -169,8 +180,8 @@ def build_examples(cfg: PipelineConfig, llm, work: Path, held_s: list[Sample], t
     def held_make():   # the held-out set is what serving sees: the target's own continuations
         return distilled(held_s, "held-out") if cfg.self_distill else fixed(held_s)
 
-    train = _examples_file(work / "train_examples.jsonl", train_make)
-    held = _examples_file(work / "heldout_examples.jsonl", held_make)
+    train = _examples_file(work / "train_examples.jsonl", train_make, seal)
+    held = _examples_file(work / "heldout_examples.jsonl", held_make, seal)
     held_prompts = [e.ids[:e.loss_start] for e in held]
     return train, held, held_prompts
 
@@ -222,14 +233,17 @@ def run(cfg: PipelineConfig, progress: bool = True) -> dict:
         torch.set_num_threads(cfg.train.threads)
     out = Path(cfg.out)
     work = Path(cfg.work_dir) if cfg.work_dir else out / "work"
+    stamp = examples_stamp(cfg, held_s, train_s)
+    check_stamp(work, stamp, "--work-dir" if cfg.work_dir else "work folder")
     t_start = time.time()
     llm = LLM(model=cfg.target, dtype=cfg.dtype, device=cfg.device, **_distill_engine_args(cfg))
     runner = llm.engine.runner
     model, hf_config = runner.model, runner.hf_config
     chat_template(cfg, llm)      # before anything is written
+    context = native_context(hf_config)     # rotary rows for the feature forward; the engine's limit when it distils
+    check_max_tokens(cfg.max_tokens, min(context, llm.engine.max_model_len) if cfg.self_distill else context, cfg.target)
     work.mkdir(parents=True, exist_ok=True)
-    (work / "pipeline_config.json").write_text(json.dumps(asdict(cfg), indent=1) + "\n")
-    train_ex, held_ex, held_prompts = build_examples(cfg, llm, work, held_s, train_s)
+    train_ex, held_ex, held_prompts = build_examples(cfg, llm, work, held_s, train_s, lambda: write_stamp(work, stamp))
     n_train = sum(len(e.ids) for e in train_ex)
     _log(f"{len(train_ex)} train examples, {n_train} tokens; {len(held_ex)} held-out")
 
@@ -270,7 +284,8 @@ def run(cfg: PipelineConfig, progress: bool = True) -> dict:
     record = {"target": cfg.target, "format": cfg.format, "command": cfg.command, "data": cfg.data,
               "prompt_format": cfg.prompt_format, "train_examples": len(train_ex), "train_tokens": n_train,
               "heldout_examples": len(held_ex), "self_distilled": cfg.self_distill, "online": cfg.online,
-              "draft_vocab_size": len(vocab_ids), "draft_vocab_coverage": cov, "train_config": asdict(cfg.train)}
+              "draft_vocab_size": len(vocab_ids), "draft_vocab_coverage": cov, "train_config": asdict(cfg.train),
+              "complete": False}    # checkpoints exported mid-training say so; true once training finished
 
     def on_checkpoint(step, metrics):
         record.update({"steps": step, "epochs_seen": step / trainer.spe, "metrics": metrics})
@@ -279,13 +294,15 @@ def run(cfg: PipelineConfig, progress: bool = True) -> dict:
     trainer = Trainer(head, train_store, held_store, cfg.train, work, t2d_index, on_checkpoint, produce)
     if trainer.resume():
         _log(f"resumed at step {trainer.step} (epoch {trainer.epoch})")
+    # only now: a run refused for a mismatch above leaves the folder's record of the run it holds
+    (work / "pipeline_config.json").write_text(json.dumps(asdict(cfg), indent=1) + "\n")
     _log(f"training {trainer.total} steps (~{trainer.spe}/epoch), bf16 autocast: {trainer.autocast}")
     t0 = time.time()
     if trainer.step < trainer.total:
         metrics = trainer.fit(progress=progress)
     else:
         metrics = trainer.evaluate()
-    record.update({"steps": trainer.step, "metrics": metrics, "train_s": time.time() - t0})
+    record.update({"steps": trainer.step, "metrics": metrics, "train_s": time.time() - t0, "complete": True})
     _export(head, cfg, llm, vocab_ids, out, record)
     llm = None  # free the engine before the evaluation builds its own
     prompts = held_prompts[:cfg.eval_prompts]

@@ -4,6 +4,7 @@ name a target that does not exist, so a refusal that came after loading it would
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -118,3 +119,91 @@ def test_no_examples_within_max_tokens_is_refused_and_not_cached(tiny_model_dir,
     assert r.exit_code == 0, r.output
     rec = json.loads((out / "training_record.json").read_text())
     assert rec["steps"] == 1 and "engine" not in rec
+
+
+def test_a_folder_that_cannot_be_made_or_written_is_refused_before_the_target_loads(tmp_path, good, monkeypatch):
+    """Probed by making it and a file in it (root writes through chmod, so a read-only file system
+    is simulated), and undone: nothing is left behind."""
+    import errno
+
+    from eagle_worker.training import preflight
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    real_mkdir, real_tmp = preflight.Path.mkdir, preflight.tempfile.NamedTemporaryFile
+
+    def refuse_in_ro(p):
+        if ro in [p, *p.parents]:
+            raise OSError(errno.EROFS, "Read-only file system", str(p))
+
+    monkeypatch.setattr(preflight.Path, "mkdir", lambda self, *a, **k: refuse_in_ro(self) or real_mkdir(self, *a, **k))
+    monkeypatch.setattr(preflight.tempfile, "NamedTemporaryFile",
+                        lambda dir, **k: refuse_in_ro(preflight.Path(dir)) or real_tmp(dir=dir, **k))
+    for opt, path in (("--out", ro / "head"), ("--work-dir", ro), ("--work-dir", ro / "a" / "w")):
+        r = CliRunner().invoke(train_head, ["--target", str(tmp_path / "no-such-model"), "--data", str(good),
+                                            "--out", str(tmp_path / "out"), "--no-progress", opt, str(path)])
+        assert r.exit_code == 2 and f"{opt} {path}: cannot create or write it (Read-only file system)" in r.output, r.output
+    assert list(ro.iterdir()) == [] and not (tmp_path / "out").exists()
+    if Path("/proc/self").is_dir():        # a folder no one can make
+        r, _ = _train(tmp_path, "--data", str(good), "--work-dir", "/proc/no-such/work")
+        assert r.exit_code == 2 and "--work-dir /proc/no-such/work: cannot create or write it" in r.output, r.output
+
+
+def test_an_os_error_during_the_run_is_one_line(tmp_path, good, monkeypatch):
+    from eagle_worker.training import pipeline
+
+    def full_disk(cfg, progress):
+        raise OSError(28, "No space left on device", str(tmp_path / "out" / "work" / "x"))
+
+    monkeypatch.setattr(pipeline, "run", full_disk)
+    r, _ = _train(tmp_path, "--data", str(good))
+    assert r.exit_code == 1 and r.output.strip() == f"error: {tmp_path}/out/work/x: No space left on device", r.output
+
+
+def test_max_tokens_over_the_target_context_is_refused_by_name(tiny_model_dir, tmp_path, good, monkeypatch):
+    """Before loading when config.json is on disk; after loading (before anything is written) otherwise."""
+    from eagle_worker.training import preflight
+
+    fake = tmp_path / "config-only"        # nothing to load: a refusal after loading would fail otherwise
+    fake.mkdir()
+    (fake / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 512}))
+    r, out = _train(tmp_path, "--data", str(good), "--max-tokens", "2000", target=fake)
+    assert r.exit_code == 2 and "--max-tokens 2000 is over the context of model" in r.output and "512" in r.output, r.output
+    assert not out.exists()
+    monkeypatch.setattr(preflight, "local_context", lambda target: None)    # e.g. a hub id
+    r, out = _train(tmp_path, "--data", str(good), "--max-tokens", "513", target=tiny_model_dir("llama"))
+    assert r.exit_code == 2 and "--max-tokens 513 is over the context" in r.output and "(512 tokens)" in r.output, r.output
+    assert not out.exists()
+
+
+def test_init_head_that_is_no_head_folder_is_refused_before_the_target_loads(tiny_model_dir, tmp_path, good):
+    a_file, no_cfg, no_weights = tmp_path / "a_file", tmp_path / "no_cfg", tmp_path / "no_weights"
+    a_file.write_text("x")
+    no_cfg.mkdir()
+    no_weights.mkdir()
+    (no_weights / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"]}))
+    for head, says in ((tmp_path / "missing", "no such folder"), (a_file, "a file, not a head folder"),
+                       (no_cfg, "no config.json"), (no_weights, "no model.safetensors"),
+                       (tiny_model_dir("llama"), "num_hidden_layers=4: a full model, not a draft head")):
+        r, out = _train(tmp_path, "--data", str(good), "--init-head", str(head))
+        assert r.exit_code == 2 and f"--init-head {head}: {says}" in r.output, r.output
+        assert not out.exists()
+
+
+def test_a_data_folder_reads_regular_files_only(tmp_path, good):
+    folder = tmp_path / "mix"
+    (folder / "sub.json").mkdir(parents=True)
+    r, out = _train(tmp_path, "--data", str(folder))
+    assert r.exit_code == 2 and f"{folder}: no .json/.jsonl/.parquet files" in r.output, r.output
+    (folder / "a.jsonl").write_text(good.read_text())
+    assert len(load_samples(folder)) == 40
+
+
+def test_json_nested_too_deeply_is_not_valid_json(tmp_path):
+    deep = "[" * 200_000
+    for name, text, says in (("deep.jsonl", '{"prompt": "fine"}\n' + deep + "\n", "line 2: not valid JSON"),
+                             ("deep.json", deep, "not valid JSON")):
+        p = tmp_path / name
+        p.write_text(text)
+        r, out = _train(tmp_path, "--data", str(p))
+        assert r.exit_code == 2 and f"{p}: {says} (nested too deeply)" in r.output, r.output
