@@ -86,7 +86,8 @@ def submit_job(input, fmt, stop, address, job_id, wait, **opts):
 
     \b
     Exit codes: 0 completed, 1 failed, 2 bad input or settings (nothing generated),
-    3 completed with error rows (rerun with --retry-errors after fixing them), 130 cancelled.
+    3 completed with error rows (rerun with --retry-errors after fixing them) or with rows skipped
+    for a duplicate id, 130 cancelled.
     """
     from jobs.job_config import JobConfig, JobConfigError
 

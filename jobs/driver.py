@@ -3,10 +3,11 @@
 `eaglectl submit-job` without a cluster calls `drive` in its own process; on a cluster the Ray job's
 entrypoint is `python -m jobs.driver --config-json JSON [--address auto]` (jobs/ray_jobs.py), so
 the cluster runs the driver without the CLI. Exit codes: 0 the job completed, 1 it failed, 2 bad
-input or settings (nothing generated), 3 it completed with error rows (or unreadable rows: see the
-manifest; `--retry-errors` runs the error rows again), 130 cancelled. As a Ray job entrypoint the
-driver exits 0 for "completed with error rows" (Ray would call the job FAILED) and prints
-RESULT_MARKER, which `eaglectl submit-job --address` turns back into exit code 3.
+input or settings (nothing generated), 3 it completed with error rows (or unreadable rows, or rows
+skipped for a duplicate id: see the manifest; `--retry-errors` runs the error rows again), 130
+cancelled. As a Ray job entrypoint the driver exits 0 for "completed with error rows" (Ray would
+call the job FAILED) and prints RESULT_MARKER, which `eaglectl submit-job --address` turns back
+into exit code 3.
 """
 from __future__ import annotations
 
@@ -54,6 +55,10 @@ def drive(cfg, ray_address: str) -> int:
     if manifest.get("error_rows") or manifest.get("unreadable_rows"):
         print(f"{RESULT_MARKER} (exit code {EXIT_WITH_ERRORS}; see error rows in the output, "
               "fix their input and rerun with --retry-errors)", flush=True)
+        return EXIT_WITH_ERRORS
+    if manifest.get("duplicate_ids_skipped"):     # rows of the input not in the output: not a complete job
+        print(f"{RESULT_MARKER} (exit code {EXIT_WITH_ERRORS}; {manifest['duplicate_ids_skipped']} input row(s) "
+              "skipped: their id was already used by an earlier row; give every row its own id)", flush=True)
         return EXIT_WITH_ERRORS
     return EXIT_OK
 

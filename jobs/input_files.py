@@ -12,6 +12,7 @@ from __future__ import annotations
 import fnmatch
 import glob
 import hashlib
+import logging
 from pathlib import Path
 
 import pyarrow.fs as pafs
@@ -21,6 +22,8 @@ from jobs.storage import StorageError, filesystem, is_uri
 
 DIGEST_SPAN = 64 * 1024
 WHOLE_FILE = 4 * 2**20      # smaller files are digested whole
+MIXED = "mixes Parquet and JSONL files; use one format per job"
+logger = logging.getLogger(__name__)
 
 
 class InputError(ValueError):
@@ -35,18 +38,28 @@ def kind_of(path: str) -> str:
     return "jsonl" if path.lower().endswith(JSONL_SUFFIXES) else "parquet"
 
 
-def _in_folder(paths: list[str], root: str) -> list[str]:
-    """A folder's *.parquet files, else its *.jsonl files (hidden parts of the path skipped)."""
-    for suffixes in ((".parquet",), JSONL_SUFFIXES):
-        files = sorted(p for p in paths if p.lower().endswith(suffixes)
-                       and not any(_hidden(part) for part in p[len(root):].strip("/").split("/")))
-        if files:
-            return files
-    return []
+def _in_folder(paths: list[str], root: str, spec: str) -> list[str]:
+    """A folder's *.parquet or its *.jsonl files, never both (refused, as a glob mixing them is);
+    other files are skipped with a warning naming them, hidden and `_` names (`_SUCCESS`) silently."""
+    kinds: dict[str, list[str]] = {"parquet": [], "jsonl": [], "other": []}
+    for p in sorted(paths):
+        rel = p[len(root):].strip("/")
+        if not any(_hidden(part) for part in rel.split("/")):
+            name = p.lower()
+            kinds["parquet" if name.endswith(".parquet") else "jsonl" if name.endswith(JSONL_SUFFIXES)
+                  else "other"].append(p)
+    parquet, jsonl, other = kinds.values()
+    if parquet and jsonl:
+        raise InputError(f"{spec}: {MIXED} (e.g. {label_of(parquet[0], root)} and {label_of(jsonl[0], root)})")
+    if other and (parquet or jsonl):
+        names = [label_of(p, root) for p in other]
+        logger.warning("%s: skipping %d file(s) that are neither .parquet nor .jsonl/.ndjson: %s%s", spec, len(names),
+                       ", ".join(names[:5]), f" and {len(names) - 5} more" if len(names) > 5 else "")
+    return parquet or jsonl
 
 
 def resolve_files(spec: str, exclude: str | None = None) -> tuple[pafs.FileSystem, list[str], str]:
-    """(filesystem, files, root) for a file, a folder (its *.parquet, else *.jsonl) or a glob."""
+    """(filesystem, files, root) for a file, a folder (its *.parquet or *.jsonl files) or a glob."""
     try:
         fs, path = filesystem(spec)
     except StorageError as e:
@@ -73,7 +86,7 @@ def resolve_files(spec: str, exclude: str | None = None) -> tuple[pafs.FileSyste
             elif info.type == pafs.FileType.Directory:
                 root = path.rstrip("/")
                 infos = fs.get_file_info(pafs.FileSelector(root, recursive=True))
-                files = _in_folder([i.path for i in infos if i.type == pafs.FileType.File and keep(i.path)], root)
+                files = _in_folder([i.path for i in infos if i.type == pafs.FileType.File and keep(i.path)], root, spec)
                 if not files:
                     raise InputError(f"{spec}: the folder holds no .parquet or .jsonl files")
             else:
@@ -96,7 +109,7 @@ def _resolve_local(spec: str, exclude: str | None) -> tuple[list[str], str]:
             raise InputError(f"{spec}: the pattern matches no files")
     elif Path(spec).is_dir():
         root = Path(spec)
-        files = [Path(p) for p in _in_folder([str(p) for p in root.rglob("*") if keep(p)], str(root))]
+        files = [Path(p) for p in _in_folder([str(p) for p in root.rglob("*") if keep(p)], str(root), spec)]
         if not files:
             raise InputError(f"{spec}: the folder holds no .parquet or .jsonl files")
     elif Path(spec).is_file():

@@ -2,9 +2,10 @@
 
 `open_input` resolves the files and checks them *before* any model is loaded: Parquet schemas come
 from the file footers (no data read), JSONL files get one streaming validation pass (OpenAI checks
-a batch file up front too). A missing or mistyped column stops the job with the file, the column
-and the expected type. Problems of one *row* (null or empty prompt, bad parameter value) do not:
-the row comes out of `iter_rows` with `error` set and the job writes it as an error row.
+a batch file up front too). A missing or mistyped column, or one naming a sampling setting a row
+cannot take (`n`, `logprobs`: never silently ignored), stops the job with the file and the column.
+Problems of one *row* (null or empty prompt, both `prompt` and `messages`, bad parameter value) do
+not: the row comes out of `iter_rows` with `error` set and the job writes it as an error row.
 
 Memory: `iter_rows` holds one record batch (`batch_rows` rows) at a time, never a whole file.
 Row ids: the `id` column (Parquet) or `custom_id` (JSONL); without them, `<file>:<row index>`
@@ -18,20 +19,34 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from eagle_worker.engine_api import normalize_messages as engine_messages
 from jobs.id_set import IdSet
-from jobs.input_files import InputError, file_identity, kind_of, label_of, resolve_files
+from jobs.input_files import MIXED, InputError, file_identity, kind_of, label_of, resolve_files
 from jobs.output_writer import BASE_SCHEMA
 from jobs.storage import is_uri
 
 __all__ = ["InputError", "InputPlan", "Row", "iter_rows", "open_input"]
 
-OVERRIDES = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+# per-row SamplingParams columns (eagle_worker/sampling_params.py checks their values on the replica: a bad
+# one is an error row naming it, as the flags' own fields are)
+OVERRIDES = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "min_p", "presence_penalty",
+             "frequency_penalty", "repetition_penalty", "stop_token_ids", "logit_bias", "ignore_eos",
+             "include_stop_str_in_output")
+# sampling settings a Parquet row cannot take: refused up front by name, never read and silently ignored
+NOT_PER_ROW = {"n": "one completion per row", "best_of": "one completion per row",
+               "logprobs": "the Parquet output has no logprobs; OpenAI Batch JSONL input returns them",
+               "top_logprobs": "the Parquet output has no logprobs; OpenAI Batch JSONL input returns them",
+               "prompt_logprobs": "the Parquet output has no logprobs",
+               "max_completion_tokens": "the per-row column is `max_tokens`",
+               "min_tokens": "the engine has no such setting", "use_beam_search": "the engine has no beam search",
+               "length_penalty": "the engine has no beam search"}
 OUTPUT_COLUMNS = tuple(BASE_SCHEMA.names)
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
+INT64_MAX = 2**63 - 1
 
 
 @dataclass
@@ -81,7 +96,7 @@ def open_input(spec: str, keep_columns: bool = False, exclude: str | None = None
     fs, files, root = resolve_files(spec, exclude)
     kinds = {kind_of(p) for p in files}
     if len(kinds) > 1:
-        raise InputError(f"{spec}: mixes Parquet and JSONL files; use one format per job")
+        raise InputError(f"{spec}: {MIXED}")
     kind = kinds.pop()
     plan = InputPlan(kind=kind, files=[], fs=fs)
     seen_ids = IdSet() if kind == "jsonl" else None
@@ -114,6 +129,10 @@ def _is_messages(t: pa.DataType) -> bool:
         _is_str(names["content"]) or pa.types.is_null(names["content"]))
 
 
+def _is_number(t: pa.DataType) -> bool:
+    return pa.types.is_floating(t) or pa.types.is_integer(t)
+
+
 _EXPECTED = {  # column -> (check, expected type in words)
     "prompt": (_is_str, "string"),
     "messages": (_is_messages, "list<struct<role: string, content: string>>"),
@@ -121,9 +140,14 @@ _EXPECTED = {  # column -> (check, expected type in words)
     "max_tokens": (pa.types.is_integer, "integer"),
     "top_k": (pa.types.is_integer, "integer"),
     "seed": (pa.types.is_integer, "integer"),
-    "temperature": (lambda t: pa.types.is_floating(t) or pa.types.is_integer(t), "float"),
-    "top_p": (lambda t: pa.types.is_floating(t) or pa.types.is_integer(t), "float"),
+    **{c: (_is_number, "float") for c in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                                          "repetition_penalty")},
     "stop": (lambda t: _is_str(t) or (_is_list(t) and _is_str(t.value_type)), "string or list<string>"),
+    "stop_token_ids": (lambda t: _is_list(t) and pa.types.is_integer(t.value_type), "list<integer>"),
+    "logit_bias": (lambda t: pa.types.is_map(t) and pa.types.is_integer(t.key_type) and _is_number(t.item_type),
+                   "map<integer, float> (token id -> bias)"),
+    "ignore_eos": (pa.types.is_boolean, "bool"),
+    "include_stop_str_in_output": (pa.types.is_boolean, "bool"),
 }
 
 
@@ -145,9 +169,15 @@ def _check_parquet(f: InputFile, plan: InputPlan, keep_columns: bool) -> int:
             t = schema.field(col).type
             if not (ok(t) or pa.types.is_null(t)):
                 raise InputError(f"{path}: column `{col}` has type {t}; expected {expected}")
+    for col in names:
+        if col in NOT_PER_ROW:
+            raise InputError(f"{path}: column `{col}` is not a per-row setting of a Parquet job ({NOT_PER_ROW[col]}); "
+                             "drop or rename it (other columns are not read, or carried with --keep-columns)")
     _set_id_type(plan, path, schema.field("id").type if "id" in names else None, meta.num_rows)
     if _has_ids(schema):
         _no_null_ids(f, plan.fs, meta, "integer" if pa.types.is_integer(schema.field("id").type) else "string")
+        if pa.types.is_uint64(schema.field("id").type):
+            _ids_fit_int64(f, plan.fs, meta)
     if keep_columns:
         kept = pa.schema([schema.field(n) for n in names if n != "id"])
         if plan.kept is None:
@@ -209,6 +239,26 @@ def _no_null_ids(f: InputFile, fs: pafs.FileSystem, meta, kind: str) -> None:
                              f"{rg} ({_null_rows(f, fs, rg, offset)}); give every row an id, or drop the `id` "
                              "column for derived ids (`<file>:<row>`)")
         offset += meta.row_group(rg).num_rows
+
+
+def _ids_fit_int64(f: InputFile, fs: pafs.FileSystem, meta) -> None:
+    """Integer ids come out as int64: a uint64 id above 2**63-1 is refused up front (it would fail the
+    commit), by the footer's max where the statistics have one, else by reading that row group's ids."""
+    col = next(i for i in range(meta.num_columns) if meta.schema.column(i).path == "id")
+    for rg in range(meta.num_row_groups):
+        st = meta.row_group(rg).column(col).statistics
+        if st is not None and st.has_min_max:
+            top = st.max
+        else:
+            try:
+                with fs.open_input_file(f.path) as fh:
+                    top = pc.max(pq.ParquetFile(fh).read_row_group(rg, columns=["id"]).column("id")).as_py()
+            except Exception:   # unreadable data pages: the job reports them when it reads the file
+                continue
+        if top is not None and top > INT64_MAX:
+            raise InputError(f"{f.display}: the uint64 `id` column holds {top} in row group {rg}, above the "
+                             f"int64 maximum {INT64_MAX} of the output's integer ids; renumber the ids, or cast "
+                             "the column to string")
 
 
 def _null_rows(f: InputFile, fs: pafs.FileSystem, rg: int, offset: int) -> str:
@@ -312,8 +362,16 @@ def _parquet_row(rec: dict, derived_id: str | None, plan: InputPlan) -> Row:
     if plan.kept is not None:
         row.extra = {plan.kept_names[k]: rec.get(k) for k in plan.kept_names}
     row.params = {k: rec[k] for k in OVERRIDES if rec.get(k) is not None}
+    if "logit_bias" in row.params:     # a Parquet map reads as [(key, value), ...]
+        bias = row.params["logit_bias"]
+        row.params["logit_bias"] = dict(bias)
+        if len(row.params["logit_bias"]) < len(bias):
+            row.error, row.error_param = "logit_bias: a token id appears more than once", "logit_bias"
+            return row
     prompt, messages = rec.get("prompt"), rec.get("messages")
-    if prompt is not None:
+    if prompt is not None and messages is not None:
+        row.error = "both `prompt` and `messages` are set; give a row one of them"
+    elif prompt is not None:
         row.prompt = prompt
         if not prompt.strip():
             row.error = "prompt is empty"

@@ -288,9 +288,11 @@ class ReplicaPool:
             raise JobFailed(f"no replica left ({self.last_error or 'all died'}); committed output is kept, "
                             "run the same command again to resume")
         if not any(r.ready for r in alive) and time.monotonic() - self.started_at > self.cfg.startup_timeout_s:
-            raise JobFailed(f"no replica became ready within {self.cfg.startup_timeout_s:.0f}s; each needs "
+            have = ray.cluster_resources()
+            gpus = f"{self.cfg.tp_size} GPU(s) (--device cuda) and " if self.cfg.device == "cuda" else ""
+            raise JobFailed(f"no replica became ready within {self.cfg.startup_timeout_s:.0f}s; each needs {gpus}"
                             f"{self.cpus} CPUs (--cpus-per-replica) and the cluster has "
-                            f"{ray.cluster_resources().get('CPU', 0)}")
+                            + (f"{have.get('GPU', 0):g} GPUs and " if gpus else "") + f"{have.get('CPU', 0)} CPUs")
 
 
 def _first_line(e: BaseException) -> str:

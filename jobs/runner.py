@@ -18,6 +18,7 @@ import hashlib
 import logging
 import os
 import socket
+import sys
 import time
 from collections import deque
 
@@ -96,10 +97,12 @@ class JobRunner:
             self._owns_ray = self.app.owns_ray
             self._install_signals()
             self.cfg = self.cfg.with_app_engine(self.app.engine)
-        elif self.cfg.draft not in ("auto", "none"):
-            why = builtin_head_error(self.cfg.engine, self.cfg.model, self.cfg.draft)
-            if why is not None:
-                raise JobConfigError(f"--draft {self.cfg.draft}: {why}")
+        else:
+            self._check_this_machine()
+            if self.cfg.draft not in ("auto", "none"):
+                why = builtin_head_error(self.cfg.engine, self.cfg.model, self.cfg.draft)
+                if why is not None:
+                    raise JobConfigError(f"--draft {self.cfg.draft}: {why}")
         self.out = OutputDir(self.cfg.output, self.fmt)
         try:
             try:
@@ -196,6 +199,23 @@ class JobRunner:
             if self.pool is not None and not starting and self.first_ready is None:
                 self.first_ready = time.monotonic()
             self.progress.update(self.stats, " | waiting for replicas to load the model" if starting else "")
+
+    def _check_this_machine(self) -> None:
+        """Replicas on a Ray this job starts here: a missing model folder or CUDA without a GPU would only
+        fail once Ray and a replica start (or wait for a GPU forever), so they are refused up front. On a
+        cluster (`--address`), paths and GPUs are the cluster's: its nodes are not this machine."""
+        ray = sys.modules.get("ray")
+        if self.ray_address != "local" or (ray is not None and ray.is_initialized()):
+            return
+        model = self.cfg.model
+        if model.startswith(("/", "./", "../", "~")) and not os.path.exists(os.path.expanduser(model)):
+            raise JobConfigError(f"--model {model}: no such file or folder")
+        if self.cfg.device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise JobConfigError("--device cuda: CUDA is not available on this machine (torch.cuda.is_available() "
+                                     "is false); use --device cpu, or --address to run on a cluster with GPUs")
 
     def _admit(self, row: Row) -> bool:
         """False for rows not to send: already committed, duplicate id, or bad (written as error now)."""
@@ -327,7 +347,8 @@ class JobRunner:
             "error_rows": self.prior.error_rows + c.error_rows,
             "duplicate_ids_skipped": self.duplicates,
             "unreadable_rows": unreadable_rows, "unreadable": self.plan.unreadable[:100],
-            "complete": status == "completed" and rows == input_rows - self.duplicates,
+            # a skipped duplicate's row is not in the output (its id is, with the first row's answer)
+            "complete": status == "completed" and rows == input_rows and not self.duplicates,
             "prompt_tokens": self.prior.prompt_tokens + c.prompt_tokens,
             "completion_tokens": self.prior.completion_tokens + c.completion_tokens,
             "prefix_cache": {"prompt_tokens": self.prior_cache.get("prompt_tokens", 0) + c.cache_queried_tokens,

@@ -46,7 +46,7 @@ def test_messages_column(tmp_path):
     p = write_parquet(tmp_path / "m.parquet", messages=msgs)
     rows = rows_of(p)
     assert rows[0].messages == [{"role": "user", "content": "hi"}] and rows[0].chat and rows[0].error is None
-    assert rows[1].error == "messages must be a non-empty list"
+    assert rows[1].error.startswith("messages must be a non-empty list")   # the engine's words
     assert rows[2].error == "messages is null"
 
 

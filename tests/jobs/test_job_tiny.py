@@ -43,8 +43,12 @@ def test_job_matches_llm_generate_with_overrides_and_bad_rows(tmp_path, tiny_mod
     top_p[8] = 2.0
     prompts[9], messages[9] = None, [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi fox"}]
     prompts[10], messages[10] = None, [{"role": "user", "content": "lazy dog?"}]
+    min_p, repetition_penalty = [None] * (n + 1), [None] * (n + 1)
+    min_p[12] = 2.0                                                # invalid engine setting, per row
+    repetition_penalty[13] = 1.3                                   # a per-row engine setting the flags lack
     inp = write_parquet(tmp_path / "in.parquet", id=ids, prompt=prompts, messages=messages, max_tokens=max_tokens,
-                        temperature=temperature, top_p=top_p, category=[f"c{i % 3}" for i in range(n + 1)],
+                        temperature=temperature, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
+                        category=[f"c{i % 3}" for i in range(n + 1)],
                         text=[f"source {i}" for i in range(n + 1)])
     cfg = JobConfig(input=str(inp), model=tiny_model, draft="none", max_tokens=6, max_model_len=64,
                     keep_columns=True, rows_per_file=8, chat_template=TEMPLATE, log_interval_s=1)
@@ -52,21 +56,22 @@ def test_job_matches_llm_generate_with_overrides_and_bad_rows(tmp_path, tiny_mod
 
     rows = {r["id"]: r for r in read_rows(tmp_path / "in.out")}
     assert len(read_rows(tmp_path / "in.out")) == n and set(rows) == set(ids)       # every id exactly once
-    assert m["status"] == "completed" and m["complete"] and m["duplicate_ids_skipped"] == 1
-    assert m["rows"] == n and m["error_rows"] == 5, [r for r in rows.values() if r["error"]]
+    # q3's second row (another prompt) is not in the output: not complete (the CLI exits 3)
+    assert m["status"] == "completed" and not m["complete"] and m["duplicate_ids_skipped"] == 1
+    assert m["rows"] == n and m["error_rows"] == 6, [r for r in rows.values() if r["error"]]
     assert len(list((tmp_path / "in.out").glob("part-*.parquet"))) >= 4
     assert rows["q4"]["error"] == "prompt is null" and rows["q5"]["error"] == "prompt is empty"
     assert "maximum context is 64" in rows["q6"]["error"] and "temperature" in rows["q7"]["error"]
-    assert "top_p" in rows["q8"]["error"]
-    for bad in ("q4", "q5", "q6", "q7", "q8"):
+    assert "top_p" in rows["q8"]["error"] and "min_p must be in [0, 1]" in rows["q12"]["error"]
+    for bad in ("q4", "q5", "q6", "q7", "q8", "q12"):
         assert rows[bad]["text"] is None and rows[bad]["completion_tokens"] is None
     assert rows["q3"]["prompt"] == prompt(3)                        # the first row with a duplicated id
     assert rows["q11"]["category"] == "c2" and rows["q11"]["input_text"] == "source 11"
 
     llm = LLM(model=tiny_model, max_model_len=64, chat_template=TEMPLATE)
-    good = [i for i in range(n) if i not in (4, 5, 6, 7, 8, 9, 10)]
-    expect = llm.generate([prompt(i) for i in good], [SamplingParams(max_tokens=max_tokens[i], temperature=0.0)
-                                                      for i in good])
+    good = [i for i in range(n) if i not in (4, 5, 6, 7, 8, 9, 10, 12)]
+    expect = llm.generate([prompt(i) for i in good], [SamplingParams(
+        max_tokens=max_tokens[i], temperature=0.0, repetition_penalty=repetition_penalty[i] or 1.0) for i in good])
     for i, out in zip(good, expect):
         r = rows[f"q{i}"]
         assert r["error"] is None and r["text"] == out.text and r["completion_tokens"] == len(out.token_ids), \

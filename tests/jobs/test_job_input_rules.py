@@ -1,0 +1,220 @@
+"""Input and settings rules found by an attacker sweep, without Ray: uint64 ids beyond int64, per-row
+sampling columns (taken or refused, never ignored), a row with both `prompt` and `messages`, a folder
+mixing formats, `--device cuda` without CUDA, a `--model` path that does not exist (all refused up
+front, exit 2, nothing written), and duplicate ids (exit 3; a resume's committed rows are not
+duplicates). Jobs that generate run on a fake pool in-process (`fake_pool`)."""
+from __future__ import annotations
+
+import logging
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from eagle_worker.sampling_params import SamplingParams
+from eaglectl.jobs import submit_job
+from jobs.driver import RESULT_MARKER, drive
+from jobs.input_reader import InputError, iter_rows, open_input
+from jobs.job_config import JobConfig, JobConfigError
+from jobs.runner import JobRunner, row_params
+
+from .conftest import read_manifest, read_rows, write_parquet
+
+ENV = {"RAY_ADDRESS": ""}
+
+
+def rows_of(spec, **kw):
+    return list(iter_rows(open_input(str(spec), **kw)))
+
+
+@pytest.fixture
+def no_ray(monkeypatch):
+    """A refusal must come before Ray and replicas start (without it these tests would start them)."""
+    monkeypatch.setattr(JobRunner, "_start_pool", lambda self: pytest.fail("Ray and replicas started"))
+
+
+# ---- 1. uint64 ids ------------------------------------------------------------------------------
+@pytest.mark.parametrize("stats", [True, False])
+def test_uint64_ids_beyond_int64_are_refused_up_front(tmp_path, stats, no_ray):
+    p = tmp_path / "big.parquet"
+    pq.write_table(pa.table({"prompt": ["a", "b"], "id": pa.array([1, 2**64 - 1], pa.uint64())}), p,
+                   write_statistics=stats)
+    with pytest.raises(InputError, match=r"big.parquet: the uint64 `id` column holds 18446744073709551615 in row "
+                                         r"group 0, above the int64 maximum"):
+        open_input(str(p))
+    res = CliRunner().invoke(submit_job, [str(p), "--model", "no-model-needed"], env=ENV)
+    assert res.exit_code == 2 and str(p) in res.output and "uint64 `id`" in res.output, res.output
+    assert not (tmp_path / "big.out").exists()
+
+
+def test_uint64_ids_that_fit_are_integer_ids(tmp_path):
+    p = tmp_path / "ok.parquet"
+    pq.write_table(pa.table({"prompt": ["a", "b"], "id": pa.array([1, 2**63 - 1], pa.uint64())}), p)
+    plan = open_input(str(p))
+    assert plan.id_type == pa.int64() and [r.id for r in iter_rows(plan)] == [1, 2**63 - 1]
+
+
+# ---- 2. per-row sampling columns ----------------------------------------------------------------
+def test_engine_sampling_columns_are_per_row_settings(tmp_path):
+    bias = pa.array([[(5, 1.5)], None, [(7, 1.0), (7, 2.0)]], pa.map_(pa.int64(), pa.float64()))
+    p = write_parquet(tmp_path / "s.parquet", prompt=["a", "b", "c"], min_p=[0.1, 2.0, None],
+                      presence_penalty=[0.5, None, None], frequency_penalty=pa.array([1, None, None], pa.int32()),
+                      repetition_penalty=[1.2, None, None], stop_token_ids=[[3, 4], None, None], logit_bias=bias,
+                      ignore_eos=[True, None, None], include_stop_str_in_output=[False, None, None],
+                      category=["x", "y", "z"])
+    a, b, c = rows_of(p)
+    assert a.params == {"min_p": 0.1, "presence_penalty": 0.5, "frequency_penalty": 1, "repetition_penalty": 1.2,
+                        "stop_token_ids": [3, 4], "logit_bias": {5: 1.5}, "ignore_eos": True,
+                        "include_stop_str_in_output": False} and a.error is None and a.extra == {}
+    cfg = JobConfig(input=str(p), max_tokens=4)
+    sp = SamplingParams(**row_params(cfg, a))          # what the replica builds from a row's params
+    assert sp.min_p == 0.1 and sp.logit_bias == {5: 1.5} and sp.stop_token_ids == [3, 4] and sp.ignore_eos
+    with pytest.raises(ValueError, match=r"SamplingParams\.min_p must be in \[0, 1\], got 2.0"):
+        SamplingParams(**row_params(cfg, b))           # the replica's Rejected: an error row naming the field
+    assert c.error == "logit_bias: a token id appears more than once"
+
+
+@pytest.mark.parametrize("column, value", [("n", [2]), ("best_of", [2]), ("logprobs", [5]), ("top_logprobs", [3]),
+                                           ("max_completion_tokens", [8])])
+def test_sampling_columns_a_row_cannot_take_are_refused_by_name(tmp_path, column, value, no_ray):
+    p = write_parquet(tmp_path / "u.parquet", prompt=["a"], **{column: value})
+    res = CliRunner().invoke(submit_job, [str(p), "--model", "no-model-needed"], env=ENV)
+    assert res.exit_code == 2 and f"u.parquet: column `{column}` is not a per-row setting" in res.output, res.output
+    assert not (tmp_path / "u.out").exists()
+
+
+def test_per_row_columns_of_a_wrong_type_are_refused(tmp_path):
+    p = write_parquet(tmp_path / "t.parquet", prompt=["a"], stop_token_ids=["3"])
+    with pytest.raises(InputError, match="column `stop_token_ids` has type string; expected list<integer>"):
+        open_input(str(p))
+
+
+def test_a_row_with_both_prompt_and_messages_is_an_error_row(tmp_path):
+    msgs = [[{"role": "user", "content": "hi"}], None, [{"role": "user", "content": "yo"}]]
+    p = write_parquet(tmp_path / "b.parquet", prompt=["a", "b", None], messages=msgs)
+    both, prompt, chat = rows_of(p)
+    assert both.error == "both `prompt` and `messages` are set; give a row one of them"
+    assert prompt.prompt == "b" and prompt.error is None and not prompt.chat
+    assert chat.messages == [{"role": "user", "content": "yo"}] and chat.chat and chat.error is None
+
+
+# ---- 4. a folder mixing formats -----------------------------------------------------------------
+def test_a_folder_mixing_parquet_and_jsonl_is_refused_and_other_files_are_named(tmp_path, caplog, no_ray):
+    d = tmp_path / "mixed"
+    for name in ("a.parquet", "d.PARQUET", "e.parq"):
+        write_parquet(d / name, prompt=["p"])
+    (d / "c.csv").write_text("prompt\nhello\n")
+    (d / "_SUCCESS").write_text("")
+    (d / ".hidden.csv").write_text("")
+    with caplog.at_level(logging.WARNING, logger="jobs.input_files"):
+        plan = open_input(str(d))
+    assert [f.label for f in plan.files] == ["a.parquet", "d.PARQUET"]
+    warned = [r.getMessage() for r in caplog.records if r.name == "jobs.input_files"]
+    assert len(warned) == 1 and "skipping 2 file(s)" in warned[0] and "c.csv, e.parq" in warned[0], warned
+    assert "_SUCCESS" not in warned[0] and ".hidden" not in warned[0]
+
+    (d / "b.jsonl").write_text('{"custom_id": "x", "body": {"prompt": "hi"}}\n')
+    with pytest.raises(InputError, match=r"mixed: mixes Parquet and JSONL files; use one format per job "
+                                         r"\(e.g. a.parquet and b.jsonl\)"):
+        open_input(str(d))
+    res = CliRunner().invoke(submit_job, [str(d)], env=ENV)
+    assert res.exit_code == 2 and "mixes Parquet and JSONL files" in res.output
+    with pytest.raises(InputError, match="mixes Parquet and JSONL files; use one format per job$"):
+        open_input(str(d / "*"))                                # the glob: the same words
+
+
+# ---- 3, 6. settings this machine cannot run -----------------------------------------------------
+def test_device_cuda_without_cuda_is_refused_before_ray_starts(tmp_path, tiny_model, monkeypatch, no_ray):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    p = write_parquet(tmp_path / "in.parquet", prompt=["a"])
+    res = CliRunner().invoke(submit_job, [str(p), "--model", tiny_model, "--device", "cuda"], env=ENV)
+    assert res.exit_code == 2 and "--device cuda: CUDA is not available on this machine" in res.output, res.output
+    assert not (tmp_path / "in.out").exists()
+    cfg = JobConfig(input=str(p), model="/not/on/the/client", device="cuda")
+    JobRunner(cfg, "http://head:8265")._check_this_machine()   # a cluster's GPUs and paths are not this machine's
+
+
+@pytest.mark.parametrize("model", ["{tmp}/nope", "./no-such-model-dir", "../no-such-model-dir", "~/no-such-model-dir"])
+def test_a_model_path_that_does_not_exist_is_refused_up_front(tmp_path, model, no_ray):
+    p = write_parquet(tmp_path / "in.parquet", prompt=["a"])
+    model = model.format(tmp=tmp_path)
+    res = CliRunner().invoke(submit_job, [str(p), "--model", model], env=ENV)
+    assert res.exit_code == 2 and f"--model {model}: no such file or folder" in res.output, res.output
+    assert not (tmp_path / "in.out").exists()
+
+
+def test_model_names_that_are_not_paths_are_left_to_the_engine(tmp_path):
+    p = write_parquet(tmp_path / "in.parquet", prompt=["a"])
+    for model in ("gemma-3-270m", "some-org/some-model"):
+        JobRunner(JobConfig(input=str(p), model=model), "local")._check_this_machine()
+    with pytest.raises(JobConfigError):
+        JobRunner(JobConfig(input=str(p), model=str(tmp_path / "nope")), "local")._check_this_machine()
+
+
+# ---- 5. duplicate ids ---------------------------------------------------------------------------
+class FakePool:
+    """The replica pool's face, answering at once: what a replica would (SamplingParams refusals too)."""
+    accepting = True
+
+    def __init__(self):
+        self.sent, self.done = [], []
+
+    def free_slots(self) -> int:
+        return 8
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.done)
+
+    def submit(self, row, params) -> None:
+        self.sent.append((row.id, params))
+        try:
+            SamplingParams(**params)
+            res = {"text": f"re: {row.prompt}", "finish_reason": "length", "prompt_tokens": 1, "completion_tokens": 1,
+                   "accepted_tokens_per_step": 1.0}
+        except ValueError as e:
+            res = {"error": str(e)}
+        self.done.append((row, res))
+
+    def poll(self, timeout):
+        done, self.done = self.done, []
+        return done, []
+
+    def shutdown(self) -> None:
+        pass
+
+
+@pytest.fixture
+def fake_pool(monkeypatch):
+    pools = []
+
+    def start(self):
+        self.pool = FakePool()
+        pools.append(self.pool)
+    monkeypatch.setattr(JobRunner, "_start_pool", start)
+    return pools
+
+
+def test_duplicate_ids_exit_3_and_committed_rows_of_a_resume_are_not_duplicates(tmp_path, fake_pool, capsys):
+    dup = write_parquet(tmp_path / "dup.parquet", id=["a", "b", "a"], prompt=["x", "y", "DIFFERENT"])
+    cfg = JobConfig(input=str(dup), model="no-model-needed", draft="none")
+    assert drive(cfg, "local") == 3
+    out = capsys.readouterr().out
+    assert RESULT_MARKER in out and "1 input row(s) skipped: their id was already used" in out
+    assert "1 duplicate ids skipped" in out
+    m = read_manifest(tmp_path / "dup.out")
+    assert m["duplicate_ids_skipped"] == 1 and not m["complete"] and m["rows"] == 2 and m["error_rows"] == 0
+    assert {r["id"]: r["text"] for r in read_rows(tmp_path / "dup.out")} == {"a": "re: x", "b": "re: y"}
+    assert drive(cfg, "local") == 3                              # the input still has it
+    assert read_manifest(tmp_path / "dup.out")["last_noop_rerun"]["skipped_already_done"] == 2
+
+    ok = write_parquet(tmp_path / "ok.parquet", id=["a", "b"], prompt=["x", "y"], min_p=[0.5, None])
+    cfg = JobConfig(input=str(ok), model="no-model-needed", draft="none")
+    assert drive(cfg, "local") == 0 and read_manifest(tmp_path / "ok.out")["complete"]
+    assert fake_pool[-1].sent[0][1]["min_p"] == 0.5               # a per-row setting reaches the replica
+    assert drive(cfg, "local") == 0                              # a resume: committed rows are not duplicates
+    m = read_manifest(tmp_path / "ok.out")
+    assert m["complete"] and m["duplicate_ids_skipped"] == 0 and m["last_noop_rerun"]["skipped_already_done"] == 2
