@@ -58,7 +58,6 @@ class IngressPrompts:
     async def _tokenize(self, text: str, param: str) -> list[int]:
         """Token ids of `text`; text no tokenizer takes (a lone surrogate from a JSON escape) is a 400."""
         try:
-            text.encode("utf-8")
             return await asyncio.to_thread(self.prompts.tokenize, text)
         except (UnicodeError, TypeError, ValueError) as e:
             raise APIError(400, f"{param}: cannot be tokenized: {e}", param=param) from None
