@@ -56,7 +56,9 @@ class EngineConfig:
             if self.spec != "auto":
                 raise ValueError(f"EngineConfig.spec must be a SpecConfig, None or 'auto', got {self.spec!r}")
             self.spec = default_spec(self.draft, self.model)
-        elif self.draft != "auto" and choose_draft(self.draft, self.model) != (self.spec.draft if self.spec else None):
+        elif self.draft not in ("auto", None, "", "none") \
+                and choose_draft(self.draft, self.model) != (self.spec.draft if self.spec else None):
+            # a head named beside a spec that does not use it (draft=None beside a spec: the spec decides)
             raise ValueError(f"EngineConfig: draft={self.draft!r} and spec={self.spec!r} disagree; give the head "
                              f"in one of them (spec's draft field)")
         self.draft = self.spec.draft if self.spec is not None else None   # as resolved

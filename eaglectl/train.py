@@ -27,6 +27,11 @@ def _frames_a_prompt(frame: str) -> bool:
         return False
 
 
+def _given_options(ctx: click.Context) -> set[str]:
+    """The options typed on the command line (not defaults): what a refusal may blame."""
+    return {name for name in ctx.params if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE}
+
+
 def _command_line() -> str:
     argv = sys.argv[1:]
     if "train-head" in argv:
@@ -49,11 +54,12 @@ def _command_line() -> str:
 @click.option("--draft-vocab-size", default=16384, show_default=True, type=POSITIVE, help="EAGLE-3 draft vocabulary.")
 @click.option("--steps", default=None, type=POSITIVE, help="Optimizer steps (default: --epochs over the data).")
 @click.option("--epochs", default=1.0, show_default=True, type=FiniteFloat(min=0, min_open=True))
-@click.option("--train-seconds", default=None, type=FiniteFloat(min=0),
+@click.option("--train-seconds", default=None, type=FiniteFloat(min=0, min_open=True),
               help="Time budget for training: the planned steps are cut to what the measured pace fits.")
 @click.option("--lr", default=3e-4, show_default=True, type=FiniteFloat(min=0, min_open=True))
 @click.option("--warmup-steps", default=50, show_default=True, type=COUNT)
-@click.option("--batch-tokens", default=4096, show_default=True, type=POSITIVE, help="Tokens per optimizer step.")
+@click.option("--batch-tokens", default=4096, show_default=True, type=POSITIVE,
+              help="Tokens per optimizer step (at least one row: --max-tokens; the default grows to one row).")
 @click.option("--max-tokens", default=512, show_default=True, type=click.IntRange(min=3),
               help="Max tokens per example (prompt + response; at least 3: a prompt token and 2 to train on).")
 @click.option("--ttt-steps", default=3, show_default=True, type=POSITIVE, help="Unrolled draft steps (training-time test).")
@@ -101,6 +107,16 @@ def train_head(target, fmt, data, out, work_dir, prompt_format, init_head, draft
                    f"not {prompt_format!r}", err=True)
         sys.exit(2)
     row_len = max(64, max_tokens)
+    given = _given_options(click.get_current_context())
+    if "batch_tokens" in given and batch_tokens < row_len:
+        click.echo(f"error: --batch-tokens {batch_tokens} is less than one packed row of {row_len} tokens "
+                   f"(--max-tokens, at least 64); give at least {row_len}", err=True)
+        sys.exit(2)
+    if "draft_vocab_size" in given and (fmt == "eagle1" or init_head):
+        why = "an EAGLE-1 head decodes with the target's vocabulary" if fmt == "eagle1" else \
+            "--init-head keeps that head's draft vocabulary"
+        click.echo(f"error: --draft-vocab-size is not used here ({why}); drop it", err=True)
+        sys.exit(2)
     tc = TrainConfig(steps=steps, epochs=epochs, seconds=train_seconds, lr=lr, warmup_steps=warmup_steps,
                      batch_tokens=max(batch_tokens, row_len),
                      row_len=row_len, ttt_steps=ttt_steps, bf16=bf16, checkpoint_every=checkpoint_every,

@@ -35,7 +35,7 @@ def _train(tmp_path, *args, target=None):
     ("--epochs", "inf"), ("--lr", "0"), ("--lr", "nan"), ("--train-seconds", "nan"), ("--distill-seconds", "-1"),
     ("--warmup-steps", "-1"), ("--batch-tokens", "-5"), ("--max-tokens", "0"), ("--ttt-steps", "0"),
     ("--distill-tokens", "0"), ("--draft-vocab-size", "0"), ("--threads", "0"), ("--threads", "-3"),
-    ("--checkpoint-every", "0"), ("--eval-every", "0"), ("--seed", "-1"),
+    ("--checkpoint-every", "0"), ("--eval-every", "0"), ("--seed", "-1"), ("--train-seconds", "0"),
 ])
 def test_a_nonsense_count_is_refused_by_name(tmp_path, good, option, value):
     r, out = _train(tmp_path, "--data", str(good), option, value)
@@ -48,6 +48,9 @@ def test_a_nonsense_count_is_refused_by_name(tmp_path, good, option, value):
     (["--self-distill", "4", "--max-tokens", "64", "--distill-tokens", "64"], "--max-tokens 64"),
     (["--fixed-text", "0"], "--fixed-text 0"),
     (["--prompt-format", "{prompt} {x}"], "--prompt-format"),
+    (["--batch-tokens", "100"], "--batch-tokens 100 is less than one packed row of 512 tokens"),
+    (["--format", "eagle1", "--draft-vocab-size", "4096"], "--draft-vocab-size is not used here (an EAGLE-1"),
+    (["--init-head", "h", "--draft-vocab-size", "4096"], "--init-head keeps that head's draft vocabulary"),
 ])
 def test_options_that_cannot_work_together_are_refused_before_the_target_loads(tmp_path, good, extra, says):
     r, out = _train(tmp_path, "--data", str(good), *extra)
