@@ -13,6 +13,7 @@ from cluster.config import DEPLOY_SECTIONS, ServeConfig
 from cluster.config_base import ConfigError, StrictModel, format_validation_error
 from cluster.config_sections import PlacementStrategy
 from cluster.config_yaml import read_yaml
+from jobs.job_config import same_place
 
 RAY_VERSION = "2.60.0"          # must equal the Ray in the image (deploy/Dockerfile.* ARG RAY_VERSION)
 IMAGE_VERSION = "0.1.0"         # tag of the images the README builds
@@ -283,6 +284,8 @@ class RayJobConfig(StrictModel):
 
     @model_validator(mode="after")
     def _reachable(self) -> "RayJobConfig":
+        if same_place(self.output, self.input):      # submit-job would refuse it on the cluster
+            raise ValueError(f"output {self.output} is the input itself; the output is a folder of its own")
         if not self.serve_app:
             reachable(self.input, self.output, self, "data_volume", "object_store")
             return self

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import glob as _glob
 import os
+import posixpath
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -110,6 +111,9 @@ class JobConfig(BaseModel):
     def _consistent(self, info: ValidationInfo) -> "JobConfig":
         if self.row_group_rows > self.rows_per_file:
             self.row_group_rows = self.rows_per_file
+        if self.output is not None and same_place(self.output, self.input):
+            raise ValueError(f"output {self.output} is the input itself; the output is a folder beside it "
+                             "(leave output out for `<input>.out`)")
         if self.max_model_len is not None and self.max_tokens >= self.max_model_len:
             raise ValueError(f"max_tokens ({self.max_tokens}) must be < max_model_len ({self.max_model_len})")
         if self.speculation is not None and self.draft == "none":
@@ -271,6 +275,14 @@ def _absolute(path: str) -> str:
     if "://" in path:
         return path
     return os.path.abspath(os.path.expanduser(path))
+
+
+def same_place(a: str, b: str) -> bool:
+    """The same path or URI as written (`./x.parquet` and `x.parquet`; s3://b/k and s3://b//k/)."""
+    def norm(v: str) -> str:
+        scheme, sep, rest = v.partition("://")
+        return (scheme.lower() + "://" + posixpath.normpath(rest)) if sep else os.path.normpath(os.path.expanduser(v))
+    return norm(a) == norm(b)
 
 
 def default_output(input_path: str) -> str:

@@ -318,6 +318,13 @@ def test_job_data_must_be_on_the_volume_or_in_a_bucket(tmp_path, path, message):
         RayJobConfig.from_yaml(p)
 
 
+def test_a_job_output_that_is_its_input_is_refused_at_render_time(tmp_path):
+    p = tmp_path / "job.yaml"
+    p.write_text(yaml.safe_dump({"input": "/data/in.parquet", "output": "/data/./in.parquet", "data_volume": VOL}))
+    with pytest.raises(ConfigError, match="is the input itself"):
+        RayJobConfig.from_yaml(p)
+
+
 def test_job_entrypoint_quotes_paths_and_the_draft_choice_is_explicit():
     job = RayJobConfig(input="/data/my prompts.parquet", output="/data/out", data_volume=VOL)
     ep = job_entrypoint(_cfg({}), job)

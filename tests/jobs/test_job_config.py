@@ -75,3 +75,12 @@ def test_the_drivers_resolved_json_of_a_serve_app_job_runs():
         JobConfig.model_validate_json(raw)
     app = cfg.with_app_engine({"model": "/models/tiny", "dtype": "float32", "draft": None})
     assert app.model == "/models/tiny" and app.serve_app == "tiny"   # the app's settings, not a refusal
+
+
+@pytest.mark.parametrize("inp, out", [("x.parquet", "./x.parquet"), ("data/x.parquet", "data//x.parquet"),
+                                      ("s3://b/in.parquet", "s3://b//in.parquet")])
+def test_an_output_that_is_the_input_is_refused_at_config_time(inp, out):
+    """Before anything runs, and in what `eaglectl deploy render` checks for a RayJob as well."""
+    with pytest.raises(JobConfigError, match="is the input itself"):
+        JobConfig.from_options(input=inp, output=out)
+    assert JobConfig.from_options(input=inp, output=out + ".out").output == out + ".out"
