@@ -88,22 +88,26 @@ def test_folder_safety(tmp_path):
     assert os.listdir(tmp_path / "x") == ["notes.txt"]       # someone else's folder is left as it was found
 
 
-def test_an_existing_file_or_the_input_as_output_is_refused_by_name(tmp_path):
+def test_an_existing_file_or_the_input_as_output_is_refused_by_name(tmp_path, monkeypatch):
     from jobs.job_config import JobConfig
     from jobs.runner import run_job
 
     from .conftest import write_parquet
 
     inp = write_parquet(tmp_path / "victim" / "good.parquet", prompt=[""])
+    with pytest.raises(ValueError, match="is the input itself"):                  # the same path: at config time
+        JobConfig(input=str(inp), output=str(inp), model="no-model-needed", draft="none")
+    monkeypatch.chdir(inp.parent)                    # written another way (relative in, absolute out): when opened
     with pytest.raises(OutputError, match=f"^{re.escape(str(inp))}: --output is the input file itself"):
-        run_job(JobConfig(input=str(inp), output=str(inp), model="no-model-needed", draft="none"))
+        run_job(JobConfig(input=inp.name, output=str(inp), model="no-model-needed", draft="none"))
     other = tmp_path / "victim" / "notes.txt"
     other.write_text("mine")
     for out in (other, other / "sub"):
         with pytest.raises(OutputError, match=f"^{re.escape(str(out))}: the output must be a folder, and this path is "
                                               "an existing file"):
             run_job(JobConfig(input=str(inp), output=str(out), model="no-model-needed", draft="none"))
-    assert sorted(os.listdir(tmp_path / "victim")) == ["good.parquet", "notes.txt"] and other.read_text() == "mine"
+    assert sorted(os.listdir(tmp_path / "victim")) == ["good.parquet", "notes.txt"]
+    assert other.read_text() == "mine"
 
 
 def test_openai_lines_and_jsonl_parts(tmp_path):

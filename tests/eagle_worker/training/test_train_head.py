@@ -100,7 +100,10 @@ def test_train_head_end_to_end_and_resume(sharp_model, data_file, tmp_path):
     out2 = tmp_path / "continued"
     cont = [*args[:args.index("--out")], "--out", str(out2), "--init-head", str(out),
             *args[args.index("--out") + 2:]]
-    cont[cont.index("--draft-vocab-size") + 1] = "128"
+    i = cont.index("--draft-vocab-size")
+    r = CliRunner().invoke(train_head, [*cont[:i + 1], "128", *cont[i + 2:]])     # a size it would not use: refused
+    assert r.exit_code == 2 and "--init-head keeps that head's draft vocabulary" in r.output, r.output
+    del cont[i:i + 2]
     cont[cont.index("--steps") + 1] = "2"
     cont[cont.index("--lr") + 1] = "1e-6"
     r = CliRunner().invoke(train_head, cont, catch_exceptions=False)
