@@ -114,13 +114,10 @@ def tune(weights: Iterable[torch.Tensor], timer: Callable[[Callable[[], object]]
              and w.shape[1] > 0}
     shapes = {s for s in every if (*s, BUCKETS[0]) not in _table}
     if shapes:
-        _tune_new(shapes, timer, cache or cache_file())
+        cache = cache or cache_file()
+        with _timing_turn(cache):
+            _tune_new(shapes, timer, cache)
     return {(o, i, b): _table[(o, i, b)] for o, i in every for b in BUCKETS}
-
-
-def _tune_new(shapes: set, timer, cache: Path) -> None:
-    with _timing_turn(cache):
-        _time_missing(shapes, timer, cache)
 
 
 @contextlib.contextmanager
@@ -137,7 +134,7 @@ def _timing_turn(cache: Path) -> Iterator[None]:
         yield
 
 
-def _time_missing(shapes: set, timer, cache: Path) -> None:
+def _tune_new(shapes: set, timer, cache: Path) -> None:
     stored = _read(cache)
     added: dict[tuple[int, int, int], str] = {}
     timed = False
