@@ -83,6 +83,8 @@ class _SamplingRequest(BaseModel):
         stops = [v] if isinstance(v, str) else (v or [])
         if len(stops) > 4:
             raise ValueError("at most 4 stop sequences are allowed")
+        if "" in stops:
+            raise ValueError("stop must not hold an empty string (it would match at once; leave stop out for none)")
         return v
 
     def sampling_params(self, max_tokens: int, sample: int = 0) -> dict[str, Any]:

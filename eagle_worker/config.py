@@ -75,9 +75,11 @@ class EngineConfig:
             raise ValueError("EngineConfig.block_size, max_num_seqs and max_num_batched_tokens must be positive")
         if not (math.isfinite(self.kv_cache_gb) and self.kv_cache_gb > 0):
             raise ValueError(f"EngineConfig.kv_cache_gb must be a positive number, got {self.kv_cache_gb!r}")
-        for name in ("num_kv_blocks", "max_model_len"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"EngineConfig.{name} must be a positive integer or None, got {getattr(self, name)!r}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"EngineConfig.num_kv_blocks must be a positive integer or None, got {self.num_kv_blocks!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:   # a prompt token and one generated
+            raise ValueError(f"EngineConfig.max_model_len must be at least 2 (a prompt token and one generated) "
+                             f"or None, got {self.max_model_len!r}")
 
     def _check_types(self) -> None:
         """Wrong types fail here naming the field, not deep in the model runner (`max_model_len=2.5`,

@@ -59,7 +59,7 @@ class SamplingParams:
         ids_ok = isinstance(self.stop_token_ids or [], (list, tuple)) and all(
             is_int(t) and t >= 0 for t in self.stop_token_ids or [])
         if stop_ok:
-            self.stop = [x for x in (self.stop or []) if x]
+            self.stop = list(self.stop or [])
         if ids_ok:
             self.stop_token_ids = list(self.stop_token_ids or [])
         if self.logit_bias is not None and isinstance(self.logit_bias, dict):
@@ -67,6 +67,8 @@ class SamplingParams:
         bias = self.logit_bias or {}
         checks = [
             (stop_ok, "stop", f"must be a string or a list of strings, got {_short(self.stop)}"),
+            (not stop_ok or all(self.stop), "stop", "must not hold an empty string (it would match at once; "
+             "leave stop out for none)"),
             (ids_ok, "stop_token_ids", f"must be a list of token ids (integers >= 0), got {_short(self.stop_token_ids)}"),
             (is_int(self.max_tokens) and self.max_tokens > 0, "max_tokens",
              f"must be a positive integer, got {self.max_tokens!r}"),

@@ -15,6 +15,8 @@ OpenAI Batch request lines are checked and parsed in jobs/openai_requests.py.
 """
 from __future__ import annotations
 
+import contextlib
+import difflib
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -44,6 +46,7 @@ NOT_PER_ROW = {"n": "one completion per row", "best_of": "one completion per row
                "max_completion_tokens": "the per-row column is `max_tokens`",
                "min_tokens": "the engine has no such setting", "use_beam_search": "the engine has no beam search",
                "length_penalty": "the engine has no beam search"}
+_READ = ("id", "prompt", "messages", *OVERRIDES)                 # the columns a Parquet job reads
 OUTPUT_COLUMNS = tuple(BASE_SCHEMA.names)
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 INT64_MAX = 2**63 - 1
@@ -173,6 +176,10 @@ def _check_parquet(f: InputFile, plan: InputPlan, keep_columns: bool) -> int:
         if col in NOT_PER_ROW:
             raise InputError(f"{path}: column `{col}` is not a per-row setting of a Parquet job ({NOT_PER_ROW[col]}); "
                              "drop or rename it (other columns are not read, or carried with --keep-columns)")
+        meant = None if keep_columns else _near_miss(col)
+        if meant:
+            raise InputError(f"{path}: column `{col}` is not read; did you mean `{meant}`? Rename it, or pass "
+                             "--keep-columns to carry it into the output as data")
     _set_id_type(plan, path, schema.field("id").type if "id" in names else None, meta.num_rows)
     if _has_ids(schema):
         _no_null_ids(f, plan.fs, meta, "integer" if pa.types.is_integer(schema.field("id").type) else "string")
@@ -187,6 +194,18 @@ def _check_parquet(f: InputFile, plan: InputPlan, keep_columns: bool) -> int:
             raise InputError(f"{path}: --keep-columns needs every input file to have the same columns and types; "
                              f"this file has {kept}, the first had {plan.kept}")
     return meta.num_rows
+
+
+def _near_miss(col: str) -> str | None:
+    """The column a name that no job reads was likely meant to be (`temprature`, `Max-Tokens`,
+    `message`): a typo of a setting would otherwise be dropped without a word."""
+    if col in _READ:
+        return None
+    key = col.lower().replace("-", "_")
+    if key in _READ:
+        return key
+    close = difflib.get_close_matches(key, _READ, n=1, cutoff=0.85)
+    return close[0] if close else None
 
 
 def _check_chunks(path: str, meta, size: int) -> None:
@@ -245,20 +264,22 @@ def _ids_fit_int64(f: InputFile, fs: pafs.FileSystem, meta) -> None:
     """Integer ids come out as int64: a uint64 id above 2**63-1 is refused up front (it would fail the
     commit), by the footer's max where the statistics have one, else by reading that row group's ids."""
     col = next(i for i in range(meta.num_columns) if meta.schema.column(i).path == "id")
-    for rg in range(meta.num_row_groups):
-        st = meta.row_group(rg).column(col).statistics
-        if st is not None and st.has_min_max:
-            top = st.max
-        else:
-            try:
-                with fs.open_input_file(f.path) as fh:
-                    top = pc.max(pq.ParquetFile(fh).read_row_group(rg, columns=["id"]).column("id")).as_py()
-            except Exception:   # unreadable data pages: the job reports them when it reads the file
-                continue
-        if top is not None and top > INT64_MAX:
-            raise InputError(f"{f.display}: the uint64 `id` column holds {top} in row group {rg}, above the "
-                             f"int64 maximum {INT64_MAX} of the output's integer ids; renumber the ids, or cast "
-                             "the column to string")
+    with contextlib.ExitStack() as opened:
+        data = None                      # the file, opened once for the row groups without statistics
+        for rg in range(meta.num_row_groups):
+            st = meta.row_group(rg).column(col).statistics
+            if st is not None and st.has_min_max:
+                top = st.max
+            else:
+                try:
+                    data = data or pq.ParquetFile(opened.enter_context(fs.open_input_file(f.path)))
+                    top = pc.max(data.read_row_group(rg, columns=["id"]).column("id")).as_py()
+                except Exception:   # unreadable data pages: the job reports them when it reads the file
+                    continue
+            if top is not None and top > INT64_MAX:
+                raise InputError(f"{f.display}: the uint64 `id` column holds {top} in row group {rg}, above the "
+                                 f"int64 maximum {INT64_MAX} of the output's integer ids; renumber the ids, or "
+                                 "cast the column to string")
 
 
 def _null_rows(f: InputFile, fs: pafs.FileSystem, rg: int, offset: int) -> str:

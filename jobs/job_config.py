@@ -104,7 +104,9 @@ class JobConfig(BaseModel):
     @classmethod
     def _stop_list(cls, v):
         if isinstance(v, str):
-            return [v]
+            v = [v]
+        if isinstance(v, list) and "" in v:
+            raise ValueError("stop must not hold an empty string (it would match at once; leave stop out for none)")
         return v or None
 
     @model_validator(mode="after")

@@ -29,6 +29,7 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     ({"seed": 2**64}, "seed", "less than"), ({"seed": -1}, "seed", "greater than"),
     ({"frobnicate": 1}, "frobnicate", "not supported"), ({"logit_bias": {"x": 1}}, "logit_bias", "token ids"),
     ({"logit_bias": {"1": 101}}, "logit_bias", "[-100, 100]"), ({"stop": list("abcde")}, "stop", "at most 4"),
+    ({"stop": ""}, "stop", "empty string"), ({"stop": ["x", ""]}, "stop", "empty string"),
     ({"n": 17}, "n", "less than"), ({"temperature": float("nan")}, "temperature", "finite"),
     ({"logit_bias": {"1": float("-inf")}}, "logit_bias.1", "finite"), ({"presence_penalty": -3}, "presence_penalty", ""),
     ({"repetition_penalty": 0}, "repetition_penalty", ""), ({"top_logprobs": 2}, "top_logprobs", "logprobs"),

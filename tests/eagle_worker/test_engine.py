@@ -181,6 +181,7 @@ def test_incremental_outputs_and_abort(tiny_model_dir):
     (dict(logit_bias={True: 1}), "logit_bias"), (dict(logit_bias={"\u0665": 1}), "logit_bias"),
     (dict(max_tokens=True), "max_tokens"), (dict(top_k=True), "top_k"),
     (dict(stop=[1]), "stop"), (dict(stop=b"x"), "stop"), (dict(stop=[None, "a"]), "stop"),
+    (dict(stop=""), "stop must not hold an empty string"), (dict(stop=["a", ""]), "stop must not hold an empty"),
     (dict(stop_token_ids=["a"]), "stop_token_ids"), (dict(stop_token_ids=[-1]), "stop_token_ids"),
     (dict(stop_token_ids="ab"), "stop_token_ids"),
     (dict(ignore_eos="no"), "ignore_eos"), (dict(ignore_eos=2), "ignore_eos"),
@@ -343,7 +344,8 @@ def test_an_interrupted_generate_leaves_nothing_queued(tiny_model_dir):
 @pytest.mark.parametrize("kwargs, needle", [
     (dict(kv_cache_gb=float("nan")), "kv_cache_gb must be a positive number"),
     (dict(kv_cache_gb=float("inf")), "kv_cache_gb must be a positive number"),
-    (dict(kv_cache_gb="1"), "kv_cache_gb='1'"), (dict(max_model_len=0), "max_model_len must be a positive"),
+    (dict(kv_cache_gb="1"), "kv_cache_gb='1'"), (dict(max_model_len=0), "max_model_len must be at least 2"),
+    (dict(max_model_len=1), "max_model_len must be at least 2"),
     (dict(max_model_len=2.5), "max_model_len=2.5"), (dict(num_kv_blocks=-3), "num_kv_blocks must be a positive"),
     (dict(enable_prefix_caching="no"), "enable_prefix_caching='no'"), (dict(max_num_seqs=None), "max_num_seqs=None"),
     (dict(draft=5), "draft=5"), (dict(model=""), "model=''"),

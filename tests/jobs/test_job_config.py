@@ -23,6 +23,12 @@ def test_out_of_range_settings_are_refused_by_name(field, value):
         JobConfig.from_options(input="x.parquet", **{field: value})
 
 
+@pytest.mark.parametrize("stop", ["", ["a", ""]])
+def test_an_empty_stop_string_is_refused(stop):
+    with pytest.raises(JobConfigError, match="stop: .*empty string"):
+        JobConfig.from_options(input="x.parquet", stop=stop)
+
+
 def test_the_edges_of_the_ranges_are_accepted():
     cfg = JobConfig.from_options(input="x.parquet", seed=2**63 - 1, temperature=2.0, max_tokens=2**31 - 1)
     assert cfg.seed == 2**63 - 1

@@ -84,6 +84,26 @@ def test_sampling_columns_a_row_cannot_take_are_refused_by_name(tmp_path, column
     assert not (tmp_path / "u.out").exists()
 
 
+@pytest.mark.parametrize("column, meant", [("temprature", "temperature"), ("Max-Tokens", "max_tokens"),
+                                           ("message", "messages")])
+def test_a_column_that_is_a_typo_of_a_setting_is_refused_not_dropped(tmp_path, column, meant, no_ray):
+    p = write_parquet(tmp_path / "typo.parquet", prompt=["a"], **{column: [0.5]})
+    res = CliRunner().invoke(submit_job, [str(p), "--model", "no-model-needed"], env=ENV)
+    assert res.exit_code == 2 and f"column `{column}` is not read; did you mean `{meant}`?" in res.output, res.output
+    assert not (tmp_path / "typo.out").exists()
+    assert open_input(str(p), keep_columns=True).files          # carried as data when asked, not refused
+    assert open_input(str(write_parquet(tmp_path / "ok.parquet", prompt=["a"], category=["x"]))).files
+
+
+def test_an_empty_stop_string_in_a_row_is_an_error_row_naming_stop(tmp_path):
+    p = write_parquet(tmp_path / "e.parquet", prompt=["a", "b"], stop=["", "x"])
+    empty, fine = rows_of(p)
+    cfg = JobConfig(input=str(p), max_tokens=4)
+    with pytest.raises(ValueError, match="SamplingParams.stop must not hold an empty string"):
+        SamplingParams(**row_params(cfg, empty))
+    assert SamplingParams(**row_params(cfg, fine)).stop == ["x"]
+
+
 def test_per_row_columns_of_a_wrong_type_are_refused(tmp_path):
     p = write_parquet(tmp_path / "t.parquet", prompt=["a"], stop_token_ids=["3"])
     with pytest.raises(InputError, match="column `stop_token_ids` has type string; expected list<integer>"):
