@@ -14,6 +14,7 @@ from ray import serve
 from ray.exceptions import TaskCancelledError
 from ray.serve.exceptions import BackPressureError, RequestCancelledError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from cluster.admission import Admission, OverloadedError
 from cluster.config import ServeConfig
@@ -51,7 +52,7 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
 
 @api.exception_handler(Exception)
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-    if isinstance(exc, (TaskCancelledError, RequestCancelledError)):   # the client went away: not a bug
+    if isinstance(exc, (TaskCancelledError, RequestCancelledError, ClientDisconnect)):   # the client went away: not a bug
         logger.info("request on %s cancelled: the client disconnected", request.url.path)
         return JSONResponse(APIError(CLIENT_CLOSED, "client closed the request", code="client_closed").body(),
                             status_code=CLIENT_CLOSED)
@@ -307,13 +308,23 @@ class OpenAIIngress:
     @api.api_route("/v1/models", methods=["GET", "HEAD"])     # HEAD: probes that check a path exists
     async def models(self, request: Request):
         self._check_auth(request)
+        return JSONResponse(ModelList(data=[await self._model_card()]).model_dump(mode="json"))
+
+    @api.api_route("/v1/models/{model_id:path}", methods=["GET", "HEAD"])   # the client's models.retrieve()
+    async def model(self, request: Request, model_id: str):
+        self._check_auth(request)
+        if model_id != self.config.model_name:
+            raise APIError(404, f"model {model_id!r} does not exist; this server serves {self.config.model_name!r}",
+                           param="model", code="model_not_found")
+        return JSONResponse((await self._model_card()).model_dump(mode="json"))
+
+    async def _model_card(self) -> ModelCard:
         if self.max_model_len is None:
             try:
                 await self._probe_stats(timeout=2)
             except Exception:
                 pass
-        card = ModelCard(id=self.config.model_name, root=self.config.model, max_model_len=self.max_model_len)
-        return JSONResponse(ModelList(data=[card]).model_dump(mode="json"))
+        return ModelCard(id=self.config.model_name, root=self.config.model, max_model_len=self.max_model_len)
 
     @api.api_route("/health", methods=["GET", "HEAD"])
     async def health(self):

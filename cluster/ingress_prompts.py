@@ -25,6 +25,13 @@ class IngressPrompts:
     def token_text(self, token_id: int) -> str:
         return self.prompts.token_text(token_id)
 
+    def token_bytes(self, token_id: int) -> list[int]:
+        return self.prompts.token_bytes(token_id)
+
+    @property
+    def bos_token(self) -> str | None:
+        return getattr(self.prompts.tokenizer, "bos_token", None)
+
     def _check_length(self, chars: int, max_model_len: int | None, param: str) -> None:
         context = max_model_len or CONTEXT_BOUND
         limit = context * max(1, self.prompts.max_chars_per_token)

@@ -5,6 +5,9 @@ import asyncio
 import json
 from typing import Any
 
+from starlette.requests import ClientDisconnect
+
+from cluster.metrics import CLIENT_CLOSED
 from cluster.openai_errors import APIError
 
 
@@ -40,6 +43,8 @@ async def read_json_object(request, max_bytes: int, timeout_s: float = 30.0) -> 
     except asyncio.TimeoutError:
         raise APIError(408, f"the request body did not arrive within {timeout_s:g} s",
                        code="request_timeout") from None
+    except ClientDisconnect:   # hung up mid-body: nobody to answer, and not the server's error
+        raise APIError(CLIENT_CLOSED, "client closed the request", code="client_closed") from None
     try:
         body = json.loads(b"".join(chunks))
     except RecursionError:

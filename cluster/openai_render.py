@@ -64,14 +64,20 @@ class CompletionRender(_Render):
         super().__init__(model, prompts, req)
         self.prompt_text, self.prompt_ids = prompt_text, prompt_ids
         self._offsets: dict[int, int] = {}   # choice -> text offset of its next streamed token
+        # a BOS the tokenizer added is an echoed token that the echoed text does not hold: no width
+        bos = getattr(prompts, "bos_token", None)
+        self._unseen_bos = bool(bos and prompt_ids and prompts.token_text(prompt_ids[0]) == bos
+                                and not prompt_text.startswith(bos))
 
-    def logprobs(self, entries: list, token_ids: list[int], offset: int) -> tuple[dict[str, Any], int]:
+    def logprobs(self, entries: list, token_ids: list[int], offset: int,
+                 echoed: bool = False) -> tuple[dict[str, Any], int]:
+        """`echoed`: the first entries are the echoed prompt's (offsets within the echoed text)."""
         tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
-        for e, tid in zip(entries, token_ids):
+        for k, (e, tid) in enumerate(zip(entries, token_ids)):
             text = self.prompts.token_text(tid)
             tokens.append(text)
             offsets.append(offset)
-            offset += len(text)
+            offset += 0 if (echoed and k == 0 and self._unseen_bos) else len(text)
             got = _entry(e)
             if got is None:          # the first prompt token has no logprob
                 token_logprobs.append(None)
@@ -97,7 +103,7 @@ class CompletionRender(_Render):
             if self.want_logprobs:
                 entries, ids = self._echoed(prompt_lps)
                 gen, gen_ids = ([], []) if self.score_only else (list(out.logprobs or []), list(out.token_ids))
-                logprobs, _ = self.logprobs(entries + gen, ids + gen_ids, 0)
+                logprobs, _ = self.logprobs(entries + gen, ids + gen_ids, 0, echoed=bool(ids))
             text = (self.prompt_text if self.req.echo else "") + ("" if self.score_only else out.text)
             choices.append(CompletionChoice(index=i, text=text, logprobs=logprobs,
                                                finish_reason=finish_reason(out.finish_reason)))
@@ -116,7 +122,7 @@ class CompletionRender(_Render):
             entries, ids = self._echoed(getattr(out, "prompt_logprobs", None)) if first else ([], [])
             if not self.score_only:
                 entries, ids = entries + list(getattr(out, "new_logprobs", None) or []), ids + list(out.new_token_ids)
-            logprobs, self._offsets[i] = self.logprobs(entries, ids, self._offsets.get(i, 0))
+            logprobs, self._offsets[i] = self.logprobs(entries, ids, self._offsets.get(i, 0), echoed=first and self.req.echo)
         else:
             self._offsets[i] = 0
         choice = CompletionChoice(index=i, text=text, logprobs=logprobs,
@@ -140,7 +146,7 @@ class ChatRender(_Render):
 
     def _token(self, token_id: int, logprob: float) -> dict[str, Any]:
         text = self.prompts.token_text(token_id)
-        return {"token": text, "logprob": _lp(logprob), "bytes": list(text.encode("utf-8", errors="replace"))}
+        return {"token": text, "logprob": _lp(logprob), "bytes": self.prompts.token_bytes(token_id)}
 
     def full(self, rid: str, outs: list, prompt_lps: list | None = None) -> ChatCompletionResponse:
         choices = [ChatChoice(index=i, message=ChatCompletionMessage(content=out.text),

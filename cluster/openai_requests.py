@@ -64,11 +64,15 @@ class _SamplingRequest(BaseModel):
     @field_validator("logit_bias")
     @classmethod
     def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        seen: dict[int, str] = {}
         for key, bias in (v or {}).items():
             if not re.fullmatch(r"\s*[0-9]+\s*", key):      # ASCII digits: "²".isdigit() too
                 raise ValueError(f"keys must be token ids as strings (e.g. \"50256\"), got {key!r}")
             if not -100 <= bias <= 100:
                 raise ValueError(f"values must be in [-100, 100], got {bias} for token {key}")
+            if int(key) in seen:         # "7" and "07": one bias would silently win
+                raise ValueError(f"keys {seen[int(key)]!r} and {key!r} are the same token id {int(key)}")
+            seen[int(key)] = key
         return v
 
     @model_validator(mode="after")
@@ -171,9 +175,9 @@ class CompletionRequest(_SamplingRequest):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    role: Literal["system", "user", "assistant", "developer", "tool"]
+    role: Literal["system", "user", "assistant", "developer"]    # no "tool": this server has no tool calling
     content: str | list[dict[str, Any]] | None = None
-    name: str | None = None
+    name: str | None = None      # refused where the model's chat template does not read it (chat_template.py)
 
     @model_validator(mode="before")
     @classmethod
@@ -184,17 +188,26 @@ class ChatMessage(BaseModel):
             data = {k: v for k, v in data.items() if k in cls.model_fields or v not in (None, [], {}, "")}
         return data
 
+    @model_validator(mode="after")
+    def _text_content(self) -> "ChatMessage":
+        """Text parts only, each `{"type": "text", "text": ...}` and nothing else (a `cache_control`
+        would be ignored); a message other than the assistant's says something."""
+        for i, p in enumerate(self.content if isinstance(self.content, list) else ()):
+            if p.get("type") != "text" or not isinstance(p.get("text"), str):
+                raise ValueError(f"content.{i}: only text parts ({{\"type\": \"text\", \"text\": ...}}) are supported")
+            extra = sorted(set(p) - {"type", "text"})
+            if extra:
+                raise ValueError(f"content.{i}: unsupported field(s) {', '.join(map(repr, extra))} in a text part")
+        if self.role != "assistant" and self.content in (None, []):
+            raise ValueError(f"content: a {self.role} message needs content")
+        return self
+
     def text(self) -> str:
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        parts = []
-        for p in self.content:
-            if p.get("type") != "text" or not isinstance(p.get("text"), str):
-                raise ValueError("only text content parts are supported")
-            parts.append(p["text"])
-        return "".join(parts)
+        return "".join(p["text"] for p in self.content)
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -214,6 +227,9 @@ class ChatCompletionRequest(_SamplingRequest):
     def _text_only(cls, v):
         if v is not None and v.get("type") != "text":
             raise ValueError(f"{v.get('type')!r} is not supported; only {{\"type\": \"text\"}} (free text)")
+        if v is not None and set(v) != {"type"}:
+            raise ValueError(f"unsupported field(s) {', '.join(map(repr, sorted(set(v) - {'type'})))}; "
+                             "only {\"type\": \"text\"} (free text)")
         return v
 
     @field_validator("tools", "functions")
@@ -232,8 +248,11 @@ class ChatCompletionRequest(_SamplingRequest):
 
     @model_validator(mode="after")
     def _logprob_counts(self) -> "ChatCompletionRequest":
-        if self.top_logprobs and not self.logprobs:
+        if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: needs logprobs set to true")
+        if None not in (self.max_tokens, self.max_completion_tokens) and self.max_tokens != self.max_completion_tokens:
+            raise ValueError(f"max_tokens: {self.max_tokens} differs from max_completion_tokens "
+                             f"{self.max_completion_tokens}; send one of them")
         self._num_logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self
 

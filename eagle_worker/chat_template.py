@@ -5,6 +5,8 @@ turn format (`<start_of_turn>user ... <end_of_turn>`); a model with neither is r
 """
 from __future__ import annotations
 
+import functools
+
 # Gemma's documented prompt format; a system message is prepended to the first user turn.
 GEMMA_TEMPLATE = (
     "{{ bos_token }}"
@@ -61,9 +63,11 @@ def normalize_messages(messages) -> list[dict]:
             raise ValueError(f"messages[{i}].name must be a string")
         content = m.get("content")
         if isinstance(content, list):
-            if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
-                raise ValueError(f"messages[{i}].content: only text parts are supported")
-            content = "".join(str(p.get("text", "")) for p in content)
+            if any(not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str)
+                   or set(p) - {"type", "text"} for p in content):
+                raise ValueError(f"messages[{i}].content: only text parts ({{\"type\": \"text\", \"text\": ...}}, "
+                                 "nothing else) are supported")
+            content = "".join(p["text"] for p in content)
         elif content is None:
             content = ""
         elif not isinstance(content, str):
@@ -72,11 +76,28 @@ def normalize_messages(messages) -> list[dict]:
     return out
 
 
-MESSAGE_FIELDS = ("role", "content", "name")     # `name` goes to the template, as in vLLM (most ignore it)
+MESSAGE_FIELDS = ("role", "content", "name")     # `name` goes to a template that reads it, refused by one that does not
 
 
 def _kind(x) -> str:
     return repr(x)[:60] if isinstance(x, str) else type(x).__name__
+
+
+@functools.lru_cache(maxsize=16)
+def reads_name(template: str) -> bool:
+    """Whether a Jinja chat template reads a message's `name` (`m.name`, `m['name']`, `m.get('name')`):
+    most do not, and a name they would drop is refused instead."""
+    import jinja2
+    from jinja2 import nodes
+
+    for node in jinja2.Environment().parse(template).find_all((nodes.Getattr, nodes.Getitem, nodes.Call)):
+        if isinstance(node, nodes.Getattr) and node.attr == "name":
+            return True
+        if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const) and node.arg.value == "name":
+            return True
+        if isinstance(node, nodes.Call) and any(isinstance(a, nodes.Const) and a.value == "name" for a in node.args):
+            return True
+    return False
 
 
 def render_chat(tokenizer, template: str | None, messages: list[dict], model_name: str) -> str:
@@ -85,8 +106,13 @@ def render_chat(tokenizer, template: str | None, messages: list[dict], model_nam
                          "or send a plain completion prompt")
     import jinja2
 
+    messages = normalize_messages(messages)
+    named = next((i for i, m in enumerate(messages) if "name" in m), None)
+    if named is not None and not reads_name(template):
+        raise ValueError(f"messages[{named}].name: this model's chat template does not use a participant's "
+                         "name (it would be dropped); leave `name` out")
     try:
-        return tokenizer.apply_chat_template(normalize_messages(messages), chat_template=template, tokenize=False,
+        return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
                                              add_generation_prompt=True)
     except jinja2.TemplateError as e:     # the template itself refuses these messages (raise_exception, ...)
         raise ValueError(f"the chat template cannot render these messages: {e}") from None

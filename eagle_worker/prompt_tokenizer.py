@@ -6,7 +6,9 @@ engine thread (where every running request's next step waits) its tokenization t
 """
 from __future__ import annotations
 
-from functools import lru_cache
+import json
+import re
+from functools import cache, lru_cache
 
 from eagle_worker.chat_template import render_chat, resolve_chat_template
 from eagle_worker.tokenizer_loader import load_tokenizer
@@ -35,6 +37,9 @@ class PromptTokenizer:
         pieces = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
         self.max_chars_per_token = max((len(p) for p in pieces), default=1) or 1
         self.token_text = lru_cache(maxsize=65536)(self._token_text)
+        self.token_bytes = lru_cache(maxsize=65536)(self._token_bytes)
+        self._byte_level = _byte_level(tokenizer)
+        self._added = set(tokenizer.get_added_vocab()) if hasattr(tokenizer, "get_added_vocab") else set()   # as written
 
     @classmethod
     def load(cls, model: str, chat_template: str | None = None) -> "PromptTokenizer":
@@ -51,6 +56,10 @@ class PromptTokenizer:
     def tokenize(self, prompt: str) -> list[int]:
         return encode_prompt(self.tokenizer, prompt)
 
+    @property
+    def bos_token(self) -> str | None:
+        return getattr(self.tokenizer, "bos_token", None)
+
     def apply_chat_template(self, messages: list[dict]) -> str:
         return render_chat(self.tokenizer, self.chat_template, messages, self.model_name)
 
@@ -60,6 +69,43 @@ class PromptTokenizer:
     def _token_text(self, token_id: int) -> str:
         """One token as text, as vLLM reports it in logprobs (special tokens included)."""
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _token_bytes(self, token_id: int) -> list[int]:
+        """One token's own bytes (OpenAI's logprobs `bytes`): a byte-fallback piece (`<0xF0>`) or a
+        byte-level BPE piece is part of a character, which its text alone shows as U+FFFD."""
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str):
+            m = _BYTE_PIECE.fullmatch(piece)
+            if m:
+                return [int(m.group(1), 16)]
+            table = _byte_decoder()
+            if self._byte_level and piece not in self._added and all(c in table for c in piece):
+                return [table[c] for c in piece]
+        return list(self.token_text(token_id).encode("utf-8", errors="replace"))
+
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")     # sentencepiece's byte fallback (Gemma, Llama 2)
+
+
+def _byte_level(tokenizer) -> bool:
+    """A byte-level BPE tokenizer (Llama 3, Qwen): each piece character stands for one byte."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return False
+    return '"ByteLevel"' in json.dumps(json.loads(backend.to_str()).get("decoder"))
+
+
+@cache
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's printable stand-in character of each byte, inverted (the table byte-level BPE uses)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = list(keep), 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(keep, chars)}
 
 
 def load_prompt_tokenizer(config) -> PromptTokenizer:

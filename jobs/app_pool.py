@@ -181,7 +181,7 @@ class AppPool:
         res = row_result(last)
         if params.get("logprobs") is not None:
             tok = await asyncio.to_thread(self.tokenizer)
-            res["logprobs"] = openai_logprobs(list(last.logprobs or []), list(last.token_ids), tok.token_text,
+            res["logprobs"] = openai_logprobs(list(last.logprobs or []), list(last.token_ids), tok,
                                               chat=messages is not None)
         return res
 

@@ -41,20 +41,21 @@ def openai_line(rec: dict) -> dict:
 MIN_LOGPROB = -9999.0  # JSON has no -inf (OpenAI and vLLM report -9999.0 too)
 
 
-def openai_logprobs(entries: list, token_ids: list[int], token_text, chat: bool) -> dict:
+def openai_logprobs(entries: list, token_ids: list[int], prompts, chat: bool) -> dict:
     """A choice's `logprobs` as OpenAI writes it: chat `{"content": [{token, logprob, bytes, top_logprobs}]}`,
     completions `{tokens, token_logprobs, top_logprobs, text_offset}`. `entries` are the engine's
-    TokenLogprob(token_id, logprob, top=[(id, logprob)]) aligned with `token_ids`."""
+    TokenLogprob(token_id, logprob, top=[(id, logprob)]) aligned with `token_ids`; `prompts`: the
+    model's PromptTokenizer (token texts and bytes)."""
     def lp(v: float) -> float:
         return max(float(v), MIN_LOGPROB)
 
+    token_text = prompts.token_text
     if chat:
         content = []
         for e, tid in zip(entries, token_ids):
-            text = token_text(tid)
-            content.append({"token": text, "logprob": lp(e.logprob), "bytes": list(text.encode("utf-8", "replace")),
-                            "top_logprobs": [{"token": token_text(t), "logprob": lp(v),
-                                              "bytes": list(token_text(t).encode("utf-8", "replace"))} for t, v in e.top]})
+            content.append({"token": token_text(tid), "logprob": lp(e.logprob), "bytes": prompts.token_bytes(tid),
+                            "top_logprobs": [{"token": token_text(t), "logprob": lp(v), "bytes": prompts.token_bytes(t)}
+                                             for t, v in e.top]})
         return {"content": content}
     tokens, token_logprobs, top, offsets, offset = [], [], [], [], 0
     for e, tid in zip(entries, token_ids):

@@ -29,7 +29,7 @@ from cluster.config import ServeConfig
 from cluster.config_sections import Limits, RankResources
 from cluster.cpu_threads import engine_env
 from cluster.openai_errors import context_error
-from cluster.replica import EngineReplica
+from cluster.replica import EngineReplica, engine_config
 from cluster.replica_errors import EngineDiedError, Failed, Rejected, ReplicaConfigError
 from jobs.input_reader import Row
 from jobs.job_config import JobConfig
@@ -85,10 +85,18 @@ class JobReplica(EngineReplica):
             last = out
         res = row_result(last)
         if params.get("logprobs") is not None:
-            tok = self.engine.tokenizer
-            res["logprobs"] = openai_logprobs(list(last.logprobs or []), list(last.token_ids),
-                                              lambda t: tok.decode([t]), chat=messages is not None)
+            res["logprobs"] = openai_logprobs(list(last.logprobs or []), list(last.token_ids), self._prompts(),
+                                              chat=messages is not None)
         return res
+
+    def _prompts(self):
+        """The model's prompt tokenizer (token texts and bytes), made on the first row with logprobs."""
+        if getattr(self, "_prompt_tokenizer", None) is None:
+            from eagle_worker.engine_api import load_engine_module
+
+            backend = load_engine_module(self.config.engine)
+            self._prompt_tokenizer = backend.load_prompt_tokenizer(engine_config(self.config))
+        return self._prompt_tokenizer
 
     def info(self) -> dict[str, Any]:
         if self.config_error is not None:

@@ -122,6 +122,9 @@ class PromptTokenizer:
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
+    def token_bytes(self, token_id: int) -> list[int]:
+        return [token_id] if token_id < 256 else list(self.token_text(token_id).encode())   # a token is a byte
+
 
 def load_prompt_tokenizer(config: EngineConfig) -> PromptTokenizer:
     return PromptTokenizer(config.chat_template)

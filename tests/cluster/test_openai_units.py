@@ -30,6 +30,14 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     ({"frobnicate": 1}, "frobnicate", "not supported"), ({"logit_bias": {"x": 1}}, "logit_bias", "token ids"),
     ({"logit_bias": {"1": 101}}, "logit_bias", "[-100, 100]"), ({"stop": list("abcde")}, "stop", "at most 4"),
     ({"stop": ""}, "stop", "empty string"), ({"stop": ["x", ""]}, "stop", "empty string"),
+    ({"logit_bias": {"7": 1, "07": -1}}, "logit_bias", "same token id 7"), ({"top_logprobs": 0}, "top_logprobs", "logprobs"),
+    ({"max_tokens": 50, "max_completion_tokens": 3}, "max_tokens", "differs from max_completion_tokens 3"),
+    ({"response_format": {"type": "text", "json_schema": {}}}, "response_format", "'json_schema'"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role", ""),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {}}]}]},
+     "messages.0", "'cache_control'"),
+    ({"messages": [{"role": "user", "content": None}]}, "messages.0", "needs content"),
+    ({"messages": [{"role": "user", "content": []}]}, "messages.0", "needs content"),
     ({"n": 17}, "n", "less than"), ({"temperature": float("nan")}, "temperature", "finite"),
     ({"logit_bias": {"1": float("-inf")}}, "logit_bias.1", "finite"), ({"presence_penalty": -3}, "presence_penalty", ""),
     ({"repetition_penalty": 0}, "repetition_penalty", ""), ({"top_logprobs": 2}, "top_logprobs", "logprobs"),
@@ -117,6 +125,19 @@ def test_a_body_that_stalls_is_a_408_and_frees_its_slot():
     assert ei.value.status == 408 and ei.value.code == "request_timeout" and "0.2 s" in ei.value.message
 
 
+def test_a_client_that_hangs_up_mid_body_is_a_499_not_a_server_error():
+    from starlette.requests import ClientDisconnect
+
+    class HungUp(_Request):
+        async def stream(self):
+            yield b'{"model":'
+            raise ClientDisconnect()
+
+    with pytest.raises(APIError) as ei:
+        asyncio.run(read_json_object(HungUp(b""), 10_000))
+    assert ei.value.status == 499 and ei.value.code == "client_closed"
+
+
 def test_read_json_object_accepts_json_types():
     assert _read(b'{"a": 1}', {"content-type": "application/json; charset=utf-8"}) == {"a": 1}
     assert _read(b'{"a": 1}', {"content-type": ""}) == {"a": 1}
@@ -156,7 +177,8 @@ def test_chat_render_logprobs_and_heads():
     assert [h.choices[0].index for h in render.head("id")] == [0, 1]
     chunk = render.chunk("id", 1, _out(new="é".encode(), text="é")).model_dump()["choices"][0]
     content = chunk["logprobs"]["content"]
-    assert len(content) == 2 and content[0]["bytes"] == list(content[0]["token"].encode())  # one token per byte
+    assert len(content) == 2 and [c["bytes"] for c in content] == [[0xC3], [0xA9]]   # each token's own byte
+    assert bytes(content[0]["bytes"] + content[1]["bytes"]).decode() == "é"
     assert content[0]["top_logprobs"][0]["logprob"] == -0.25
     full = render.full("id", [_out(finished=True), _out(finished=True)]).model_dump()
     assert [t["token"] for t in full["choices"][0]["logprobs"]["content"]] == ["d", "e"]
@@ -238,3 +260,11 @@ def test_a_client_that_disconnects_is_logged_as_such_not_as_a_server_error(caplo
     assert "client disconnected" in caplog.text
     res = asyncio.run(ingress._unexpected(Req(), KeyError("bug")))
     assert res.status_code == 500 and any(r.exc_info for r in caplog.records if r.levelname == "ERROR")
+
+
+def test_max_tokens_and_max_completion_tokens_that_agree_are_one_limit():
+    req = ChatCompletionRequest.model_validate(CHAT | {"max_tokens": 7, "max_completion_tokens": 7})
+    assert req.requested_max_tokens == 7
+    ok = ChatCompletionRequest.model_validate(CHAT | {"messages": [{"role": "assistant", "content": None},
+                                                                   {"role": "user", "content": "go on"}]})
+    assert ok.template_messages()[0] == {"role": "assistant", "content": ""}

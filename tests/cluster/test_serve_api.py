@@ -28,6 +28,9 @@ def test_models(app):
     models = app.client.models.list()
     assert [m.id for m in models.data] == [MODEL]
     assert requests.get(f"{app.url}/v1/models").json()["data"][0]["max_model_len"] == 128
+    assert app.client.models.retrieve(MODEL).id == MODEL                 # GET /v1/models/{id}
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        app.client.models.retrieve("other-model")
     for path in ("/v1/models", "/health"):             # HEAD as load balancers' probes send it: no body
         head = requests.head(f"{app.url}{path}")
         assert head.status_code == 200 and head.content == b"", (path, head.status_code)

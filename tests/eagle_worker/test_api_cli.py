@@ -47,7 +47,11 @@ def test_chat_takes_openai_text_parts_and_refuses_what_it_cannot_render(tiny_mod
                         ([{"role": "user", "content": 5}], r"messages\[0\].content"), ([], "non-empty"),
                         (["hi"], r"messages\[0\] must be a message .* got str"),
                         ([{"role": "user", "content": "hi", "foo": 1}], r"messages\[0\]: unsupported field\(s\) 'foo'"),
-                        ([{"role": "user", "content": "hi", "name": 5}], r"messages\[0\].name must be a string")):
+                        ([{"role": "user", "content": "hi", "name": 5}], r"messages\[0\].name must be a string"),
+                        ([{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {}}]}],
+                         "only text parts"),
+                        ([{"role": "user", "content": "hi"}, {"role": "user", "content": "yo", "name": "bob"}],
+                         r"messages\[1\].name: this model's chat template does not use")):
         with pytest.raises(ValueError, match=needle):
             llm.chat(bad)
     with pytest.raises(ValueError, match="chat_template is not a valid Jinja template"):

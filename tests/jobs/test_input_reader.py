@@ -119,7 +119,7 @@ def test_openai_batch_bodies_are_checked_as_the_http_server_checks_them(tmp_path
         "nan": ({**chat, "top_p": float("nan")}, "top_p"),
         "model-null": ({**chat, "model": None}, "model"),
         "role": ({**chat, "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
-        "image": ({**chat, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+        "image": ({**chat, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages.0"),
         "tools": ({**chat, "tools": [{"type": "function"}]}, "tools"),
         "echo": ({"prompt": "x", "echo": True, "max_tokens": 2}, "echo"),
         "online": ({**chat, "priority": 0}, "priority"),
