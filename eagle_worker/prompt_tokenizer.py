@@ -6,7 +6,6 @@ engine thread (where every running request's next step waits) its tokenization t
 """
 from __future__ import annotations
 
-import json
 import re
 from functools import cache, lru_cache
 
@@ -89,10 +88,8 @@ _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")     # sentencepiece's byte fal
 
 def _byte_level(tokenizer) -> bool:
     """A byte-level BPE tokenizer (Llama 3, Qwen): each piece character stands for one byte."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        return False
-    return '"ByteLevel"' in json.dumps(json.loads(backend.to_str()).get("decoder"))
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    return "ByteLevel(" in repr(decoder)       # alone or in a Sequence (the object's repr shows its parts)
 
 
 @cache
