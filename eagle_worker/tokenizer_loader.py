@@ -26,6 +26,9 @@ from eagle_worker import default_models
 logger = logging.getLogger(__name__)
 
 TOKENIZER_FILES = (".json", ".model", ".jinja", ".txt")   # what a tokenizer reads besides the weights
+# one of these holds a vocabulary (fast, sentencepiece, GPT-2 BPE, WordPiece): a folder without any has no tokenizer
+VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "sentencepiece.bpe.model",
+                    "vocab.txt", "tekken.json")
 KEEP_IN_MEMORY = 4
 _loaded: OrderedDict[str, object] = OrderedDict()
 _lock = threading.Lock()
@@ -34,6 +37,10 @@ _lock = threading.Lock()
 def load_tokenizer(path: str | Path):
     """The tokenizer of the model folder at `path` (see the module docstring)."""
     folder = Path(path).resolve()
+    if folder.is_dir() and not any((folder / name).is_file() for name in VOCABULARY_FILES):
+        # transformers would build a stand-in of a few tokens from the config: every prompt one unknown token
+        raise ValueError(f"model folder {folder} has no tokenizer ({', '.join(VOCABULARY_FILES[:3])}, ...); "
+                         "put the model's tokenizer files beside its weights")
     key = _key(folder)
     with _lock:   # one load at a time: engines starting together read it once
         tokenizer = _loaded.get(key)

@@ -25,7 +25,9 @@ from eaglectl.common import fail
 @click.option("--tree", default="dynamic", show_default=True, type=click.Choice(["dynamic", "static", "chain"]))
 @click.option("--num-draft-tokens", default=16, show_default=True, type=int)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the text.")
-def generate(model, prompt, max_tokens, temperature, top_p, top_k, seed, dtype, device, draft, tree, num_draft_tokens, as_json):
+@click.pass_context
+def generate(ctx, model, prompt, max_tokens, temperature, top_p, top_k, seed, dtype, device, draft, tree,
+             num_draft_tokens, as_json):
     """Generate a completion for one prompt."""
     from eagle_worker import LLM, SamplingParams
     from eagle_worker.speculative.config import default_spec
@@ -33,6 +35,10 @@ def generate(model, prompt, max_tokens, temperature, top_p, top_k, seed, dtype, 
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         spec = default_spec(draft, model)
+        given = [f"--{n.replace('_', '-')}" for n in ("tree", "num_draft_tokens")
+                 if ctx.get_parameter_source(n) != click.core.ParameterSource.DEFAULT]
+        if spec is None and given:     # not silently ignored
+            fail(f"{' and '.join(given)} size a draft tree; with --draft none nothing is drafted")
         if spec is not None:
             spec = dataclasses.replace(spec, tree=tree, num_draft_tokens=num_draft_tokens)
         llm = LLM(model=model, dtype=dtype, device=device, spec=spec)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -104,6 +105,9 @@ def submit_job(input, fmt, stop, address, job_id, wait, **opts):
     except JobConfigError as e:
         fail(str(e))
     address = _address(address)
+    if address is None and job_id is not None:      # not silently ignored
+        fail("--job-id names a job submitted to a cluster (--address or RAY_ADDRESS); a job run here is "
+             "known by its output folder")
     if address is None:
         _run_local(cfg, "local")
         return
@@ -121,18 +125,19 @@ def _submit_remote(cfg, address: str, job_id: str | None, wait: bool) -> None:
             fail(str(e))
     try:
         jid = ray_jobs.submit(address, cfg, job_id)
+    except ValueError as e:       # a malformed or taken --job-id
+        fail(str(e))
     except ConnectionError as e:
         fail(str(e), EXIT_FAILED)
     click.echo(f"submitted job {jid} to {ray_jobs.jobs_address(address)}; output: {cfg.output}")
-    click.echo(f"follow it with: eaglectl job status {jid} --address {address} --follow")
+    click.echo(f"follow it with: eaglectl job status {jid} --address {shlex.quote(address)} --follow")
     if not wait:
         return
     try:
         ray_jobs.tail_logs(address, jid, lambda s: click.echo(s, nl=False))
         st = ray_jobs.wait(address, jid, poll_s=1.0)
     except KeyboardInterrupt:
-        click.echo(f"\nstopped following; job {jid} keeps running (eaglectl job cancel {jid} to stop it)", err=True)
-        sys.exit(EXIT_CANCELLED)
+        _stopped_following(jid, address)
     except ConnectionError as e:
         fail(str(e), EXIT_FAILED)
     click.echo(f"job {jid}: {st['status']}" + (f" ({st['message']})" if st.get("message") else ""))
@@ -147,14 +152,36 @@ def _submit_remote(cfg, address: str, job_id: str | None, wait: bool) -> None:
 
 
 # ---- following jobs -----------------------------------------------------------------------------
+def _stopped_following(job_id: str, address: str) -> None:
+    """Ctrl-C while following: the job goes on; 130 (not 1, which says the job failed)."""
+    click.echo(f"\nstopped following; job {job_id} keeps running (eaglectl job cancel {job_id} "
+               f"--address {shlex.quote(address)} to stop it)", err=True)
+    sys.exit(EXIT_CANCELLED)
+
+
+def _is(path: str, kind: str) -> bool:
+    """Path(path).is_dir() / is_file(), False for a name no filesystem takes (too long, ...)."""
+    try:
+        return getattr(Path(path), kind)()
+    except (OSError, ValueError):
+        return False
+
+
 def _need_address(address: str | None, job_id: str | None = None) -> str:
+    from jobs.ray_jobs import check_job_id
+
     a = _address(address)
     if a is None:
-        if job_id is not None and Path(job_id).is_file():    # neither a submission id nor an output folder
+        if job_id is not None and _is(job_id, "is_file"):    # neither a submission id nor an output folder
             fail(f"{job_id} is a file, not a job's output folder (JOB is that folder, or a submission id "
                  "with --address or RAY_ADDRESS)")
         fail("needs --address or RAY_ADDRESS (the cluster: head:6379, http://head:8265, ray://head:10001 or auto); "
               "jobs without one run in the foreground and their status is in <output>/_manifest.json")
+    if job_id is not None:
+        try:
+            check_job_id(job_id)
+        except ValueError as e:
+            fail(str(e))
     return a
 
 
@@ -209,7 +236,7 @@ def job_status(job_id, address, follow, as_json):
     """Status of JOB (a submission id, or a local output folder)."""
     from jobs import ray_jobs
 
-    if ("://" in job_id or Path(job_id).is_dir()) and _address(address) is None:   # a job's output folder
+    if ("://" in job_id or _is(job_id, "is_dir")) and _address(address) is None:   # a job's output folder
         _local_status(job_id, as_json)
         return
     address = _need_address(address, job_id)
@@ -225,6 +252,8 @@ def job_status(job_id, address, follow, as_json):
                 click.echo(line)
     try:
         st = ray_jobs.wait(address, job_id, on_change=show) if follow else ray_jobs.info(address, job_id)
+    except KeyboardInterrupt:
+        _stopped_following(job_id, address)
     except ConnectionError as e:
         fail(str(e), EXIT_FAILED)
     except RuntimeError as e:
@@ -271,6 +300,8 @@ def job_logs(job_id, address, follow):
             ray_jobs.tail_logs(address, job_id, lambda s: click.echo(s, nl=False))
         else:
             click.echo(ray_jobs.logs(address, job_id), nl=False)
+    except KeyboardInterrupt:
+        _stopped_following(job_id, address)
     except ConnectionError as e:
         fail(str(e), EXIT_FAILED)
     except RuntimeError as e:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shlex
 import threading
 import time
@@ -128,6 +129,17 @@ def _call(address: str, fn, *args, **kwargs):
         raise ConnectionError(reach_message(address, e)) from None
 
 
+JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def check_job_id(job_id: str) -> None:
+    """ValueError unless `job_id` can be a submission id: it travels in the Jobs API's URL paths and
+    names the driver's log file (`a/b` made a job no call could reach, `..` another route)."""
+    if not JOB_ID.fullmatch(job_id):
+        raise ValueError(f"{job_id[:80]!r} is not a job id: letters, digits, '.', '_' and '-', starting "
+                         "with a letter or digit, at most 128 characters")
+
+
 def entrypoint(cfg: JobConfig) -> str:
     python = os.environ.get(JOB_PYTHON_ENV, "python")
     return f"{python} -m jobs.driver --config-json {shlex.quote(cfg.model_dump_json(exclude_none=True))}"
@@ -135,16 +147,24 @@ def entrypoint(cfg: JobConfig) -> str:
 
 def submit(address: str, cfg: JobConfig, job_id: str | None = None) -> str:
     """Submit the job; returns its submission id."""
+    if job_id is not None:
+        check_job_id(job_id)
     c = client(address)
     name = os.path.basename(cfg.input.rstrip("/")) or "job"
     job_id = job_id or f"eagle-{_slug(name)}-{uuid.uuid4().hex[:6]}"
     env = {k: os.environ[k] for k in ("RAY_AUTH_MODE", JOB_PYTHON_ENV) if k in os.environ}
-    return _call(address, c.submit_job,
-        entrypoint=entrypoint(cfg), submission_id=job_id, entrypoint_num_cpus=0,
-        metadata={"eagle_job": "1", "input": cfg.input, "output": cfg.output or "",
-                  **({"serve_app": cfg.serve_app} if cfg.serve_app else {"model": cfg.model})},
-        runtime_env={"env_vars": env} if env else None,
-    )
+    try:
+        return _call(address, c.submit_job,
+            entrypoint=entrypoint(cfg), submission_id=job_id, entrypoint_num_cpus=0,
+            metadata={"eagle_job": "1", "input": cfg.input, "output": cfg.output or "",
+                      **({"serve_app": cfg.serve_app} if cfg.serve_app else {"model": cfg.model})},
+            runtime_env={"env_vars": env} if env else None,
+        )
+    except RuntimeError as e:     # the Jobs API's 500 wraps the reason deep in a traceback
+        if "already exists" in str(e):
+            raise ValueError(f"a job with id {job_id} already exists on the cluster; choose another --job-id "
+                             "(or none for a generated one)") from None
+        raise
 
 
 def _slug(s: str) -> str:

@@ -118,6 +118,8 @@ def test_cli_generate_text_and_json(tiny_model_dir):
 
 @pytest.mark.parametrize("args, needle", [
     (["--max-tokens", "0"], "max_tokens"), (["--temperature", "-1"], "temperature"), (["--top-p", "1.5"], "top_p"),
+    (["--draft", "none", "--num-draft-tokens", "-7"], "--num-draft-tokens size a draft tree; with --draft none"),
+    (["--draft", "none", "--tree", "static"], "--tree size a draft tree"),
 ])
 def test_cli_generate_bad_input_names_the_field(tiny_model_dir, args, needle):
     res = CliRunner().invoke(main, ["generate", "--model", str(tiny_model_dir("llama")), "--prompt", "hi", *args])

@@ -131,3 +131,20 @@ def test_memory_keeps_a_bounded_number_of_tokenizers(tmp_path):
         load_tokenizer(f)
     assert len(tokenizer_loader._loaded) == tokenizer_loader.KEEP_IN_MEMORY
     assert load_tokenizer(folders[0]) is not first   # evicted, loaded again (from disk)
+
+
+def test_a_model_folder_without_tokenizer_files_is_refused(tmp_path, tiny_model_dir):
+    """transformers builds a stand-in of a few tokens from the config alone (every prompt one unknown
+    token, exit 0): refused naming the folder, before anything is cached."""
+    import shutil
+
+    from eagle_worker import LLM
+
+    bare = tmp_path / "bare"
+    shutil.copytree(tiny_model_dir("gemma3"), bare)
+    for f in bare.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")) or f.name in ("vocab.json", "merges.txt"):
+            f.unlink()
+    with pytest.raises(ValueError, match=f"model folder {bare} has no tokenizer"):
+        LLM(model=str(bare), block_size=4, num_kv_blocks=16, draft=None)
+    assert not (tmp_path / "cache" / ".tokenizers").exists()

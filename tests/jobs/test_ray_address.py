@@ -145,3 +145,50 @@ def test_submit_wait_exits_with_the_drivers_code(monkeypatch, tmp_path, status, 
     res = CliRunner().invoke(submit_job, [str(tmp_path / "in.parquet"), "--address", "http://127.0.0.1:9"])
     assert res.exit_code == code, res.output
     assert f"job eagle-x-1: {status}" in res.output
+
+
+@pytest.mark.parametrize("args", [["status", "a/b"], ["status", ""], ["logs", "../version"], ["cancel", "x#frag"],
+                                  ["status", "a" * 300], ["logs", "x?y=1"]])
+def test_job_ids_that_cannot_be_submission_ids_are_refused_before_any_call(args):
+    """They travel in the Jobs API's URL paths: `..` or `?` reached other routes or another job, a
+    300-character name was an OSError traceback."""
+    from click.testing import CliRunner
+
+    from eaglectl.jobs import job
+
+    res = CliRunner().invoke(job, [*args, "--address", "http://127.0.0.1:9"])
+    assert res.exit_code == 2 and "is not a job id" in res.output and "Traceback" not in res.output, res.output
+
+
+@pytest.mark.parametrize("job_id, needle", [("a/b", "is not a job id"), ("", "is not a job id"),
+                                            ("taken", "a job with id taken already exists on the cluster")])
+def test_submit_refuses_a_bad_or_taken_job_id_in_one_line(monkeypatch, tmp_path, job_id, needle):
+    from click.testing import CliRunner
+
+    from eaglectl.jobs import submit_job
+
+    class Client:
+        def submit_job(self, **kw):      # what the Jobs API's 500 carries for a taken id
+            raise RuntimeError("Request failed with status code 500: Traceback ... ValueError: Job with "
+                               f"submission_id {kw['submission_id']} already exists. Please use a different submission_id.")
+
+    monkeypatch.setattr(ray_jobs, "client", lambda address: Client())
+    inp = write_parquet(tmp_path / "in.parquet", prompt=["a"])
+    res = CliRunner().invoke(submit_job, [str(inp), "--address", "http://127.0.0.1:9", "--job-id", job_id])
+    assert res.exit_code == 2 and needle in res.output and "Traceback" not in res.output, res.output
+    res = CliRunner().invoke(submit_job, [str(inp), "--job-id", "x"], env={"RAY_ADDRESS": ""})
+    assert res.exit_code == 2 and "--job-id names a job submitted to a cluster" in res.output
+
+
+@pytest.mark.parametrize("args", [["status", "j-1", "--follow"], ["logs", "j-1", "--follow"]])
+def test_ctrl_c_while_following_exits_130_and_the_job_goes_on(monkeypatch, args):
+    from click.testing import CliRunner
+
+    from eaglectl.jobs import job
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(ray_jobs, "wait", interrupted)
+    monkeypatch.setattr(ray_jobs, "tail_logs", interrupted)
+    res = CliRunner().invoke(job, [*args, "--address", "http://127.0.0.1:9"])
+    assert res.exit_code == 130 and "stopped following; job j-1 keeps running" in res.output, res.output
