@@ -81,6 +81,7 @@ def test_openai_batch_context_limit_and_logprobs(tmp_path, tiny_model, local_ray
     content = c["choices"][0]["logprobs"]["content"]
     assert len(content) == c["usage"]["completion_tokens"] and all(len(t["top_logprobs"]) == 2 for t in content)
     assert "".join(t["token"] for t in content) == c["choices"][0]["message"]["content"]
+    assert b"".join(bytes(t["bytes"]) for t in content).decode() == c["choices"][0]["message"]["content"]
     lp = by["cmpl-lp"]["response"]["body"]["choices"][0]["logprobs"]
     assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 3 or \
         by["cmpl-lp"]["response"]["body"]["choices"][0]["finish_reason"] == "stop"
