@@ -50,3 +50,15 @@ def test_echoed_offsets_index_the_echoed_text(default_model_dir):
         ends = [*lp["text_offset"][1:], len(text)]
         assert [text[a:b] for a, b in zip(lp["text_offset"], ends)][1:] == lp["tokens"][1:], (text, lp)
         assert text.startswith(prompt) and lp["tokens"][0] == "<bos>"
+
+
+def test_job_logprobs_carry_each_tokens_own_bytes():
+    """Offline jobs write OpenAI Batch logprobs through `jobs.openai_batch.openai_logprobs` (both row
+    backends): the bytes of a text's tokens rebuild the text."""
+    from jobs.openai_batch import openai_logprobs
+
+    prompts = PromptTokenizer(make_tokenizer(), None, "tiny")
+    ids = prompts.tokenize(TEXT)[1:]
+    content = openai_logprobs([TokenLogprob(t, -0.5, [(t, -0.5)]) for t in ids], ids, prompts, chat=True)["content"]
+    assert b"".join(bytes(c["bytes"]) for c in content) == TEXT.encode()
+    assert all(c["top_logprobs"][0]["bytes"] == c["bytes"] for c in content)
