@@ -26,6 +26,8 @@ from pathlib import Path
 import click
 import torch
 
+from bench.report_file import write_json
+
 PROMPTS = ["The quick brown fox", "Question: what is two plus two?\nAnswer:", "def add(a, b):",
            "Bonjour, comment ça va ?", "Speculative decoding drafts tokens and verifies them in one pass."]
 
@@ -255,7 +257,7 @@ def main(out, device, spec_bench, decode_tokens):
         bad = "error" in result or any(v is False for v in result.values())   # a check that did not hold
         failed += [name] if bad else []
         print(f"{name}: {'FAILED' if bad else 'ok'} ({time.perf_counter() - t0:.1f} s)", flush=True)
-        (out / "cuda_check.json").write_text(json.dumps(report, indent=1, default=str))
+        write_json(out / "cuda_check.json", report)
     print(json.dumps({"failed": failed}), flush=True)
     sys.exit(1 if failed else 0)
 

@@ -10,16 +10,15 @@ Usage: `eaglectl bench decode`.
 """
 from __future__ import annotations
 
-import json
 import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
 import transformers
 
 from bench.prompts import load_questions, render
+from bench.report_file import write_json
 
 
 def _hf_generate(model, tok, prompts: list[str], max_tokens: int) -> int:
@@ -107,11 +106,10 @@ def run(model: str = "gemma-3-270m", dtypes: list[str] = ("float32", "bfloat16")
                 r["vs_own_batch1"] = r["engine_tok_s"] / b1["engine_tok_s"]
     _print_table(rows)
     if json_out:
-        Path(json_out).parent.mkdir(parents=True, exist_ok=True)
         meta = {"model": model, "max_tokens": max_tokens, "threads": torch.get_num_threads(),
                 "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
                 "transformers": transformers.__version__, "rounds": rounds}
-        Path(json_out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+        write_json(json_out, {"meta": meta, "rows": rows})
     return rows
 
 

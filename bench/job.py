@@ -13,7 +13,6 @@ Usage: `eaglectl bench job [--rows 200 --max-tokens 64 --draft auto]`.
 from __future__ import annotations
 
 import itertools
-import json
 import platform
 import tempfile
 from pathlib import Path
@@ -22,6 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from bench.prompts import load_questions, render
+from bench.report_file import write_json
 
 
 def available_rows() -> int:
@@ -68,14 +68,14 @@ def _variant(name: str, draft: str, inp: Path, out: Path, model: str, max_tokens
 
 def run(model: str = "gemma-3-270m", rows: int = 200, max_tokens: int = 64, json_out: str | None = "bench/results/job.json",
         draft: str = "auto", replicas: int = 1, max_num_seqs: int = 64) -> list[dict]:
-    from eagle_worker.speculative.config import resolve_draft
+    from bench.preflight import check_draft, check_model
     from jobs.job_config import JobConfig, JobConfigError, builtin_head_error
 
     try:            # every setting checked before anything loads: both runs' configs are this one's
-        cfg = JobConfig.from_options(input="x", model=model, draft=draft, max_tokens=max_tokens, replicas=replicas,
-                                     max_num_seqs=max_num_seqs)
-        head = cfg.resolved_draft() if draft != "none" else None
-        resolve_draft(head, model)       # the engine's check: a head folder, or a model that ships one
+        JobConfig.from_options(input="x", model=model, draft=draft, max_tokens=max_tokens, replicas=replicas,
+                               max_num_seqs=max_num_seqs)
+        check_model(model)               # a replica that cannot load it would fail the job after Ray starts
+        head = check_draft(draft, model)  # the engine's check: a head folder, or a model that ships one
     except ValueError as e:
         raise JobConfigError(str(e)) from None
     note = None
@@ -99,11 +99,10 @@ def run(model: str = "gemma-3-270m", rows: int = 200, max_tokens: int = 64, json
     if json_out:
         import torch
 
-        Path(json_out).parent.mkdir(parents=True, exist_ok=True)
         meta = {"model": model, "rows": rows, "max_tokens": max_tokens, "replicas": replicas,
                 "max_num_seqs": max_num_seqs, "temperature": 0.0, "note": note, "threads": torch.get_num_threads(),
                 "machine": platform.processor() or platform.machine(), "torch": torch.__version__}
-        Path(json_out).write_text(json.dumps({"meta": meta, "rows": results}, indent=2))
+        write_json(json_out, {"meta": meta, "rows": results})
     return results
 
 

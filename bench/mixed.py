@@ -20,7 +20,6 @@ Usage: `eaglectl bench mixed [--rows 20 --online-requests 4]`.
 """
 from __future__ import annotations
 
-import json
 import os
 import platform
 import tempfile
@@ -32,6 +31,7 @@ import requests
 
 from bench.job import write_input
 from bench.prompts import load_questions, render
+from bench.report_file import write_json
 from bench.serve import (
     _RAY,
     _fmt,
@@ -176,8 +176,7 @@ def run(model: str = "gemma-3-270m", rows: int = 200, online_requests: int = 16,
             pass
         _RAY.shutdown()
     if json_out:
-        Path(json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_out).write_text(json.dumps(report, indent=2, default=str) + "\n")
+        write_json(json_out, report)
     return report
 
 

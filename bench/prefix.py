@@ -31,7 +31,6 @@ Usage: `eaglectl bench prefix [--dtype bfloat16] [--scenarios a,b,c] [--rounds 3
 from __future__ import annotations
 
 import dataclasses
-import json
 import platform
 import statistics
 import tempfile
@@ -40,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.prompts import load_questions
+from bench.report_file import write_json
 
 SCENARIOS = ("a", "b", "c")
 
@@ -313,8 +313,7 @@ def run(model: str = "gemma-3-270m", dtype: str = "float32", draft: str = "auto"
         print(f"\n{n}")
     report = {"meta": _meta(model, dtype, head, rounds, sizes, c_runner, notes), "rows": rows}
     if json_out:
-        Path(json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_out).write_text(json.dumps(report, indent=2))
+        write_json(json_out, report)
     return report
 
 

@@ -10,13 +10,26 @@ PROMPT_FORMAT = "Question: {question}\nAnswer:"
 
 
 def load_questions(path: str | Path = SPEC_BENCH, per_category: int | None = None, limit: int | None = None) -> list[dict]:
-    """Records `{"question_id", "category", "turns"}`; first `per_category` of each category, in file order."""
+    """Records `{"question_id", "category", "turns"}`; first `per_category` of each category, in file order.
+    ValueError naming the file (and line) if it cannot be read, or holds no prompt or a line that is
+    no Spec-Bench record: `eaglectl bench spec --prompts` reads it before any model loads."""
     records, counts = [], {}
-    text = Path(path).read_text(encoding="utf-8")
-    for line in text.split("\n"):          # not splitlines(): records may hold U+2028
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: cannot read it ({getattr(e, 'strerror', None) or type(e).__name__})") from None
+    for n, line in enumerate(text.split("\n"), 1):          # not splitlines(): records may hold U+2028
         if not line.strip():
             continue
-        rec = json.loads(line)
+        try:
+            rec = json.loads(line)
+        except (ValueError, RecursionError):
+            raise ValueError(f"{path} line {n}: not JSON; expected Spec-Bench JSONL, one record a line") from None
+        turns = rec.get("turns") if isinstance(rec, dict) else None
+        if not (isinstance(turns, list) and turns and isinstance(turns[0], str)
+                and isinstance(rec.get("category", ""), str)):
+            raise ValueError(f"{path} line {n}: not a Spec-Bench record (a JSON object with \"turns\": [\"...\"] "
+                             "and a text \"category\")")
         cat = rec.get("category", "default")
         if per_category is not None and counts.get(cat, 0) >= per_category:
             continue
@@ -24,6 +37,8 @@ def load_questions(path: str | Path = SPEC_BENCH, per_category: int | None = Non
         records.append(rec)
         if limit is not None and len(records) >= limit:
             break
+    if not records:
+        raise ValueError(f"{path}: no prompts in it")
     return records
 
 

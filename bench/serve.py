@@ -38,6 +38,7 @@ from pathlib import Path
 import requests
 
 from bench.prompts import load_questions, render
+from bench.report_file import write_json
 from cluster.local_ray import StartedRay
 
 STAT_KEYS = ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")
@@ -143,9 +144,12 @@ def resolve_head(model: str, draft: str | None) -> tuple[str | None, str | None]
             return "default", None
         return None, (f"no draft head shipped for {model} ({HEADS_DIR / model}/config.json missing) and none "
                       "passed in: ran without the draft head only")
-    if not Path(draft, "config.json").exists():
-        raise ValueError(f"draft head {draft!r} is not a head folder (no config.json)")
-    return str(Path(draft).resolve()), None
+    from bench.preflight import check_draft
+
+    head = check_draft(draft, model)          # the engine's rule, as the CLI checked it before anything started
+    if head is None:
+        return None, f"no draft head for {model} ({draft!r}): plain decoding only"
+    return str(Path(head).resolve()), None
 
 
 def _free_port() -> int:
@@ -380,8 +384,7 @@ def run(url: str | None = None, model: str = "gemma-3-270m", concurrencies: tupl
             f"c={c}: {statistics.median(v):.2f}x ({' / '.join(f'{x:.2f}' for x in v)})" for c, v in ratios.items() if v)
     print(table + ("\n\n" + "\n".join(f"note: {n}" for n in notes) if notes else ""), flush=True)
     if json_out:
-        Path(json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_out).write_text(json.dumps(report, indent=2) + "\n")
+        write_json(json_out, report)
     return report
 
 

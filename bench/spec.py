@@ -21,10 +21,12 @@ from pathlib import Path
 import torch
 import transformers
 
+from bench.methods import SPEC_METHODS as METHODS
+from bench.methods import check_methods
 from bench.prompts import PROMPT_FORMAT, SPEC_BENCH, load_questions, render
+from bench.report_file import write_json
 
 OURS = ("vanilla", "lookup", "chain", "static", "dynamic", "hybrid")
-METHODS = ("vanilla", "hf", "hf_lookup", "lookup", "chain", "static", "dynamic", "hybrid")   # every one, in order
 
 
 def _spec_config(method: str, draft: str, tree: dict | None = None):
@@ -97,10 +99,6 @@ def _run_hf(model, tok, prompts: list[str], max_tokens: int, lookup: int | None,
     return time.perf_counter() - t0, tokens, 0
 
 
-class MethodsError(ValueError):
-    """A method list the benchmark cannot report on."""
-
-
 def run(model: str = "gemma-3-270m", prompts_file: str | Path = SPEC_BENCH, per_category: int = 2,
         max_tokens: int = 128, dtype: str = "bfloat16", draft: str = "default",
         methods: tuple[str, ...] = METHODS,
@@ -118,11 +116,7 @@ def run(model: str = "gemma-3-270m", prompts_file: str | Path = SPEC_BENCH, per_
     serves `warmup` prompts from outside the measured set (the next prompt of several categories),
     so what adapts per worker (the tree budget, the hybrid's estimates) is measured settled, as in a
     server that has been running, not while it learns."""
-    if "vanilla" not in methods:
-        raise MethodsError("must include vanilla: every speedup is measured against it")
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        raise MethodsError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+    check_methods(methods, METHODS)
     if rounds < 1 or warmup < 0:
         raise ValueError(f"rounds must be >= 1 and warmup >= 0, got {rounds} and {warmup}")
     if threads:
@@ -176,8 +170,7 @@ def run(model: str = "gemma-3-270m", prompts_file: str | Path = SPEC_BENCH, per_
                        "threads": torch.get_num_threads()},
               "results": results, "summary": summary, "paired": paired}
     if json_out:
-        Path(json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_out).write_text(json.dumps(report, indent=2))
+        write_json(json_out, report)
     return report
 
 

@@ -17,7 +17,6 @@ The report is rewritten after each batch size, so a run cut short keeps what it 
 from __future__ import annotations
 
 import itertools
-import json
 import statistics
 import time
 from dataclasses import replace
@@ -26,9 +25,10 @@ from pathlib import Path
 import torch
 import transformers
 
+from bench.methods import BATCH_METHODS as METHODS
+from bench.methods import check_methods
 from bench.prompts import PROMPT_FORMAT, SPEC_BENCH, load_questions, render
-
-METHODS = ("vanilla", "default", "head", "lookup", "hybrid")
+from bench.report_file import write_json
 
 
 def spec_for(method: str, model: str, draft: str, head_dtype: str = "target"):
@@ -83,8 +83,7 @@ def run(model: str = "gemma-3-270m", prompts_file: str | Path = SPEC_BENCH, per_
         json_out: str | None = "bench/results/spec_batch.json", min_prompts: int = 13, head_dtype: str = "target") -> dict:
     from eagle_worker import LLM, SamplingParams
 
-    if "vanilla" not in methods:
-        raise ValueError("methods must include vanilla: every ratio is measured against it")
+    check_methods(methods, METHODS)
     if threads:
         torch.set_num_threads(threads)
     by_cat: dict[str, list[str]] = {}
@@ -125,8 +124,7 @@ def run(model: str = "gemma-3-270m", prompts_file: str | Path = SPEC_BENCH, per_
         report["batches"].append(_summarise(bs, runs))
         _print_row(report["batches"][-1])
         if json_out:
-            Path(json_out).parent.mkdir(parents=True, exist_ok=True)
-            Path(json_out).write_text(json.dumps(report, indent=2))
+            write_json(json_out, report)
     _print(report)
     return report
 

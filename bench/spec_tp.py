@@ -14,7 +14,6 @@ token-identical to vanilla TP 1 at the same batch size, or the run fails after w
 """
 from __future__ import annotations
 
-import json
 import socket
 import statistics
 import time
@@ -26,6 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from bench.prompts import PROMPT_FORMAT, SPEC_BENCH, load_questions, render
+from bench.report_file import write_json
 
 # name -> (tp size, rank-0 torch threads, speculation: None | "head" | "hybrid")
 METHODS = {"vanilla-tp1": (1, 1, None), "vanilla-tp1-2t": (1, 2, None), "vanilla-tp2": (2, 1, None),
@@ -142,8 +142,7 @@ def run(model: str = "gemma-3-270m", prompts_file: str | Path = SPEC_BENCH, per_
     print(table(rows))
     print("\nTP 2 outputs token-identical to vanilla TP 1: " + ("yes" if not mismatches else f"NO {mismatches}"))
     if json_out:
-        Path(json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_out).write_text(json.dumps(report, indent=2))
+        write_json(json_out, report)
     if mismatches:
         raise OutputsDiffer(f"TP 2 greedy outputs differ from vanilla TP 1: {mismatches}")
     return report

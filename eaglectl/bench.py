@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import click
 
+from bench.methods import BATCH_METHODS, HEAD_METHODS, SPEC_METHODS, check_methods  # light: no torch
+from bench.prefix import SCENARIOS
 from eagle_worker.speculative.config import HEAD_DTYPES, SpecConfig  # light: no torch
 from eaglectl.common import POSITIVE, FiniteFloat
 
@@ -14,8 +16,8 @@ MAX_BATCH = 4096
 
 class CommaList(click.ParamType):
     """A comma-separated list of positive integers (up to MAX_BATCH), or of `choices`, each at most
-    once: the one parser of every bench option that takes several values, so `0`, `-3`, `a` or `8,8`
-    are refused by click (exit 2, naming the option) before any model loads."""
+    once: the one parser of every bench option that takes several values, so `0`, `-3`, `a`, `²`, `8,8`
+    or `1,,8` are refused by click (exit 2, naming the option) before any model loads."""
 
     def __init__(self, choices: tuple[str, ...] | None = None):
         self.choices = choices
@@ -24,24 +26,52 @@ class CommaList(click.ParamType):
     def convert(self, value, param, ctx):
         if isinstance(value, tuple):            # a default already converted
             return value
-        items = [s.strip() for s in str(value).split(",") if s.strip()]
-        if not items:
+        items = [s.strip() for s in str(value).split(",")]
+        if not any(items):
             self.fail(f"{value!r} is empty", param, ctx)
+        if not all(items):
+            self.fail(f"{value!r} has an empty item (two commas in a row, or one at an end)", param, ctx)
         if self.choices is None:
-            bad = [s for s in items if not (s.isdigit() and 1 <= int(s) <= MAX_BATCH)]
+            # ASCII digits only: str.isdigit() is True for '²' and '٣' too, which int() refuses or reads as 3
+            bad = [s for s in items if not (s.isascii() and s.isdigit() and len(s) < 20 and 1 <= int(s) <= MAX_BATCH)]
             if bad:
                 self.fail(f"{bad[0]!r} is not an integer from 1 to {MAX_BATCH}", param, ctx)
             items = [int(s) for s in items]
-        elif set(items) - set(self.choices):
-            self.fail(f"{sorted(set(items) - set(self.choices))[0]!r} is not one of {', '.join(self.choices)}",
-                      param, ctx)
+        else:
+            unknown = [s for s in items if s not in self.choices]
+            if unknown:
+                self.fail(f"{', '.join(map(repr, unknown))}: not among {', '.join(self.choices)}", param, ctx)
         repeated = sorted({str(x) for x in items if items.count(x) > 1})
         if repeated:
-            self.fail(f"{repeated[0]} given more than once", param, ctx)
+            self.fail(f"{', '.join(repeated)} given more than once", param, ctx)
         return tuple(items)
 
 
 BATCH = click.IntRange(1, MAX_BATCH)
+
+
+def _refuse(option: str, check, *args):
+    """`check(*args)`, its ValueError a usage error naming `option` (exit 2): the one way a bench
+    command turns a failed check into one line instead of a traceback."""
+    try:
+        return check(*args)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint=option) from None
+
+
+def _preflight(json_out: str | None, model: str | None = None, draft: str | None = None) -> None:
+    """What every bench command checks before anything loads (bench/preflight.py, bench/report_file.py):
+    the model and draft the engine would load, and that the JSON report can be written, so a run of
+    minutes is neither wasted on a typo nor lost at its end. None: not checked."""
+    from bench.preflight import check_draft, check_model
+    from bench.report_file import check_writable
+
+    if model is not None:
+        _refuse("--model", check_model, model)
+    if draft is not None:
+        _refuse("--draft", check_draft, draft, model)
+    if json_out:
+        _refuse("--json", check_writable, json_out)
 
 
 def _job_rows(ctx, param, rows: int) -> int:
