@@ -13,10 +13,13 @@ class ClusterUnreachable(ConnectionError):
 
 
 def check_listening(address: str | None, timeout: float = 5.0) -> None:
-    """ClusterUnreachable naming the address when `host:port` (no scheme) refuses, does not resolve, or does not
-    answer within `timeout`; other forms (`auto`, `ray://`, `http://`, None) are left to Ray."""
-    host, sep, port = (address or "").strip().rpartition(":")
-    if not sep or "://" in address or not port.isdigit() or not host:
+    """ClusterUnreachable naming the address when `host:port` or `ray://host:port` refuses, does not
+    resolve, or does not answer within `timeout` (Ray's client waits about 30 s for a Ray Client
+    address); other forms (`auto`, `http://`, None) are left to Ray, which answers them at once."""
+    bare = (address or "").strip()
+    bare = bare[len("ray://"):] if bare.lower().startswith("ray://") else bare
+    host, sep, port = bare.rpartition(":")
+    if not sep or "://" in bare or not port.isdigit() or not host:
         return
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()

@@ -78,7 +78,9 @@ def _connect(address: str):
 
 def _dashboard_url(address: str) -> str | None:
     """`http://host:port` when `host:port` (no scheme) is a Ray dashboard: it answers Ray's public
-    `/api/authentication_mode` (a GCS port does not speak HTTP/1.1 and fails at once)."""
+    `/api/authentication_mode` (a GCS port does not speak HTTP/1.1 and fails at once). A port that
+    answers HTTP but not as a dashboard (Serve's, a web server) is no GCS either: ConnectionError now,
+    not after Ray's 40 s wait for a GCS there."""
     import requests
 
     if "://" in address or ":" not in address:
@@ -88,7 +90,10 @@ def _dashboard_url(address: str) -> str | None:
         r = requests.get(f"{url}/api/authentication_mode", timeout=2)
     except requests.RequestException:
         return None
-    return url if r.status_code == 200 and "authentication_mode" in r.text else None
+    if r.status_code == 200 and "authentication_mode" in r.text:
+        return url
+    raise ConnectionError(f"{address} answers HTTP (status {r.status_code}) but is neither a Ray dashboard nor a "
+                          "GCS port (Serve's HTTP port? the dashboard is usually :8265, the GCS :6379)")
 
 
 def _first_line(text: str) -> str:

@@ -45,6 +45,34 @@ def test_a_gcs_address_where_nothing_listens_fails_at_once():
     assert time.monotonic() - t0 < 10 and f"Connection refused at 127.0.0.1:{port}" in str(e.value)
 
 
+def test_a_ray_client_address_where_nothing_listens_fails_at_once():
+    import time
+
+    port = free_ports(1)[0]
+    t0 = time.monotonic()
+    with pytest.raises(ConnectionError, match=f"Connection refused at ray://127.0.0.1:{port}"):
+        ray_jobs.client(f"ray://127.0.0.1:{port}")
+    assert time.monotonic() - t0 < 10
+
+
+def test_a_port_that_answers_http_but_is_no_dashboard_fails_at_once():
+    """Serve's HTTP port given by mistake: Ray would wait ~40 s for a GCS there."""
+    import http.server
+    import threading
+    import time
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ConnectionError) as e:
+            ray_jobs.client(f"127.0.0.1:{server.server_port}")
+        assert time.monotonic() - t0 < 10 and "answers HTTP (status 404) but is neither a Ray dashboard" in str(e.value)
+        assert "\n" not in str(e.value)
+    finally:
+        server.shutdown()
+
+
 def test_malformed_address_is_one_line_connection_error():
     with pytest.raises(ConnectionError) as e:
         ray_jobs.client("no-port-here")
