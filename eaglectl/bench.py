@@ -50,11 +50,11 @@ class CommaList(click.ParamType):
 BATCH = click.IntRange(1, MAX_BATCH)
 
 
-def _refuse(option: str, check, *args):
+def _refuse(option: str, check, *args, **kwargs):
     """`check(*args)`, its ValueError a usage error naming `option` (exit 2): the one way a bench
     command turns a failed check into one line instead of a traceback."""
     try:
-        return check(*args)
+        return check(*args, **kwargs)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint=option) from None
 
@@ -99,6 +99,7 @@ def bench() -> None:
               help="Runs per measurement, the engines taking turns; the median counts.")
 def bench_decode(model, dtypes, batch_sizes, max_tokens, json_out, threads, rounds):
     """Tokens/s of this engine vs transformers generate, same model and dtype."""
+    _preflight(json_out, model=model)
     from bench.decode import run
 
     run(model=model, dtypes=list(dtypes), batch_sizes=list(batch_sizes), max_tokens=max_tokens, json_out=json_out,
@@ -112,7 +113,7 @@ def bench_decode(model, dtypes, batch_sizes, max_tokens, json_out, threads, roun
 @click.option("--max-tokens", default=128, show_default=True, type=POSITIVE)
 @click.option("--dtype", default="bfloat16", show_default=True, type=click.Choice(DTYPES))
 @click.option("--draft", default="default", show_default=True, help="Head folder, 'default', or 'random' (cost only).")
-@click.option("--methods", default=None,
+@click.option("--methods", default=None, type=CommaList(tuple(dict.fromkeys(SPEC_METHODS + BATCH_METHODS))),
               help="[default: vanilla,hf,hf_lookup,lookup,chain,static,dynamic,hybrid; with --batch-sizes "
                    "vanilla,default,head,lookup,hybrid]")
 @click.option("--json", "json_out", default=None,
@@ -133,8 +134,8 @@ def bench_decode(model, dtypes, batch_sizes, max_tokens, json_out, threads, roun
               help="Prompts each engine serves first, from outside the measured set (adaptive state settles).")
 @click.option("--tp-size", default=1, show_default=True, type=click.Choice(["1", "2"]),
               help="2: vanilla TP 1 (1 and 2 threads), vanilla/head/hybrid TP 2 on CPU (gloo), greedy, with the "
-                   "collectives' share of a step (bench/spec_tp.py; --methods, --sweep, --draft, --temperature, "
-                   "tree and --warmup options do not apply).")
+                   "collectives' share of a step (bench/spec_tp.py; --methods, --draft, --temperature, the "
+                   "tree options (--num-draft-tokens, --depth, --top-k) and --warmup do not apply).")
 @click.option("--head-dtype", default="target", show_default=True,
               type=click.Choice(HEAD_DTYPES),
               help="With --batch-sizes: the dtype the head runs in (SpecConfig.head_dtype).")
@@ -145,60 +146,61 @@ def bench_spec(model, prompts_file, per_category, max_tokens, dtype, draft, meth
                temperature, num_draft_tokens, depth, top_k, rounds, device, warmup, tp_size, head_dtype, batch_sizes):
     """Vanilla, transformers (plain, prompt lookup), our lookup, EAGLE chain/static/dynamic, hybrid at
     batch 1; or, with --batch-sizes, the default against the fixed methods at every batch size."""
-    from bench.prompts import SPEC_BENCH
-    from bench.spec import METHODS, MethodsError, run
-    from eagle_worker.config import check_device
+    from bench.prompts import SPEC_BENCH, load_questions
 
     sizes = batch_sizes or ((1, 8) if tp_size == "2" else None)
     tree = {k: v for k, v in (("num_draft_tokens", num_draft_tokens), ("depth", depth), ("top_k", top_k)) if v is not None}
     for key, value in tree.items():            # SpecConfig's own limits, before any model loads
-        try:
-            SpecConfig(lookup=True, **{key: value})
-        except ValueError as e:
-            raise click.BadParameter(str(e), param_hint="--" + key.replace("_", "-")) from None
+        _refuse("--" + key.replace("_", "-"), SpecConfig, lookup=True, **{key: value})
     if head_dtype != "target" and (batch_sizes is None or tp_size == "2"):
         raise click.BadParameter("applies to the batch-size sweep only (--batch-sizes without --tp-size 2)",
                                  param_hint="--head-dtype")
+    prompts_file = prompts_file or SPEC_BENCH
     if tp_size == "2":
-        from bench.spec_tp import run as run_tp
-
         if threads not in (None, 1):
             raise click.BadParameter("TP 2 runs 1 torch thread per rank (and TP 1 at 1 and 2 threads)",
                                      param_hint="--threads")
         if device != "cpu":
             raise click.BadParameter("the TP benchmark runs on CPU (gloo); bench/cuda_check.py checks TP 2 on GPUs",
                                      param_hint="--device")
-        run_tp(model=model, prompts_file=prompts_file or SPEC_BENCH, per_category=per_category, max_tokens=max_tokens,
-               dtype=dtype, batch_sizes=sizes, json_out=json_out or "bench/results/spec_tp.json", rounds=rounds or 1)
+        json_out = json_out or "bench/results/spec_tp.json"
+        _preflight(json_out, model=model)
+        _refuse("--prompts", load_questions, prompts_file)
+        from bench.spec_tp import run as run_tp
+
+        run_tp(model=model, prompts_file=prompts_file, per_category=per_category, max_tokens=max_tokens,
+               dtype=dtype, batch_sizes=sizes, json_out=json_out, rounds=rounds or 1)
         return
+    allowed = SPEC_METHODS if sizes is None else BATCH_METHODS
+    chosen = methods or allowed
     try:
-        check_device(device)
+        check_methods(chosen, allowed)
     except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="--device") from None
+        raise click.BadParameter(f"{e} ({'without' if sizes is None else 'with'} --batch-sizes)",
+                                 param_hint="--methods") from None
+    if sizes is not None and draft == "random":
+        raise click.BadParameter("'random' is for the batch-1 methods (without --batch-sizes)", param_hint="--draft")
+    # 'random' is built from the target; 'default' matters only where a method drafts with the head
+    check_head = draft != "random" and (draft != "default" or any(m in HEAD_METHODS for m in chosen))
+    json_out = json_out or ("bench/results/spec.json" if sizes is None else f"bench/results/spec_batch_{dtype}.json")
+    _preflight(json_out, model=model, draft=draft if check_head else None)
+    _refuse("--prompts", load_questions, prompts_file)
+    from eagle_worker.config import check_device  # imports torch
+
+    _refuse("--device", check_device, device)
     if sizes is not None:
-        from bench.spec_batch import METHODS as BATCH_METHODS
         from bench.spec_batch import run as run_batch
 
-        if draft == "random":
-            raise click.BadParameter("'random' is for the batch-1 methods (without --batch-sizes)", param_hint="--draft")
-        chosen = tuple(methods.split(",")) if methods else BATCH_METHODS
-        if "vanilla" not in chosen or set(chosen) - set(BATCH_METHODS):
-            raise click.BadParameter(f"with --batch-sizes: vanilla plus any of {', '.join(BATCH_METHODS[1:])}",
-                                     param_hint="--methods")
-        run_batch(model=model, prompts_file=prompts_file or SPEC_BENCH, per_category=per_category,
+        run_batch(model=model, prompts_file=prompts_file, per_category=per_category,
                   max_tokens=max_tokens, dtype=dtype, draft=draft, methods=chosen, batch_sizes=sizes,
                   rounds=rounds or 1, temperature=temperature, device=device, threads=threads,
-                  json_out=json_out or f"bench/results/spec_batch_{dtype}.json", head_dtype=head_dtype)
+                  json_out=json_out, head_dtype=head_dtype)
         return
-    try:
-        run(model=model, prompts_file=prompts_file or SPEC_BENCH, per_category=per_category, max_tokens=max_tokens,
-            dtype=dtype, draft=draft,
-            methods=tuple(methods.split(",")) if methods else METHODS,
-            json_out=json_out or "bench/results/spec.json", threads=threads,
-            temperature=temperature, tree=tree,
-            rounds=rounds or 1, device=device, warmup=warmup)
-    except MethodsError as e:
-        raise click.BadParameter(str(e), param_hint="--methods") from None
+    from bench.spec import run
+
+    run(model=model, prompts_file=prompts_file, per_category=per_category, max_tokens=max_tokens, dtype=dtype,
+        draft=draft, methods=chosen, json_out=json_out, threads=threads, temperature=temperature, tree=tree,
+        rounds=rounds or 1, device=device, warmup=warmup)
 
 
 @bench.command("job")
@@ -211,13 +213,17 @@ def bench_spec(model, prompts_file, per_category, max_tokens, dtype, draft, meth
 @click.option("--json", "json_out", default="bench/results/job.json", show_default=True)
 def bench_job(model, rows, max_tokens, draft, replicas, json_out):
     """An offline job over Spec-Bench prompts, with and without speculation."""
+    _preflight(json_out, model=model, draft=draft)
     from bench.job import run
     from jobs.job_config import JobConfigError
+    from jobs.replica_pool import JobFailed
 
     try:
         run(model=model, rows=rows, max_tokens=max_tokens, json_out=json_out, draft=draft, replicas=replicas)
     except JobConfigError as e:
         raise click.UsageError(str(e)) from None
+    except JobFailed as e:          # the job's own one-line reason (a replica that cannot start, ...)
+        raise click.ClickException(f"the benchmark job failed: {e}") from None
 
 
 @bench.command("serve")
@@ -244,6 +250,11 @@ def bench_job(model, rows, max_tokens, draft, replicas, json_out):
 def bench_serve(url, model, concurrencies, num_prompts, max_tokens, draft, threads, engine_baseline, stream_interval,
                 direct_ingress, rounds, separate_ingress, json_out):
     """HTTP load vs the engine itself: request throughput, output tok/s, TTFT, TPOT, ITL per concurrency."""
+    if url is None:     # an endpoint is measured as it is: --model and --draft are for the app started here
+        # 'default' for a model that ships no head is no error here: the plain setup runs alone, with a note
+        _preflight(json_out, model=model, draft=None if draft == "default" else draft)
+    else:
+        _preflight(json_out)
     from bench.serve import EndpointError, run
 
     try:
@@ -275,12 +286,13 @@ def bench_serve(url, model, concurrencies, num_prompts, max_tokens, draft, threa
 def bench_mixed(model, rows, online_requests, concurrency, max_tokens, draft, dtype, max_num_seqs, threads,
                 separate_ingress, offline_slowdown, json_out):
     """Online load alone, a job alone, and both on one app: online TTFT/TPOT with the job, job rows/s."""
+    slowdown = None if offline_slowdown == "none" else _slowdown(offline_slowdown, "--offline-slowdown")
+    _preflight(json_out, model=model, draft=draft)
     from bench.mixed import run
 
     run(model=model, rows=rows, online_requests=online_requests, concurrency=concurrency, max_tokens=max_tokens,
         draft=None if draft == "none" else draft, dtype=dtype, max_num_seqs=max_num_seqs, threads=threads,
-        json_out=json_out, colocate=False if separate_ingress else None,
-        offline_slowdown=None if offline_slowdown == "none" else _slowdown(offline_slowdown, "--offline-slowdown"))
+        json_out=json_out, colocate=False if separate_ingress else None, offline_slowdown=slowdown)
 
 
 def _slowdown(text: str, option: str) -> float:
@@ -299,7 +311,7 @@ def _slowdown(text: str, option: str) -> float:
 @click.option("--dtype", default="float32", show_default=True, type=click.Choice(DTYPES))
 @click.option("--draft", default="auto", show_default=True,
               help="Head for the with-head runs: auto (the model's built-in head), default, a folder, or none.")
-@click.option("--scenarios", default="a,b,c", show_default=True,
+@click.option("--scenarios", default="a,b,c", show_default=True, type=CommaList(SCENARIOS),
               help="a: shared system prompt; b: multi-turn conversations; c: an offline job with a shared preamble.")
 @click.option("--rounds", default=3, show_default=True, type=POSITIVE,
               help="Runs of each measurement, caching off and on taking turns; the median counts.")
@@ -322,15 +334,12 @@ def _slowdown(text: str, option: str) -> float:
 def bench_prefix(model, dtype, draft, scenarios, rounds, requests, system_tokens, question_tokens, conversations,
                  turns, history_tokens, rows, preamble_tokens, max_tokens, c_runner, json_out):
     """Automatic prefix caching: caching off vs on, without and with the head (TTFT, tok/s, hit rate, tau)."""
-    from bench.prefix import SCENARIOS, Sizes, run
+    json_out = json_out or ("bench/results/prefix_bf16.json" if dtype == "bfloat16" else "bench/results/prefix.json")
+    _preflight(json_out, model=model, draft=draft)
+    from bench.prefix import Sizes, run
 
-    names = tuple(s.strip() for s in scenarios.split(",") if s.strip())
-    if not names or any(s not in SCENARIOS for s in names):
-        raise click.BadParameter(f"a comma-separated subset of {','.join(SCENARIOS)}, got {scenarios!r}",
-                                 param_hint="--scenarios")
     sizes = Sizes(requests=requests, system_tokens=system_tokens, question_tokens=question_tokens,
                   conversations=conversations, turns=turns, history_tokens=history_tokens, rows=rows,
                   preamble_tokens=preamble_tokens, max_tokens=max_tokens)
-    json_out = json_out or ("bench/results/prefix_bf16.json" if dtype == "bfloat16" else "bench/results/prefix.json")
-    run(model=model, dtype=dtype, draft=draft, scenarios=names, rounds=rounds, sizes=sizes, json_out=json_out,
+    run(model=model, dtype=dtype, draft=draft, scenarios=scenarios, rounds=rounds, sizes=sizes, json_out=json_out,
         c_runner=c_runner)

@@ -38,8 +38,11 @@ def test_resolve_head(tmp_path):
     assert head is None and "ran without the draft head" in note
     (tmp_path / "config.json").write_text("{}")
     assert resolve_head("gemma-3-270m", str(tmp_path)) == (str(tmp_path.resolve()), None)
-    with pytest.raises(ValueError, match="not a head folder"):
+    with pytest.raises(ValueError, match="not a folder"):            # the engine's rule (bench/preflight.py)
         resolve_head("gemma-3-270m", str(tmp_path / "missing"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="not a head folder"):
+        resolve_head("gemma-3-270m", str(tmp_path / "empty"))
 
 
 def _bench_subprocess(tmp_path, code: str) -> str:
