@@ -45,12 +45,14 @@ Example YAML (every key optional)::
 """
 from __future__ import annotations
 
+import ipaddress
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from cluster.config_base import ConfigError, StrictModel, format_validation_error
 from cluster.config_sections import (
@@ -100,6 +102,20 @@ class ServeConfig(StrictModel):
     host: str = Field("127.0.0.1", min_length=1)
     port: int = Field(8000, ge=1, le=65535)
 
+    @field_validator("host")
+    @classmethod
+    def _host(cls, v: str) -> str:
+        """An IP address or a host name to bind: `http://x` or `my host` would fail only when the
+        server starts."""
+        try:
+            ipaddress.ip_address(v)
+            return v
+        except ValueError:
+            pass
+        if len(v) > 253 or not re.fullmatch(rf"{_LABEL}(\.{_LABEL})*", v):
+            raise ValueError(f"{v!r} is not an IP address or a host name (no scheme, port or spaces)")
+        return v
+
     @model_validator(mode="after")
     def _consistent(self) -> "ServeConfig":
         if self.num_replicas is not None and self.autoscaling is not None:
@@ -108,13 +124,16 @@ class ServeConfig(StrictModel):
             raise ValueError("device: cuda needs resources_per_rank.gpu: 1 (one GPU per rank)")
         if self.device == "cpu" and self.resources_per_rank.gpu:
             raise ValueError("device: cpu must not reserve GPUs (resources_per_rank.gpu: 0)")
-        if self.speculation is not None and self.draft is None and not self.speculation.lookup:
-            raise ValueError("speculation needs a draft head (draft: auto, default or a folder) or speculation.lookup: true")
         try:
             choose, resolve = draft_rules(self.engine)
         except (ImportError, AttributeError) as e:
             raise ValueError(f"engine: {self.engine!r} is not an engine module (LLMEngine, EngineConfig, "
                              f"SamplingParams): {e}") from None
+        if self.speculation is not None and not self.speculation.lookup and str(self.draft).lower() == "none":
+            # draft none (null or the string): nothing would draft (`auto` on a model without a head
+            # decodes plainly: it asked for whatever the model has)
+            raise ValueError("speculation needs a draft head (draft: auto, default or a folder) or "
+                             "speculation.lookup: true")
         if choose(self.draft, self.model) == "default":   # a folder may live only where replicas run
             try:
                 resolve("default", self.model)
@@ -233,8 +252,13 @@ class ServeConfig(StrictModel):
         if self.api_keys_file:
             path = Path(self.api_keys_file)
             if not path.is_file():
-                raise ConfigError(f"api_keys_file: {path} does not exist")
-            for line in path.read_text().splitlines():
+                raise ConfigError(f"api_keys_file: {path} " + ("is a folder, not a file" if path.is_dir() else
+                                                              "does not exist"))
+            try:
+                text = path.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise ConfigError(f"api_keys_file: {path} cannot be read as text ({type(e).__name__})") from None
+            for line in text.splitlines():
                 line = line.split("#", 1)[0].strip()
                 if line:
                     keys.add(line)
@@ -262,6 +286,10 @@ class ServeConfig(StrictModel):
         (deploy/kuberay.py) whose `serve:` section is one (its `kubernetes:` section is the renderer's)."""
         data = read_yaml(path, empty_ok=True)
         if data.keys() & DEPLOY_SECTIONS:
+            other = sorted(map(str, data.keys() - DEPLOY_SECTIONS))
+            if other:     # a misspelt section, or serve fields beside the sections: never silently dropped
+                raise ConfigError(f"{path}: a deploy file has only `serve:` and `kubernetes:` sections; "
+                                  f"{', '.join(other)} belong{'s' if len(other) == 1 else ''} under one of them")
             return cls.from_dict(data.get("serve"), source=str(path), at="serve")
         return cls.from_dict(data, source=str(path))
 
@@ -269,4 +297,5 @@ class ServeConfig(StrictModel):
         return yaml.safe_dump(self.model_dump(mode="json", exclude_none=True), sort_keys=False)
 
 
+_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"     # one dot-separated part of a host name
 DEPLOY_SECTIONS = frozenset({"serve", "kubernetes"})   # the top-level keys of a deploy file

@@ -15,18 +15,28 @@ MAX_COUNT = 2**31 - 1     # Kubernetes' int32: a count or size past it is a typo
 
 class StrictModel(BaseModel):
     # Unknown keys are almost always typos in hand-written YAML: reject them; so are inf/NaN, a YAML
-    # boolean (`yes`, `true`) where a number belongs, which pydantic would read as 1, and counts past int32.
+    # boolean (`yes`, `true`) where a number belongs, which pydantic would read as 1, a string or number
+    # where a boolean belongs ("false" would read as false, "no" too), and counts past int32.
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     @field_validator("*", mode="before")
     @classmethod
     def _plain_numbers(cls, value: Any, info: ValidationInfo) -> Any:
-        kinds = _numeric(cls.model_fields[info.field_name].annotation)
+        annotation = cls.model_fields[info.field_name].annotation
+        kinds = _numeric(annotation)
         if isinstance(value, bool) and kinds:
             raise ValueError(f"expected a number, got {str(value).lower()}")
+        if value is not None and not isinstance(value, bool) and _boolean(annotation):   # "yes", 0: pydantic reads them
+            raise ValueError(f"expected true or false, got {value!r}")
         if isinstance(value, int) and kinds == {int} and value > MAX_COUNT:
             raise ValueError(f"must be at most {MAX_COUNT}, got {value}")
         return value
+
+
+def _boolean(annotation: Any) -> bool:
+    """A bool field (optional or not), where a string or a number is a mistake."""
+    args = get_args(annotation) or (annotation,)
+    return bool in args and all(a in (bool, type(None)) for a in args)
 
 
 def _numeric(annotation: Any) -> set:

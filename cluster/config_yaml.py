@@ -22,6 +22,8 @@ def read_yaml(path: str | os.PathLike, empty_ok: bool = False) -> dict[str, Any]
         raise ConfigError(f"{path}: not a text file (byte {e.start} is not UTF-8)") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: invalid YAML: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: invalid YAML: nested too deeply") from None
     if data is None and empty_ok:
         return {}
     if not isinstance(data, dict):
@@ -37,8 +39,13 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":    # `<<: *anchor`: the base constructor merges it
+                continue
+            if not isinstance(key_node, yaml.ScalarNode):     # `? [a]`: a list or mapping as a key
+                raise yaml.constructor.ConstructorError(None, None, "a key must be a plain value, not a list or "
+                                                        "mapping", key_node.start_mark)
             key = self.construct_object(key_node, deep=deep)
-            if isinstance(key, (str, int, float, bool)) and key in seen:
+            if key in seen:
                 raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
             seen.add(key)
         return super().construct_mapping(node, deep=deep)

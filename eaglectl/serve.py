@@ -26,8 +26,9 @@ def serve(config_path, host, port, address):
         if overrides:            # validated as if the file had them (a copy with updates skips validation)
             cfg = ServeConfig.from_dict({**cfg.model_dump(exclude_unset=True), **overrides}, source="--host/--port")
         address = address or os.environ.get("RAY_ADDRESS")
-        if not address:              # the replicas run on this machine: their head must be here
+        if not address:              # the replicas (and the ingress) run on this machine: head and keys are here
             cfg.check_draft_here()
+            cfg.resolve_api_keys()   # a missing, empty or unreadable key source fails now, not in the ingress
     except ValueError as e:
         fail(str(e))
     from cluster.config_base import ConfigError

@@ -1,0 +1,79 @@
+"""Serve config files that were accepted, or crashed, before a config sweep: every one is now a
+ConfigError naming the file and field, caught before Ray starts."""
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from cluster.config import ServeConfig
+from cluster.config_base import ConfigError
+from cluster.config_yaml import read_yaml
+
+
+def _yaml(tmp_path, text: str, name: str = "serve.yaml"):
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("? [a]\n: 1\n", "a key must be a plain value, not a list or mapping"),     # was TypeError: unhashable
+    ("model: " + "[" * 3000 + "]" * 3000 + "\n", "nested too deeply"),          # was RecursionError
+    ("a: 1\na: 2\n", "duplicate key 'a'"),
+])
+def test_yaml_that_cannot_be_a_config_is_one_error_naming_the_file(tmp_path, text, needle):
+    p = _yaml(tmp_path, text)
+    with pytest.raises(ConfigError, match=needle) as e:
+        read_yaml(p)
+    assert str(p) in str(e.value)
+
+
+def test_merge_keys_read_as_safe_load_reads_them(tmp_path):
+    p = _yaml(tmp_path, "base: &b {max_tokens: 256, max_model_len: 1024}\nlimits: {<<: *b, max_model_len: 2048}\n")
+    assert read_yaml(p)["limits"] == {"max_tokens": 256, "max_model_len": 2048}
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("kubernetes: {}\nport: 9001\n", "port belongs under one of them"),          # served port 8000 before
+    ("serve: {port: 9000}\nkubernets: {name: typo}\n", "kubernets belongs under one of them"),
+])
+def test_a_deploy_file_with_other_top_level_keys_is_refused_by_serve(tmp_path, text, needle):
+    with pytest.raises(ConfigError, match=needle):
+        ServeConfig.from_yaml(_yaml(tmp_path, text))
+
+
+@pytest.mark.parametrize("fields, needle", [
+    ({"draft": "none", "speculation": {"lookup": False}}, "speculation needs a draft head .* or speculation.lookup"),
+    ({"draft": None, "speculation": {"lookup": False}}, "speculation needs a draft head"),
+    ({"enable_prefix_caching": 0}, "enable_prefix_caching: expected true or false, got 0"),
+    ({"enable_prefix_caching": "yes"}, "expected true or false, got 'yes'"),
+    ({"speculation": {"lookup": "false"}}, "speculation.lookup: expected true or false"),
+    ({"host": "http://x"}, "host: 'http://x' is not an IP address or a host name"),
+    ({"host": "my host"}, "is not an IP address or a host name"),
+])
+def test_settings_that_could_only_fail_later_are_refused_now(fields, needle):
+    with pytest.raises(ConfigError, match=needle):
+        ServeConfig.from_dict(fields)
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "localhost", "serve-0.eagle.svc.cluster.local"])
+def test_hosts_that_bind_are_accepted(host):
+    assert ServeConfig.from_dict({"host": host}).host == host
+
+
+@pytest.mark.parametrize("make, needle", [
+    (lambda d: d / "missing", "does not exist"),
+    (lambda d: d, "is a folder, not a file"),
+    (lambda d: (d / "bin").write_bytes(b"\xff\xfe\x00key") and d / "bin", "cannot be read as text"),
+    (lambda d: (d / "empty").write_text("# no keys\n") and d / "empty", "none were found"),
+])
+def test_serve_checks_the_api_keys_file_before_ray_starts(tmp_path, monkeypatch, make, needle):
+    import cluster.serve_app
+    from eaglectl.serve import serve
+
+    keys = make(tmp_path)
+    monkeypatch.setattr(cluster.serve_app, "run_serve", lambda *a, **k: pytest.fail("Ray would start"))
+    cfg = _yaml(tmp_path, f"draft: null\napi_keys_file: {keys}\n", "cfg.yaml")
+    res = CliRunner().invoke(serve, ["--config", str(cfg)], env={"RAY_ADDRESS": ""})
+    assert res.exit_code == 2 and f"api_keys_file: {keys}" in res.output or needle in res.output, res.output
+    assert needle in res.output and "Traceback" not in res.output, res.output
