@@ -4,26 +4,55 @@ refused before any manifest is written (deploy/kuberay.py turns them into manife
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, Field, StringConstraints, ValidationError, model_validator
+from pydantic import AfterValidator, Field, StringConstraints, ValidationError, field_validator, model_validator
 
 from cluster.config import DEPLOY_SECTIONS, ServeConfig
 from cluster.config_base import ConfigError, StrictModel, format_validation_error
 from cluster.config_sections import PlacementStrategy
 from cluster.config_yaml import read_yaml
-from jobs.job_config import same_place
+from jobs.job_config import OWN_REPLICA_FLAGS, SUBMIT_JOB_FLAGS, same_place
 
 RAY_VERSION = "2.60.0"          # must equal the Ray in the image (deploy/Dockerfile.* ARG RAY_VERSION)
 IMAGE_VERSION = "0.1.0"         # tag of the images the README builds
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"  # set by NVIDIA GPU feature discovery / the GPU operator
 OBJECT_STORE_SCHEMES = ("s3", "gs", "gcs")       # what `eaglectl submit-job` reads and writes (pyarrow.fs)
+HEAD_PORTS = {"gcs": 6379, "dashboard": 8265, "client": 10001, "metrics": 8080}  # the head pod's Ray ports
+DASHBOARD_AGENT_PORT = 52365    # Ray's dashboard agent on every node (the workers' health probe)
 
 Name = Annotated[str, StringConstraints(pattern=r"^[a-z]([-a-z0-9]*[a-z0-9])?$", max_length=40)]  # what we create
 Ref = Annotated[str, StringConstraints(pattern=r"^[a-z0-9]([-.a-z0-9]*[a-z0-9])?$", max_length=253)]  # what exists
-Quantity = Annotated[str, StringConstraints(pattern=r"^([0-9]+(\.[0-9]+)?|\.[0-9]+)(m|[KMGTPE]i?)?$")]
 # What Kubernetes itself would refuse at apply time, refused at render time instead:
+# a resource quantity (apimachinery's grammar: number, then a binary or decimal suffix or an exponent)
+_QUANTITY = re.compile(r"([+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))(?:([KMGTPE]i|[numkMGTPE])|[eE]([+-]?[0-9]+))?")
+_SCALE = {"": 1, "n": 1e-9, "u": 1e-6, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18,
+          **{f"{u}i": 2.0 ** (10 * (i + 1)) for i, u in enumerate("KMGTPE")}}
+
+
+def quantity_value(q: str) -> float:
+    """A Kubernetes resource quantity's value ('500m' -> 0.5, '2Gi' -> 2**31, '2e3' -> 2000)."""
+    m = _QUANTITY.fullmatch(q)
+    if m is None:
+        raise ValueError(f"{q!r} is not a Kubernetes quantity (e.g. 2, 500m, 1.5, 8Gi, 512Mi, 20G, 1k, 2e3; binary "
+                         "suffixes Ki Mi Gi Ti Pi Ei, decimal n u m k M G T P E)")
+    number, suffix, exponent = m.groups()
+    value = float(f"{number}e{exponent}") if exponent is not None else float(number) * _SCALE[suffix or ""]
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{q!r}: a resource quantity must be a finite amount, not negative")
+    return value
+
+
+def _quantity(q: str) -> str:
+    quantity_value(q)
+    return q
+
+
+Quantity = Annotated[str, AfterValidator(_quantity)]
+
+
 def _mount_path(path: str) -> str:
     if not path.startswith("/") or ".." in path.split("/") or any(c in path for c in ": \t\n"):
         raise ValueError(f"{path!r} must be an absolute path without '..', ':' or blanks (a container mountPath)")
@@ -34,13 +63,29 @@ MountPath = Annotated[str, AfterValidator(_mount_path)]
 LabelKey = Annotated[str, StringConstraints(
     pattern=r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")]
 LabelValue = Annotated[str, StringConstraints(pattern=r"^(([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9])?$")]
-EnvName = Annotated[str, StringConstraints(pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")]
+ENV_NAME = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
+EnvName = Annotated[str, StringConstraints(pattern=ENV_NAME)]
+# an image reference (distribution/reference): [host[:port]/]path[:tag][@digest], path components lowercase
+_HOST = r"(?:[a-zA-Z0-9](?:[-a-zA-Z0-9]*[a-zA-Z0-9])?(?:\.[a-zA-Z0-9](?:[-a-zA-Z0-9]*[a-zA-Z0-9])?)*(?::[0-9]+)?/)"
+_PATH = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*"
+_IMAGE = re.compile(rf"(?P<name>{_HOST}?{_PATH})(?::(?P<tag>[A-Za-z0-9_][A-Za-z0-9_.-]{{0,127}}))?"
+                    r"(?P<digest>@sha256:[0-9a-f]{64})?")
+
+
+def _image_pinned(image: str) -> str:
+    ref = _IMAGE.fullmatch(image)
+    if ref is None or len(ref["name"]) > 255:
+        raise ValueError(f"{image!r} is not an image reference: [host[:port]/]path[:tag][@sha256:digest], the path "
+                         "lowercase, a tag of letters, digits, '_', '.', '-' (the kubelet would refuse it)")
+    if ref["digest"] is None and ref["tag"] in (None, "latest"):
+        raise ValueError("pin a tag or digest (not ':latest'): pods must run the Ray of ray_version")
+    return image
 
 
 class SecretRef(StrictModel):
     """One key of a Kubernetes Secret, exposed to the pods as an environment variable."""
     name: Ref
-    key: str
+    key: Annotated[str, StringConstraints(pattern=r"^[-._a-zA-Z0-9]+$", max_length=253)]  # a Secret's key
 
 
 class PodResources(StrictModel):
@@ -57,7 +102,7 @@ class HeadPodConfig(StrictModel):
 class WorkerPodConfig(StrictModel):
     """Worker pods. Serving replicas live only here (the head advertises 0 CPUs)."""
     gpus_per_node: int = Field(0, ge=0, le=16)
-    gpu_product: str | None = Field(None, description=f"node label {GPU_PRODUCT_LABEL}, e.g. NVIDIA-L4")
+    gpu_product: LabelValue | None = Field(None, description=f"node label {GPU_PRODUCT_LABEL}, e.g. NVIDIA-L4")
     resources: PodResources | None = None   # None: sized from the serve config
     min_nodes: int | None = Field(None, ge=0)  # None: from the serve replica bounds
     max_nodes: int | None = Field(None, ge=1)
@@ -82,6 +127,13 @@ class DataVolume(StrictModel):
 _SECRET_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "GOOGLE_APPLICATION_CREDENTIALS")
 
 
+def no_plain_secrets(env: dict[str, str], field: str) -> None:
+    leaked = sorted(k for k in env if k in _SECRET_ENV)
+    if leaked:
+        raise ValueError(f"{field}: {', '.join(leaked)} would be written into the manifests in plain text: put "
+                         "credentials in the Secret named by object_store.credentials_secret (or gcp_key_secret)")
+
+
 class ObjectStoreConfig(StrictModel):
     """Credentials and settings for s3:// and gs:// input/output, in the job cluster's Ray pods (the
     driver and the replicas), as pyarrow.fs reads them from the environment."""
@@ -91,11 +143,7 @@ class ObjectStoreConfig(StrictModel):
 
     @model_validator(mode="after")
     def _no_plain_secrets(self) -> "ObjectStoreConfig":
-        leaked = sorted(k for k in self.env if k in _SECRET_ENV)
-        if leaked:
-            raise ValueError(f"object_store.env: {', '.join(leaked)} would be written into the RayJob in plain "
-                             "text: put credentials in the Secret named by credentials_secret (or gcp_key_secret)")
-        return self
+        return no_plain_secrets(self.env, "object_store.env") or self
 
 
 def object_store_scheme(location: str) -> str | None:
@@ -120,7 +168,7 @@ class KubeConfig(StrictModel):
     """Deployment-only settings: the `kubernetes:` section of the config file."""
     name: Name = "eagle"
     namespace: Name | None = None
-    image: Annotated[str, StringConstraints(pattern=r"^\S+$")] | None = None   # None: eagle-serve:<version>-cpu|cuda
+    image: Annotated[str, AfterValidator(_image_pinned)] | None = None   # None: eagle-serve:<version>-cpu|cuda
     image_pull_policy: Literal["IfNotPresent", "Always", "Never"] = "IfNotPresent"
     image_pull_secrets: list[Ref] = Field(default_factory=list)
     ray_version: Annotated[str, StringConstraints(pattern=r"^\d+\.\d+\.\d+$")] = RAY_VERSION
@@ -138,11 +186,10 @@ class KubeConfig(StrictModel):
     ray_auth_secret: Ref | None = None
     job_data: JobData | None = None          # storage for jobs through the serving app (JobData)
 
-    @model_validator(mode="after")
-    def _image_pinned(self) -> "KubeConfig":
-        if self.image is not None and (self.image.endswith(":latest") or ":" not in self.image.rsplit("/", 1)[-1]):
-            raise ValueError("image: pin a tag or digest (not ':latest'): pods must run the Ray of ray_version")
-        return self
+    @field_validator("env")
+    @classmethod
+    def _no_plain_secrets(cls, env: dict[str, str]) -> dict[str, str]:
+        return no_plain_secrets(env, "env") or env
 
 
 class DeployConfig(StrictModel):
@@ -165,6 +212,19 @@ class DeployConfig(StrictModel):
         if s.api_keys:
             raise ValueError("serve.api_keys would be written into the RayService in plain text: "
                              "use serve.api_keys_env with kubernetes.api_keys_secret")
+        if s.api_keys_file:
+            raise ValueError(f"serve.api_keys_file: nothing mounts {s.api_keys_file} in the pods: use "
+                             "serve.api_keys_env with kubernetes.api_keys_secret (a Secret's key in that variable)")
+        if s.api_keys_env is not None and not re.fullmatch(ENV_NAME, s.api_keys_env):
+            raise ValueError(f"serve.api_keys_env ({s.api_keys_env!r}) is not an environment variable name "
+                             "(letters, digits, '_', '.', '-', not starting with a digit)")
+        if s.ingress.direct:
+            raise ValueError("serve.ingress.direct: Serve's controller must start with "
+                             "RAY_SERVE_ENABLE_DIRECT_INGRESS=1, which no rendered cluster sets (only `eaglectl serve` "
+                             "starting Ray does): drop it on Kubernetes")
+        ray = {p: f"the head pod's {n}" for n, p in HEAD_PORTS.items()} | {DASHBOARD_AGENT_PORT: "every node's dashboard agent"}
+        if s.port in ray:
+            raise ValueError(f"serve.port ({s.port}) is {ray[s.port]} port: pick another HTTP port")
         if (self.kubernetes.api_keys_secret is None) != (s.api_keys_env is None):
             raise ValueError("kubernetes.api_keys_secret and serve.api_keys_env go together")
         if s.device == "cuda" and s.autoscaling and s.autoscaling.min_replicas == 0:
@@ -174,13 +234,13 @@ class DeployConfig(StrictModel):
         if lo > hi:
             raise ValueError(f"kubernetes.workers: min_nodes ({lo}) > max_nodes ({hi})")
         need = self.replicas_per_node * s.tp_size * s.resources_per_rank.cpu + s.ingress.num_cpus
-        if cpu_cores(self.worker_resources.cpu) < need:
+        if quantity_value(self.worker_resources.cpu) < need:
             raise ValueError(f"kubernetes.workers.resources.cpu ({self.worker_resources.cpu}) is below the "
                              f"{need:g} CPUs one node's replicas and the ingress reserve: they would never schedule")
         threads = getattr(s.resources_per_rank, "threads", None)
         if s.device != "cuda" and threads is not None:
             busy = self.replicas_per_node * s.tp_size * threads
-            if busy > cpu_cores(self.worker_resources.cpu):
+            if busy > quantity_value(self.worker_resources.cpu):
                 raise ValueError(f"serve.resources_per_rank.threads ({threads}) x {self.replicas_per_node * s.tp_size} "
                                  f"ranks a worker pod = {busy} torch threads, more than its "
                                  f"{self.worker_resources.cpu} CPUs: the pod's CPU limit would throttle them")
@@ -228,6 +288,27 @@ class DeployConfig(StrictModel):
 
 # what a job through the serving app takes from the app, never from job.yaml
 _APP_OWNED = ("model", "draft", "tp_size", "replicas", "data_volume", "object_store")
+# submit-job flags never taken from extra_args (click would take the last one, past the render-time checks):
+# those the renderer sets in any job (job.yaml's fields; where and how to submit) ...
+RENDERER_FLAGS = ("--output", "-o", "--max-tokens", "--temperature", "--top-p", "--seed", "--address", "--wait", "--no-wait",
+                  "--serve-app")
+# ... those a job with replicas of its own takes from the serve section (deploy/kuberay.py job_entrypoint) ...
+OWN_JOB_FLAGS = ("--model", "--draft", "--dtype", "--device", "--max-model-len", "--max-num-seqs", "--replicas", "--tp-size")
+# ... and those a job through the serving app takes from the app (`submit-job --serve-app` refuses them)
+APP_OWNED_FLAGS = (*(f for flags in OWN_REPLICA_FLAGS.values() for f in flags.split("/") if f.startswith("--")), "--job-id")
+
+
+def _flag_names(args: list[str]) -> list[str]:
+    """The options in a submit-job argument list (their values skipped)."""
+    names, i = [], 0
+    while i < len(args) and args[i] != "--":
+        a = args[i]
+        i += 1
+        if a.startswith("-") and a != "-":
+            name, eq, _ = a.partition("=") if a.startswith("--") else (a[:2], "", "")
+            names.append(name)
+            i += bool(SUBMIT_JOB_FLAGS.get(name) and not eq and a == name)
+    return names
 
 
 def reachable(input: str, output: str, data: "RayJobConfig | JobData | None", volume_key: str, store_key: str) -> None:
@@ -284,6 +365,12 @@ class RayJobConfig(StrictModel):
 
     @model_validator(mode="after")
     def _reachable(self) -> "RayJobConfig":
+        owned = (*RENDERER_FLAGS, *(APP_OWNED_FLAGS if self.serve_app else OWN_JOB_FLAGS))
+        taken = sorted(set(_flag_names(self.extra_args)) & set(owned))
+        if taken:
+            raise ValueError(f"extra_args: {', '.join(taken)}: the renderer sets these (from job.yaml's fields, the "
+                             f"{'serving app' if self.serve_app else 'serve section'}, where to submit): drop them "
+                             "from extra_args")
         if same_place(self.output, self.input):      # submit-job would refuse it on the cluster
             raise ValueError(f"output {self.output} is the input itself; the output is a folder of its own")
         if not self.serve_app:
@@ -310,7 +397,3 @@ def _validate(cls, data: dict, source: str):
         return cls.model_validate(data)
     except ValidationError as e:
         raise ConfigError(format_validation_error(e, source, what="config")) from None
-
-
-def cpu_cores(q: str) -> float:
-    return float(q[:-1]) / 1000 if q.endswith("m") else float(q)

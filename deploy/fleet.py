@@ -23,13 +23,9 @@ from typing import Any
 from cluster.config_base import ConfigError
 from deploy.deploy_config import DeployConfig, PodResources, RayJobConfig, reachable
 from deploy.kuberay import _labels, _meta, _pod, _probe, _resources, _submitter_pod, auth_options
-from jobs.job_config import OWN_REPLICA_FLAGS, submit_job_args_error
+from jobs.job_config import submit_job_args_error
 
 DASHBOARD_PORT = 8265
-# flags the app decides (the job's own-replica flags, which `submit-job --serve-app` refuses) or this
-# renderer sets (where and how to submit)
-APP_OWNED_FLAGS = (*(flag for flags in OWN_REPLICA_FLAGS.values() for flag in flags.split("/") if flag.startswith("--")),
-                   "--serve-app", "--address", "--job-id", "--wait", "--no-wait")
 CLIENT_HEAD = PodResources(cpu="1", memory="2Gi")   # the job's own head: only the eaglectl client runs there
 
 
@@ -54,10 +50,6 @@ def _check(cfg: DeployConfig, job: RayJobConfig) -> None:
         raise ConfigError("job (serve_app: true) submits to the RayService's dashboard from a cluster of its own: set "
                           "kubernetes.ray_auth_secret in the serve config (a Secret with key auth_token) so both "
                           "clusters share Ray's token")
-    taken = sorted({a.partition("=")[0] for a in job.extra_args} & set(APP_OWNED_FLAGS))
-    if taken:
-        raise ConfigError(f"job extra_args {', '.join(taken)}: a job through the serving app takes these from the "
-                          "app and the renderer (model, engine sizes, where to submit); drop them")
 
 
 def fleet_entrypoint(cfg: DeployConfig, job: RayJobConfig) -> str:

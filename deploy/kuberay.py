@@ -20,7 +20,15 @@ import yaml
 
 from cluster.config_base import ConfigError
 from cluster.cpu_threads import SERVE_STREAMING_ENV
-from deploy.deploy_config import GPU_PRODUCT_LABEL, DeployConfig, JobData, PodResources, RayJobConfig
+from deploy.deploy_config import (
+    DASHBOARD_AGENT_PORT,
+    GPU_PRODUCT_LABEL,
+    HEAD_PORTS,
+    DeployConfig,
+    JobData,
+    PodResources,
+    RayJobConfig,
+)
 from jobs.job_config import submit_job_args_error
 
 IMPORT_PATH = "cluster.serve_app:app_builder"
@@ -61,24 +69,50 @@ def _probe(port: int, path: str, delay: int, failures: int) -> dict[str, Any]:
             "timeoutSeconds": 2, "failureThreshold": failures}
 
 
+def _data_key(data: DataAccess | None) -> str:
+    """Where `data` is set, for messages: job.yaml's fields or the serve config's kubernetes.job_data."""
+    return "job" if isinstance(data, RayJobConfig) else "kubernetes.job_data"
+
+
+class _Unique(dict):
+    """Name -> what sets it; a second setting of a name is refused, naming both (the API server refuses
+    a pod with duplicate env names or mount paths, and one of two values would be lost)."""
+
+    def __init__(self, what: str, verb: str):
+        super().__init__()
+        self.what, self.verb = what, verb
+
+    def add(self, name: str, source: str) -> None:
+        if name in self:
+            raise ConfigError(f"{source}: {self.what} {name} is also {self.verb} by {self[name]}: each must be used once")
+        self[name] = source
+
+
 def _env(cfg: DeployConfig, data: DataAccess | None, api_keys: bool) -> list[dict[str, Any]]:
-    k = cfg.kubernetes
-    env = [{"name": "HF_HOME", "value": f"{HOME}/.cache/huggingface"},
-           {"name": "EAGLE_CACHE_DIR", "value": f"{HOME}/.cache/eagle-serve/models"}]
+    k, where = cfg.kubernetes, _data_key(data)
+    fixed = [("HF_HOME", "the renderer (the cache volume)", {"value": f"{HOME}/.cache/huggingface"}),
+             ("EAGLE_CACHE_DIR", "the renderer (the cache volume)", {"value": f"{HOME}/.cache/eagle-serve/models"})]
     if k.storage.download:
-        env.append({"name": "EAGLE_ALLOW_DOWNLOAD", "value": "1"})
+        fixed.append(("EAGLE_ALLOW_DOWNLOAD", "kubernetes.storage.download", {"value": "1"}))
     if k.storage.hf_token_secret:
-        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": k.storage.hf_token_secret.model_dump()}})
+        fixed.append(("HF_TOKEN", "kubernetes.storage.hf_token_secret",
+                      {"valueFrom": {"secretKeyRef": k.storage.hf_token_secret.model_dump()}}))
     if k.api_keys_secret and api_keys:
-        env.append({"name": cfg.serve.api_keys_env, "valueFrom": {"secretKeyRef": k.api_keys_secret.model_dump()}})
-    plain = {**SERVE_STREAMING_ENV, **k.env}   # the Serve proxy too takes the streaming fast path
+        fixed.append((cfg.serve.api_keys_env, "serve.api_keys_env",
+                      {"valueFrom": {"secretKeyRef": k.api_keys_secret.model_dump()}}))
+    plain = [(n, "kubernetes.env", v) for n, v in k.env.items()]
     store = data.object_store if data is not None else None
     if store is not None:
-        plain.update(store.env)
+        plain += [(n, f"{where}.object_store.env", v) for n, v in store.env.items()]
         if store.gcp_key_secret:
-            plain["GOOGLE_APPLICATION_CREDENTIALS"] = f"{GCP_KEY_DIR}/key.json"
-    env += [{"name": n, "value": v} for n, v in sorted(plain.items())]
-    return env
+            plain.append(("GOOGLE_APPLICATION_CREDENTIALS", f"{where}.object_store.gcp_key_secret",
+                          f"{GCP_KEY_DIR}/key.json"))
+    names = _Unique("the environment variable", "set")
+    for name, source, _ in fixed + plain:
+        names.add(name, source)
+    # the Serve proxy too takes the streaming fast path, unless a setting above says otherwise
+    values = {**SERVE_STREAMING_ENV, **{n: v for n, _, v in plain}}
+    return [{"name": n, **how} for n, _, how in fixed] + [{"name": n, "value": v} for n, v in sorted(values.items())]
 
 
 def _env_from(data: DataAccess | None) -> list[dict[str, Any]]:
@@ -89,20 +123,27 @@ def _env_from(data: DataAccess | None) -> list[dict[str, Any]]:
 
 
 def _volumes(cfg: DeployConfig, data: DataAccess | None, models: bool = True) -> tuple[list[dict], list[dict]]:
-    st = cfg.kubernetes.storage
+    st, where = cfg.kubernetes.storage, _data_key(data)
     vols = [{"name": "dshm", "emptyDir": {"medium": "Memory"}},  # Ray's object store lives in /dev/shm
             {"name": "cache", "emptyDir": {"sizeLimit": st.cache_size}}]
     mounts = [{"name": "dshm", "mountPath": "/dev/shm"}, {"name": "cache", "mountPath": f"{HOME}/.cache"}]
+    sources = ["the renderer (Ray's object store)", "the renderer (the cache volume, kubernetes.storage.cache_size)"]
     if st.models_claim and models:
         vols.append({"name": "models", "persistentVolumeClaim": {"claimName": st.models_claim, "readOnly": True}})
         mounts.append({"name": "models", "mountPath": st.models_path, "readOnly": True})
+        sources.append("kubernetes.storage.models_path")
     if data is not None and data.data_volume is not None:
         vols.append({"name": "data", "persistentVolumeClaim": {"claimName": data.data_volume.claim}})
         mounts.append({"name": "data", "mountPath": data.data_volume.path})
+        sources.append(f"{where}.data_volume.path")
     gcp = data.object_store.gcp_key_secret if data is not None and data.object_store else None
     if gcp is not None:
         vols.append({"name": "gcp-key", "secret": {"secretName": gcp.name, "items": [{"key": gcp.key, "path": "key.json"}]}})
         mounts.append({"name": "gcp-key", "mountPath": GCP_KEY_DIR, "readOnly": True})
+        sources.append(f"{where}.object_store.gcp_key_secret")
+    paths = _Unique("the mount path", "used")
+    for mount, source in zip(mounts, sources):   # '/data/' and '/data' are one place in the container
+        paths.add("/" + "/".join(p for p in mount["mountPath"].split("/") if p not in ("", ".")), source)
     return vols, mounts
 
 
@@ -132,16 +173,15 @@ def _cluster_spec(cfg: DeployConfig, component: str, job: RayJobConfig | None = 
                   serving: bool = False) -> dict[str, Any]:
     """A RayCluster spec: CPU-less head (GCS, Serve controller, dashboard) + one worker group."""
     k, s = cfg.kubernetes, cfg.serve
-    head_ports = [{"containerPort": 6379, "name": "gcs"}, {"containerPort": 8265, "name": "dashboard"},
-                  {"containerPort": 10001, "name": "client"}, {"containerPort": 8080, "name": "metrics"},
-                  {"containerPort": s.port, "name": "serve"}]
+    dashboard, agent = HEAD_PORTS["dashboard"], DASHBOARD_AGENT_PORT   # serve.port is neither (DeployConfig)
+    head_ports = [*({"containerPort": p, "name": n} for n, p in HEAD_PORTS.items()), {"containerPort": s.port, "name": "serve"}]
     head = {"name": "ray-head", "ports": head_ports, "resources": _resources(k.head.resources),
-            "readinessProbe": _probe(8265, "/api/gcs_healthz", 10, 10),
-            "livenessProbe": _probe(8265, "/api/gcs_healthz", 30, 120)}
-    worker_ready = _probe(s.port, "/-/healthz", 10, 10) if serving else _probe(52365, "/api/local_raylet_healthz", 10, 10)
+            "readinessProbe": _probe(dashboard, "/api/gcs_healthz", 10, 10),
+            "livenessProbe": _probe(dashboard, "/api/gcs_healthz", 30, 120)}
+    worker_ready = _probe(s.port, "/-/healthz", 10, 10) if serving else _probe(agent, "/api/local_raylet_healthz", 10, 10)
     worker = {"name": "ray-worker", "resources": _resources(cfg.worker_resources, k.workers.gpus_per_node),
               "readinessProbe": worker_ready,
-              "livenessProbe": _probe(52365, "/api/local_raylet_healthz", 30, 120)}
+              "livenessProbe": _probe(agent, "/api/local_raylet_healthz", 30, 120)}
     lo, hi = cfg.node_bounds if job is None else (_job_nodes(cfg, job),) * 2
     # a batch cluster's pods read and write the job's data; the serving and interactive clusters get
     # kubernetes.job_data, for jobs run through the serving app (their driver runs on that head)
@@ -150,7 +190,8 @@ def _cluster_spec(cfg: DeployConfig, component: str, job: RayJobConfig | None = 
     worker_labels = {**_labels(cfg, component), "eagle-serve/role": "worker"}
     spec: dict[str, Any] = {
         "rayVersion": k.ray_version,
-        "headGroupSpec": {"rayStartParams": {"num-cpus": "0", "dashboard-host": "0.0.0.0", "metrics-export-port": "8080"},
+        "headGroupSpec": {"rayStartParams": {"num-cpus": "0", "dashboard-host": "0.0.0.0",
+                                             "metrics-export-port": str(HEAD_PORTS["metrics"])},
                           "template": _pod(cfg, head, head_labels, data, worker=False, api_keys=job is None)},
         "workerGroupSpecs": [{"groupName": "gpu-workers" if s.device == "cuda" else "cpu-workers", "replicas": lo,
                               "minReplicas": lo, "maxReplicas": hi, "numOfHosts": 1, "rayStartParams": {},

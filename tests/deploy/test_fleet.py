@@ -18,8 +18,8 @@ import pytest
 import yaml
 
 from cluster.config_base import ConfigError
-from deploy.deploy_config import DeployConfig, RayJobConfig
-from deploy.fleet import APP_OWNED_FLAGS, dashboard_address
+from deploy.deploy_config import APP_OWNED_FLAGS, DeployConfig, RayJobConfig
+from deploy.fleet import dashboard_address
 from deploy.kuberay import render
 from tests.deploy.examples import fresh, inputs
 
@@ -195,7 +195,7 @@ def test_a_job_through_the_app_refuses_its_own_engine_and_storage(field, value):
                                   ["--tp-size=2"], ["--serve-app", "other"], ["--no-wait"],
                                   ["--speculation", '{"adaptive": false}']])
 def test_extra_args_cannot_override_what_the_app_or_renderer_sets(args):
-    with pytest.raises(ConfigError, match=args[0].partition("=")[0]):
+    with pytest.raises(ValueError, match=args[0].partition("=")[0]):   # job.yaml's validation (extra_args)
         render(_cfg(), _job(extra_args=args))
 
 
