@@ -8,7 +8,6 @@ as `bench job` and the job config use them), applied without loading any weights
 """
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -34,14 +33,9 @@ def check_model(model: str) -> None:
             return
         raise ValueError(f"model {model!r} is a file but no .gguf; give a model folder (config.json + weights), "
                          "a .gguf file or a built-in name")
-    try:
-        raw = json.loads((p / "config.json").read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ValueError(f"model {model!r} has no config.json: not a model folder") from None
-    except (OSError, ValueError, RecursionError) as e:
-        raise ValueError(f"model {model!r}: its config.json is not readable JSON ({type(e).__name__})") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"model {model!r}: its config.json is not a JSON object")
+    from eagle_worker.training.preflight import config_object
+
+    config_object(p, f"model {model!r}", "model")
 
 
 def check_draft(draft: str | None, model: str) -> str | None:

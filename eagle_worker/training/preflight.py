@@ -36,6 +36,20 @@ def check_folder(opt: str, folder: str | Path) -> None:
                 pass
 
 
+def config_object(folder: Path, what: str, kind: str) -> dict:
+    """A model or head folder's config.json as a dict, or ValueError starting with `what` (no file,
+    not JSON, not an object): the one check before anything loads the folder."""
+    try:
+        raw = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError(f"{what}: no config.json; not a {kind} folder") from None
+    except (OSError, ValueError, RecursionError) as e:
+        raise ValueError(f"{what}: config.json is not readable JSON ({type(e).__name__})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{what}: config.json is not a JSON object")
+    return raw
+
+
 def check_init_head(path: str | Path) -> None:
     """A head folder: config.json of a one-layer draft model, and its weights. Whether it fits the
     target is checked when it loads (that needs the target)."""
@@ -44,14 +58,7 @@ def check_init_head(path: str | Path) -> None:
         raise ValueError(f"--init-head {path}: no such folder")
     if not p.is_dir():
         raise ValueError(f"--init-head {path}: a file, not a head folder (config.json + model.safetensors)")
-    try:
-        raw = json.loads((p / "config.json").read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ValueError(f"--init-head {path}: no config.json; not a head folder") from None
-    except (OSError, ValueError, RecursionError) as e:
-        raise ValueError(f"--init-head {path}: config.json is not readable JSON ({type(e).__name__})") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"--init-head {path}: config.json is not a JSON object")
+    raw = config_object(p, f"--init-head {path}", "head")
     layers = raw.get("num_hidden_layers") or 1      # what the loader refuses too (refuse_multilayer)
     if isinstance(layers, (int, float)) and layers > 1:
         raise ValueError(f"--init-head {path}: num_hidden_layers={layers}: a full model, not a draft head "
