@@ -1,6 +1,8 @@
 """`eaglectl bench decode|spec|job|serve|mixed|prefix`: the benchmarks in bench/, results as a table and JSON."""
 from __future__ import annotations
 
+import contextlib
+
 import click
 
 from bench.methods import BATCH_METHODS, HEAD_METHODS, SPEC_METHODS, check_methods  # light: no torch
@@ -157,6 +159,13 @@ def bench_spec(model, prompts_file, per_category, max_tokens, dtype, draft, meth
                                  param_hint="--head-dtype")
     prompts_file = prompts_file or SPEC_BENCH
     if tp_size == "2":
+        ctx = click.get_current_context()
+        unused = [f"--{n.replace('_', '-')}" for n in ("methods", "draft", "temperature", "num_draft_tokens", "depth",
+                                                       "top_k", "warmup")
+                  if ctx.get_parameter_source(n) != click.core.ParameterSource.DEFAULT]
+        if unused:                   # not silently ignored
+            raise click.BadParameter(f"{', '.join(unused)} do{'es' if len(unused) == 1 else ''} not apply to the TP "
+                                     "run (vanilla, head and hybrid, greedy, the built-in head)", param_hint="--tp-size")
         if threads not in (None, 1):
             raise click.BadParameter("TP 2 runs 1 torch thread per rank (and TP 1 at 1 and 2 threads)",
                                      param_hint="--threads")
@@ -216,13 +225,22 @@ def bench_job(model, rows, max_tokens, draft, replicas, json_out):
     _preflight(json_out, model=model, draft=draft)
     from bench.job import run
     from jobs.job_config import JobConfigError
+
+    try:
+        with _job_failures():
+            run(model=model, rows=rows, max_tokens=max_tokens, json_out=json_out, draft=draft, replicas=replicas)
+    except JobConfigError as e:
+        raise click.UsageError(str(e)) from None
+
+
+@contextlib.contextmanager
+def _job_failures():
+    """A benchmark's job that fails (a replica that cannot start, ...) is its one-line reason, exit 1."""
     from jobs.replica_pool import JobFailed
 
     try:
-        run(model=model, rows=rows, max_tokens=max_tokens, json_out=json_out, draft=draft, replicas=replicas)
-    except JobConfigError as e:
-        raise click.UsageError(str(e)) from None
-    except JobFailed as e:          # the job's own one-line reason (a replica that cannot start, ...)
+        yield
+    except JobFailed as e:
         raise click.ClickException(f"the benchmark job failed: {e}") from None
 
 
@@ -290,9 +308,10 @@ def bench_mixed(model, rows, online_requests, concurrency, max_tokens, draft, dt
     _preflight(json_out, model=model, draft=draft)
     from bench.mixed import run
 
-    run(model=model, rows=rows, online_requests=online_requests, concurrency=concurrency, max_tokens=max_tokens,
-        draft=None if draft == "none" else draft, dtype=dtype, max_num_seqs=max_num_seqs, threads=threads,
-        json_out=json_out, colocate=False if separate_ingress else None, offline_slowdown=slowdown)
+    with _job_failures():
+        run(model=model, rows=rows, online_requests=online_requests, concurrency=concurrency, max_tokens=max_tokens,
+            draft=None if draft == "none" else draft, dtype=dtype, max_num_seqs=max_num_seqs, threads=threads,
+            json_out=json_out, colocate=False if separate_ingress else None, offline_slowdown=slowdown)
 
 
 def _slowdown(text: str, option: str) -> float:
@@ -341,5 +360,6 @@ def bench_prefix(model, dtype, draft, scenarios, rounds, requests, system_tokens
     sizes = Sizes(requests=requests, system_tokens=system_tokens, question_tokens=question_tokens,
                   conversations=conversations, turns=turns, history_tokens=history_tokens, rows=rows,
                   preamble_tokens=preamble_tokens, max_tokens=max_tokens)
-    run(model=model, dtype=dtype, draft=draft, scenarios=scenarios, rounds=rounds, sizes=sizes, json_out=json_out,
-        c_runner=c_runner)
+    with _job_failures():
+        run(model=model, dtype=dtype, draft=draft, scenarios=scenarios, rounds=rounds, sizes=sizes, json_out=json_out,
+            c_runner=c_runner)

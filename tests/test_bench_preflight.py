@@ -157,18 +157,29 @@ def test_a_model_without_a_head_is_refused_only_where_a_method_needs_one(tmp_pat
     assert res.exit_code == 0, res.output
 
 
-def test_bench_job_failure_is_one_line_not_a_traceback(monkeypatch, tmp_path):
-    """A replica that cannot start ended `bench job` in a `jobs.replica_pool.JobFailed` traceback."""
-    import bench.job
+@pytest.mark.parametrize("command, args", [("job", ["--rows", "1", "--max-tokens", "1"]), ("mixed", ["--rows", "1"]),
+                                           ("prefix", ["--scenarios", "c"])])
+def test_a_benchmark_jobs_failure_is_one_line_not_a_traceback(monkeypatch, tmp_path, command, args):
+    """A replica that cannot start ended `bench job` (and `mixed`, `prefix`'s scenario c, which run
+    jobs too) in a `jobs.replica_pool.JobFailed` traceback."""
+    import importlib
+
     from jobs.replica_pool import JobFailed
 
     def failing(**kwargs):
         raise JobFailed("replica 0 cannot start: something it cannot fix")
 
-    monkeypatch.setattr(bench.job, "run", failing)
-    res = CliRunner().invoke(bench_cli, ["job", "--rows", "1", "--max-tokens", "1", "--json", str(tmp_path / "j.json")])
+    monkeypatch.setattr(importlib.import_module(f"bench.{command}"), "run", failing)
+    res = CliRunner().invoke(bench_cli, [command, *args, "--json", str(tmp_path / "j.json")])
     assert res.exit_code == 1 and isinstance(res.exception, SystemExit), res.output
     assert "replica 0 cannot start" in res.output and "Traceback" not in res.output
+
+
+@pytest.mark.parametrize("args, named", [(["--methods", "vanilla"], "--methods"), (["--temperature", "1"], "--temperature"),
+                                         (["--depth", "3", "--warmup", "2"], "--depth, --warmup")])
+def test_the_tp_run_refuses_options_it_would_ignore(args, named):
+    res = CliRunner().invoke(bench_cli, ["spec", "--tp-size", "2", *args])
+    assert res.exit_code == 2 and f"{named} do" in res.output and "not apply to the TP run" in res.output, res.output
 
 
 # ---- --json: checked before the run, written atomically -----------------------------------------------
