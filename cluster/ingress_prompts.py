@@ -30,7 +30,7 @@ class IngressPrompts:
 
     @property
     def bos_token(self) -> str | None:
-        return getattr(self.prompts.tokenizer, "bos_token", None)
+        return getattr(self.prompts, "bos_token", None)
 
     def _check_length(self, chars: int, max_model_len: int | None, param: str) -> None:
         context = max_model_len or CONTEXT_BOUND

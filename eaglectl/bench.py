@@ -8,7 +8,7 @@ import click
 from bench.methods import BATCH_METHODS, HEAD_METHODS, SPEC_METHODS, check_methods  # light: no torch
 from bench.prefix import SCENARIOS
 from eagle_worker.speculative.config import HEAD_DTYPES, SpecConfig  # light: no torch
-from eaglectl.common import POSITIVE, FiniteFloat
+from eaglectl.common import POSITIVE, FiniteFloat, given_flags
 
 DTYPES = ("float32", "bfloat16")
 # Beyond this many sequences at once a batch size or concurrency is a typo, not a benchmark: it would
@@ -159,10 +159,8 @@ def bench_spec(model, prompts_file, per_category, max_tokens, dtype, draft, meth
                                  param_hint="--head-dtype")
     prompts_file = prompts_file or SPEC_BENCH
     if tp_size == "2":
-        ctx = click.get_current_context()
-        unused = [f"--{n.replace('_', '-')}" for n in ("methods", "draft", "temperature", "num_draft_tokens", "depth",
-                                                       "top_k", "warmup")
-                  if ctx.get_parameter_source(n) != click.core.ParameterSource.DEFAULT]
+        unused = given_flags(click.get_current_context(), "methods", "draft", "temperature", "num_draft_tokens",
+                             "depth", "top_k", "warmup")
         if unused:                   # not silently ignored
             raise click.BadParameter(f"{', '.join(unused)} do{'es' if len(unused) == 1 else ''} not apply to the TP "
                                      "run (vanilla, head and hybrid, greedy, the built-in head)", param_hint="--tp-size")

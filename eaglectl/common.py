@@ -10,6 +10,12 @@ import click
 EXIT_USAGE = 2
 
 
+def given_flags(ctx: click.Context, *names: str) -> list[str]:
+    """The `--flags` among parameters `names` that the user gave (not left at their defaults): the
+    ones a command refuses where they would be ignored."""
+    return [f"--{n.replace('_', '-')}" for n in names if ctx.get_parameter_source(n) != click.core.ParameterSource.DEFAULT]
+
+
 def fail(msg: str, code: int = EXIT_USAGE):
     """Print `error: msg` to stderr and exit with `code` (2: bad input or settings)."""
     click.echo(f"error: {msg}", err=True)

@@ -6,7 +6,7 @@ import json
 
 import click
 
-from eaglectl.common import fail
+from eaglectl.common import fail, given_flags
 
 
 @click.command("generate")
@@ -35,8 +35,7 @@ def generate(ctx, model, prompt, max_tokens, temperature, top_p, top_k, seed, dt
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         spec = default_spec(draft, model)
-        given = [f"--{n.replace('_', '-')}" for n in ("tree", "num_draft_tokens")
-                 if ctx.get_parameter_source(n) != click.core.ParameterSource.DEFAULT]
+        given = given_flags(ctx, "tree", "num_draft_tokens")
         if spec is None and given:     # not silently ignored
             fail(f"{' and '.join(given)} size a draft tree; with --draft none nothing is drafted")
         if spec is not None:

@@ -17,6 +17,7 @@ keep dying is written as an error row after `max_row_retries` re-runs.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
@@ -60,6 +61,7 @@ class JobReplica(EngineReplica):
 
     def __init__(self, config: dict):
         self.config_error: str | None = None
+        self._prompt_tokenizer = None          # token texts and bytes, made on the first row with logprobs
         try:
             super().__init__(config)
         except ReplicaConfigError as e:
@@ -85,13 +87,14 @@ class JobReplica(EngineReplica):
             last = out
         res = row_result(last)
         if params.get("logprobs") is not None:
-            res["logprobs"] = openai_logprobs(list(last.logprobs or []), list(last.token_ids), self._prompts(),
+            prompts = await asyncio.to_thread(self._prompts)     # the first one loads it: off the event loop
+            res["logprobs"] = openai_logprobs(list(last.logprobs or []), list(last.token_ids), prompts,
                                               chat=messages is not None)
         return res
 
     def _prompts(self):
         """The model's prompt tokenizer (token texts and bytes), made on the first row with logprobs."""
-        if getattr(self, "_prompt_tokenizer", None) is None:
+        if self._prompt_tokenizer is None:
             from eagle_worker.engine_api import load_engine_module
 
             backend = load_engine_module(self.config.engine)
