@@ -1,7 +1,7 @@
 """What `eaglectl bench` checks of `--model` and `--draft` before anything loads.
 
-Loading engines takes seconds to minutes; a model folder without a readable config.json, or a
-draft that is no head folder, should fail in the first second with the option named, not as a
+Loading engines takes seconds to minutes; a model folder without a readable config.json, weights
+or tokenizer, or a draft that is no head folder, should fail in the first second with the option named, not as a
 traceback from the engine (or a Serve deploy, or a job replica) once the others have loaded. The
 rules are the engine's own (eagle_worker.model_runner.resolve_model, choose_draft/resolve_draft,
 as `bench job` and the job config use them), applied without loading any weights.
@@ -14,8 +14,9 @@ from pathlib import Path
 
 def check_model(model: str) -> None:
     """ValueError unless the engine can find `model`: a built-in name (nothing is built or loaded
-    here), a folder with a config.json holding a JSON object, a .gguf file, or a hub id in the local
-    cache. Whether the config describes a model the engine can build is known only when it loads."""
+    here), a folder with a config.json holding a JSON object, a checkpoint and a tokenizer, a .gguf
+    file, or a hub id in the local cache. Whether the config describes a model the engine can build
+    is known only when it loads."""
     from eagle_worker import default_models
 
     if default_models.is_builtin(model):          # resolve_model's first rule: no local folder needed
@@ -33,9 +34,17 @@ def check_model(model: str) -> None:
             return
         raise ValueError(f"model {model!r} is a file but no .gguf; give a model folder (config.json + weights), "
                          "a .gguf file or a built-in name")
+    from eagle_worker.loader import CheckpointError, checkpoint_files
+    from eagle_worker.tokenizer_loader import check_has_vocabulary
     from eagle_worker.training.preflight import config_object
 
     config_object(p, f"model {model!r}", "model")
+    try:
+        kind, _ = checkpoint_files(p)
+    except CheckpointError as e:
+        raise ValueError(f"model {model!r}: {e}") from None
+    if kind != "gguf":     # a GGUF carries its own vocabulary
+        check_has_vocabulary(p.resolve())
 
 
 def check_draft(draft: str | None, model: str) -> str | None:

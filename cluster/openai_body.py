@@ -15,7 +15,8 @@ async def read_json_object(request, max_bytes: int, timeout_s: float = 30.0) -> 
     """The request body as a JSON object, or the APIError to answer: 415 for a body that says it
     is not JSON or is compressed, 413 over `max_bytes` (checked on Content-Length, then while reading, so an
     oversized body is never held whole), 408 when it has not all arrived within `timeout_s`, 400
-    for bad or too deeply nested JSON or a non-object."""
+    for bad or too deeply nested JSON, a non-object or a key given twice in one object (one value
+    would be dropped unseen)."""
     media = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if media and media != "application/json" and not media.endswith("+json"):
         raise APIError(415, f"Content-Type must be application/json, got {media!r}", code="unsupported_media_type")
@@ -46,7 +47,7 @@ async def read_json_object(request, max_bytes: int, timeout_s: float = 30.0) -> 
     except ClientDisconnect:   # hung up mid-body: nobody to answer, and not the server's error
         raise APIError(CLIENT_CLOSED, "client closed the request", code="client_closed") from None
     try:
-        body = json.loads(b"".join(chunks))
+        body = loads_strict(b"".join(chunks))
     except RecursionError:
         raise APIError(400, "request body is not valid JSON: nested too deeply") from None
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
@@ -54,3 +55,18 @@ async def read_json_object(request, max_bytes: int, timeout_s: float = 30.0) -> 
     if not isinstance(body, dict):
         raise APIError(400, f"request body must be a JSON object, got {type(body).__name__}")
     return body
+
+
+def loads_strict(text: str | bytes) -> Any:
+    """json.loads, refusing (ValueError) a key twice in one object: a request is read the same way
+    over HTTP and in a batch file. (NaN and Infinity parse; the request models refuse them per field.)"""
+    return json.loads(text, object_pairs_hook=_object_once)
+
+
+def _object_once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"the key {key!r} appears twice in one object")
+        out[key] = value
+    return out

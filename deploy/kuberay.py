@@ -368,4 +368,8 @@ def render_files(config: str | Path, job: str | Path | None = None) -> dict[str,
     cfg = DeployConfig.from_yaml(config)
     job_cfg = RayJobConfig.from_yaml(job) if job else None
     sources = " + ".join(Path(p).name for p in (config, job) if p)
-    return {name: to_yaml(m, sources) for name, m in render(cfg, job_cfg).items()}
+    try:
+        manifests = render(cfg, job_cfg)
+    except ConfigError as e:   # a clash between settings: say which files hold them
+        raise ConfigError(f"{' + '.join(str(p) for p in (config, job) if p)}: {e}") from None
+    return {name: to_yaml(m, sources) for name, m in manifests.items()}

@@ -37,10 +37,7 @@ _lock = threading.Lock()
 def load_tokenizer(path: str | Path):
     """The tokenizer of the model folder at `path` (see the module docstring)."""
     folder = Path(path).resolve()
-    if folder.is_dir() and not any((folder / name).is_file() for name in VOCABULARY_FILES):
-        # transformers would build a stand-in of a few tokens from the config: every prompt one unknown token
-        raise ValueError(f"model folder {folder} has no tokenizer ({', '.join(VOCABULARY_FILES[:3])}, ...); "
-                         "put the model's tokenizer files beside its weights")
+    check_has_vocabulary(folder)
     key = _key(folder)
     with _lock:   # one load at a time: engines starting together read it once
         tokenizer = _loaded.get(key)
@@ -50,6 +47,14 @@ def load_tokenizer(path: str | Path):
                 _loaded.popitem(last=False)
         _loaded.move_to_end(key)
         return tokenizer
+
+
+def check_has_vocabulary(folder: Path) -> None:
+    """ValueError for a model folder without tokenizer files: transformers would build a stand-in of a
+    few tokens from the config, and every prompt would be one unknown token."""
+    if folder.is_dir() and not any((folder / name).is_file() for name in VOCABULARY_FILES):
+        raise ValueError(f"model folder {folder} has no tokenizer ({', '.join(VOCABULARY_FILES[:3])}, ...); "
+                         "put the model's tokenizer files beside its weights")
 
 
 def disk_cache_path(key: str) -> Path:

@@ -14,6 +14,7 @@ from typing import Iterator
 
 from pydantic import ValidationError
 
+from cluster.openai_body import loads_strict
 from cluster.openai_errors import validation_error
 from cluster.openai_requests import ChatCompletionRequest, CompletionRequest
 from jobs.id_set import IdSet
@@ -30,9 +31,11 @@ def check_jsonl(f: InputFile, plan: InputPlan, seen: IdSet) -> int:
                     continue
                 where = f"{path}: line {lineno}"
                 try:
-                    rec = json.loads(line)
+                    rec = loads_strict(line)
                 except json.JSONDecodeError as e:
                     raise InputError(f"{where}: not valid JSON ({e.msg})") from None
+                except ValueError as e:   # a key twice
+                    raise InputError(f"{where}: not valid JSON ({e})") from None
                 if not isinstance(rec, dict):
                     raise InputError(f"{where}: expected a JSON object (OpenAI Batch request)")
                 cid = rec.get("custom_id")
@@ -58,7 +61,7 @@ def jsonl_rows(f: InputFile, plan: InputPlan) -> Iterator[Row]:
     with io.TextIOWrapper(plan.fs.open_input_stream(f.path), encoding="utf-8") as fh:
         for line in fh:
             if line.strip():
-                yield openai_row(json.loads(line))
+                yield openai_row(loads_strict(line))
 
 
 # What the HTTP server takes but a batch row cannot be: one completion per row, written whole,

@@ -31,14 +31,22 @@ def _refused(args: list[str], hint: str, said: str | None = None) -> str:
 
 @pytest.fixture
 def bad_models(tmp_path):
-    """Model folders the engine would refuse only once loading: empty, a corrupt config.json, a JSON list."""
+    """Model folders the engine would refuse only once loading: empty, a corrupt config.json, a JSON list,
+    a config without weights, weights without a tokenizer."""
     empty, corrupt, listed = tmp_path / "empty", tmp_path / "corrupt", tmp_path / "listed"
-    for d in (empty, corrupt, listed):
+    no_weights, no_tokenizer = tmp_path / "no-weights", tmp_path / "no-tokenizer"
+    for d in (empty, corrupt, listed, no_weights, no_tokenizer):
         d.mkdir()
     (corrupt / "config.json").write_text("{not json")
     (listed / "config.json").write_text("[1, 2]")
+    for d in (no_weights, no_tokenizer):
+        (d / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (no_weights / "tokenizer.json").write_text("{}")
+    (no_tokenizer / "model.safetensors").write_bytes(b"")
     return {"empty": (empty, "no config.json"), "corrupt": (corrupt, "not readable JSON"),
-            "listed": (listed, "not a JSON object"), "missing": (tmp_path / "nowhere", "no such file or folder")}
+            "listed": (listed, "not a JSON object"), "missing": (tmp_path / "nowhere", "no such file or folder"),
+            "no weights": (no_weights, "no *.safetensors, pytorch_model*.bin or .gguf checkpoint"),
+            "no tokenizer": (no_tokenizer, "has no tokenizer")}
 
 
 # ---- lists: ASCII digits, no empty items, choices each once -------------------------------------------
@@ -151,6 +159,8 @@ def test_a_model_without_a_head_is_refused_only_where_a_method_needs_one(tmp_pat
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (model / "model.safetensors").write_bytes(b"")       # not read: only the files' presence is checked
+    (model / "tokenizer.json").write_text("{}")
     monkeypatch.setattr(bench.spec, "run", lambda **k: None)
     _refused(["spec", "--model", str(model)], "--draft", "no built-in draft head")      # the tree methods draft
     res = CliRunner().invoke(bench_cli, ["spec", "--model", str(model), "--methods", "vanilla,lookup"])

@@ -102,6 +102,8 @@ def _read(body: bytes, headers: dict | None = None, cap: int = 10_000):
     (b"[1]", {}, 400, "JSON object"),
     (b"{oops", {}, 400, "not valid JSON"),
     (b"\xff{}", {}, 400, "not valid JSON"),
+    (b'{"max_tokens": 5, "max_tokens": 500}', {}, 400, "'max_tokens' appears twice"),   # one would be dropped
+    (b'{"messages": [{"role": "user", "role": "system", "content": "x"}]}', {}, 400, "'role' appears twice"),
     (b"{}", {"content-type": "application/x-www-form-urlencoded"}, 415, "Content-Type"),
     (b"\x1f\x8b\x08", {"content-encoding": "gzip"}, 415, "Content-Encoding 'gzip' is not supported"),
 ])

@@ -7,7 +7,7 @@ import yaml
 
 from cluster.config_base import ConfigError
 from deploy.deploy_config import DeployConfig, RayJobConfig, quantity_value
-from deploy.kuberay import job_entrypoint, render
+from deploy.kuberay import job_entrypoint, render, render_files
 from tests.deploy.kube_schema import errors
 
 KEYS = {"serve": {"api_keys_env": "EAGLE_API_KEYS"}, "kubernetes": {"api_keys_secret": {"name": "keys", "key": "k"}}}
@@ -69,6 +69,15 @@ def test_a_jobs_env_may_not_repeat_the_serve_configs(tmp_path):
     job = _job(tmp_path, {"input": "s3://b/in/", "output": "s3://b/out/", "object_store": {"env": {"AWS_REGION": "b"}}})
     with pytest.raises(ConfigError, match="job.object_store.env: .*AWS_REGION .*kubernetes.env"):
         render(cfg, job)
+
+
+def test_a_clash_between_files_names_both_files(tmp_path):
+    """`deploy render` reads two files; the message says which ones hold the clashing settings."""
+    _load(tmp_path, {"kubernetes": {"env": {"AWS_REGION": "a"}}})
+    _job(tmp_path, {"input": "s3://b/in/", "output": "s3://b/out/", "object_store": {"env": {"AWS_REGION": "b"}}})
+    serve, job = tmp_path / "serve.yaml", tmp_path / "job.yaml"
+    with pytest.raises(ConfigError, match=f"^{serve} \\+ {job}: job.object_store.env: .*AWS_REGION"):
+        render_files(serve, job)
 
 
 def test_distinct_env_names_render(tmp_path):

@@ -141,6 +141,8 @@ def test_openai_batch_bodies_are_checked_as_the_http_server_checks_them(tmp_path
 
 @pytest.mark.parametrize("line, needle", [
     ("{not json", "line 2: not valid JSON"),
+    ('{"custom_id": "b", "body": {"prompt": "x", "max_tokens": 1, "max_tokens": 9}}',
+     "line 2: not valid JSON (the key 'max_tokens' appears twice"),             # one value would be dropped
     (json.dumps({"body": {"prompt": "x"}}), "line 2: `custom_id` must be a non-empty string"),
     (json.dumps({"custom_id": "a", "body": {"prompt": "x"}}), "line 2: duplicate custom_id 'a'"),
     (json.dumps({"custom_id": "b", "body": {"input": "x"}}), "line 2: `body` must be an object with `messages` or `prompt`"),
