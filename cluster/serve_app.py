@@ -28,7 +28,7 @@ from cluster.config_base import ConfigError
 from cluster.cpu_threads import engine_env, serve_env
 from cluster.ingress import OpenAIIngress
 from cluster.placement import check_fits
-from cluster.ray_address import check_listening
+from cluster.ray_address import check_listening, check_speaks_grpc
 from cluster.replica import EngineReplica
 from cluster.router import router_config
 from cluster.signals import on_stop_signals, restore_signals
@@ -154,6 +154,7 @@ def run_serve(config: ServeConfig, address: str | None = None, blocking: bool = 
                               "RAY_ADDRESS): Serve reads it when its controller starts")
         if not ray.is_initialized():
             check_listening(address)   # ray.init would retry for minutes where nothing listens
+            check_speaks_grpc(address)   # or where something else does
             if address is None:   # a Ray started here: its Serve proxy takes the streaming fast path too
                 os.environ.update(local_ray_env(config))
             ray.init(address=address, namespace="eagle-serve", ignore_reinit_error=True)

@@ -27,7 +27,7 @@ import time
 import uuid
 from contextlib import contextmanager
 
-from cluster.ray_address import check_listening
+from cluster.ray_address import check_listening, check_speaks_grpc
 from jobs.job_config import JobConfig
 
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
@@ -68,8 +68,11 @@ def _connect(address: str):
 
     try:
         check_listening(address)
+        url = _dashboard_url(address)
+        if url is None:
+            check_speaks_grpc(address)
         with _explicit(address):
-            return JobSubmissionClient(_dashboard_url(address) or address)
+            return JobSubmissionClient(url or address)
     except AuthenticationError as e:
         raise ConnectionError(auth_message(address, str(e))) from None
     except (ConnectionError, RayError, RuntimeError, ValueError, OSError) as e:

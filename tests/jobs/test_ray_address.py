@@ -73,6 +73,63 @@ def test_a_port_that_answers_http_but_is_no_dashboard_fails_at_once():
         server.shutdown()
 
 
+class _RawServer:
+    """A TCP port that answers each connection with fixed bytes (then closes): an SSH banner, a
+    database, or a gRPC server's first SETTINGS frame."""
+
+    def __init__(self, answer: bytes):
+        import socket
+        import threading
+
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.answer = answer
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                conn.sendall(self.answer)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.sock.close()
+
+
+@pytest.mark.parametrize("answer, said", [(b"SSH-2.0-OpenSSH_9.6\r\n", "it said b'SSH-2.0-OpenSSH_9.6"),
+                                          (b"", "closed the connection without a word")])
+def test_a_port_that_answers_but_speaks_no_grpc_fails_at_once(answer, said):
+    """An SSH or database port given by mistake: a TCP connect succeeds, and Ray would then wait ~40 s
+    (the Jobs client) or minutes (ray.init) for a GCS there."""
+    import time
+
+    with _RawServer(answer) as server:
+        for address in (f"127.0.0.1:{server.port}", f"ray://127.0.0.1:{server.port}"):
+            t0 = time.monotonic()
+            with pytest.raises(ConnectionError) as e:
+                ray_jobs.client(address)
+            assert time.monotonic() - t0 < 10 and f"{address} answers, but not as a Ray cluster" in str(e.value)
+            assert said in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_port_that_answers_as_grpc_passes_the_probe():
+    """The first bytes a gRPC server (Ray's GCS) sends: a SETTINGS frame on stream 0."""
+    from cluster.ray_address import check_speaks_grpc
+
+    settings = b"\x00\x00\x06\x04\x00\x00\x00\x00\x00" + b"\x00\x04\x00\x40\x00\x00"
+    with _RawServer(settings) as server:
+        check_speaks_grpc(f"127.0.0.1:{server.port}")
+    with _RawServer(b"\x00\x00\x06\x04\x00\x00\x00\x00\x01" + b"\x00" * 6) as server:   # not stream 0
+        with pytest.raises(ConnectionError):
+            check_speaks_grpc(f"127.0.0.1:{server.port}")
+
+
 def test_malformed_address_is_one_line_connection_error():
     with pytest.raises(ConnectionError) as e:
         ray_jobs.client("no-port-here")
