@@ -46,6 +46,24 @@ def write_input(path: Path, rows: int) -> list[str]:
     return ids
 
 
+class BenchStopped(Exception):
+    """A signal stopped one of the benchmark's jobs; `signal` is its name (SIGINT, SIGTERM) where known."""
+
+    def __init__(self, message: str, signal: str | None):
+        super().__init__(message)
+        self.signal = signal
+
+
+def completed_run(manifest: dict, name: str) -> dict:
+    """The last run of a benchmark's finished job; BenchStopped where Ctrl-C or SIGTERM stopped it
+    (the job stops gracefully, and the benchmark with it, instead of going on to its next job)."""
+    run = manifest["runs"][-1]
+    if manifest["status"] != "completed":
+        raise BenchStopped(f"stopped by {run.get('stopped_by') or 'a signal'} during the {name!r} job: nothing "
+                           "reported", run.get("stopped_by"))
+    return run
+
+
 def _variant(name: str, draft: str, inp: Path, out: Path, model: str, max_tokens: int, replicas: int,
              max_num_seqs: int) -> dict:
     from jobs.job_config import JobConfig
@@ -55,7 +73,7 @@ def _variant(name: str, draft: str, inp: Path, out: Path, model: str, max_tokens
                     temperature=0.0, replicas=replicas, max_num_seqs=max_num_seqs, overwrite=True,
                     min_ready_replicas=replicas)
     m = run_job(cfg)
-    run = m["runs"][-1]
+    run = completed_run(m, name)
     gen_s = run.get("generation_s") or run["wall_s"]
     row = {"variant": name, "draft": cfg.resolved_draft(), "rows": m["rows"], "error_rows": m["error_rows"],
            "completion_tokens": run["completion_tokens"], "generation_s": gen_s, "startup_s": run.get("startup_s"),

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import requests
 
-from bench.job import write_input
+from bench.job import completed_run, write_input
 from bench.prompts import load_questions, render
 from bench.report_file import write_json
 from bench.serve import (
@@ -64,7 +64,7 @@ def _job(inp: Path, out: Path, max_tokens: int, app: str) -> dict:
     m = run_job(JobConfig(input=str(inp), output=str(out), serve_app=app, max_tokens=max_tokens,
                           temperature=0.0, overwrite=True))
     wall = time.perf_counter() - t0
-    run = m["runs"][-1]
+    run = completed_run(m, out.stem)
     gen_s = run.get("generation_s") or run["wall_s"]
     return {"rows": m["rows"], "error_rows": m["error_rows"], "generation_s": gen_s, "wall_s": wall,
             "rows_per_s": m["rows"] / gen_s, "completion_tokens": run.get("completion_tokens"),

@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.job import completed_run
 from bench.prompts import load_questions
 from bench.report_file import write_json
 
@@ -167,7 +168,7 @@ def run_c_job(model: str, dtype: str, draft: str | None, caching: bool, text: Te
     cfg = JobConfig(input=str(inp), output=str(out), model=model, dtype=dtype, draft=draft or "none",
                     max_tokens=sizes.max_tokens, temperature=0.0, overwrite=True, enable_prefix_caching=caching)
     m = run_job(cfg)
-    run = m["runs"][-1]
+    run = completed_run(m, out.stem)
     cache = m.get("prefix_cache") or {}
     table = pq.read_table(out)
     texts = {r["id"]: r["text"] for r in table.select(["id", "text"]).to_pylist()}

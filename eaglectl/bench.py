@@ -233,13 +233,21 @@ def bench_job(model, rows, max_tokens, draft, replicas, json_out):
 
 @contextlib.contextmanager
 def _job_failures():
-    """A benchmark's job that fails (a replica that cannot start, ...) is its one-line reason, exit 1."""
+    """A benchmark's job that fails (a replica that cannot start, ...) is its one-line reason, exit 1;
+    one a signal stopped ends the benchmark there, exit 128 + the signal's number (130 for Ctrl-C)."""
+    import signal
+
+    from bench.job import BenchStopped
     from jobs.replica_pool import JobFailed
 
     try:
         yield
     except JobFailed as e:
         raise click.ClickException(f"the benchmark job failed: {e}") from None
+    except BenchStopped as e:
+        err = click.ClickException(str(e))
+        err.exit_code = 128 + getattr(signal, e.signal or "", signal.SIGINT)
+        raise err from None
 
 
 @bench.command("serve")

@@ -319,7 +319,7 @@ class JobRunner:
         prev_runs = [r for r in self.out.manifest.get("runs", []) if r.get("run_id") != self.run_id]
         s = self.stats
         run = {
-            "run_id": self.run_id, "host": socket.gethostname(), "status": status,
+            "run_id": self.run_id, "host": socket.gethostname(), "status": status, "stopped_by": self.stopping,
             "started_at": self.started_at, "updated_at": time.time(), "wall_s": s.elapsed,
             "startup_s": (self.first_ready - s.started) if self.first_ready else None,
             "generation_s": (time.monotonic() - self.first_ready) if self.first_ready else None,

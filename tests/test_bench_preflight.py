@@ -167,6 +167,25 @@ def test_a_model_without_a_head_is_refused_only_where_a_method_needs_one(tmp_pat
     assert res.exit_code == 0, res.output
 
 
+def test_a_signal_that_stops_a_benchmarks_job_stops_the_benchmark(monkeypatch, tmp_path):
+    """SIGTERM stopped the first of `bench job`'s two jobs gracefully, and the benchmark went on to the
+    second and reported a partial run; now it ends there, 128 + the signal, writing no report."""
+    import jobs.runner
+
+    calls = []
+
+    def stopped(cfg):
+        calls.append(cfg.draft)
+        return {"status": "cancelled", "runs": [{"stopped_by": "SIGTERM", "wall_s": 1.0}], "rows": 0}
+
+    monkeypatch.setattr(jobs.runner, "run_job", stopped)
+    report = tmp_path / "j.json"
+    res = CliRunner().invoke(bench_cli, ["job", "--rows", "2", "--max-tokens", "1", "--json", str(report)])
+    assert res.exit_code == 143 and isinstance(res.exception, SystemExit), res.output
+    assert "stopped by SIGTERM during the 'none' job: nothing reported" in res.output and "Traceback" not in res.output
+    assert calls == ["none"] and not report.exists()
+
+
 @pytest.mark.parametrize("command, args", [("job", ["--rows", "1", "--max-tokens", "1"]), ("mixed", ["--rows", "1"]),
                                            ("prefix", ["--scenarios", "c"])])
 def test_a_benchmark_jobs_failure_is_one_line_not_a_traceback(monkeypatch, tmp_path, command, args):

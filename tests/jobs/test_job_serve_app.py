@@ -240,6 +240,7 @@ def test_job_through_the_app_equals_own_replicas_and_online_requests_preempt_it(
     assert backlog_key(str(out)) not in ray.get(board.snapshot.remote())   # cleared when the driver ends
     assert done == [("length", 100)] * 4                             # every online request finished, whole
     assert m["status"] == "cancelled" and m["rows"] >= during >= 20 and m["error_rows"] == 0, (code, log)
+    assert m["runs"][-1]["stopped_by"] == "SIGTERM"
     # offline rows gave way: preempted for online requests (row metrics, summed in the manifest; the
     # same job alone never is, see the kill -9 test), or deferred in the engine while an online request
     # got its first token (the app's /metrics)

@@ -167,6 +167,7 @@ def test_replica_death_then_cancel_then_resume(tmp_path, tiny_model, local_ray):
     assert m2["status"] == "completed" and m2["complete"] and m2["error_rows"] == 0
     assert m2["runs"][-1]["skipped_already_done"] == committed and m2["runs"][-1]["rows"] == n - committed
     assert [r["status"] for r in m2["runs"]] == ["cancelled", "completed"]
+    assert [r["stopped_by"] for r in m2["runs"]] == ["test", None]
 
 
 def test_replicas_that_cannot_start_fail_the_job_clearly(tmp_path, local_ray):
