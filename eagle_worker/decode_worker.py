@@ -24,8 +24,10 @@ def forward_item(block_manager: BlockManager, item: ScheduledSeq) -> ForwardItem
     slots = block_manager.slots(seq, 0, start + n)
     scored = seq.prompt_logprobs
     score = None
-    if scored is not None and len(scored) == start + 1 and start + 1 < seq.num_prompt_tokens:
-        score = seq.token_ids[start + 1:min(start + n + 1, seq.num_prompt_tokens)]   # first pass only
+    # the chunk's rows predict tokens start+1 .. start+n; score them where the next unscored prompt token
+    # is among them (a recompute after preemption cuts other chunks: it scores only what is missing)
+    if scored is not None and start + 1 <= len(scored) <= start + n and len(scored) < seq.num_prompt_tokens:
+        score = seq.token_ids[start + 1:min(start + n + 1, seq.num_prompt_tokens)]
     return ForwardItem(token_ids=seq.token_ids[start:start + n], positions=torch.arange(start, start + n),
                        new_slots=slots[start:], ctx_slots=slots[:start],
                        logit_rows=[n - 1] if item.completes else [],
@@ -34,10 +36,13 @@ def forward_item(block_manager: BlockManager, item: ScheduledSeq) -> ForwardItem
 
 
 def record_prompt_logprobs(batch: list[ScheduledSeq], result: ForwardResult) -> None:
-    """Keep the prompt logprobs a forward scored (delivered with the request's first output)."""
+    """Keep the prompt logprobs a forward scored (delivered with the request's first output); before
+    the chunk's commit, so `num_computed_tokens` is still where its rows start."""
     for it, scores in zip(batch, result.scores):
         if scores:
-            it.seq.prompt_logprobs.extend(scores)
+            seq = it.seq
+            already = len(seq.prompt_logprobs) - (seq.num_computed_tokens + 1)   # scored before a preemption
+            seq.prompt_logprobs.extend(scores[already:])
 
 
 class DecodeWorker:

@@ -58,6 +58,44 @@ def test_chunked_prefill_and_preemption_do_not_change_greedy_output(tiny_model_d
     assert_no_leaks(tight.engine)
 
 
+def test_prompt_logprobs_survive_a_preemption_mid_prefill(tiny_model_dir):
+    """An offline request preempted halfway through its prompt is recomputed in other chunks; it lost
+    the prompt logprobs of every chunk after the first pass's (14 of 40 delivered)."""
+    path = str(tiny_model_dir("llama"))
+
+    def engine(**kw):
+        return LLMEngine(EngineConfig(model=path, draft=None, block_size=4, num_kv_blocks=64,
+                                      enable_prefix_caching=False, offline_slowdown=None, **kw))
+
+    def short(start):
+        return list(range(start, start + 4))
+
+    quick = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    scored = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
+    eng, prompt, got, ends = engine(max_num_seqs=3, max_num_batched_tokens=16), list(range(10, 50)), {}, {}
+    eng.add_request("C", short(60), quick)
+    eng.add_request("D", short(80), quick)
+    eng.step()
+    eng.add_request("B", prompt, scored, priority=1)          # offline: the one preempted
+    eng.step()
+    eng.step()                                                 # B's first two chunks
+    eng.add_request("A", short(70), SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.prompt_logprobs is not None:
+                got[o.request_id] = o.prompt_logprobs
+            if o.finished:
+                ends[o.request_id] = o
+    assert ends["B"].metrics["num_preemptions"] == 1
+    alone = engine()
+    alone.add_request("B", prompt, scored)
+    want = next(o.prompt_logprobs for o in alone.step() if o.prompt_logprobs is not None)
+    assert len(got["B"]) == len(want) == len(prompt) and got["B"][0] is None
+    for a, b in zip(got["B"][1:], want[1:]):
+        assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-4)
+    assert_no_leaks(eng)
+
+
 def test_seed_gives_same_sample_alone_and_in_batch(tiny_model_dir):
     llm = LLM(model=str(tiny_model_dir("llama")), block_size=4, num_kv_blocks=256)
     seeded = SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
