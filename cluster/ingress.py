@@ -173,11 +173,15 @@ class OpenAIIngress:
         rid = new_id(render.prefix)
         sub_ids = [rid] if req.n == 1 else [f"{rid}-{i}" for i in range(req.n)]
         its = [stream_outputs(self.engine, sub, prompt_ids, req.sampling_params(max_tokens, i), req.priority,
-                              restartable=not req.stream, on_retry=self.metrics.retried, admission=self.admission,
+                              restartable=not req.stream, on_retry=self.metrics.retried,
                               max_attempts=self.engine_attempts,
                               group=rid if req.n > 1 else None,
                               stream_interval=self.config.ingress.stream_interval if req.stream else 0)
                for i, sub in enumerate(sub_ids)]
+        try:        # every sample now or none: a stream's later samples start after its headers went out
+            self.admission.enter(req.priority, req.n)
+        except OverloadedError as e:
+            raise _unavailable(e) from None
         self.metrics.inflight.labels(self.config.model_name).inc()
         status = 500
         try:
@@ -204,6 +208,7 @@ class OpenAIIngress:
         finally:
             if not req.stream or status != 200:     # a started stream closes its readers in _sse
                 self.metrics.inflight.labels(self.config.model_name).dec()
+                self.admission.leave(req.priority, req.n)
                 for it in its:
                     await it.aclose()
 
@@ -234,6 +239,7 @@ class OpenAIIngress:
             yield sse(APIError(500, f"internal error: {e!r}", type="server_error").body())
         finally:
             self.metrics.inflight.labels(self.config.model_name).dec()
+            self.admission.leave(req.priority, req.n)
             await outputs.aclose()   # stops the choices' readers before their streams close
             for it in its:
                 await it.aclose()

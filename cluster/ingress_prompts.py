@@ -45,6 +45,8 @@ class IngressPrompts:
         if isinstance(prompt, list):
             if min(prompt) < 0:
                 raise APIError(400, f"prompt: token ids must be >= 0, got {min(prompt)}", param="prompt")
+            if max(prompt) >= 2 ** 31:   # beyond any vocabulary; a tokenizer's decode overflows on it
+                raise APIError(400, f"prompt: token id {max(prompt)} is beyond any vocabulary", param="prompt")
             try:   # ids beyond the vocabulary are the engine's to refuse; decoding must not fail first
                 text = await asyncio.to_thread(self.prompts.decode, prompt) if need_text else ""
             except Exception as e:

@@ -22,7 +22,7 @@ import ray.exceptions
 from ray.serve.exceptions import BackPressureError
 
 from cluster import router_state as state
-from cluster.admission import Admission, OverloadedError
+from cluster.admission import OverloadedError
 from cluster.replica_errors import EngineDiedError, Failed, Rejected
 
 logger = logging.getLogger(__name__)
@@ -57,7 +57,6 @@ async def stream_outputs(
     retry_backoff_s: float = 0.25,
     restartable: bool = False,
     on_retry: Optional[Callable[[BaseException], None]] = None,
-    admission: Optional[Admission] = None,
     group: Optional[str] = None,
     stream_interval: int = 1,
 ) -> AsyncIterator[Any]:
@@ -65,15 +64,13 @@ async def stream_outputs(
 
     `restartable=True` (non-streaming callers, who have sent the client nothing yet) also retries
     after tokens were produced: outputs are cumulative, so the caller just keeps the last one.
-    Raises OverloadedError when the system is full (`admission` full, or Serve's queue),
+    Raises OverloadedError when the system is full (Serve's queue; the caller's `Admission` is its own),
     PoisonRequestError once `max_deaths` different replicas died under this request, and
     ReplicaLostError when it cannot retry (tokens already streamed, or `max_attempts` attempts).
     `on_retry(error)` is called before each retry (the ingress counts them in /metrics).
     Requests of one `group` (the n samples of one prompt) prefer the replica a sibling went to, where
     the engine prefills their shared prompt once. `stream_interval`: the replica's (`EngineReplica.submit`).
     """
-    if admission is not None:
-        admission.enter(priority)
     attempts = _attempts(handle, request_id, prompt, params, priority, messages, max_attempts, max_deaths,
                          retry_backoff_s, restartable, on_retry, group, stream_interval)
     try:
@@ -85,8 +82,6 @@ async def stream_outputs(
         finally:
             for attempt in range(1, max_attempts):
                 state.suspects.discard(f"{request_id}-retry{attempt}")
-            if admission is not None:
-                admission.leave(priority)
 
 
 async def _attempts(handle, request_id, prompt, params, priority, messages, max_attempts, max_deaths,

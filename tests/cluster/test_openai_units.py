@@ -206,6 +206,8 @@ def test_prompt_length_checked_in_characters_before_tokenizing():
     with pytest.raises(APIError) as ei:
         asyncio.run(prompts.completion([5, -1], max_model_len=100, need_text=True))
     assert ei.value.param == "prompt" and ">= 0" in ei.value.message
+    with pytest.raises(APIError, match="token id 4294967296 is beyond any vocabulary"):
+        asyncio.run(prompts.completion([2 ** 32], max_model_len=100, need_text=False))
 
 
 def test_merge_streams_interleaves_and_stops_readers():

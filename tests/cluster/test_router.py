@@ -293,24 +293,16 @@ def test_two_suspects_never_share_a_replica():
         loop.close()
 
 
-def test_admission_refuses_beyond_its_limit_and_frees_slots():
-    adm = Admission(2)
-
-    async def run():
-        h = _Handle(*[([_out(), _out(finished=True)], None)] * 3)
-        a = stream_outputs(h, "r1", "p", {}, admission=adm)
-        b = stream_outputs(h, "r2", "p", {}, admission=adm)
-        await a.__anext__()
-        await b.__anext__()
-        assert adm.in_flight == 2
-        with pytest.raises(OverloadedError, match="limit is 2"):
-            await stream_outputs(h, "r3", "p", {}, admission=adm).__anext__()
-        await a.aclose()                                   # a client that left frees its slot
-        assert [o async for o in b][-1].finished and adm.in_flight == 0
-        assert [o async for o in stream_outputs(h, "r4", "p", {}, admission=adm)][-1].finished
-
-    asyncio.run(run())
-    assert adm.in_flight == 0
+def test_admission_takes_a_requests_samples_all_or_none():
+    adm = Admission(4)
+    adm.enter(0, 3)
+    with pytest.raises(OverloadedError, match="limit is 4 and this request's n asks for 2"):
+        adm.enter(0, 2)                                   # nothing taken: one still fits
+    adm.enter(0)
+    with pytest.raises(OverloadedError, match="limit is 4 "):
+        adm.enter(0)
+    adm.leave(0, 3)
+    assert adm.in_flight == 1
 
 
 def test_backpressure_becomes_overloaded():

@@ -87,6 +87,29 @@ def test_a_burst_beyond_capacity_gets_503_with_retry_after(admit):
     assert ok.usage.completion_tokens == 3
 
 
+def test_a_streamed_requests_samples_are_admitted_together_before_its_headers(admit):
+    """A stream of n samples was admitted one sample at a time, its first before the headers: a second
+    such stream got 200, one chunk, then an `overloaded` error event mid-stream. Now all n or a 503."""
+    import json
+
+    limit, n = admit.config.admission_limit, 6
+    assert n <= limit < 2 * n
+    body = {"model": MODEL, "prompt": "[slow:0.05] sampled", "max_tokens": 12, "n": n, "stream": True}
+    with requests.post(f"{admit.url}/v1/completions", json=body, stream=True, timeout=120) as first:
+        assert first.status_code == 200
+        lines = first.iter_lines()
+        assert next(line for line in lines if line.startswith(b"data: "))    # its samples are running
+        second = requests.post(f"{admit.url}/v1/completions", json=body, timeout=120)
+        assert second.status_code == 503 and second.headers["Retry-After"] == "1", second.text
+        assert second.json()["error"]["code"] == "overloaded" and f"n asks for {n}" in second.json()["error"]["message"]
+        events = [line[6:] for line in lines if line.startswith(b"data: ")]
+    assert events[-1] == b"[DONE]" and not any(b'"error"' in e for e in events), events[-3:]
+    finished = [c for e in events[:-1] for c in json.loads(e)["choices"] if c.get("finish_reason")]
+    assert sorted(c["index"] for c in finished) == list(range(n))
+    again = requests.post(f"{admit.url}/v1/completions", json=body, timeout=120)   # its slots were given back
+    assert again.status_code == 200 and again.text.rstrip().endswith("data: [DONE]")
+
+
 def test_the_openai_client_honours_retry_after(admit):
     """The official client retries a 503 after its Retry-After: an over-capacity burst all gets served."""
     import openai

@@ -194,6 +194,15 @@ def test_prompt_too_long_in_characters(app):
     assert err["param"] == "prompt" and "characters" in err["message"]
 
 
+def test_token_ids_beyond_any_vocabulary_and_keys_twice_are_a_400(app):
+    """A first id of 2**32 overflowed the tokenizer's decode in the echo check: a 500 and a traceback."""
+    for ids in ([2 ** 32], [1, 2 ** 40]):
+        err = _shape(_raw(app, json.dumps({"model": MODEL, "prompt": ids, "max_tokens": 2})), 400)
+        assert err["param"] == "prompt" and "beyond any vocabulary" in err["message"]
+    twice = _shape(_raw(app, '{"model": "fake", "prompt": "x", "n": 1, "n": 2}'), 400)["message"]
+    assert "the key 'n' appears twice" in twice                 # over real HTTP too: one value would be dropped
+
+
 def test_malformed_bodies(app):
     deep = "[" * 100_000 + "]" * 100_000
     assert "nested" in _shape(_raw(app, deep), 400)["message"]
