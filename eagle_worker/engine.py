@@ -75,6 +75,9 @@ class LLMEngine:
         params = dataclasses.replace(params)    # checked again (a field set after building) and the request's own
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already running")
+        if not is_token_id(priority) or priority < 0:   # an integer, as the scheduler orders by it
+            raise ValueError(f"priority must be an integer >= 0 (0 online, 1 and above offline), got {priority!r}"[:200])
+        priority = int(priority)
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise ValueError("prompt is empty")
@@ -103,8 +106,8 @@ class LLMEngine:
                              f"tokens including at least one generated token")
         seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
         seq = Sequence(request_id, token_ids, params, priority, seed)
-        self.requests[request_id] = seq
         self.scheduler.add(seq)
+        self.requests[request_id] = seq       # after the scheduler took it: never a request no step runs
         self.totals["prompt_tokens"] += len(token_ids)
 
     def abort(self, request_id: str) -> bool:

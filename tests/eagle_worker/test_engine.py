@@ -260,6 +260,9 @@ def test_bad_requests_are_refused_and_engine_keeps_serving(tiny_model_dir):
     changed.temperature = float("nan")
     with pytest.raises(ValueError, match="temperature"):
         engine.add_request("e12", "hi", changed)
+    for i, priority in enumerate(("high", None, 0.5, True, -1)):   # a non-integer broke every later step
+        with pytest.raises(ValueError, match=f"priority must be an integer >= 0 .*got {priority!r}"):
+            engine.add_request(f"p{i}", "hi", SamplingParams(), priority=priority)
     mine = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     engine.add_request("ok", "The quick", mine)
     mine.max_tokens = 50                           # the running request keeps what it was added with
