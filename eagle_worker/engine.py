@@ -183,14 +183,16 @@ class LLMEngine:
                 return self._finish(seq, "length")
 
     def _hit_stop_string(self, seq: Sequence, new_chars: int) -> bool:
+        """Whether the new text completes a stop string; the text is cut at the one it completes first
+        (as if it had come a character at a time), whatever the order of the `stop` list."""
         longest = max(len(s) for s in seq.params.stop)
         window_start = max(0, len(seq.text) - new_chars - longest + 1)
-        for s in seq.params.stop:
-            at = seq.text.find(s, window_start)
-            if at >= 0:
-                seq.text = seq.text[: at + len(s)] if seq.params.include_stop_str_in_output else seq.text[:at]
-                return True
-        return False
+        hits = [(at + len(s), at) for s in seq.params.stop if (at := seq.text.find(s, window_start)) >= 0]
+        if not hits:
+            return False
+        end, at = min(hits)
+        seq.text = seq.text[:end] if seq.params.include_stop_str_in_output else seq.text[:at]
+        return True
 
     def _fail_step(self, batch: list, error: Exception) -> list[RequestOutput]:
         """A step that raised fails its own requests, not the engine: their KV blocks and draft state

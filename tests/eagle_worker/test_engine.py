@@ -124,6 +124,21 @@ def test_stop_token_ids_stop_strings_and_logprobs(tiny_model_dir):
     assert [x.token_id for x in lp.logprobs] == lp.token_ids and all(x.logprob <= 0 and not x.top for x in lp.logprobs)
 
 
+@pytest.mark.parametrize("stop, include, kept", [
+    (["b", "a"], False, "x"), (["a", "b"], False, "x"),     # "b" first in the list, "a" first in the text
+    (["bcd", "c"], False, "xab"), (["bcd", "c"], True, "xabc"),   # "c" is completed first
+    (["ab", "a"], True, "xa"), (["zz"], False, None),
+])
+def test_new_text_is_cut_at_the_stop_string_it_completes_first(stop, include, kept):
+    """Several characters arrive at once: the list's order decided which stop cut them, so the text
+    kept could still hold another stop string (`stop=["b", "a"]`, new text "ab": "xa")."""
+    from types import SimpleNamespace
+
+    seq = SimpleNamespace(text="xabcd", params=SimpleNamespace(stop=stop, include_stop_str_in_output=include))
+    assert LLMEngine._hit_stop_string(None, seq, 4) == (kept is not None)
+    assert seq.text == (kept if kept is not None else "xabcd")
+
+
 def _streamed(engine: LLMEngine, prompt: str, params: SamplingParams) -> tuple[list[str], object]:
     engine.add_request("r", prompt, params)
     deltas, last = [], None
