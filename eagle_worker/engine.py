@@ -88,15 +88,14 @@ class LLMEngine:
                 raise ValueError(f"prompt token ids must be integers; position {odd[0]} is {type(odd[1]).__name__} "
                                  f"{odd[1]!r}"[:200])
             token_ids = [int(t) for t in prompt]
-            vocab = self.runner.model.vocab_size
-            bad = [t for t in token_ids if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
         else:
             raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         if not token_ids:
             raise ValueError("prompt is empty")
         vocab = self.runner.model.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]   # also a text's: a tokenizer may hold more ids than the model
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
         for name, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids)):
             bad = [t for t in ids if t >= vocab]
             if bad:

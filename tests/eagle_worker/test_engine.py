@@ -275,6 +275,10 @@ def test_bad_requests_are_refused_and_engine_keeps_serving(tiny_model_dir):
     changed.temperature = float("nan")
     with pytest.raises(ValueError, match="temperature"):
         engine.add_request("e12", "hi", changed)
+    engine.tokenize = lambda text: [5, 10**6]      # a tokenizer with more ids than the model's embedding
+    with pytest.raises(ValueError, match=r"out of range \[0, \d+\): \[1000000\]"):
+        engine.add_request("e13", "hi", SamplingParams())
+    del engine.tokenize
     for i, priority in enumerate(("high", None, 0.5, True, -1)):   # a non-integer broke every later step
         with pytest.raises(ValueError, match=f"priority must be an integer >= 0 .*got {priority!r}"):
             engine.add_request(f"p{i}", "hi", SamplingParams(), priority=priority)
