@@ -33,7 +33,7 @@ def drive(cfg, ray_address: str) -> int:
     """Run the job `cfg` (a JobConfig) in this process; prints the summary, returns the exit code."""
     from jobs.input_reader import InputError
     from jobs.job_config import JobConfigError
-    from jobs.output_writer import OutputError
+    from jobs.output_writer import MANIFEST, OutputError
     from jobs.progress import summary
     from jobs.replica_pool import JobFailed
     from jobs.runner import run_job
@@ -59,6 +59,10 @@ def drive(cfg, ray_address: str) -> int:
     if manifest.get("duplicate_ids_skipped"):     # rows of the input not in the output: not a complete job
         print(f"{RESULT_MARKER} (exit code {EXIT_WITH_ERRORS}; {manifest['duplicate_ids_skipped']} input row(s) "
               "skipped: their id was already used by an earlier row; give every row its own id)", flush=True)
+        return EXIT_WITH_ERRORS
+    if not manifest.get("complete"):     # whatever the reason, never exit 0 on an output its manifest calls incomplete
+        print(f"{RESULT_MARKER} (exit code {EXIT_WITH_ERRORS}; the output holds {manifest.get('rows')} rows for "
+              f"{manifest.get('input_rows')} input rows: see {MANIFEST})", flush=True)
         return EXIT_WITH_ERRORS
     return EXIT_OK
 

@@ -51,8 +51,19 @@ class OutputError(RuntimeError):
 
 
 def read_manifest(out_dir: str | Path) -> dict | None:
-    raw = Folder(str(out_dir)).read_bytes(MANIFEST)
-    return None if raw is None else json.loads(raw)
+    """The folder's manifest (None where there is none); OutputError where it is damaged."""
+    folder = Folder(str(out_dir))
+    raw = folder.read_bytes(MANIFEST)
+    if raw is None:
+        return None
+    try:
+        manifest = json.loads(raw)
+    except ValueError as e:     # JSONDecodeError, UnicodeDecodeError: truncated or overwritten
+        raise OutputError(f"{folder.uri(MANIFEST)} is damaged ({e}); pass --overwrite to start over") from None
+    if not isinstance(manifest, dict):
+        raise OutputError(f"{folder.uri(MANIFEST)} is not a job manifest (a JSON {type(manifest).__name__}); "
+                          "pass --overwrite to start over")
+    return manifest
 
 
 def is_locked(out_dir: str | Path) -> bool:
@@ -131,30 +142,44 @@ class OutputDir:
             raise OutputError(f"{self.path}: the output folder holds files this tool did not write "
                               f"({', '.join(foreign[:5])}); choose another --output")
         self.dropped_uncommitted = self.folder.drop_uncommitted()   # a dead driver's: those rows are redone
-        manifest = read_manifest(self.folder.location)
-        if overwrite:
-            for name in self.parts():
+        manifest = None
+        if overwrite:           # whatever is there, in any format, damaged or not
+            for name in self.folder.committed_parts():
                 self.folder.delete_part(name)
             self.folder.delete(MANIFEST)
-            manifest = None
-        elif manifest is not None and self.parts():
-            old = manifest.get("fingerprint", {})
-            diff = {k: (old.get(k), v) for k, v in fingerprint.items() if old.get(k) != v}
-            if diff:
-                what = ", ".join(f"{k}={a!r} (now {b!r})" for k, (a, b) in diff.items())
-                raise OutputError(f"{self.path} holds output of a job with different settings: {what}. "
-                                  "Re-run with the same settings to resume, or pass --overwrite")
-            why = identity_diff(manifest.get("input_identity"), identity, paths_only=retry_errors)
-            if why:
-                raise OutputError(f"{self.path} holds output of a different input ({why}); resuming would mix "
-                                  "two inputs in one output. Choose another --output, or pass --overwrite"
-                                  + ("" if retry_errors else " (or --retry-errors after fixing rows in place)"))
-        elif manifest is None and self.parts():
-            raise OutputError(f"{self.path}: part files without a {MANIFEST}; choose another --output")
+        elif self.parts():
+            manifest = read_manifest(self.folder.location)
+            if manifest is None:
+                raise OutputError(f"{self.path}: part files without a {MANIFEST}; choose another --output")
+            self._check_resumable(manifest, fingerprint, identity, retry_errors)
+        else:
+            manifest = read_manifest(self.folder.location)
         self.manifest = manifest or {}
         if retry_errors:
             self.retried_error_rows = self._drop_error_rows()
         return self.scan()
+
+    def _check_resumable(self, manifest: dict, fingerprint: dict, identity: dict | None, retry_errors: bool) -> None:
+        """The committed parts are this job's: the same settings, the same input, and every part
+        written by a run the manifest records (each run writes its entry before its first part; a
+        part copied in from elsewhere would count as done rows)."""
+        old = manifest.get("fingerprint", {})
+        diff = {k: (old.get(k), v) for k, v in fingerprint.items() if old.get(k) != v}
+        if diff:
+            what = ", ".join(f"{k}={a!r} (now {b!r})" for k, (a, b) in diff.items())
+            raise OutputError(f"{self.path} holds output of a job with different settings: {what}. "
+                              "Re-run with the same settings to resume, or pass --overwrite")
+        why = identity_diff(manifest.get("input_identity"), identity, paths_only=retry_errors)
+        if why:
+            raise OutputError(f"{self.path} holds output of a different input ({why}); resuming would mix "
+                              "two inputs in one output. Choose another --output, or pass --overwrite"
+                              + ("" if retry_errors else " (or --retry-errors after fixing rows in place)"))
+        runs = {r.get("run_id") for r in manifest.get("runs", []) if isinstance(r, dict)}
+        stray = [n for n in self.parts() if part_run_id(n) not in runs]
+        if stray:
+            raise OutputError(f"{self.path}: part files of runs this job's {MANIFEST} does not record "
+                              f"({', '.join(stray[:3])}): copied in from another output? Move them out, or pass "
+                              "--overwrite to start over")
 
     def close(self) -> None:
         self.folder.unlock()
@@ -180,59 +205,71 @@ class OutputDir:
                 counts.add(rec)
         return ids, counts
 
+    def _damaged(self, name: str, e: Exception) -> OutputError:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        return OutputError(f"{self.folder.uri(name)}: a committed part file is damaged ({first}); delete it to "
+                           "generate its rows again, or pass --overwrite to start over")
+
     def write_manifest(self, data: dict) -> None:
         self.manifest = data
         self.folder.write_bytes_atomic(MANIFEST, json.dumps(data, indent=2, default=str).encode())
         self.folder.renew()
 
     def _read_part(self, name: str):
-        """Yield {id, error, prompt_tokens, completion_tokens} of each row of a committed part."""
-        if self.fmt == "parquet":
-            f = pq.ParquetFile(self.folder.path(name), filesystem=self.folder.fs)
-            yield from f.read(columns=["id", "error", "prompt_tokens", "completion_tokens"]).to_pylist()
-            return
-        raw = self.folder.read_bytes(name) or b""
-        for line in raw.decode("utf-8").splitlines():
-            rec = json.loads(line)
-            resp = rec.get("response") or {}
-            body = resp.get("body") or {}
-            usage = body.get("usage") or {}
-            err = rec.get("error") or (None if resp.get("status_code") == 200 else "error")
-            yield {"id": rec["custom_id"], "error": err, "prompt_tokens": usage.get("prompt_tokens"),
-                   "completion_tokens": usage.get("completion_tokens")}
+        """Yield {id, error, prompt_tokens, completion_tokens} of each row of a committed part (read
+        whole first: a damaged part is an OutputError before any of its rows counts)."""
+        try:
+            if self.fmt == "parquet":
+                f = pq.ParquetFile(self.folder.path(name), filesystem=self.folder.fs)
+                yield from f.read(columns=["id", "error", "prompt_tokens", "completion_tokens"]).to_pylist()
+                return
+            rows = []
+            for line in (self.folder.read_bytes(name) or b"").decode("utf-8").splitlines():
+                rec = json.loads(line)
+                resp = rec.get("response") or {}
+                body = resp.get("body") or {}
+                usage = body.get("usage") or {}
+                err = rec.get("error") or (None if resp.get("status_code") == 200 else "error")
+                rows.append({"id": rec["custom_id"], "error": err, "prompt_tokens": usage.get("prompt_tokens"),
+                             "completion_tokens": usage.get("completion_tokens")})
+        except (pa.ArrowException, ValueError, KeyError, AttributeError, TypeError) as e:
+            raise self._damaged(name, e) from None
+        yield from rows
 
     def _drop_error_rows(self) -> int:
         """Rewrite each committed part that holds error rows without them, in place (an atomic replace:
         whenever the driver dies, a row is in the output once or not at all, and then it is redone)."""
         dropped = 0
         for name in self.parts():
-            if self.fmt == "parquet":
-                t = pq.read_table(self.folder.path(name), filesystem=self.folder.fs)
-                bad = t.column("error").is_valid()
-                n_bad = pa.compute.sum(bad).as_py() or 0
-                if not n_bad:
-                    continue
-                keep = t.filter(pa.compute.invert(bad))
-                if keep.num_rows == 0:
-                    self.folder.delete_part(name)
-                else:
-                    sink = self.folder.open_part(name)
-                    pq.write_table(keep, sink.stream, compression="zstd")
-                    sink.replace_in_place()
-            else:
-                lines = (self.folder.read_bytes(name) or b"").decode("utf-8").splitlines()
-                good = [ln for ln in lines if (json.loads(ln).get("response") or {}).get("status_code") == 200]
-                n_bad = len(lines) - len(good)
-                if not n_bad:
-                    continue
-                if not good:
-                    self.folder.delete_part(name)
-                else:
-                    sink = self.folder.open_part(name)
-                    sink.stream.write("".join(ln + "\n" for ln in good).encode("utf-8"))
-                    sink.replace_in_place()
-            dropped += n_bad
+            try:
+                dropped += self._drop_error_rows_of(name)
+            except (pa.ArrowException, ValueError, KeyError, AttributeError, TypeError) as e:
+                raise self._damaged(name, e) from None
         return dropped
+
+    def _drop_error_rows_of(self, name: str) -> int:
+        """One part without its error rows (see _drop_error_rows); how many it dropped."""
+        if self.fmt == "parquet":
+            t = pq.read_table(self.folder.path(name), filesystem=self.folder.fs)
+            bad = t.column("error").is_valid()
+            n_bad = pa.compute.sum(bad).as_py() or 0
+            keep, n_keep = t.filter(pa.compute.invert(bad)), t.num_rows - n_bad
+        else:
+            lines = (self.folder.read_bytes(name) or b"").decode("utf-8").splitlines()
+            keep = [ln for ln in lines if (json.loads(ln).get("response") or {}).get("status_code") == 200]
+            n_bad, n_keep = len(lines) - len(keep), len(keep)
+        if not n_bad:
+            return 0
+        if n_keep == 0:
+            self.folder.delete_part(name)
+            return n_bad
+        sink = self.folder.open_part(name)
+        if self.fmt == "parquet":
+            pq.write_table(keep, sink.stream, compression="zstd")
+        else:
+            sink.stream.write("".join(ln + "\n" for ln in keep).encode("utf-8"))
+        sink.replace_in_place()
+        return n_bad
 
 
 @dataclass
@@ -308,15 +345,22 @@ class PartWriter:
             self._pq = pq.ParquetWriter(self._sink.stream, self.schema, compression="zstd")
 
     def _flush_row_group(self) -> None:
-        if self._pending:
-            self._pq.write_table(pa.Table.from_pylist(self._pending, schema=self.schema))
-            self._pending = []
+        # taken before the write: a stop signal raised as the write returns must not leave the rows
+        # pending, to be written into the part a second time by the commit that follows
+        rows, self._pending = self._pending, []
+        if rows:
+            self._pq.write_table(pa.Table.from_pylist(rows, schema=self.schema))
 
 
 def output_schema(kept: pa.Schema | None, id_type: pa.DataType = pa.string()) -> pa.Schema:
     """The output columns: `id` with the input's id type, then the base columns, then carried ones."""
     base = pa.schema([pa.field("id", id_type)] + [f for f in BASE_SCHEMA if f.name != "id"])
     return base if kept is None else pa.schema(list(base) + list(kept))
+
+
+def part_run_id(name: str) -> str:
+    """The run that wrote part `name` (`part-<run id>-<n>.<ext>`)."""
+    return name[len("part-"):].rsplit("-", 1)[0]
 
 
 def new_run_id() -> str:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import signal
 import socket
 import sys
 import time
@@ -271,11 +272,17 @@ class JobRunner:
             return
         if not ray.is_initialized():
             self._owns_ray = True
-            if self.ray_address == "local":
-                ray.init(address="local", num_cpus=len(os.sched_getaffinity(0)), include_dashboard=False,
-                         namespace="eagle-jobs", logging_level=logging.WARNING)
-            else:
-                ray.init(address=self.ray_address, namespace="eagle-jobs", logging_level=logging.WARNING)
+            try:
+                if self.ray_address == "local":
+                    ray.init(address="local", num_cpus=len(os.sched_getaffinity(0)), include_dashboard=False,
+                             namespace="eagle-jobs", logging_level=logging.WARNING)
+                else:
+                    ray.init(address=self.ray_address, namespace="eagle-jobs", logging_level=logging.WARNING)
+            except SystemExit as e:   # SIGTERM under the handler ray.init installs: a cancel, not a failure
+                if e.code != signal.SIGTERM:
+                    raise
+                self.stopping = "SIGTERM"
+                raise KeyboardInterrupt from None
             self._install_signals()   # ray.init replaces SIGTERM's handler with its own (SystemExit)
         self.pool = ReplicaPool(self.cfg)
         self.pool.start()

@@ -13,6 +13,7 @@ from jobs.id_set import IdSet
 from jobs.output_writer import BASE_SCHEMA, OutputDir, OutputError, PartWriter, openai_line
 
 FP = {"model": "m", "max_tokens": 4}
+MANIFEST = {"fingerprint": FP, "runs": [{"run_id": "run1"}]}     # a run's entry is written before its first part
 
 
 def rec(i, error=None):
@@ -29,7 +30,7 @@ def test_rows_become_visible_only_at_commit(tmp_path):
     out = OutputDir(tmp_path / "o", "parquet")
     ids, counts = out.open(FP)
     assert len(ids) == 0 and counts.rows == 0
-    out.write_manifest({"fingerprint": FP})
+    out.write_manifest(MANIFEST)
     w = PartWriter(out, BASE_SCHEMA, "run1", rows_per_file=5, row_group_rows=2)
     for i in range(4):
         w.add(rec(i))
@@ -50,7 +51,7 @@ def test_rows_become_visible_only_at_commit(tmp_path):
 def test_reopen_skips_committed_and_drops_temp_files(tmp_path):
     out = OutputDir(tmp_path / "o", "parquet")
     out.open(FP)
-    out.write_manifest({"fingerprint": FP})
+    out.write_manifest(MANIFEST)
     w = PartWriter(out, BASE_SCHEMA, "run1", rows_per_file=3)
     for i in range(5):          # 3 committed, 2 in a temp file when the "driver dies"
         w.add(rec(i))
@@ -65,7 +66,7 @@ def test_reopen_skips_committed_and_drops_temp_files(tmp_path):
 def test_folder_safety(tmp_path):
     out = OutputDir(tmp_path / "o", "parquet")
     out.open(FP)
-    out.write_manifest({"fingerprint": FP})
+    out.write_manifest(MANIFEST)
     w = PartWriter(out, BASE_SCHEMA, "run1")
     w.add(rec(0))
     w.commit()
@@ -75,9 +76,9 @@ def test_folder_safety(tmp_path):
     with pytest.raises(OutputError, match=r"different settings: max_tokens=4 \(now 8\).*--overwrite"):
         OutputDir(tmp_path / "o", "parquet").open({**FP, "max_tokens": 8})
     assert ".lock" in os.listdir(tmp_path / "o")        # a job's own folder, refused, keeps its lock file
-    with pytest.raises(OutputError, match="another format"):
+    with pytest.raises(OutputError, match="another format.*or pass --overwrite"):
         OutputDir(tmp_path / "o", "openai-batch").open(FP)
-    o2 = OutputDir(tmp_path / "o", "parquet")
+    o2 = OutputDir(tmp_path / "o", "openai-batch")          # --overwrite starts over whatever the format was
     ids, _ = o2.open({**FP, "max_tokens": 8}, overwrite=True)
     assert len(ids) == 0 and visible(o2.path) == []
     o2.close()
@@ -121,7 +122,7 @@ def test_openai_lines_and_jsonl_parts(tmp_path):
 
     out = OutputDir(tmp_path / "o", "openai-batch")
     out.open(FP)
-    out.write_manifest({"fingerprint": FP})
+    out.write_manifest({"fingerprint": FP, "runs": [{"run_id": "r"}]})
     w = PartWriter(out, BASE_SCHEMA, "r")
     w.add(rec(1))
     w.add(rec(2, error="bad"))
@@ -157,3 +158,81 @@ def test_job_status_of_a_local_output_folder(tmp_path):
     assert "job interrupted (no driver is running; run the same command again to resume)" in res.output
     res = CliRunner().invoke(job, ["status", "some-job-id"], env={"RAY_ADDRESS": ""})
     assert res.exit_code == 2 and "needs --address or RAY_ADDRESS" in res.output
+
+
+def _committed(tmp_path, fmt="parquet", rows=4, per_file=2) -> OutputDir:
+    out = OutputDir(tmp_path / "o", fmt)
+    out.open(FP)
+    out.write_manifest(MANIFEST)
+    w = PartWriter(out, BASE_SCHEMA, "run1", rows_per_file=per_file)
+    for i in range(rows):
+        w.add(rec(i))
+    w.commit()
+    out.close()
+    return out
+
+
+@pytest.mark.parametrize("content, said", [('{"status": "comp', "is damaged"), ("[]", "is not a job manifest")])
+def test_a_damaged_manifest_is_refused_clearly_and_overwrite_starts_over(tmp_path, content, said):
+    """A truncated manifest was a JSONDecodeError traceback, even with --overwrite; a JSON list an AttributeError."""
+    out = _committed(tmp_path)
+    (out.path / "_manifest.json").write_text(content)
+    with pytest.raises(OutputError, match=f"_manifest.json {said}.*pass --overwrite"):
+        OutputDir(out.path, "parquet").open(FP)
+    again = OutputDir(out.path, "parquet")
+    ids, _ = again.open(FP, overwrite=True)
+    assert len(ids) == 0 and visible(again.path) == []
+    again.close()
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "openai-batch"])
+@pytest.mark.parametrize("retry_errors", [False, True])
+def test_a_damaged_part_is_refused_naming_it(tmp_path, fmt, retry_errors):
+    """A part cut in half was an ArrowInvalid / JSONDecodeError traceback (exit 1)."""
+    out = _committed(tmp_path, fmt)
+    part = sorted(out.path.glob("part-*"))[1]
+    data = part.read_bytes()
+    part.write_bytes(data[: data.index(b"\n") + 10 if fmt != "parquet" else len(data) // 2])   # mid-line / mid-file
+    with pytest.raises(OutputError, match=f"{re.escape(part.name)}: a committed part file is damaged .*delete it"):
+        OutputDir(out.path, fmt).open(FP, retry_errors=retry_errors)
+    part.unlink()                                       # as the message says: its rows are generated again
+    ids, counts = OutputDir(out.path, fmt).open(FP)
+    assert ["r0" in ids, "r1" in ids, "r2" in ids] == [True, True, False] and counts.rows == 2
+
+
+def test_a_part_of_a_run_the_manifest_does_not_record_is_refused(tmp_path):
+    """A part copied in from another output counted as done rows: 'nothing to do', its texts wrong."""
+    out = _committed(tmp_path)
+    other = _committed(tmp_path / "elsewhere")
+    stray = out.path / "part-20260101T000000-abcdef-00000.parquet"
+    stray.write_bytes(sorted(other.path.glob("part-*"))[0].read_bytes())
+    with pytest.raises(OutputError, match=f"runs this job's _manifest.json does not record \\({stray.name}\\)"):
+        OutputDir(out.path, "parquet").open(FP)
+    stray.unlink()
+    ids, _ = OutputDir(out.path, "parquet").open(FP)
+    assert len(ids) == 4
+
+
+def test_a_stop_signal_as_a_row_group_is_written_does_not_write_it_twice(tmp_path, monkeypatch):
+    """A second Ctrl-C raised as ParquetWriter.write_table returned left the rows pending, and the
+    commit in the runner's `finally` wrote them into the part again: duplicate ids, a stuck output."""
+    out = OutputDir(tmp_path / "o", "parquet")
+    out.open(FP)
+    out.write_manifest(MANIFEST)
+    w = PartWriter(out, BASE_SCHEMA, "run1", rows_per_file=100, row_group_rows=2)
+    real = pq.ParquetWriter.write_table
+
+    def interrupted(self, table, *a, **k):
+        real(self, table, *a, **k)
+        raise KeyboardInterrupt                      # what the signal handler raises as the call returns
+
+    monkeypatch.setattr(pq.ParquetWriter, "write_table", interrupted)
+    w.add(rec(0))
+    with pytest.raises(KeyboardInterrupt):
+        w.add(rec(1))
+    monkeypatch.setattr(pq.ParquetWriter, "write_table", real)
+    w.commit()                                       # the runner's `finally`
+    out.close()
+    assert pq.read_table(out.path).column("id").to_pylist() == ["r0", "r1"]
+    ids, _ = OutputDir(out.path, "parquet").open(FP)
+    assert len(ids) == 2
