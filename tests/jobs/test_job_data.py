@@ -209,7 +209,7 @@ def test_retry_errors_takes_exactly_the_error_rows_out(tmp_path, fmt):
     fp = {"model": "m"}
     out = OutputDir(tmp_path / "o", fmt)
     out.open(fp)
-    out.write_manifest({"fingerprint": fp})
+    out.write_manifest({"fingerprint": fp, "runs": [{"run_id": "run1"}]})   # as a run records itself
     w = PartWriter(out, BASE_SCHEMA, "run1", rows_per_file=4)
     for i in range(10):                          # parts of 4, 4, 2 rows; r1, r2, r5, r8, r9 are error rows
         w.add(_rec(i, error="bad" if i in (1, 2, 5, 8, 9) else None))

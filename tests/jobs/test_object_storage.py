@@ -76,7 +76,7 @@ def test_parts_count_once_their_commit_record_exists(s3_env):
     fp = {"model": "m"}
     out = OutputDir("s3://commits/out", "parquet")
     out.open(fp)
-    out.write_manifest({"fingerprint": fp})
+    out.write_manifest({"fingerprint": fp, "runs": [{"run_id": "run1"}]})   # as a run records itself
     with pytest.raises(OutputError, match="another job is writing to this output"):
         OutputDir("s3://commits/out", "parquet").open(fp)       # the lease: this process is alive
     w = PartWriter(out, BASE_SCHEMA, "run1", rows_per_file=3)
