@@ -25,7 +25,7 @@ from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from ray.exceptions import TaskCancelledError
+from ray.exceptions import RayActorError, TaskCancelledError
 from starlette.requests import ClientDisconnect
 
 disable_created_metrics()  # the *_created series only add noise to every scrape
@@ -262,7 +262,8 @@ class StatusCounter:
     """ASGI middleware (keep it the outermost one): counts each HTTP request in
     `eagle_requests_total` by its final status, adds `Retry-After` to 429/503 answers, and hands the
     app a client's disconnect as ASGI's `http.disconnect` (Serve's `receive` raises
-    TaskCancelledError instead, which Serve then logs as a failed request with a traceback)."""
+    TaskCancelledError instead, which Serve then logs as a failed request with a traceback; where
+    Serve's proxy died, `receive` and `send` raise its ActorDiedError: a disconnect too, 499)."""
 
     def __init__(self, app):
         self.app = app
@@ -284,12 +285,15 @@ class StatusCounter:
                     message = {**message, "headers": headers}
             elif message["type"] == "http.response.body" and not message.get("more_body", False):
                 state["complete"] = True
-            await send(message)
+            try:
+                await send(message)
+            except RayActorError:        # Serve's proxy died: nobody is left to answer
+                raise ClientDisconnect() from None
 
         async def receive_or_disconnect():
             try:
                 return await receive()
-            except TaskCancelledError:
+            except (TaskCancelledError, RayActorError):     # the client, or the proxy holding it, is gone
                 return {"type": "http.disconnect"}
 
         status = None

@@ -99,6 +99,39 @@ def test_a_client_disconnect_is_499(metrics, how):
     assert _counts(metrics) == {("completions", str(m.CLIENT_CLOSED)): 1}
 
 
+@pytest.mark.parametrize("where", ["receive", "send"])
+def test_a_dead_proxy_is_a_disconnect_not_a_server_error(metrics, where):
+    """With Serve's proxy killed mid-stream, its `receive`/`send` raise ActorDiedError: counted 500."""
+    from ray.exceptions import ActorDiedError
+    from starlette.requests import ClientDisconnect
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        if where == "receive":                         # StreamingResponse listens for the disconnect
+            assert await receive() == {"type": "http.disconnect"}
+            return
+        await send({"type": "http.response.body", "body": b"data: {}\n\n", "more_body": True})
+
+    async def run():
+        async def receive():
+            if where == "receive":
+                raise ActorDiedError()
+            return {"type": "http.request", "body": b"", "more_body": True}
+
+        async def send(message):
+            if where == "send" and message["type"] == "http.response.body":
+                raise ActorDiedError()
+
+        await m.StatusCounter(app)({"type": "http", "path": "/v1/completions"}, receive, send)
+
+    if where == "send":
+        with pytest.raises(ClientDisconnect):
+            asyncio.run(run())
+    else:
+        asyncio.run(run())
+    assert _counts(metrics) == {("completions", str(m.CLIENT_CLOSED)): 1}
+
+
 def test_replica_gauges_are_exactly_the_live_replicas():
     metrics = m.ServeMetrics("tiny")
     stats = dict(num_running=2, num_waiting=1, kv_usage=0.25, num_free_blocks=7)
