@@ -32,6 +32,7 @@ import uuid
 from typing import Any, AsyncIterator
 
 from cluster.autoscale import BACKLOG_METRIC
+from cluster.caller_watch import GONE, CallerWatch, this_caller
 from cluster.config import ServeConfig
 from cluster.output_stream import OutputStream, merge_outputs, put_all
 from cluster.priority_stats import PriorityStats
@@ -63,6 +64,7 @@ class EngineReplica:
             self.tp.start_workers()   # ranks 1..n-1 build their shards and wait for rank 0's commands
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, OutputStream] = {}
+        self._callers = CallerWatch(this_caller(), self._end_stream)   # requests of callers that died end
         self._priority_stats = PriorityStats()    # engine thread only
         self._backlog = None                      # BacklogReader, made on Serve's first autoscaling poll
         self._dead: BaseException | None = None
@@ -89,13 +91,15 @@ class EngineReplica:
         priority: int = 0,
         messages: list[dict] | None = None,
         stream_interval: int = 1,
+        caller: tuple[str, str] | None = None,
     ) -> AsyncIterator[Any]:
         """Stream the request's outputs. The serving ingress sends `prompt` as token ids (it tokenizes
         and templates, off this replica's engine thread); text and `messages` (chat, rendered with
         the chat template here) are for other callers (jobs). `stream_interval`: after the first
         output, at most one item per that many new tokens, and the last (0: the first and the last
         only, for callers that want the result): each item is a Ray message through every process
-        between here and the client, which on a CPU replica takes cycles from the engine's cores."""
+        between here and the client, which on a CPU replica takes cycles from the engine's cores.
+        `caller`: the calling actor's (namespace, name), so its requests end if it dies (caller_watch.py)."""
         if self._dead is not None:
             raise EngineDiedError(f"replica {self.replica_id}: engine is dead: {self._dead!r}")
         if request_id in self._streams:
@@ -114,6 +118,7 @@ class EngineReplica:
                 return
         stream = OutputStream(asyncio.get_running_loop(), asyncio.Queue(), max(0, int(stream_interval)))
         self._streams[request_id] = stream
+        self._callers.track(request_id, caller)
         added: concurrent.futures.Future = concurrent.futures.Future()
         self._cmds.put(("add", request_id, prompt, sp, priority, added))
         finished = False
@@ -129,6 +134,8 @@ class EngineReplica:
                 while not stream.queue.empty():
                     items.append(stream.queue.get_nowait())
                 for item in items:
+                    if item is GONE:      # the caller died: nobody reads this; `finally` aborts it
+                        return
                     if isinstance(item, BaseException):
                         raise item
                 out = merge_outputs(items)
@@ -146,8 +153,14 @@ class EngineReplica:
                     return
         finally:
             self._streams.pop(request_id, None)
+            self._callers.forget(request_id)
             if not finished:  # consumer went away (client disconnect, cancellation): free the slot
                 self._cmds.put(("abort", request_id))
+
+    def _end_stream(self, request_id: str) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.queue.put_nowait(GONE)
 
     async def _admitted(self, added: concurrent.futures.Future) -> None:
         """Wait for the engine thread to take the request; raises its ValueError, or if it died."""

@@ -23,6 +23,7 @@ from ray.serve.exceptions import BackPressureError
 
 from cluster import router_state as state
 from cluster.admission import OverloadedError
+from cluster.caller_watch import this_caller
 from cluster.replica_errors import EngineDiedError, Failed, Rejected
 
 logger = logging.getLogger(__name__)
@@ -97,7 +98,7 @@ async def _attempts(handle, request_id, prompt, params, priority, messages, max_
         sent_at = time.monotonic()
         try:  # a full router queue raises BackPressureError already from `.remote()`
             gen = handle.options(stream=True).submit.remote(rid, prompt, params, priority=priority, messages=messages,
-                                                              stream_interval=stream_interval)
+                                                              stream_interval=stream_interval, caller=this_caller())
             async for out in gen:
                 if not isinstance(out, (Rejected, Failed)):
                     tokens_seen += len(out.new_token_ids)

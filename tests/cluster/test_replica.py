@@ -88,6 +88,33 @@ def test_leaving_early_aborts_in_the_engine(replica):
     assert asyncio.run(run())
 
 
+def test_the_requests_of_a_caller_that_died_end_in_the_engine(replica, monkeypatch):
+    """A killed ingress replica closes nothing: its requests ran on to max_tokens, holding batch slots.
+    Requests from a caller that is gone end (and are aborted); the colocated ingress's own, never."""
+    import cluster.caller_watch as watch
+
+    gone = {("serve", "SERVE_REPLICA::app#Ingress#dead")}
+    monkeypatch.setattr(watch, "CHECK_S", 0.05)
+    monkeypatch.setattr(watch, "caller_alive", lambda caller: caller not in gone)
+
+    async def run():
+        async def read(rid, caller):
+            return [o async for o in replica.submit(rid, "[slow:0.02] long", {"max_tokens": 60}, caller=caller)]
+
+        dead, alive = await asyncio.gather(read("d", ("serve", "SERVE_REPLICA::app#Ingress#dead")),
+                                           read("a", ("serve", "SERVE_REPLICA::app#Ingress#live")))
+        for _ in range(100):
+            st = await replica.stats()
+            if st["num_running"] == 0 and st["num_waiting"] == 0:
+                break
+            await asyncio.sleep(0.05)
+        return dead, alive, st
+    dead, alive, st = asyncio.run(run())
+    assert not dead[-1].finished and len(dead[-1].token_ids) < 60         # ended early, nothing more sent
+    assert alive[-1].finished and len(alive[-1].token_ids) == 60
+    assert st["num_running"] == 0 and st["num_waiting"] == 0 and not replica._callers.callers
+
+
 def test_priority_reaches_the_engine(replica):
     async def run():
         order = []

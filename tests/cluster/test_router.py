@@ -145,7 +145,7 @@ class _Handle:
     def submit(self):
         return self
 
-    def remote(self, rid, prompt, params, priority=0, messages=None, stream_interval=1):
+    def remote(self, rid, prompt, params, priority=0, messages=None, stream_interval=1, caller=None):
         self.calls.append((rid, priority))
         if self.raise_on_call:
             raise self.raise_on_call

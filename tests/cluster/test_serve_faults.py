@@ -305,3 +305,36 @@ def test_a_request_the_engine_fails_gets_a_500_and_nothing_else_is_touched(resil
     assert "injected fault" in body and (status == 500 or body.rstrip().endswith("data: [DONE]")), (status, body)
     assert retries() == before
     _wait_healthy(resilient)
+
+
+def test_the_requests_of_a_killed_ingress_end_in_the_engines(deploy):
+    """Ray does not cancel an actor's streaming call when its caller dies: with the ingress replica
+    killed, its engine requests ran on to max_tokens (~30 s here), holding batch and Serve slots."""
+    import ray
+
+    app = deploy(_cfg("orphans", num_replicas=2, ingress={"colocate": False}), "/orphans")
+
+    def actors(deployment):
+        return [a for a in ray._private.state.actors().values()
+                if a["ActorClassName"] == f"ServeReplica:orphans:{deployment}" and a["State"] == "ALIVE"]
+
+    engines = [ray.get_actor(a["Name"], namespace="serve") for a in actors("LLMServer")]
+
+    def ongoing():
+        return sum(ray.get([h.get_num_ongoing_requests.remote() for h in engines]))
+
+    def post(i):
+        try:
+            return requests.post(f"{app.url}/v1/completions", timeout=120, stream=bool(i % 2), json={
+                "model": MODEL, "prompt": f"[slow:0.5] orphan {i}", "max_tokens": 60, "stream": bool(i % 2)}).status_code
+        except requests.RequestException as e:
+            return type(e).__name__
+    with cf.ThreadPoolExecutor(4) as pool:
+        sent = [pool.submit(post, i) for i in range(4)]       # 2 streamed, 2 not: 60 steps of 0.5 s each
+        assert wait_for(lambda: ongoing() >= 4, timeout=60), ongoing()
+        (ingress,) = actors("OpenAIIngress")
+        ray.kill(ray.get_actor(ingress["Name"], namespace="serve"), no_restart=True)
+        killed = time.monotonic()
+        [f.result() for f in sent]
+    assert wait_for(lambda: ongoing() == 0, timeout=15), ongoing()   # the watch looks every 2 s
+    assert time.monotonic() - killed < 15                            # not the ~30 s to max_tokens

@@ -1,0 +1,77 @@
+"""Requests whose caller died: an engine replica stops generating for them.
+
+Ray does not cancel an actor's streaming call when the caller's process dies. A client that hangs
+up closes the ingress's reader and the replica's generator with it (the engine aborts the request),
+but an ingress replica that dies (killed, OOM, its node gone) closes nothing: its requests ran on to
+`max_tokens`, holding batch slots and Serve's ongoing-request slots that the restarted ingress
+starts counting from zero. So a caller that is a named actor (a Serve replica: Serve never restarts
+a replica actor, it makes a new one) says who it is, and the replica looks the names up every
+`CHECK_S` seconds while it has requests from them; a name that is gone ends its requests. Callers
+that are drivers (a job's) send no name: their rows run to the end and a resume redoes them.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable
+
+logger = logging.getLogger(__name__)
+CHECK_S = 2.0
+GONE = object()     # put in a request's output queue: its generator returns (and aborts it)
+
+
+def this_caller() -> tuple[str, str] | None:
+    """(namespace, name) of the named actor this runs in; None in a driver or an unnamed actor."""
+    import ray
+
+    if not ray.is_initialized():
+        return None
+    ctx = ray.get_runtime_context()
+    name = ctx.get_actor_name() if ctx.get_actor_id() else None
+    return (ctx.namespace, name) if name else None
+
+
+def caller_alive(caller: tuple[str, str]) -> bool:
+    """False only where Ray says no such actor exists; any other failure (a GCS hiccup) counts as
+    alive: ending live requests on a guess would be worse than running on."""
+    import ray
+
+    try:
+        ray.get_actor(caller[1], namespace=caller[0])
+        return True
+    except ValueError:
+        return False
+    except Exception:  # noqa: BLE001 - see the docstring
+        return True
+
+
+class CallerWatch:
+    """Request id -> its caller, and the loop that ends the requests of callers that are gone."""
+
+    def __init__(self, own: tuple[str, str] | None, end: Callable[[str], None]):
+        self.own, self.end = own, end      # end(request_id): make its generator return
+        self.callers: dict[str, tuple[str, str]] = {}
+        self._task: asyncio.Task | None = None
+
+    def track(self, request_id: str, caller) -> None:
+        caller = tuple(caller) if caller else None
+        if caller is None or caller == self.own:      # the colocated ingress dies with this replica
+            return
+        self.callers[request_id] = caller
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._watch())
+
+    def forget(self, request_id: str) -> None:
+        self.callers.pop(request_id, None)
+
+    async def _watch(self) -> None:
+        while self.callers:
+            await asyncio.sleep(CHECK_S)
+            for caller in set(self.callers.values()):
+                if await asyncio.to_thread(caller_alive, caller):
+                    continue
+                gone = [rid for rid, c in self.callers.items() if c == caller]
+                logger.warning("caller %s is gone: ending its %d request(s)", caller[1], len(gone))
+                for rid in gone:
+                    self.forget(rid)
+                    self.end(rid)
