@@ -20,15 +20,31 @@ CHECK_S = 2.0
 GONE = object()     # put in a request's output queue: its generator returns (and aborts it)
 
 
+_caller: list = []     # this process's answer, once known (an actor's name and namespace never change)
+
+
 def this_caller() -> tuple[str, str] | None:
-    """(namespace, name) of the named actor this runs in; None in a driver or an unnamed actor."""
+    """(namespace, name) of the named actor this runs in; None in a driver or an unnamed actor. The
+    namespace is looked up: a Serve replica lives in Serve's, not in the job's (`ctx.namespace`)."""
     import ray
 
+    if _caller:
+        return _caller[0]
     if not ray.is_initialized():
         return None
     ctx = ray.get_runtime_context()
-    name = ctx.get_actor_name() if ctx.get_actor_id() else None
-    return (ctx.namespace, name) if name else None
+    own = ctx.get_actor_id()
+    name = ctx.get_actor_name() if own else None
+    found = None
+    for namespace in dict.fromkeys(("serve", ctx.namespace)) if name else ():
+        try:
+            if ray.get_actor(name, namespace=namespace)._actor_id.hex() == own:
+                found = (namespace, name)
+                break
+        except ValueError:
+            continue
+    _caller.append(found)
+    return found
 
 
 def caller_alive(caller: tuple[str, str]) -> bool:

@@ -338,3 +338,12 @@ def test_the_requests_of_a_killed_ingress_end_in_the_engines(deploy):
         [f.result() for f in sent]
     assert wait_for(lambda: ongoing() == 0, timeout=15), ongoing()   # the watch looks every 2 s
     assert time.monotonic() - killed < 15                            # not the ~30 s to max_tokens
+
+    def served_whole():       # through the new ingress, a live caller's request outlasts a few looks
+        try:
+            r = requests.post(f"{app.url}/v1/completions", timeout=60,
+                              json={"model": MODEL, "prompt": "[slow:0.1] after", "max_tokens": 60})
+        except requests.RequestException:
+            return False
+        return r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+    assert wait_for(served_whole, timeout=90, interval=1.0)
