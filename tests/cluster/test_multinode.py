@@ -22,6 +22,7 @@ import pytest
 import requests
 
 from cluster.config import ServeConfig
+from tests.cluster.conftest import wait_for
 from tests.ray_cluster import LocalCluster, free_ports
 
 pytestmark = pytest.mark.slow  # a real two-node Ray cluster
@@ -55,6 +56,12 @@ def _replica_counts(url: str) -> dict[str, float]:
     text = requests.get(f"{url}/metrics", timeout=30).text
     return {rid: float(v) for rid, v in re.findall(r'^eagle_replica_requests_total{[^}]*replica="([^"]+)"[^}]*} (\S+)$',
                                                    text, re.M)}
+
+
+def _known_replicas(url: str) -> set[str]:
+    """The replicas the ingress's router has stats of (its per-replica gauges)."""
+    text = requests.get(f"{url}/metrics", timeout=30).text
+    return set(re.findall(r'^eagle_replica_num_running{[^}]*replica="([^"]+)"', text, re.M))
 
 
 def _retries(url: str) -> float:
@@ -93,6 +100,10 @@ def test_load_spreads_over_both_nodes_and_survives_a_replica_kill(two_nodes, app
     replicas = [a for a in actors if a["deployment"] == "LLMServer"]
     assert len(replicas) == 2 and len({r["node_id"] for r in replicas}) == 2, replicas  # one replica per node
     assert len(two_nodes.driver("replicas", "multinode")["nodes"]) == 2
+    # the app is RUNNING once both replicas are; the ingress's router learns of them through Serve's
+    # long poll a moment later (seconds on a loaded machine): the load starts once it routes to both
+    both = {r["replica_id"] for r in replicas}
+    assert wait_for(lambda: _known_replicas(url) >= both, timeout=60), (_known_replicas(url), both)
 
     done = threading.Semaphore(0)
     killed: dict = {}
