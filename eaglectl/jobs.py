@@ -194,7 +194,7 @@ def _manifest_line(output: str | None) -> str | None:
             m = read_manifest(output)
         except (OSError, RuntimeError, ValueError):   # e.g. no credentials for the bucket here
             return None
-        if m and isinstance(m, dict):
+        if m:
             return summary(m)
     return None
 
@@ -209,8 +209,6 @@ def _local_status(output: str, as_json: bool) -> None:
         m = read_manifest(output)
     except (OSError, RuntimeError, ValueError) as e:
         fail(f"{path}: cannot read the job manifest ({str(e).splitlines()[0] if str(e) else type(e).__name__})")
-    if m is not None and not isinstance(m, dict):    # hand-edited or another tool's file: say so, not AttributeError
-        fail(f"{path}: not a job manifest (a JSON {type(m).__name__}, not an object)")
     if not m:
         fail(f"{output}: no job manifest there")
     if m.get("status") == "running" and not is_locked(output):   # flock: only trusted on this machine

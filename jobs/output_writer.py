@@ -44,6 +44,8 @@ BASE_SCHEMA = pa.schema([
     ("error", pa.string()),
 ])
 EXT = {"parquet": ".parquet", "openai-batch": ".jsonl"}
+# what reading a truncated or overwritten part raises (not Parquet, not JSON, not our records)
+DAMAGED = (pa.ArrowException, ValueError, KeyError, AttributeError, TypeError)
 
 
 class OutputError(RuntimeError):
@@ -147,13 +149,12 @@ class OutputDir:
             for name in self.folder.committed_parts():
                 self.folder.delete_part(name)
             self.folder.delete(MANIFEST)
-        elif self.parts():
-            manifest = read_manifest(self.folder.location)
-            if manifest is None:
-                raise OutputError(f"{self.path}: part files without a {MANIFEST}; choose another --output")
-            self._check_resumable(manifest, fingerprint, identity, retry_errors)
         else:
             manifest = read_manifest(self.folder.location)
+            if self.parts():
+                if manifest is None:
+                    raise OutputError(f"{self.path}: part files without a {MANIFEST}; choose another --output")
+                self._check_resumable(manifest, fingerprint, identity, retry_errors)
         self.manifest = manifest or {}
         if retry_errors:
             self.retried_error_rows = self._drop_error_rows()
@@ -232,7 +233,7 @@ class OutputDir:
                 err = rec.get("error") or (None if resp.get("status_code") == 200 else "error")
                 rows.append({"id": rec["custom_id"], "error": err, "prompt_tokens": usage.get("prompt_tokens"),
                              "completion_tokens": usage.get("completion_tokens")})
-        except (pa.ArrowException, ValueError, KeyError, AttributeError, TypeError) as e:
+        except DAMAGED as e:
             raise self._damaged(name, e) from None
         yield from rows
 
@@ -243,7 +244,7 @@ class OutputDir:
         for name in self.parts():
             try:
                 dropped += self._drop_error_rows_of(name)
-            except (pa.ArrowException, ValueError, KeyError, AttributeError, TypeError) as e:
+            except DAMAGED as e:
                 raise self._damaged(name, e) from None
         return dropped
 
