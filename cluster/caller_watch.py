@@ -27,6 +27,7 @@ def this_caller() -> tuple[str, str] | None:
     """(namespace, name) of the named actor this runs in; None in a driver or an unnamed actor. The
     namespace is looked up: a Serve replica lives in Serve's, not in the job's (`ctx.namespace`)."""
     import ray
+    from ray.serve._private.constants import SERVE_NAMESPACE
 
     if _caller:
         return _caller[0]
@@ -36,7 +37,7 @@ def this_caller() -> tuple[str, str] | None:
     own = ctx.get_actor_id()
     name = ctx.get_actor_name() if own else None
     found = None
-    for namespace in dict.fromkeys(("serve", ctx.namespace)) if name else ():
+    for namespace in (SERVE_NAMESPACE, ctx.namespace) if name else ():
         try:
             if ray.get_actor(name, namespace=namespace)._actor_id.hex() == own:
                 found = (namespace, name)
