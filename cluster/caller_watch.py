@@ -6,12 +6,14 @@ but an ingress replica that dies (killed, OOM, its node gone) closes nothing: it
 `max_tokens`, holding batch slots and Serve's ongoing-request slots that the restarted ingress
 starts counting from zero. So a caller that is a named actor (a Serve replica: Serve never restarts
 a replica actor, it makes a new one) says who it is, and the replica looks the names up every
-`CHECK_S` seconds while it has requests from them; a name that is gone ends its requests. Callers
-that are drivers (a job's) send no name: their rows run to the end and a resume redoes them.
+`CHECK_S` seconds while it has requests from them; a name that is gone ends its requests. A driver
+(a job's, `--serve-app`) is no actor: it starts a named one of its own (`stand_in_for_driver`), which
+Ray kills with the driver that owns it, so a driver killed mid-job ends its in-flight rows too.
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from typing import Callable
 
@@ -24,8 +26,9 @@ _caller: list = []     # this process's answer, once known (an actor's name and 
 
 
 def this_caller() -> tuple[str, str] | None:
-    """(namespace, name) of the named actor this runs in; None in a driver or an unnamed actor. The
-    namespace is looked up: a Serve replica lives in Serve's, not in the job's (`ctx.namespace`)."""
+    """(namespace, name) of the named actor this runs in, or of a driver's stand-in; None in a
+    driver without one or an unnamed actor. The namespace is looked up: a Serve replica lives in
+    Serve's, not in the job's (`ctx.namespace`)."""
     import ray
     from ray.serve._private.constants import SERVE_NAMESPACE
 
@@ -46,6 +49,59 @@ def this_caller() -> tuple[str, str] | None:
             continue
     _caller.append(found)
     return found
+
+
+@functools.cache
+def _stand_in_class():
+    import ray
+
+    @ray.remote(num_cpus=0, max_restarts=0)
+    class DriverStandIn:
+        """Lives exactly as long as the driver that created it (its owner): Ray kills an actor that
+        is not detached when its owner's process ends, however that ends."""
+
+        def ready(self) -> bool:
+            return True
+    return DriverStandIn
+
+
+def stand_in_for_driver(label: str, timeout_s: float = 60.0) -> tuple[str, str] | None:
+    """Make this driver a caller that replicas can watch: a named actor it owns, whose (namespace,
+    name) `this_caller` returns from now on. None where no actor could be started (then the driver
+    sends no caller, as before: its rows run on if it dies)."""
+    import uuid
+
+    import ray
+
+    if _caller and _caller[0] is not None:
+        return _caller[0]
+    name = f"driver-{label}-{uuid.uuid4().hex[:8]}"
+    try:
+        actor = _stand_in_class().options(name=name).remote()
+        ray.get(actor.ready.remote(), timeout=timeout_s)
+    except Exception as e:  # noqa: BLE001 - a watch is a courtesy to the app, not the job's correctness
+        logger.warning("no stand-in actor for this driver (%s): rows of a killed driver will run on", e)
+        return None
+    _stand_ins.append(actor)        # referenced for the driver's life
+    _caller[:] = [(ray.get_runtime_context().namespace, name)]
+    return _caller[0]
+
+
+_stand_ins: list = []
+
+
+def release_stand_in() -> None:
+    """The driver is done with the app (before it leaves Ray): its stand-in goes, and this process
+    is no caller any more (a later Ray session in it asks again)."""
+    import ray
+
+    while _stand_ins:
+        actor = _stand_ins.pop()
+        try:
+            ray.kill(actor)
+        except Exception:  # noqa: BLE001 - Ray already gone: so is the actor
+            pass
+    _caller.clear()
 
 
 def caller_alive(caller: tuple[str, str]) -> bool:

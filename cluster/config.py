@@ -36,6 +36,8 @@ Example YAML (every key optional)::
              max_queued_requests: 64, max_router_queue: 128}
                                       # capacity = replicas x (max_num_seqs + max_queued_requests); the
                                       # ingress admits capacity + max_router_queue, then 503 + Retry-After
+                                      # step_timeout_s (300): a step running longer (hung) fails
+                                      # the health check and Serve replaces the replica
     api_keys: []                      # literal keys, and/or
     api_keys_env: EAGLE_API_KEYS      # env var with comma-separated keys, and/or
     api_keys_file: /etc/eagle/keys    # one key per line, '#' comments

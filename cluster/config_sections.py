@@ -98,6 +98,15 @@ class Limits(StrictModel):
         30.0, ge=1.0, le=3600.0, description="seconds a request body may take to arrive (408 beyond): a client "
         "that sends headers and stalls does not hold one of the ingress's open-request slots for longer"
     )
+    request_timeout_s: float | None = Field(
+        None, gt=0, le=86400.0, description="seconds a completion may take from arrival, queueing included; "
+        "beyond it the engine aborts it and the client gets 504 `request_timeout` (an error event in a "
+        "stream); null (default, as vLLM): no limit"
+    )
+    step_timeout_s: float | None = Field(
+        300.0, gt=0, le=86400.0, description="an engine step running longer (a hung kernel or collective) "
+        "fails the replica's health check, and Serve replaces the replica; null: never"
+    )
 
     @model_validator(mode="before")
     @classmethod

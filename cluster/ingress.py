@@ -71,6 +71,20 @@ def _unavailable(e: Exception) -> APIError:
     return APIError(503, str(e), type="server_error", code="replica_lost")
 
 
+async def _within(when: float | None, limit: float | None, aw):
+    """`await aw` before the loop time `when` (None: no deadline); past it, the 504 of
+    `limits.request_timeout_s` (the caller's `finally` closes the choices: the engine aborts them)."""
+    deadline = asyncio.timeout_at(when)
+    try:
+        async with deadline:
+            return await aw
+    except TimeoutError:
+        if not deadline.expired():
+            raise
+        raise APIError(504, f"the request did not finish within limits.request_timeout_s ({limit:g} s)",
+                       type="timeout_error", code="request_timeout") from None
+
+
 def _accepted(out: Any) -> Any:
     """A request's first output, or the 400 of one the engine refused (bad input)."""
     if isinstance(out, Rejected):
@@ -166,6 +180,8 @@ class OpenAIIngress:
         """Shared body of both endpoints: `n` engine requests (`<id>-<i>`, seed + i) for one prompt of
         token ids; `render` builds the endpoint's responses/chunks."""
         t0 = time.monotonic()
+        timeout = self.config.limits.request_timeout_s
+        when = None if timeout is None else asyncio.get_running_loop().time() + timeout
         limit = self.admission.offline_limit if req.priority > 0 else self.admission.limit
         if req.n > limit:       # each sample is admitted as a request: more than fit at once would wait forever
             raise APIError(400, f"n: {req.n} samples are more requests than this server admits at once "
@@ -189,18 +205,18 @@ class OpenAIIngress:
             # stream's only for the first choice: the others join as they start (with n above the
             # engine's free slots, later choices start as earlier ones finish)
             started = its[:1] if req.stream else its
-            firsts = await self._firsts(started) + [None] * (len(its) - len(started))
+            firsts = await _within(when, timeout, self._firsts(started)) + [None] * (len(its) - len(started))
             ttft = time.monotonic() - t0
             self.metrics.first_token(ttft)
             if not req.stream:
-                done = await all_or_none([self._last(it, f) for it, f in zip(its, firsts)])
+                done = await _within(when, timeout, all_or_none([self._last(it, f) for it, f in zip(its, firsts)]))
                 for last, _ in done:
                     self._finish(last, t0, ttft)
                 status = 200
                 body = render.full(rid, [last for last, _ in done], done[0][1])
                 return JSONResponse(body.model_dump(mode="json"))
             status = 200
-            return StreamingResponse(self._sse(its, firsts, rid, req, render, t0, ttft), media_type="text/event-stream",
+            return StreamingResponse(self._sse(its, firsts, rid, req, render, t0, ttft, when), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
         except APIError as e:
             status = e.status
@@ -212,13 +228,16 @@ class OpenAIIngress:
                 for it in its:
                     await it.aclose()
 
-    async def _sse(self, its: list, firsts: list, rid: str, req, render, t0: float, ttft: float) -> AsyncIterator[str]:
+    async def _sse(self, its: list, firsts: list, rid: str, req, render, t0: float, ttft: float,
+                   when: float | None) -> AsyncIterator[str]:
         lasts = list(firsts)
         outputs = merge_streams(its, firsts)
+        timeout = self.config.limits.request_timeout_s
         try:
             for chunk in render.head(rid):
                 yield sse(chunk)
-            async for i, out in outputs:
+            while (item := await _within(when, timeout, anext(outputs, None))) is not None:
+                i, out = item
                 lasts[i] = out = _accepted(out)      # a later choice's first output may be a refusal
                 self.metrics.tokens(len(out.new_token_ids))
                 yield sse(render.chunk(rid, i, out))

@@ -68,6 +68,7 @@ class EngineReplica:
         self._priority_stats = PriorityStats()    # engine thread only
         self._backlog = None                      # BacklogReader, made on Serve's first autoscaling poll
         self._dead: BaseException | None = None
+        self._step_started: float | None = None   # monotonic start of the step running now
         self._stopping = False
         built: concurrent.futures.Future = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._run_loop, args=(backend, built), name="engine-loop", daemon=True)
@@ -208,11 +209,20 @@ class EngineReplica:
         return dict(self._stats)
 
     def check_health(self) -> None:
-        """Ray Serve health check: a dead engine loop or TP rank makes Serve replace us."""
+        """Ray Serve health check: a dead engine loop or TP rank, or a step running past
+        `limits.step_timeout_s`, makes Serve replace us."""
         if self._dead is not None:
             raise EngineDiedError(f"engine loop died: {self._dead!r}")
         if not self._thread.is_alive():
             raise EngineDiedError("engine loop thread exited")
+        started, limit = self._step_started, self.config.limits.step_timeout_s
+        if started is not None and limit is not None and time.monotonic() - started > limit:
+            err = EngineDiedError(f"replica {self.replica_id}: an engine step has run for "
+                                  f"{time.monotonic() - started:.0f} s, over limits.step_timeout_s ({limit:g} s): "
+                                  "the engine is hung")
+            logger.error("%s", err)
+            self._give_up(err, err)
+            raise err
         if self.tp is not None:
             self.tp.check_health()
 
@@ -248,12 +258,14 @@ class EngineReplica:
             return
         built.set_result(self.engine)
         try:
-            while not self._stopping:
+            while not self._stopping and self._dead is None:     # (a hung step given up on may return)
                 self._drain_commands(block=not self.engine.has_unfinished_requests())
                 if not self.engine.has_unfinished_requests():
                     continue
                 t0 = time.perf_counter()
+                self._step_started = time.monotonic()   # check_health: a step that never returns
                 outs = self.engine.step()
+                self._step_started = None
                 for out in outs:
                     self._priority_stats.output(out)
                 self._stats = self._snapshot_stats(time.perf_counter() - t0)
@@ -261,17 +273,23 @@ class EngineReplica:
             self.engine.shutdown()  # e.g. tells the other TP ranks to stop
         except BaseException as e:  # the engine is unusable: fail everyone, let Serve replace us
             logger.exception("replica %s: engine loop crashed", self.replica_id)
-            self._dead = e
-            self._stats = {**self._stats, "engine_alive": False}
-            err = EngineDiedError(f"replica {self.replica_id}: engine failed: {e!r}")
-            for rid in list(self._streams):
-                stream = self._streams.get(rid)
-                if stream is not None:
-                    stream.loop.call_soon_threadsafe(put_all, [(stream.queue, [*stream.held, err])])
-            if _inside_ray_actor():
-                # Nothing can run here any more; dying now (rather than at the next failed health
-                # check) makes Serve stop routing to us and start a replacement at once.
-                threading.Timer(EXIT_GRACE_S, os._exit, args=(1,)).start()
+            self._give_up(e, EngineDiedError(f"replica {self.replica_id}: engine failed: {e!r}"))
+
+    def _give_up(self, cause: BaseException, err: EngineDiedError) -> None:
+        """The engine is unusable (crashed, or a step hung): every request gets `err` (callers retry
+        them elsewhere), and the process exits. Dying now, rather than at Serve's next health check
+        and its graceful shutdown (which waits for the requests of a hung step), makes Serve stop
+        routing to us and start a replacement at once."""
+        if self._dead is not None:
+            return
+        self._dead = cause
+        self._stats = {**self._stats, "engine_alive": False}
+        for rid in list(self._streams):
+            stream = self._streams.get(rid)
+            if stream is not None:
+                stream.loop.call_soon_threadsafe(put_all, [(stream.queue, [*stream.held, err])])
+        if _inside_ray_actor():
+            threading.Timer(EXIT_GRACE_S, os._exit, args=(1,)).start()
 
     def _drain_commands(self, block: bool) -> None:
         try:

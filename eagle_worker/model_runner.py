@@ -207,8 +207,9 @@ class ModelRunner:
         toks = item.score_tokens
         for s in range(0, len(toks), SCORE_BLOCK_ROWS):
             block = toks[s:s + SCORE_BLOCK_ROWS]
-            logits = self.model.compute_logits(hidden[offset + s:offset + s + len(block)])
-            out.extend(token_logprobs(logits, block, [item.score_top] * len(block)))
+            logits = self.model.compute_logits(hidden[offset + s:offset + s + len(block)])  # TP: every rank gathers
+            if tp_rank() == 0:      # the only rank whose scores anyone reads
+                out.extend(token_logprobs(logits, block, [item.score_top] * len(block)))
         return out
 
     def copy_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:

@@ -17,6 +17,10 @@ window follows the fleet: it is recomputed from the app's replica count every fe
 app that autoscales for the job's backlog (`report_backlog`) gets more rows. `--max-in-flight`
 sets the whole window instead.
 
+A driver that dies (kill -9, its node lost) takes its in-flight rows with it: the app's replicas
+watch a named actor the driver owns (`cluster.caller_watch.stand_in_for_driver`) and abort the rows
+of a driver that is gone; a rerun redoes them.
+
 Failures: a row the router gave up on because its replica died twice (PoisonRequestError) is an
 error row, as on own replicas; a row lost otherwise (replica lost, system overloaded, the call
 failing in Serve) goes back to the driver's queue and is sent again (at most `max_row_retries`
@@ -75,6 +79,9 @@ class AppPool:
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
+        from cluster.caller_watch import stand_in_for_driver
+
+        stand_in_for_driver("job")    # a driver killed mid-job: the app ends its rows (cluster/caller_watch.py)
         self._thread.start()
         self._refresh_window(force=True)
 
@@ -95,6 +102,9 @@ class AppPool:
                 logger.debug("cancelling rows in flight failed", exc_info=True)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)
+        from cluster.caller_watch import release_stand_in
+
+        release_stand_in()
 
     # ---- the window --------------------------------------------------------------------------
     def replicas(self) -> int:

@@ -286,6 +286,9 @@ class PartWriter:
     on_commit: Callable[[], None] | None = None
     committed: RowCounts = field(default_factory=RowCounts)
     files_committed: int = 0
+    # part name -> [prompt tokens looked up in the prefix cache, of which cached]: the manifest keeps
+    # them by part, so rows of a part deleted by hand (and redone) are not counted twice
+    prefix_cache_by_part: dict[str, list[int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._pending: list[dict] = []      # rows not yet in the part (parquet: one row group)
@@ -320,6 +323,7 @@ class PartWriter:
             self._pq.close()
         counts = self._file_counts
         self._sink.commit({"rows": counts.rows, "error_rows": counts.error_rows, "run_id": self.run_id})
+        self.prefix_cache_by_part[self._sink.name] = [counts.cache_queried_tokens, counts.cached_tokens]
         self._file_counts = RowCounts()
         self.committed.merge(counts)
         self.files_committed += 1

@@ -114,7 +114,9 @@ class JobRunner:
                     raise
                 raise OutputError(f"{e} (serve app {self.cfg.serve_app!r} serves {self.cfg.model}, dtype "
                                   f"{self.cfg.dtype}, draft {self.cfg.resolved_draft() or 'none'})") from None
-            self.prior_cache = dict((self.out.manifest.get("prefix_cache") or {}))
+            parts = set(self.out.parts())     # a part deleted by hand: its rows run again, counted once
+            self.prior_cache = {name: counts for name, counts in
+                                (self.out.manifest.get("prefix_cache_by_part") or {}).items() if name in parts}
             if self.out.retried_error_rows:
                 logger.info("--retry-errors: %d error rows taken out of the output; they run again",
                             self.out.retried_error_rows)
@@ -347,6 +349,7 @@ class JobRunner:
         forwards = sum(r.get("target_forwards", 0) for r in runs)
         input_rows = self.plan.total_rows
         unreadable_rows = sum(u["rows"] for u in self.plan.unreadable)
+        cache_by_part = {**self.prior_cache, **self.writer.prefix_cache_by_part}
         manifest = {
             "status": status, "error": error, "input": self.cfg.input, "input_files": len(self.plan.files),
             "input_rows": input_rows, "output": self.cfg.output, "format": self.fmt,
@@ -358,8 +361,9 @@ class JobRunner:
             "complete": status == "completed" and rows == input_rows and not self.duplicates,
             "prompt_tokens": self.prior.prompt_tokens + c.prompt_tokens,
             "completion_tokens": self.prior.completion_tokens + c.completion_tokens,
-            "prefix_cache": {"prompt_tokens": self.prior_cache.get("prompt_tokens", 0) + c.cache_queried_tokens,
-                             "cached_prompt_tokens": self.prior_cache.get("cached_prompt_tokens", 0) + c.cached_tokens},
+            "prefix_cache": {"prompt_tokens": sum(q for q, _ in cache_by_part.values()),
+                             "cached_prompt_tokens": sum(h for _, h in cache_by_part.values())},
+            "prefix_cache_by_part": cache_by_part,
             "mean_accepted_tokens_per_step": (sum(r.get("decode_tokens", 0) for r in runs) / forwards) if forwards else 1.0,
             "fingerprint": self.cfg.generation_fingerprint(), "input_identity": self.plan.identity,
             "config": self.cfg.model_dump(mode="json"), "runs": runs,

@@ -6,6 +6,7 @@ reproducible. Markers in a prompt inject faults, so each test controls its own r
   [slow:S]             every step sleeps S seconds while this request runs
   [die-once:PATH:N]    after N output tokens the whole process exits, unless PATH exists (created first)
   [crash-once:PATH:N]  same, but step() raises instead (the engine loop dies, the actor lives)
+  [hang-once:PATH:N]   same, but step() never returns (sleeps an hour: a hung kernel or collective)
   [die-always:N], [crash-always:N]  the same on every replica the request runs on (a poison request)
   [fail-step:N]        after N output tokens the engine fails this request alone (finish_reason
                        "error"), as the real engine does when a step raises
@@ -234,7 +235,7 @@ class LLMEngine:
         text = self.tokenizer.decode(ids)
         if m := re.search(r"\[slow:([\d.]+)\]", text):
             seq.slow = float(m.group(1))
-        if m := re.search(r"\[(die|crash)-once:([^:\]]+):(\d+)\]", text):
+        if m := re.search(r"\[(die|crash|hang)-once:([^:\]]+):(\d+)\]", text):
             seq.fault = (m.group(1), m.group(2), int(m.group(3)))
         if m := re.search(r"\[(die|crash)-always:(\d+)\]", text):
             seq.fault = (m.group(1), "", int(m.group(2)))
@@ -280,6 +281,8 @@ class LLMEngine:
                 open(s.fault[1], "w").close()
             if s.fault[0] == "die":
                 os._exit(1)
+            if s.fault[0] == "hang":
+                time.sleep(3600)
             raise RuntimeError("injected engine crash")
 
     def step(self) -> list[RequestOutput]:

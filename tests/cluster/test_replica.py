@@ -138,3 +138,39 @@ def test_engine_crash_fails_requests_and_health(replica, tmp_path):
     with pytest.raises(EngineDiedError):
         _collect(replica, "h", "hi", {"max_tokens": 2})
     assert replica.record_routing_stats()["engine_alive"] is False
+
+
+def test_a_step_running_past_step_timeout_fails_the_health_check(tmp_path):
+    """A hung step (a kernel or collective that never returns) leaves the loop thread alive: the
+    health check alone sees it, once the step has run limits.step_timeout_s. The replica then gives
+    up at once, as after a crash: its requests fail (callers retry them elsewhere), new ones are
+    refused, and in an actor the process exits, so Serve need not wait out a graceful shutdown."""
+    r = EngineReplica(ServeConfig(engine=FAKE, limits={"max_model_len": 256, "max_tokens": 64,
+                                                       "step_timeout_s": 0.5}))
+    try:
+        _collect(r, "fast", "hi", {"max_tokens": 4})
+        r.check_health()                                  # steps that return: healthy
+        failed = []
+
+        def slow():
+            try:
+                _collect(r, "slow", "[slow:1.5] hi", {"max_tokens": 3})
+            except EngineDiedError as e:
+                failed.append(e)
+        t = threading.Thread(target=slow, daemon=True)
+        t.start()
+        while r._step_started is None:
+            threading.Event().wait(0.01)
+        r.check_health()                                  # within the limit: healthy
+        threading.Event().wait(0.7)
+        with pytest.raises(EngineDiedError, match=r"limits.step_timeout_s \(0.5 s\): the engine is hung"):
+            r.check_health()
+        t.join(10)
+        assert failed and "hung" in str(failed[0])        # the request in the step: failed, not left waiting
+        with pytest.raises(EngineDiedError):
+            r.check_health()                              # the step returned later: still given up on
+        with pytest.raises(EngineDiedError):
+            _collect(r, "late", "hi", {"max_tokens": 2})
+        assert r.record_routing_stats()["engine_alive"] is False
+    finally:
+        r.shutdown()

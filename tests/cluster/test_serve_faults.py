@@ -95,6 +95,47 @@ def test_non_streaming_request_survives_replica_failure(resilient, tmp_path, fau
     _wait_healthy(resilient)
 
 
+def test_a_hung_step_fails_the_health_check_and_the_request_runs_elsewhere(deploy, tmp_path):
+    """A step that never returns leaves the engine thread alive: only limits.step_timeout_s makes the
+    health check fail, Serve replaces the replica, and the request (nothing sent yet) is re-run."""
+    app = deploy(_cfg("hung", num_replicas=2, limits={"max_model_len": 256, "max_tokens": 64, "step_timeout_s": 2}),
+                 "/hung")
+    marker = tmp_path / "fired"
+    r = app.client.with_options(timeout=120, max_retries=0).completions.create(
+        model=MODEL, prompt=f"[hang-once:{marker}:3] hello", max_tokens=8, temperature=0)   # the step: an hour
+    assert marker.exists() and r.usage.completion_tokens == 8 and r.choices[0].finish_reason == "length"
+
+
+def test_request_timeout_ends_slow_requests_and_their_engine_work(deploy):
+    """limits.request_timeout_s: a completion still running at the deadline is a 504 (an error event
+    once a stream has started), and its engine request is aborted, not left to run to max_tokens."""
+    from ray import serve
+
+    app = deploy(_cfg("deadline", limits={"max_model_len": 256, "max_tokens": 64, "request_timeout_s": 1.5}),
+                 "/deadline")
+    client = app.client.with_options(max_retries=0)
+    t0 = time.monotonic()
+    with pytest.raises(openai.InternalServerError) as ei:     # 60 steps of 0.2 s: 12 s
+        client.completions.create(model=MODEL, prompt="[slow:0.2] late", max_tokens=60)
+    assert ei.value.status_code == 504 and ei.value.body["code"] == "request_timeout", ei.value.body
+    assert "request_timeout_s (1.5 s)" in ei.value.message and time.monotonic() - t0 < 6
+    got = []
+    with pytest.raises(openai.APIError, match=r"request_timeout_s \(1.5 s\)"):
+        for c in client.completions.create(model=MODEL, prompt="[slow:0.2] late", max_tokens=60, stream=True):
+            got.append(c.choices[0].text)
+    assert 0 < len(got) < 60                                  # tokens came, then the deadline
+    engine = serve.get_deployment_handle("LLMServer", app_name="deadline")     # its one replica
+
+    def in_engine() -> int:
+        st = engine.stats.remote().result()
+        return st["num_running"] + st["num_waiting"]
+    assert wait_for(lambda: in_engine() == 0, timeout=2), in_engine()    # aborted, not run to 60 tokens
+    r = client.completions.create(model=MODEL, prompt="quick", max_tokens=5)     # within the limit: served
+    assert r.usage.completion_tokens == 5
+    metrics = requests.get(f"{app.url}/metrics").text
+    assert re.search(r'eagle_requests_total\{[^}]*status="504"[^}]*\} 2\.0', metrics), metrics
+
+
 def test_streaming_retries_before_first_token(resilient, tmp_path):
     marker = tmp_path / "fired"
     chunks = list(resilient.client.completions.create(

@@ -26,7 +26,8 @@ def _rank(rank: int, world: int, port: int, model: str, out):
     kw = dict(model=model, tp_size=world, block_size=4, num_kv_blocks=128)
     if rank == 0:
         llm = LLM(**kw)
-        out.put([[o.token_ids for o in llm.generate(PROMPTS, p)] for p in _params()])
+        out.put([[o.token_ids for o in llm.generate(PROMPTS, p)] for p in _params()]
+                + [_prompt_scores(llm)])
         llm.engine.shutdown()
     else:
         run_tp_worker(EngineConfig(**kw))
@@ -38,6 +39,13 @@ def _params() -> list[SamplingParams]:
             SamplingParams(max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)]
 
 
+def _prompt_scores(llm) -> list:
+    """Prompt logprobs (rank 0 scores; the other ranks only join the logits' gather), rounded."""
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=1, prompt_logprobs=2))
+    return [[None if s is None else (s.token_id, round(s.logprob, 3), [t for t, _ in s.top]) for s in o.prompt_logprobs]
+            for o in outs]
+
+
 def test_tp2_greedy_and_sampled_equal_tp1(tmp_path):
     from tests.conftest import save_random_model, tiny_config
 
@@ -46,8 +54,8 @@ def test_tp2_greedy_and_sampled_equal_tp1(tmp_path):
     cfg.num_key_value_heads = 1
     save_random_model(cfg, tmp_path)
     single = LLM(model=str(tmp_path), block_size=4, num_kv_blocks=128)
-    expected = [[o.token_ids for o in single.generate(PROMPTS, p)] for p in _params()]
-    assert expected[0] != expected[1]
+    expected = [[o.token_ids for o in single.generate(PROMPTS, p)] for p in _params()] + [_prompt_scores(single)]
+    assert expected[0] != expected[1] and all(len(s) > 3 for s in expected[2])
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -175,6 +175,35 @@ def test_kill_9_mid_job_through_the_app_then_rerun_has_every_id_once(tmp_path, c
     assert res.returncode == 2 and "model='another-model'" in res.stderr and "serve app 'tiny' serves" in res.stderr
 
 
+def test_the_rows_of_a_killed_driver_end_in_the_app(tmp_path, cluster):
+    """Ray does not cancel a call when its caller's process dies: the rows of a driver killed mid-job
+    ran on in the app to max_tokens (here 60 steps of 0.5 s). The driver's stand-in actor dies
+    with it, and the replica's caller watch ends its rows."""
+    import ray
+
+    from cluster.config import ServeConfig
+    from tests.cluster.conftest import FAKE, wait_for
+
+    _deploy(ServeConfig(model="fake", engine=FAKE, app_name="orphan-rows", resources_per_rank={"cpu": 0.25},
+                        limits={"max_model_len": 256, "max_tokens": 64}))
+    engines = [ray.get_actor(a["Name"], namespace="serve") for a in ray._private.state.actors().values()
+               if a["ActorClassName"] == "ServeReplica:orphan-rows:LLMServer" and a["State"] == "ALIVE"]
+
+    def in_engine() -> int:
+        return sum(ray.get([h.get_num_ongoing_requests.remote() for h in engines]))
+
+    inp = write_parquet(tmp_path / "in.parquet", prompt=[f"[slow:0.5] row {i}" for i in range(3)])
+    proc = _start(cluster, JobConfig(input=str(inp), serve_app="orphan-rows", max_tokens=60))
+    assert wait_for(lambda: in_engine() == 3 or proc.poll() is not None, timeout=120), in_engine()
+    assert proc.poll() is None, _finish(proc, 30)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=30)
+    killed = time.monotonic()
+    assert wait_for(lambda: in_engine() == 0, timeout=20), in_engine()     # the watch looks every 2 s
+    assert time.monotonic() - killed < 20                                  # not the 30 s to max_tokens
+    assert not _committed(tmp_path / "in.out")                             # nothing finished: a rerun does all 3
+
+
 def _start(cluster, cfg: JobConfig) -> subprocess.Popen:
     return subprocess.Popen(_driver_args(cluster, cfg), cwd=REPO, env=cluster["env"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)

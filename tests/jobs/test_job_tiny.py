@@ -90,6 +90,15 @@ def test_job_matches_llm_generate_with_overrides_and_bad_rows(tmp_path, tiny_mod
     assert m["prefix_cache"]["prompt_tokens"] > 0 and again["prefix_cache"] == m["prefix_cache"]
     assert len(read_rows(tmp_path / "in.out")) == n
 
+    # a part deleted by hand: its rows run again, and the prefix-cache totals count them once (they
+    # were carried from the earlier manifest and added to again)
+    first = sorted((tmp_path / "in.out").glob("part-*.parquet"))[0]
+    first.unlink()
+    redone = run_job(cfg)
+    assert len(read_rows(tmp_path / "in.out")) == n and redone["runs"][-1]["rows"] == 8
+    assert first.name not in redone["prefix_cache_by_part"]
+    assert redone["prefix_cache"]["prompt_tokens"] == m["prefix_cache"]["prompt_tokens"]
+
 
 def test_openai_batch_jsonl_job(tmp_path, tiny_model, local_ray):
     reqs = [
