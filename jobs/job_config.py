@@ -82,6 +82,9 @@ class JobConfig(BaseModel):
     max_row_retries: Count = Field(1, ge=0, description="re-runs of a row whose replica died, then an error row")
     max_replica_restarts: Count | None = Field(None, ge=0, description="default: 2 per replica + 2")
     startup_timeout_s: float = Field(900.0, gt=0)
+    step_timeout_s: float | None = Field(300.0, gt=0, le=86400.0, description="an engine step running longer "
+                                         "(hung) ends its replica, which is replaced and its rows sent again; "
+                                         "null: never")
 
     engine_from_app: bool = Field(False, description="internal: model/dtype/draft/... were filled in from "
                                   "the serve app's engine config (jobs/app_pool.py), not given")
@@ -212,6 +215,7 @@ OWN_REPLICA_FLAGS: dict[str, str] = {
     "chat_template": "chat_template", "max_model_len": "--max-model-len", "replicas": "--replicas",
     "tp_size": "--tp-size", "cpus_per_replica": "--cpus-per-replica", "max_num_seqs": "--max-num-seqs",
     "min_ready_replicas": "--min-ready-replicas", "max_replica_restarts": "max_replica_restarts",
+    "step_timeout_s": "step_timeout_s",
     "enable_prefix_caching": "--enable-prefix-caching/--no-enable-prefix-caching", "speculation": "--speculation",
 }
 

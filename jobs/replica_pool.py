@@ -10,7 +10,8 @@ Distribution: each row goes to the ready replica with the fewest rows in flight,
 holds at most `in_flight_per_replica` rows (its batch plus a quarter by default), so every engine always
 has its next rows queued while the driver holds only a bounded window of work.
 
-Failures: a replica that dies (actor lost, node lost, engine loop crashed) is killed and replaced
+Failures: a replica that dies (actor lost, node lost, engine loop crashed, a step hung past
+`step_timeout_s`, seen by polling its health) is killed and replaced
 (at most `replica_restarts` times per job); its in-flight rows go back to the driver, which sends
 them again: nothing was written for them, so nothing is lost or duplicated. A row whose replicas
 keep dying is written as an error row after `max_row_retries` re-runs.
@@ -38,6 +39,7 @@ from jobs.openai_batch import openai_logprobs
 
 logger = logging.getLogger(__name__)
 OFFLINE_PRIORITY = 1
+HEALTH_EVERY_S = 5.0
 
 
 def row_result(last) -> dict:
@@ -110,7 +112,7 @@ class JobReplica(EngineReplica):
 
 def serve_config(cfg: JobConfig, cpus: float) -> ServeConfig:
     """The cluster layer's replica config for this job's engine."""
-    limits = dict(max_num_seqs=cfg.max_num_seqs)
+    limits = dict(max_num_seqs=cfg.max_num_seqs, step_timeout_s=cfg.step_timeout_s)
     if cfg.max_model_len is not None:
         limits.update(max_model_len=cfg.max_model_len, max_tokens=cfg.max_model_len - 1)
     extra = {}
@@ -142,6 +144,8 @@ class _Replica:
     in_flight: int = 0
     dead: bool = False
     pg: Any = None
+    health_ref: Any = None           # a check_health call in flight
+    health_at: float = 0.0
 
     @property
     def ready(self) -> bool:
@@ -261,8 +265,27 @@ class ReplicaPool:
                 retry.append(call.row)
             except Exception as e:  # a bug on one row: report it on that row, keep going
                 done.append((call.row, {"error": f"internal error: {type(e).__name__}: {_first_line(e)}"}))
+        self._check_health()
         self._check_startup()
         return done, retry
+
+    def _check_health(self) -> None:
+        """Every HEALTH_EVERY_S, each ready replica is asked for its health: a step hung past
+        `step_timeout_s` makes it give up (cluster/replica.py), failing its rows as a crash does, so
+        they come back through the death path above; the answer itself is only read for errors."""
+        now = time.monotonic()
+        for r in self.replicas:
+            if r.health_ref is not None:
+                if not ray.wait([r.health_ref], timeout=0)[0]:
+                    continue
+                ref, r.health_ref = r.health_ref, None
+                try:
+                    ray.get(ref)
+                except Exception as e:  # noqa: BLE001 - hung, or dead: either way replaced
+                    self._on_death(r, e)
+                    continue
+            if r.ready and now - r.health_at >= HEALTH_EVERY_S:
+                r.health_ref, r.health_at = r.actor.check_health.remote(), now
 
     def _on_started(self, r: _Replica, ref) -> None:
         try:

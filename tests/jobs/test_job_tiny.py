@@ -188,24 +188,27 @@ def test_replicas_that_cannot_start_fail_the_job_clearly(tmp_path, local_ray):
     assert m["status"] == "failed" and "no-such-model" in m["error"] and m["rows"] == 0
 
 
-def test_engine_crash_and_process_death_are_retried_once(tmp_path, local_ray):
+def test_engine_crash_process_death_and_a_hung_step_are_retried_once(tmp_path, local_ray):
     """The cluster layer's fake engine injects faults: `[crash-once:F:N]` makes the engine loop raise
-    (the actor lives on with a dead engine), `[die-once:F:N]` kills the replica process. Both
-    replicas are replaced, their rows are sent again, and every row ends exactly once without error."""
+    (the actor lives on with a dead engine), `[die-once:F:N]` kills the replica process, and
+    `[hang-once:F:N]` makes a step sleep an hour (the pool's health checks see it pass
+    step_timeout_s). Every replica is replaced, their rows are sent again, and every row ends
+    exactly once without error."""
     n = 60
     prompts = [f"row {i} [slow:0.01]" for i in range(n)]
     prompts[10] += f" [crash-once:{tmp_path / 'crashed'}:2]"
+    prompts[25] += f" [hang-once:{tmp_path / 'hung'}:2]"
     prompts[40] += f" [die-once:{tmp_path / 'died'}:2]"
     inp = write_parquet(tmp_path / "in.parquet", prompt=prompts)
     cfg = JobConfig(input=str(inp), engine="tests.cluster.fake_engine", model="fake", draft="none",
-                    max_tokens=4, max_num_seqs=4, max_in_flight=8, rows_per_file=7)
+                    max_tokens=4, max_num_seqs=4, max_in_flight=8, rows_per_file=7, step_timeout_s=1)
     runner = JobRunner(cfg)
     m = runner.run()
-    assert (tmp_path / "crashed").exists() and (tmp_path / "died").exists()
+    assert (tmp_path / "crashed").exists() and (tmp_path / "died").exists() and (tmp_path / "hung").exists()
     ids = [r["id"] for r in read_rows(tmp_path / "in.out")]
     assert sorted(ids) == sorted(f"in.parquet:{i}" for i in range(n))
     assert m["complete"] and m["error_rows"] == 0
-    assert runner.pool is not None and runner.pool.restarts_left == cfg.replica_restarts - 2
+    assert runner.pool is not None and runner.pool.restarts_left == cfg.replica_restarts - 3
 
 
 def test_a_replica_the_engine_refuses_fails_the_job_at_once(tmp_path, local_ray):
