@@ -66,25 +66,40 @@ def _stand_in_class():
 
 
 def stand_in_for_driver(label: str, timeout_s: float = 60.0) -> tuple[str, str] | None:
-    """Make this driver a caller that replicas can watch: a named actor it owns, whose (namespace,
-    name) `this_caller` returns from now on. None where no actor could be started (then the driver
-    sends no caller, as before: its rows run on if it dies)."""
+    """Make this driver a caller that replicas can watch: a named actor it owns, on its own node
+    (a node lost takes both), whose (namespace, name) `this_caller` returns from now on. None where
+    no actor could be started (then the driver sends no caller, as before: its rows run on if it
+    dies)."""
     import uuid
 
     import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     if _caller and _caller[0] is not None:
         return _caller[0]
     name = f"driver-{label}-{uuid.uuid4().hex[:8]}"
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    actor = None
     try:
-        actor = _stand_in_class().options(name=name).remote()
+        actor = _stand_in_class().options(name=name, scheduling_strategy=here).remote()
         ray.get(actor.ready.remote(), timeout=timeout_s)
     except Exception as e:  # noqa: BLE001 - a watch is a courtesy to the app, not the job's correctness
         logger.warning("no stand-in actor for this driver (%s): rows of a killed driver will run on", e)
+        if actor is not None:
+            ray.kill(actor)
         return None
     _stand_ins.append(actor)        # referenced for the driver's life
     _caller[:] = [(ray.get_runtime_context().namespace, name)]
     return _caller[0]
+
+
+def keep_stand_in() -> None:
+    """A stand-in that died while its driver lives (killed by hand, its worker OOM-killed) would
+    make every replica end this driver's rows: start another."""
+    if _stand_ins and _caller and _caller[0] is not None and not caller_alive(_caller[0]):
+        logger.warning("this driver's stand-in actor %s is gone: starting another", _caller[0][1])
+        release_stand_in()
+        stand_in_for_driver("job")
 
 
 _stand_ins: list = []

@@ -99,7 +99,7 @@ class Limits(StrictModel):
         "that sends headers and stalls does not hold one of the ingress's open-request slots for longer"
     )
     request_timeout_s: float | None = Field(
-        None, gt=0, le=86400.0, description="seconds a completion may take from arrival, queueing included; "
+        None, gt=0, le=86400.0, description="seconds a completion may take once the ingress parsed it, queueing included; "
         "beyond it the engine aborts it and the client gets 504 `request_timeout` (an error event in a "
         "stream); null (default, as vLLM): no limit"
     )

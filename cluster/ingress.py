@@ -73,13 +73,15 @@ def _unavailable(e: Exception) -> APIError:
 
 async def _within(when: float | None, limit: float | None, aw):
     """`await aw` before the loop time `when` (None: no deadline); past it, the 504 of
-    `limits.request_timeout_s` (the caller's `finally` closes the choices: the engine aborts them)."""
-    deadline = asyncio.timeout_at(when)
+    `limits.request_timeout_s` (the caller's `finally` closes the choices: the engine aborts them).
+    wait_for, not asyncio.timeout: Python 3.10 has no asyncio.timeout."""
+    if when is None:
+        return await aw
+    loop = asyncio.get_running_loop()
     try:
-        async with deadline:
-            return await aw
-    except TimeoutError:
-        if not deadline.expired():
+        return await asyncio.wait_for(aw, timeout=max(0.0, when - loop.time()))
+    except asyncio.TimeoutError:
+        if loop.time() < when:      # raised inside `aw`, not our deadline
             raise
         raise APIError(504, f"the request did not finish within limits.request_timeout_s ({limit:g} s)",
                        type="timeout_error", code="request_timeout") from None

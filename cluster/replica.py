@@ -69,6 +69,7 @@ class EngineReplica:
         self._backlog = None                      # BacklogReader, made on Serve's first autoscaling poll
         self._dead: BaseException | None = None
         self._step_started: float | None = None   # monotonic start of the step running now
+        self._life = threading.Lock()     # giving up on a hung step vs that step returning: one wins
         self._stopping = False
         built: concurrent.futures.Future = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._run_loop, args=(backend, built), name="engine-loop", daemon=True)
@@ -220,9 +221,9 @@ class EngineReplica:
             err = EngineDiedError(f"replica {self.replica_id}: an engine step has run for "
                                   f"{time.monotonic() - started:.0f} s, over limits.step_timeout_s ({limit:g} s): "
                                   "the engine is hung")
-            logger.error("%s", err)
-            self._give_up(err, err)
-            raise err
+            if self._give_up(err, err, step=started):
+                logger.error("%s", err)
+                raise err
         if self.tp is not None:
             self.tp.check_health()
 
@@ -265,7 +266,10 @@ class EngineReplica:
                 t0 = time.perf_counter()
                 self._step_started = time.monotonic()   # check_health: a step that never returns
                 outs = self.engine.step()
-                self._step_started = None
+                with self._life:
+                    self._step_started = None
+                    if self._dead is not None:      # given up on while it ran: its requests have their error
+                        break
                 for out in outs:
                     self._priority_stats.output(out)
                 self._stats = self._snapshot_stats(time.perf_counter() - t0)
@@ -275,14 +279,16 @@ class EngineReplica:
             logger.exception("replica %s: engine loop crashed", self.replica_id)
             self._give_up(e, EngineDiedError(f"replica {self.replica_id}: engine failed: {e!r}"))
 
-    def _give_up(self, cause: BaseException, err: EngineDiedError) -> None:
-        """The engine is unusable (crashed, or a step hung): every request gets `err` (callers retry
-        them elsewhere), and the process exits. Dying now, rather than at Serve's next health check
-        and its graceful shutdown (which waits for the requests of a hung step), makes Serve stop
-        routing to us and start a replacement at once."""
-        if self._dead is not None:
-            return
-        self._dead = cause
+    def _give_up(self, cause: BaseException, err: EngineDiedError, step: float | None = None) -> bool:
+        """The engine is unusable (crashed, or the step that started at `step` hung): every request
+        gets `err` (callers retry them elsewhere), and the process exits. Dying now, rather than at
+        Serve's next health check and its graceful shutdown (which waits for the requests of a hung
+        step), makes Serve stop routing to us and start a replacement at once. False where there is
+        nothing to do: given up already, or the hung step returned meanwhile."""
+        with self._life:
+            if self._dead is not None or (step is not None and self._step_started != step):
+                return False
+            self._dead = cause
         self._stats = {**self._stats, "engine_alive": False}
         for rid in list(self._streams):
             stream = self._streams.get(rid)
@@ -290,6 +296,7 @@ class EngineReplica:
                 stream.loop.call_soon_threadsafe(put_all, [(stream.queue, [*stream.held, err])])
         if _inside_ray_actor():
             threading.Timer(EXIT_GRACE_S, os._exit, args=(1,)).start()
+        return True
 
     def _drain_commands(self, block: bool) -> None:
         try:

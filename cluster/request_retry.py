@@ -99,10 +99,16 @@ async def _attempts(handle, request_id, prompt, params, priority, messages, max_
         try:  # a full router queue raises BackPressureError already from `.remote()`
             gen = handle.options(stream=True).submit.remote(rid, prompt, params, priority=priority, messages=messages,
                                                               stream_interval=stream_interval, caller=this_caller())
+            last_out = None
             async for out in gen:
                 if not isinstance(out, (Rejected, Failed)):
                     tokens_seen += len(out.new_token_ids)
+                last_out = out
                 yield out
+            if last_out is None or not (isinstance(last_out, (Rejected, Failed)) or last_out.finished):
+                # never a silent cut: a replica ends a stream early only for a caller it saw gone
+                raise ReplicaLostError("the replica ended this request's stream before it finished (it took "
+                                       "the caller for gone); please retry the request")
             return
         except (GeneratorExit, asyncio.CancelledError):  # consumer left (client disconnect): stop the work
             if gen is not None:

@@ -40,6 +40,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
+from cluster.caller_watch import keep_stand_in, release_stand_in, stand_in_for_driver
 from cluster.openai_errors import context_error
 from cluster.replica_errors import Failed, Rejected
 from jobs.input_reader import Row
@@ -79,8 +80,6 @@ class AppPool:
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
-        from cluster.caller_watch import stand_in_for_driver
-
         stand_in_for_driver("job")    # a driver killed mid-job: the app ends its rows (cluster/caller_watch.py)
         self._thread.start()
         self._refresh_window(force=True)
@@ -102,8 +101,6 @@ class AppPool:
                 logger.debug("cancelling rows in flight failed", exc_info=True)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)
-        from cluster.caller_watch import release_stand_in
-
         release_stand_in()
 
     # ---- the window --------------------------------------------------------------------------
@@ -116,6 +113,7 @@ class AppPool:
         self._window_at = time.monotonic()
         if not force:
             self._check_app()       # a deleted app leaves its calls hanging: notice it here
+            keep_stand_in()         # replicas end the rows of a caller whose stand-in is gone
         if self.cfg.max_in_flight is not None:
             self._window = self.cfg.max_in_flight
             return
@@ -239,8 +237,10 @@ class AppPool:
                 self._lost_streak = 0
                 done.append((call.row, res))
                 self.rows_by_node[self.cfg.serve_app] = self.rows_by_node.get(self.cfg.serve_app, 0) + 1
-        if retry and self._lost_streak >= 2 * max(1, self._window):
-            self._check_app()
+        if retry:
+            keep_stand_in()         # before they go again: rows a replica ended for a stand-in it saw gone
+            if self._lost_streak >= 2 * max(1, self._window):
+                self._check_app()
         return done, retry
 
     def _check_app(self) -> None:

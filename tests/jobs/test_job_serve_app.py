@@ -175,33 +175,64 @@ def test_kill_9_mid_job_through_the_app_then_rerun_has_every_id_once(tmp_path, c
     assert res.returncode == 2 and "model='another-model'" in res.stderr and "serve app 'tiny' serves" in res.stderr
 
 
-def test_the_rows_of_a_killed_driver_end_in_the_app(tmp_path, cluster):
-    """Ray does not cancel a call when its caller's process dies: the rows of a driver killed mid-job
-    ran on in the app to max_tokens (here 60 steps of 0.5 s). The driver's stand-in actor dies
-    with it, and the replica's caller watch ends its rows."""
+@pytest.fixture(scope="module")
+def fake_app(cluster):
+    """The fake engine (tests/cluster/fake_engine.py): `[slow:S]` prompts make rows take their time.
+    Returns a function: rows in its engine (Serve's ongoing calls of its one replica)."""
     import ray
 
     from cluster.config import ServeConfig
-    from tests.cluster.conftest import FAKE, wait_for
+    from tests.cluster.conftest import FAKE
 
     _deploy(ServeConfig(model="fake", engine=FAKE, app_name="orphan-rows", resources_per_rank={"cpu": 0.25},
                         limits={"max_model_len": 256, "max_tokens": 64}))
     engines = [ray.get_actor(a["Name"], namespace="serve") for a in ray._private.state.actors().values()
                if a["ActorClassName"] == "ServeReplica:orphan-rows:LLMServer" and a["State"] == "ALIVE"]
+    return lambda: sum(ray.get([h.get_num_ongoing_requests.remote() for h in engines]))
 
-    def in_engine() -> int:
-        return sum(ray.get([h.get_num_ongoing_requests.remote() for h in engines]))
+
+def test_the_rows_of_a_killed_driver_end_in_the_app(tmp_path, cluster, fake_app):
+    """Ray does not cancel a call when its caller's process dies: the rows of a driver killed mid-job
+    ran on in the app to max_tokens (here 60 steps of 0.5 s). The driver's stand-in actor dies
+    with it, and the replica's caller watch ends its rows."""
+    from tests.cluster.conftest import wait_for
 
     inp = write_parquet(tmp_path / "in.parquet", prompt=[f"[slow:0.5] row {i}" for i in range(3)])
     proc = _start(cluster, JobConfig(input=str(inp), serve_app="orphan-rows", max_tokens=60))
-    assert wait_for(lambda: in_engine() == 3 or proc.poll() is not None, timeout=120), in_engine()
+    assert wait_for(lambda: fake_app() == 3 or proc.poll() is not None, timeout=120), fake_app()
     assert proc.poll() is None, _finish(proc, 30)
     proc.send_signal(signal.SIGKILL)
     proc.communicate(timeout=30)
     killed = time.monotonic()
-    assert wait_for(lambda: in_engine() == 0, timeout=20), in_engine()     # the watch looks every 2 s
-    assert time.monotonic() - killed < 20                                  # not the 30 s to max_tokens
-    assert not _committed(tmp_path / "in.out")                             # nothing finished: a rerun does all 3
+    assert wait_for(lambda: fake_app() == 0, timeout=20), fake_app()     # the watch looks every 2 s
+    assert time.monotonic() - killed < 20                                # not the 30 s to max_tokens
+    assert not _committed(tmp_path / "in.out")                           # nothing finished: a rerun does all 3
+
+
+def test_a_stand_in_killed_under_a_live_driver_costs_a_resend_not_a_cut_row(tmp_path, cluster, fake_app):
+    """The replicas end the rows of a driver whose stand-in is gone. Under a live driver (its
+    stand-in killed by hand, or OOM) those rows came back as if finished: written with the tokens so
+    far. Now the cut stream is a lost row: the driver starts another stand-in and sends it again."""
+    import ray
+
+    from tests.cluster.conftest import wait_for
+
+    inp = write_parquet(tmp_path / "in.parquet", prompt=[f"[slow:0.2] row {i}" for i in range(4)])
+    proc = _start(cluster, JobConfig(input=str(inp), serve_app="orphan-rows", max_tokens=30))
+
+    def stand_ins():
+        return [a["Name"] for a in ray._private.state.actors().values()
+                if a["Name"].startswith("driver-job-") and a["State"] == "ALIVE"]
+    assert wait_for(lambda: (fake_app() == 4 and stand_ins()) or proc.poll() is not None, timeout=120), fake_app()
+    assert proc.poll() is None, _finish(proc, 30)
+    (first,) = stand_ins()
+    ray.kill(ray.get_actor(first, namespace="eagle-serve"))     # the driver's namespace (jobs/app_link.py)
+    code, log = _finish(proc, 300)
+    assert code == 0, log
+    assert "stand-in actor" in log and "is gone: starting another" in log, log
+    rows = read_rows(tmp_path / "in.out")
+    assert len(rows) == 4 and all(r["completion_tokens"] == 30 and r["finish_reason"] == "length" for r in rows), rows
+    assert read_manifest(tmp_path / "in.out")["error_rows"] == 0
 
 
 def _start(cluster, cfg: JobConfig) -> subprocess.Popen:
