@@ -115,8 +115,12 @@ class JobRunner:
                 raise OutputError(f"{e} (serve app {self.cfg.serve_app!r} serves {self.cfg.model}, dtype "
                                   f"{self.cfg.dtype}, draft {self.cfg.resolved_draft() or 'none'})") from None
             parts = set(self.out.parts())     # a part deleted by hand: its rows run again, counted once
-            self.prior_cache = {name: counts for name, counts in
-                                (self.out.manifest.get("prefix_cache_by_part") or {}).items() if name in parts}
+            by_part = self.out.manifest.get("prefix_cache_by_part")
+            if by_part is None and self.out.manifest.get("prefix_cache"):   # written before counts by part
+                old = self.out.manifest["prefix_cache"]
+                by_part = {"earlier runs": [old.get("prompt_tokens", 0), old.get("cached_prompt_tokens", 0)]}
+            self.prior_cache = {name: counts for name, counts in (by_part or {}).items()
+                                if name in parts or not name.startswith("part-")}
             if self.out.retried_error_rows:
                 logger.info("--retry-errors: %d error rows taken out of the output; they run again",
                             self.out.retried_error_rows)

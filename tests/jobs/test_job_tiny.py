@@ -98,6 +98,11 @@ def test_job_matches_llm_generate_with_overrides_and_bad_rows(tmp_path, tiny_mod
     assert len(read_rows(tmp_path / "in.out")) == n and redone["runs"][-1]["rows"] == 8
     assert first.name not in redone["prefix_cache_by_part"]
     assert redone["prefix_cache"]["prompt_tokens"] == m["prefix_cache"]["prompt_tokens"]
+    manifest = tmp_path / "in.out" / "_manifest.json"           # as written before counts by part
+    doc = json.loads(manifest.read_text())
+    del doc["prefix_cache_by_part"]
+    manifest.write_text(json.dumps(doc))
+    assert run_job(cfg)["prefix_cache"] == redone["prefix_cache"]     # its totals carried
 
 
 def test_openai_batch_jsonl_job(tmp_path, tiny_model, local_ray):
