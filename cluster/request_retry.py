@@ -121,7 +121,12 @@ async def _attempts(handle, request_id, prompt, params, priority, messages, max_
         except _DEATH as e:
             last = e
             replica = state.routed.get(rid)
-            if replica is None:                  # not routed by a LoadAwareRouter here: count every death
+            # a node the autoscaler drained (a spot VM preempted): no request's doing, so no death of
+            # this one's and no suspect; its retry goes wherever the router likes, at once
+            preempted = bool(getattr(e, "preempted", False))
+            if preempted:
+                pass
+            elif replica is None:                # not routed by a LoadAwareRouter here: count every death
                 deaths[f"attempt-{attempt}"] = e
             elif state.replica_key(replica) not in deaths and not state.seen_dead(replica, before=sent_at):
                 deaths[state.replica_key(replica)] = e   # died while this request was on it
@@ -138,7 +143,8 @@ async def _attempts(handle, request_id, prompt, params, priority, messages, max_
                     f"(the last: {_describe(e)}); it may be what crashes them"
                 ) from e
             if attempt + 1 < max_attempts:
-                state.suspects.add(f"{request_id}-retry{attempt + 1}")
+                if not preempted:
+                    state.suspects.add(f"{request_id}-retry{attempt + 1}")
                 if on_retry is not None:
                     on_retry(e)
                 logger.warning("request %s: replica failed (%s); retrying (attempt %d/%d)",

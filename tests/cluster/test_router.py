@@ -209,6 +209,28 @@ def test_only_deaths_under_the_request_count():
     assert len(h.calls) == 4
 
 
+def test_replicas_lost_to_a_preempted_node_count_no_death_and_make_no_suspect():
+    """A node the autoscaler drained (spot preemption: Ray's `preempted`) took the replicas down, not
+    the request: its retries are no suspects (which run one per replica, behind each other) and two
+    such losses are no poison verdict."""
+    def preempted():
+        e = ray.exceptions.ActorDiedError()
+        e._preempted = True
+        return e
+    suspect_at_call = []
+
+    class Watched(_Handle):
+        def remote(self, rid, *a, **kw):
+            suspect_at_call.append(rid in router_state.suspects)
+            return super().remote(rid, *a, **kw)
+    h = Watched(([], preempted()), ([], preempted()), ([_out(finished=True)], None), replicas=["a", "b", "c"])
+    outs = asyncio.run(_collect(h, restartable=True, max_attempts=3))
+    assert outs[-1].finished and len(h.calls) == 3 and suspect_at_call == [False, False, False]
+    h = Watched(([], ray.exceptions.ActorDiedError()), ([_out(finished=True)], None), replicas=["d", "e"])
+    asyncio.run(_collect(h, restartable=True))
+    assert suspect_at_call[-1] is True                 # any other death: its retry is a suspect, as before
+
+
 def test_retry_after_one_death_succeeds():
     h = _Handle(([_out()], EngineDiedError("boom")), ([_out(2, finished=True)], None), replicas=["a", "b"])
     outs = asyncio.run(_collect(h, restartable=True))
