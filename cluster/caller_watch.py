@@ -65,7 +65,7 @@ def _stand_in_class():
     return DriverStandIn
 
 
-def stand_in_for_driver(label: str, timeout_s: float = 60.0) -> tuple[str, str] | None:
+def stand_in_for_driver(timeout_s: float = 60.0) -> tuple[str, str] | None:
     """Make this driver a caller that replicas can watch: a named actor it owns, on its own node
     (a node lost takes both), whose (namespace, name) `this_caller` returns from now on. None where
     no actor could be started (then the driver sends no caller, as before: its rows run on if it
@@ -77,7 +77,7 @@ def stand_in_for_driver(label: str, timeout_s: float = 60.0) -> tuple[str, str] 
 
     if _caller and _caller[0] is not None:
         return _caller[0]
-    name = f"driver-{label}-{uuid.uuid4().hex[:8]}"
+    name = f"driver-job-{uuid.uuid4().hex[:8]}"
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     actor = None
     try:
@@ -99,7 +99,7 @@ def keep_stand_in() -> None:
     if _stand_ins and _caller and _caller[0] is not None and not caller_alive(_caller[0]):
         logger.warning("this driver's stand-in actor %s is gone: starting another", _caller[0][1])
         release_stand_in()
-        stand_in_for_driver("job")
+        stand_in_for_driver()
 
 
 _stand_ins: list = []

@@ -80,7 +80,7 @@ class AppPool:
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
-        stand_in_for_driver("job")    # a driver killed mid-job: the app ends its rows (cluster/caller_watch.py)
+        stand_in_for_driver()    # a driver killed mid-job: the app ends its rows (cluster/caller_watch.py)
         self._thread.start()
         self._refresh_window(force=True)
 
@@ -113,7 +113,6 @@ class AppPool:
         self._window_at = time.monotonic()
         if not force:
             self._check_app()       # a deleted app leaves its calls hanging: notice it here
-            keep_stand_in()         # replicas end the rows of a caller whose stand-in is gone
         if self.cfg.max_in_flight is not None:
             self._window = self.cfg.max_in_flight
             return
@@ -238,7 +237,7 @@ class AppPool:
                 done.append((call.row, res))
                 self.rows_by_node[self.cfg.serve_app] = self.rows_by_node.get(self.cfg.serve_app, 0) + 1
         if retry:
-            keep_stand_in()         # before they go again: rows a replica ended for a stand-in it saw gone
+            keep_stand_in()         # before they go again: rows a replica ended because the stand-in is gone
             if self._lost_streak >= 2 * max(1, self._window):
                 self._check_app()
         return done, retry
