@@ -28,6 +28,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from ray.exceptions import RayActorError, TaskCancelledError
 from starlette.requests import ClientDisconnect
 
+from cluster.death_cause import loss_reason
+
 disable_created_metrics()  # the *_created series only add noise to every scrape
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -180,7 +182,8 @@ class ServeMetrics:
         self.requests.labels(self.model, endpoint, str(status)).inc()
 
     def retried(self, error: BaseException) -> None:
-        self.retries.labels(self.model, type(error).__name__).inc()
+        """reason: `preempted` or `node_lost` for a replica lost with its node, else the error's type."""
+        self.retries.labels(self.model, loss_reason(error)).inc()
 
     def first_token(self, ttft_s: float) -> None:
         self.ttft.labels(self.model).observe(ttft_s)

@@ -10,6 +10,7 @@ Poison requests: a request under which two *different* replicas died is not resu
 request count: the router records which replica each attempt was routed to (cluster/router.py), so
 the same death seen twice and a replica already seen dead before this attempt was sent do not
 count. That bookkeeping lives in cluster/router_state.py, which the router shares with this module.
+A replica lost with its node (cluster/death_cause.py) counts as no death at all.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from ray.serve.exceptions import BackPressureError
 from cluster import router_state as state
 from cluster.admission import OverloadedError
 from cluster.caller_watch import this_caller
+from cluster.death_cause import lost_with_node
 from cluster.replica_errors import EngineDiedError, Failed, Rejected
 
 logger = logging.getLogger(__name__)
@@ -121,10 +123,10 @@ async def _attempts(handle, request_id, prompt, params, priority, messages, max_
         except _DEATH as e:
             last = e
             replica = state.routed.get(rid)
-            # a node the autoscaler drained (a spot VM preempted): no request's doing, so no death of
-            # this one's and no suspect; its retry goes wherever the router likes, at once
-            preempted = bool(getattr(e, "preempted", False))
-            if preempted:
+            # lost with its node (a spot VM taken back, a node drained and shut down): no request's
+            # doing, so no death of this one's and no suspect; its retry goes wherever the router likes
+            node_lost = lost_with_node(e)
+            if node_lost:
                 pass
             elif replica is None:                # not routed by a LoadAwareRouter here: count every death
                 deaths[f"attempt-{attempt}"] = e
@@ -143,7 +145,7 @@ async def _attempts(handle, request_id, prompt, params, priority, messages, max_
                     f"(the last: {_describe(e)}); it may be what crashes them"
                 ) from e
             if attempt + 1 < max_attempts:
-                if not preempted:
+                if not node_lost:
                     state.suspects.add(f"{request_id}-retry{attempt + 1}")
                 if on_retry is not None:
                     on_retry(e)

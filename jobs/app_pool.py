@@ -203,8 +203,9 @@ class AppPool:
         return self._tokenizer
 
     # ---- collecting --------------------------------------------------------------------------
-    def poll(self, timeout: float) -> tuple[list[tuple[Row, dict]], list[Row]]:
-        """(finished rows with results, rows to send again)."""
+    def poll(self, timeout: float) -> tuple[list[tuple[Row, dict]], list[tuple[Row, bool]]]:
+        """(finished rows with results, rows to send again, each counting against its
+        `max_row_retries`: the app's own retries already went past replicas lost with their node)."""
         if not self.calls:
             time.sleep(min(timeout, 0.05))
             return [], []
@@ -221,7 +222,7 @@ class AppPool:
             if call is None:            # cancelled meanwhile
                 continue
             if isinstance(res, _Lost):
-                retry.append(call.row)
+                retry.append((call.row, True))
                 self._lost_streak += 1
                 logger.warning("row %r lost (%s); it is sent again", call.row.id, res)
             elif isinstance(res, BaseException):
@@ -229,7 +230,7 @@ class AppPool:
                 # failing the call... The app gone fails the job; else the row is sent again (then, after
                 # max_row_retries, an error row)
                 self._check_app()
-                retry.append(call.row)
+                retry.append((call.row, True))
                 logger.warning("row %r: the call failed (%s: %s); it is sent again", call.row.id,
                                type(res).__name__, _first_line(res))
             else:

@@ -14,7 +14,9 @@ Failures: a replica that dies (actor lost, node lost, engine loop crashed, a ste
 `step_timeout_s`, seen by polling its health) is killed and replaced
 (at most `replica_restarts` times per job); its in-flight rows go back to the driver, which sends
 them again: nothing was written for them, so nothing is lost or duplicated. A row whose replicas
-keep dying is written as an error row after `max_row_retries` re-runs.
+keep dying is written as an error row after `max_row_retries` re-runs. A replica lost with its node
+(a spot VM taken back, a node drained and shut down: cluster/death_cause.py) is nobody's doing: it
+is replaced without using a restart, and its rows' re-runs count against no row.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from cluster.config import ServeConfig
 from cluster.config_sections import Limits, RankResources
 from cluster.cpu_threads import engine_env
+from cluster.death_cause import lost_with_node
 from cluster.openai_errors import context_error
 from cluster.replica import EngineReplica, engine_config
 from cluster.replica_errors import EngineDiedError, Failed, Rejected, ReplicaConfigError
@@ -146,6 +149,7 @@ class _Replica:
     pg: Any = None
     health_ref: Any = None           # a check_health call in flight
     health_at: float = 0.0
+    spawned_at: float = field(default_factory=time.monotonic)
 
     @property
     def ready(self) -> bool:
@@ -167,7 +171,7 @@ class ReplicaPool:
         self.replicas: list[_Replica] = []
         self.calls: dict[Any, _Call] = {}   # ObjectRef -> call
         self.restarts_left = cfg.replica_restarts
-        self.started_at = time.monotonic()
+        self.replicas_lost_with_node = 0    # replaced without using a restart (manifest)
         self.last_error: str | None = None
         self.rows_by_node: dict[str, int] = {}   # node id -> rows finished there (manifest)
         self._cls = ray.remote(JobReplica)
@@ -227,7 +231,8 @@ class ReplicaPool:
 
     def submit(self, row: Row, params: dict) -> None:
         r = min((r for r in self.replicas if r.ready), key=lambda r: r.in_flight)
-        rid = str(row.id) if not row.attempts else f"{row.id}#retry{row.attempts}"
+        sends = row.attempts + row.lost_with_node
+        rid = str(row.id) if not sends else f"{row.id}#retry{sends}"
         ref = r.actor.generate.remote(rid, row.prompt, params, messages=row.messages, priority=OFFLINE_PRIORITY,
                                       check_context=row.strict_max_tokens and "max_tokens" in row.params)
         r.in_flight += 1
@@ -238,8 +243,9 @@ class ReplicaPool:
         return len(self.calls)
 
     # ---- collecting --------------------------------------------------------------------------
-    def poll(self, timeout: float) -> tuple[list[tuple[Row, dict]], list[Row]]:
-        """(finished rows with results, rows to send again because their replica died)."""
+    def poll(self, timeout: float) -> tuple[list[tuple[Row, dict]], list[tuple[Row, bool]]]:
+        """(finished rows with results, rows to send again because their replica died, each with
+        whether that counts against the row's `max_row_retries`: not for a node lost)."""
         starting = {r.ready_ref: r for r in self.replicas if r.ready_ref is not None and not r.dead}
         waitable = list(self.calls) + list(starting)
         if not waitable:
@@ -262,7 +268,7 @@ class ReplicaPool:
                 self.rows_by_node[node] = self.rows_by_node.get(node, 0) + 1
             except (RayActorError, ActorUnavailableError, EngineDiedError) as e:
                 self._on_death(call.replica, e)
-                retry.append(call.row)
+                retry.append((call.row, not lost_with_node(e)))
             except Exception as e:  # a bug on one row: report it on that row, keep going
                 done.append((call.row, {"error": f"internal error: {type(e).__name__}: {_first_line(e)}"}))
         self._check_health()
@@ -308,9 +314,14 @@ class ReplicaPool:
     def _on_death(self, r: _Replica, err: BaseException) -> None:
         if r.dead:
             return
-        logger.warning("replica %d died (%s); %d rows in flight there go back to the queue",
-                       r.index, _first_line(err), r.in_flight)
+        node_lost = lost_with_node(err)
+        logger.warning("replica %d %s (%s); %d rows in flight there go back to the queue", r.index,
+                       "was lost with its node" if node_lost else "died", _first_line(err), r.in_flight)
         self._kill(r)
+        if node_lost:                       # the cluster's doing, not the rows': no restart used
+            self.replicas_lost_with_node += 1
+            self.replicas[self.replicas.index(r)] = self._spawn(r.index)
+            return
         if self.restarts_left > 0:
             self.restarts_left -= 1
             self.replicas[self.replicas.index(r)] = self._spawn(r.index)
@@ -321,7 +332,9 @@ class ReplicaPool:
         if not alive:
             raise JobFailed(f"no replica left ({self.last_error or 'all died'}); committed output is kept, "
                             "run the same command again to resume")
-        if not any(r.ready for r in alive) and time.monotonic() - self.started_at > self.cfg.startup_timeout_s:
+        # measured from the longest-waiting start: a replacement mid-job gets the same time as the first
+        waiting = time.monotonic() - min(r.spawned_at for r in alive)
+        if not any(r.ready for r in alive) and waiting > self.cfg.startup_timeout_s:
             have = ray.cluster_resources()
             gpus = f"{self.cfg.tp_size} GPU(s) (--device cuda) and " if self.cfg.device == "cuda" else ""
             raise JobFailed(f"no replica became ready within {self.cfg.startup_timeout_s:.0f}s; each needs {gpus}"

@@ -189,7 +189,11 @@ class JobRunner:
                 done, lost = self.pool.poll(timeout=0.5)
                 for row, res in done:
                     self._emit(row, res)
-                for row in reversed(lost):
+                for row, counts in reversed(lost):
+                    if not counts:          # lost with its replica's node: no row's doing
+                        row.lost_with_node += 1
+                        queue.appendleft(row)
+                        continue
                     row.attempts += 1
                     if row.attempts > cfg.max_row_retries:
                         self._emit(row, {"error": f"the replica running this row died {row.attempts} times"})
@@ -344,6 +348,7 @@ class JobRunner:
             "cpus_per_replica": getattr(self.pool, "cpus", None),
             "preempted_rows": self.preempted_rows, "preemptions": self.preemptions,
             "rows_by_node": dict(getattr(self.pool, "rows_by_node", {})),
+            "replicas_lost_with_node": getattr(self.pool, "replicas_lost_with_node", 0),
             # sampled (ru_maxrss is no use: Linux keeps it across exec, so it includes a forking parent)
             "driver_peak_rss_mb": round(self.rss_peak, 1), "driver_rss_mb_by_decile": self.rss_by_decile,
         }

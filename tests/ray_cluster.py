@@ -84,6 +84,22 @@ class LocalCluster:
             raise RuntimeError(f"driver {args[0]} failed (rc={r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}")
         return json.loads(lines[-1])
 
+    def preempt(self, node_id: str, graceful: bool = False) -> None:
+        """A spot VM taken back: the node drained with the preemption reason, then at once either gone
+        (SIGKILL to its raylet and every process under it: Ray reports the actors `preempted`) or, with
+        `graceful`, shut down as a deleted pod is (SIGTERM to the raylet: "terminated expectedly")."""
+        import psutil
+
+        self._ray("drain-node", "--address", self.gcs, "--node-id", node_id, "--reason", "DRAIN_NODE_REASON_PREEMPTION",
+                  "--reason-message", "spot instance preempted (test)", "--deadline-remaining-seconds", "1")
+        marker = f"--node_id={node_id}"
+        if graceful:
+            raylets = [p for p in psutil.process_iter(["cmdline"]) if marker in (p.info["cmdline"] or [])]
+            for p in raylets:
+                p.terminate()
+            psutil.wait_procs(raylets, timeout=20)
+        kill_tree(marker, timeout=0.0 if not graceful else 1.0, signal_first="kill" if not graceful else "term")
+
     def stop(self) -> None:
         kill_tree(self.temp)
         shutil.rmtree(self.temp, ignore_errors=True)
@@ -95,9 +111,10 @@ class LocalCluster:
         self.stop()
 
 
-def kill_tree(marker: str, timeout: float = 1.0) -> None:
+def kill_tree(marker: str, timeout: float = 1.0, signal_first: str = "term") -> None:
     """Terminate the processes whose command line contains `marker`, and their children, by pid
-    (a throwaway cluster: what has not ended a second after SIGTERM is killed)."""
+    (a throwaway cluster: what has not ended a second after SIGTERM is killed; `signal_first="kill"`
+    kills at once)."""
     import psutil
 
     me = os.getpid()
@@ -117,7 +134,7 @@ def kill_tree(marker: str, timeout: float = 1.0) -> None:
     procs = {p for p in procs if p.pid != me}
     for p in procs:
         try:
-            p.terminate()
+            p.kill() if signal_first == "kill" else p.terminate()
         except psutil.NoSuchProcess:
             pass
     _, alive = psutil.wait_procs(list(procs), timeout=timeout)

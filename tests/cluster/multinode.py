@@ -1,5 +1,5 @@
 """Driver side of the multi-node Serve tests:
-`python -m tests.cluster.multinode ADDRESS deploy|replicas|kill-busy ...`.
+`python -m tests.cluster.multinode ADDRESS deploy|replicas|actors|kill-busy ...`.
 
 The test process stays out of the cluster (it may already be connected to the session's embedded
 Ray, and a process joins one cluster only): deploying and asking Ray about replicas happen in short
@@ -27,6 +27,16 @@ def _replicas(app: str) -> list[dict]:
             out.append({"deployment": deployment, "replica_id": replica_id, "pid": a["Pid"],
                         "node_id": a["Address"]["NodeID"]})
     return sorted(out, key=lambda r: (r["deployment"], r["replica_id"]))
+
+
+def _actors(class_name: str) -> list[dict]:
+    """Alive actors of a class (e.g. a job's JobReplica): process id, node, and whether its node is the head."""
+    import ray
+    from ray._private import state
+
+    head = {n["NodeID"] for n in ray.nodes() if n["Alive"] and "node:__internal_head__" in n["Resources"]}
+    return [{"pid": a["Pid"], "node_id": a["Address"]["NodeID"], "on_head": a["Address"]["NodeID"] in head}
+            for a in state.actors(actor_state_name="ALIVE").values() if a.get("ActorClassName") == class_name]
 
 
 def _kill_busy(app: str, deployment: str, timeout: float = 60.0) -> dict:
@@ -69,7 +79,10 @@ def _main(argv: list[str]) -> None:
         answer = {"replicas": _replicas(config.app_name)}
     elif cmd == "replicas":  # replicas APP
         answer = {"replicas": _replicas(rest[0]),
-                  "nodes": sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])}
+                  "nodes": sorted(n["NodeID"] for n in ray.nodes() if n["Alive"]),
+                  "head": next(n["NodeID"] for n in ray.nodes() if n["Alive"] and "node:__internal_head__" in n["Resources"])}
+    elif cmd == "actors":  # actors CLASS_NAME
+        answer = {"actors": _actors(rest[0])}
     elif cmd == "kill-busy":  # kill-busy APP DEPLOYMENT
         answer = {"killed": _kill_busy(rest[0], rest[1])}
     else:

@@ -144,3 +144,45 @@ def test_load_spreads_over_both_nodes_and_survives_a_replica_kill(two_nodes, app
     r = client.completions.create(model=MODEL, prompt="still there?", max_tokens=4, extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 4
 
+
+
+def test_a_replica_lost_with_a_preempted_node_is_retried_as_no_death(two_nodes, app):
+    """A spot VM taken back: the worker node is drained with the preemption reason and killed under
+    load (after the test above, so this module's cluster ends with one node). Serve hands the ingress
+    Ray's ActorDiedError with `preempted` set, so every non-streamed request completes on the head's
+    replica, and the retries count as `preempted`: no death, no suspect (cluster/request_retry.py)."""
+    url, client, _ = app
+    state = two_nodes.driver("replicas", "multinode")
+    replicas = [r for r in state["replicas"] if r["deployment"] == "LLMServer"]
+    worker = next(r for r in replicas if r["node_id"] != state["head"])   # one replica per node (sizing above)
+    assert wait_for(lambda: _known_replicas(url) >= {r["replica_id"] for r in replicas}, timeout=60)
+    before = _retries_by_reason(url)
+
+    done = threading.Semaphore(0)
+
+    def tracked(i):
+        try:
+            return _one(client, 4 * i)       # non-streamed: a retry is always allowed
+        finally:
+            done.release()
+
+    with cf.ThreadPoolExecutor(CONCURRENCY) as pool:
+        futs = [pool.submit(tracked, i) for i in range(40)]
+        for _ in range(KILL_AFTER):
+            assert done.acquire(timeout=REQUEST_TIMEOUT), "requests stopped finishing before the preemption"
+        two_nodes.preempt(worker["node_id"])
+        finished, pending = cf.wait(futs, timeout=3 * REQUEST_TIMEOUT)
+        assert not pending, f"{len(pending)} requests hung after the preemption"
+    results = [f.result() for f in futs]
+    assert all(status == "ok" for status, _ in results), [m for s, m in results if s != "ok"]
+    after = _retries_by_reason(url)
+    new = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    print(f"preempted node {worker['node_id'][:8]} (replica {worker['replica_id']}); retries by reason {new}")
+    assert new.get("preempted", 0) >= 1, new                      # the preemption hit requests in flight...
+    assert all(n == 0 for k, n in new.items() if k != "preempted"), new   # ...and was seen as one
+
+
+def _retries_by_reason(url: str) -> dict[str, float]:
+    text = requests.get(f"{url}/metrics", timeout=30).text
+    return {reason: float(v) for reason, v in
+            re.findall(r'^eagle_request_retries_total{[^}]*reason="([^"]+)"[^}]*} (\S+)$', text, re.M)}

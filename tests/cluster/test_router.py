@@ -10,6 +10,7 @@ from ray.serve.exceptions import BackPressureError
 
 from cluster import router_state
 from cluster.admission import Admission, OverloadedError
+from cluster.death_cause import loss_reason
 from cluster.replica_errors import EngineDiedError, Rejected, guess_param
 from cluster.request_retry import PoisonRequestError, ReplicaLostError, stream_outputs
 from cluster.router import LoadAwareRouter
@@ -209,14 +210,27 @@ def test_only_deaths_under_the_request_count():
     assert len(h.calls) == 4
 
 
-def test_replicas_lost_to_a_preempted_node_count_no_death_and_make_no_suspect():
-    """A node the autoscaler drained (spot preemption: Ray's `preempted`) took the replicas down, not
-    the request: its retries are no suspects (which run one per replica, behind each other) and two
-    such losses are no poison verdict."""
+# Ray's words for an actor on a node drained and then shut down like a deleted pod (SIGTERM to its raylet)
+NODE_SHUT_DOWN = ("The actor died unexpectedly before finishing this task.\n\tclass_name: ServeReplica:app:LLMServer\n"
+                  "The actor died because its node has died. Node Id: 4912854e\n"
+                  "\tthe actor's node was terminated expectedly: received SIGTERM")
+
+
+@pytest.mark.parametrize("how", ["preempted", "node shut down"])
+def test_replicas_lost_with_their_node_count_no_death_and_make_no_suspect(how):
+    """A spot VM taken back (Ray's `preempted`: the node drained, then gone) or a node drained and shut
+    down (Ray: "its node has died ... terminated expectedly") took the replicas down, not the request:
+    its retries are no suspects (which run one per replica, behind each other) and two such losses are
+    no poison verdict; the retries metric names the cause."""
     def preempted():
         e = ray.exceptions.ActorDiedError()
-        e._preempted = True
+        if how == "preempted":
+            e._preempted = True
+        else:
+            e.error_msg = NODE_SHUT_DOWN
         return e
+    assert loss_reason(preempted()) == ("preempted" if how == "preempted" else "node_lost")
+    assert loss_reason(ray.exceptions.ActorDiedError()) == "ActorDiedError"
     suspect_at_call = []
 
     class Watched(_Handle):

@@ -1,14 +1,20 @@
 """A job submitted with --address to a local two-node Ray cluster (token auth, one CPU per node),
-followed with `job status --follow` to completion, then `job list` and `job logs`.
+followed with `job status --follow` to completion, then `job list` and `job logs`; and a job that
+loses a replica with its node (three nodes, one drained and shut down mid-job).
 
 The cluster is `tests.ray_cluster.LocalCluster` (started with `ray start` in its own temp dir, torn
 down by process id)."""
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pyarrow.parquet as pq
 import pytest
 
-from tests.ray_cluster import LocalCluster
+from tests.cluster.conftest import wait_for
+from tests.ray_cluster import REPO, LocalCluster
 
 from .conftest import cli, read_manifest, write_parquet
 
@@ -52,3 +58,52 @@ def test_job_on_a_two_node_cluster_followed_to_completion(tmp_path, tiny_model, 
               "--job-id", "error-rows-job", env=env, timeout=300)
     assert res.returncode == 3, res.stdout + res.stderr
     assert "error-rows-job: SUCCEEDED" in res.stdout and "(2 error rows" in res.stdout
+
+
+JOB_DRIVER = """
+import json, sys
+from jobs.job_config import JobConfig
+from jobs.runner import run_job
+run_job(JobConfig(**json.loads(sys.argv[2])), ray_address=sys.argv[1])
+"""
+
+
+@pytest.mark.slow  # a three-node `ray start` cluster and a job driver subprocess
+def test_a_job_loses_a_replica_with_its_node_and_finishes_without_a_restart_or_an_error_row(tmp_path):
+    """A node drained for preemption and shut down like a deleted pod (SIGTERM to its raylet) mid-job:
+    with no replica restarts and no row retries allowed (`max_replica_restarts=0`,
+    `max_row_retries=0`), the replica is still replaced on the spare node and its rows sent again,
+    since a lost node is no replica's or row's doing: every row once, no error row."""
+    n = 48
+    inp = write_parquet(tmp_path / "in.parquet", prompt=[f"row {i} [slow:0.1]" for i in range(n)])
+    cfg = dict(input=str(inp), engine="tests.cluster.fake_engine", model="fake", draft="none", max_tokens=16,
+               max_num_seqs=4, replicas=2, cpus_per_replica=1, max_replica_restarts=0, max_row_retries=0,
+               rows_per_file=4, commit_interval_s=0.5)
+    with LocalCluster(node_cpus=(1, 1, 1)) as cluster:
+        driver = subprocess.Popen([sys.executable, "-c", JOB_DRIVER, cluster.gcs, json.dumps(cfg)], cwd=REPO,
+                                  env=cluster.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            out = tmp_path / "in.out"
+
+            def rows_done() -> int:
+                try:
+                    return read_manifest(out)["runs"][-1]["rows"]
+                except (OSError, ValueError, KeyError, IndexError):
+                    return 0
+            assert wait_for(lambda: rows_done() >= 8 or driver.poll() is not None, timeout=180), "no row finished"
+            assert driver.poll() is None, driver.communicate()[0][-3000:]
+            replicas = cluster.driver("actors", "JobReplica")["actors"]
+            assert len(replicas) == 2, replicas
+            lost = next(r for r in replicas if not r["on_head"])
+            cluster.preempt(lost["node_id"], graceful=True)
+            log = driver.communicate(timeout=300)[0]
+        finally:
+            if driver.poll() is None:
+                driver.kill()
+    assert driver.returncode == 0, log[-3000:]
+    assert "was lost with its node" in log, log[-3000:]
+    m = read_manifest(out)
+    ids = pq.read_table(out, columns=["id"]).column("id").to_pylist()
+    assert sorted(ids) == sorted(f"in.parquet:{i}" for i in range(n))
+    assert m["complete"] and m["error_rows"] == 0, m
+    assert m["runs"][-1]["replicas_lost_with_node"] == 1, m["runs"][-1]

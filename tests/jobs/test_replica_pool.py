@@ -1,0 +1,63 @@
+"""ReplicaPool's bookkeeping of replica losses, without Ray: which losses use one of the job's
+restarts, and how long a replacement may take to start. (Whole jobs losing replicas run in
+test_job_tiny.py and, to a preempted node on a real cluster, in test_job_cluster.py.)"""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import ray.exceptions
+
+from jobs import replica_pool
+from jobs.job_config import JobConfig
+from jobs.replica_pool import JobFailed, ReplicaPool, _Replica
+from tests.cluster.test_router import NODE_SHUT_DOWN
+
+
+@pytest.fixture
+def pool(tmp_path, monkeypatch):
+    cfg = JobConfig(input=str(tmp_path / "in.parquet"), engine="tests.cluster.fake_engine", model="fake", draft="none",
+                    replicas=2, cpus_per_replica=1, max_replica_restarts=1, startup_timeout_s=60)
+    p = ReplicaPool(cfg)
+    spawned = itertools.count(2)
+    monkeypatch.setattr(p, "_spawn", lambda index: _Replica(index, actor=f"actor-{next(spawned)}", ready_ref="starting",
+                                                            spawned_at=replica_pool.time.monotonic()))
+    monkeypatch.setattr(p, "_kill", lambda r: setattr(r, "dead", True))
+    p.replicas = [_Replica(0, actor="actor-0"), _Replica(1, actor="actor-1")]
+    return p
+
+
+def _node_lost(how: str) -> BaseException:
+    e = ray.exceptions.ActorDiedError()
+    if how == "preempted":
+        e._preempted = True
+    else:
+        e.error_msg = NODE_SHUT_DOWN
+    return e
+
+
+@pytest.mark.parametrize("how", ["preempted", "node shut down"])
+def test_a_replica_lost_with_its_node_is_replaced_without_using_a_restart(pool, how):
+    for _ in range(3):                              # more losses than the job has restarts
+        pool._on_death(pool.replicas[0], _node_lost(how))
+    assert pool.restarts_left == 1 and pool.replicas_lost_with_node == 3
+    assert pool.replicas[0].actor == "actor-4" and not pool.replicas[0].dead   # the third replacement
+    pool._on_death(pool.replicas[1], ray.exceptions.ActorDiedError())          # a process death: uses one
+    assert pool.restarts_left == 0 and pool.replicas[1].actor == "actor-5"
+    pool._on_death(pool.replicas[1], ray.exceptions.ActorDiedError())          # none left: not replaced
+    assert pool.replicas[1].dead
+
+
+def test_a_replacement_mid_job_gets_its_own_startup_time(pool, monkeypatch):
+    """Counted from the pool's start, a replica replaced after `startup_timeout_s` of a job failed it
+    at the next poll (a one-replica job losing its replica an hour in could never restart it)."""
+    now = [1000.0]
+    monkeypatch.setattr(replica_pool.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(replica_pool.ray, "cluster_resources", lambda: {"CPU": 1.0})   # for the message
+    pool.replicas = [_Replica(0, actor="actor-0", spawned_at=0.0)]   # ready since the job began, 1000 s ago
+    pool._on_death(pool.replicas[0], ray.exceptions.ActorDiedError())
+    now[0] += 30
+    pool._check_startup()                            # 30 s into its start: still waiting
+    now[0] += 31
+    with pytest.raises(JobFailed, match="no replica became ready within 60s"):
+        pool._check_startup()                        # 61 s: over startup_timeout_s
