@@ -152,7 +152,12 @@ def test_a_replica_lost_with_a_preempted_node_is_retried_as_no_death(two_nodes, 
     Ray's ActorDiedError with `preempted` set, so every non-streamed request completes on the head's
     replica, and the retries count as `preempted`: no death, no suspect (cluster/request_retry.py)."""
     url, client, _ = app
-    state = two_nodes.driver("replicas", "multinode")
+    state: dict = {}
+
+    def both_up() -> bool:   # the replica the test above killed is back (Serve restarts it on its node)
+        state.update(two_nodes.driver("replicas", "multinode"))
+        return len({r["node_id"] for r in state["replicas"] if r["deployment"] == "LLMServer"}) == 2
+    assert wait_for(both_up, timeout=120, interval=1.0), state
     replicas = [r for r in state["replicas"] if r["deployment"] == "LLMServer"]
     worker = next(r for r in replicas if r["node_id"] != state["head"])   # one replica per node (sizing above)
     assert wait_for(lambda: _known_replicas(url) >= {r["replica_id"] for r in replicas}, timeout=60)
