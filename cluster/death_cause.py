@@ -7,20 +7,23 @@ replica process that died on a live node may have been killed by what it ran: th
 """
 from __future__ import annotations
 
+from ray.exceptions import RayActorError
+
 # Ray's GCS words for an actor lost with its node ("...; the actor's node was preempted: ...",
 # "... terminated expectedly: received SIGTERM", ...); a drained-then-killed node also sets `preempted`
 _NODE_DIED = "because its node has died"
 
 
 def lost_with_node(error: BaseException) -> bool:
-    """The replica's actor died because its node did."""
+    """The replica's actor died because its node did: Ray's own actor error says so (never the text of
+    another error, which a request could have put words into)."""
     cause = getattr(error, "cause", None)
     errors = (error, cause) if isinstance(cause, BaseException) else (error,)
-    return any(getattr(e, "preempted", False) or _NODE_DIED in str(e) for e in errors)
+    return any(isinstance(e, RayActorError) and (e.preempted or _NODE_DIED in str(e)) for e in errors)
 
 
 def loss_reason(error: BaseException) -> str:
     """A label for a replica loss: `preempted`, `node_lost`, or the error's type."""
-    if getattr(error, "preempted", False):
+    if isinstance(error, RayActorError) and error.preempted:
         return "preempted"
     return "node_lost" if lost_with_node(error) else type(error).__name__
