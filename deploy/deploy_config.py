@@ -99,6 +99,31 @@ class HeadPodConfig(StrictModel):
     resources: PodResources = PodResources(cpu="2", memory="8Gi")
 
 
+class Toleration(StrictModel):
+    """A pod toleration, checked as the API server would (e.g. a spot pool's taint:
+    `{key: cloud.google.com/gke-spot, value: "true", effect: NoSchedule}`)."""
+    key: LabelKey | None = None               # none (with Exists): every taint
+    operator: Literal["Equal", "Exists"] = "Equal"
+    value: LabelValue | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None   # none: every effect
+    toleration_seconds: int | None = Field(None, ge=0, le=2**31 - 1)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Toleration":
+        if self.operator == "Exists" and self.value:
+            raise ValueError("operator Exists takes no value")
+        if self.operator == "Equal" and not self.key:
+            raise ValueError("operator Equal needs a key (a toleration without a key must use Exists)")
+        if self.toleration_seconds is not None and self.effect != "NoExecute":
+            raise ValueError("toleration_seconds applies to effect NoExecute only")
+        return self
+
+    def manifest(self) -> dict:
+        out = {"key": self.key, "operator": self.operator, "value": self.value, "effect": self.effect,
+               "tolerationSeconds": self.toleration_seconds}
+        return {k: v for k, v in out.items() if v is not None}
+
+
 class WorkerPodConfig(StrictModel):
     """Worker pods. Serving replicas live only here (the head advertises 0 CPUs)."""
     gpus_per_node: int = Field(0, ge=0, le=16)
@@ -107,6 +132,7 @@ class WorkerPodConfig(StrictModel):
     min_nodes: int | None = Field(None, ge=0)  # None: from the serve replica bounds
     max_nodes: int | None = Field(None, ge=1)
     node_selector: dict[LabelKey, LabelValue] = Field(default_factory=dict)
+    tolerations: list[Toleration] = Field(default_factory=list, max_length=64)   # besides nvidia.com/gpu's
 
 
 class StorageConfig(StrictModel):

@@ -163,8 +163,12 @@ def _pod(cfg: DeployConfig, container: dict, labels: dict, data: DataAccess | No
             sel[GPU_PRODUCT_LABEL] = k.workers.gpu_product
         if sel:
             spec["nodeSelector"] = sel
-        if k.workers.gpus_per_node:  # GPU node pools are usually tainted so only GPU pods land there
-            spec["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+        tolerations = [t.manifest() for t in k.workers.tolerations]
+        if k.workers.gpus_per_node and not any(t.get("key") == "nvidia.com/gpu" for t in tolerations):
+            # GPU node pools are usually tainted so only GPU pods land there
+            tolerations.insert(0, {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"})
+        if tolerations:
+            spec["tolerations"] = tolerations
         spec["terminationGracePeriodSeconds"] = 60  # Serve drains a replica for up to 30 s
     return {"metadata": {"labels": labels}, "spec": spec}
 

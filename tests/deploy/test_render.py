@@ -179,6 +179,34 @@ def test_cpu_cluster_has_no_gpus_and_no_gpu_tolerations():
     assert _group(render(cfg)["raycluster.yaml"])["maxReplicas"] == 3
 
 
+SPOT = {"key": "cloud.google.com/gke-spot", "value": "true", "effect": "NoSchedule"}
+
+
+def test_worker_tolerations_join_the_gpu_one_and_pass_the_crd():
+    """A spot GPU pool: its taint tolerated beside nvidia.com/gpu's, in the form the API server takes."""
+    from tests.deploy import kube_schema as ks
+
+    cfg = _cfg(GPU, {"workers": {"gpus_per_node": 1, "node_selector": {"cloud.google.com/gke-spot": "true"},
+                                 "tolerations": [SPOT, {"key": "dedicated", "operator": "Exists",
+                                                        "effect": "NoExecute", "toleration_seconds": 30}]}})
+    for name, m in render(cfg).items():
+        if m["kind"] not in ("RayService", "RayCluster", "RayJob"):
+            continue
+        assert ks.errors(m) == [], name
+        pod = _group(m)["template"]["spec"]
+        assert pod["tolerations"] == [
+            {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+            {"key": "cloud.google.com/gke-spot", "operator": "Equal", "value": "true", "effect": "NoSchedule"},
+            {"key": "dedicated", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 30}], name
+        assert pod["nodeSelector"] == {"cloud.google.com/gke-spot": "true"}
+    own = _cfg(GPU, {"workers": {"gpus_per_node": 1, "tolerations": [
+        {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}]}})
+    assert _group(render(own)["rayservice.yaml"])["template"]["spec"]["tolerations"] == [
+        {"key": "nvidia.com/gpu", "operator": "Equal", "value": "present", "effect": "NoSchedule"}]  # theirs only
+    cpu = _group(render(_cfg({}, {"workers": {"tolerations": [SPOT]}}))["rayservice.yaml"])["template"]["spec"]
+    assert [t["key"] for t in cpu["tolerations"]] == ["cloud.google.com/gke-spot"]
+
+
 def test_node_bounds_can_be_overridden():
     cfg = _cfg({"num_replicas": 2}, {"workers": {"min_nodes": 0, "max_nodes": 5}})
     g = _group(render(cfg)["rayservice.yaml"])
@@ -204,6 +232,12 @@ def test_node_bounds_can_be_overridden():
     ({}, {"ray_auth_secret": "Bad_Name"}, "ray_auth_secret"),
     ({}, {"workers": {"node_selector": {"": "x"}}}, "kubernetes.workers.node_selector"),
     ({}, {"workers": {"node_selector": {"pool": "not a label"}}}, "kubernetes.workers.node_selector.pool"),
+    ({}, {"workers": {"tolerations": [{"key": "a", "operator": "Exists", "value": "x"}]}}, "takes no value"),
+    ({}, {"workers": {"tolerations": [{"value": "x"}]}}, "needs a key"),
+    ({}, {"workers": {"tolerations": [{"key": "a", "effect": "NoSchedule", "toleration_seconds": 5}]}},
+     "NoExecute only"),
+    ({}, {"workers": {"tolerations": [{"key": "a", "effect": "Sometimes"}]}}, "tolerations.0.effect"),
+    ({}, {"workers": {"tolerations": [{"key": "a", "tolerationSeconds": 5}]}}, "tolerationSeconds"),
     ({}, {"storage": {"models_path": "models"}}, "models_path: .*absolute path"),
     ({}, {"storage": {"models_path": "/a/../etc"}}, "models_path: .*without '..'"),
     ({}, {"ray_version": "../../etc"}, "kubernetes.ray_version"),
