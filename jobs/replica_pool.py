@@ -16,7 +16,8 @@ Failures: a replica that dies (actor lost, node lost, engine loop crashed, a ste
 them again: nothing was written for them, so nothing is lost or duplicated. A row whose replicas
 keep dying is written as an error row after `max_row_retries` re-runs. A replica lost with its node
 (a spot VM taken back, a node drained and shut down: cluster/death_cause.py) is nobody's doing: it
-is replaced without using a restart, and its rows' re-runs count against no row.
+is replaced without using a restart, and its rows' re-runs count against no row (up to
+jobs/runner.FREE_NODE_LOSSES each).
 """
 from __future__ import annotations
 

@@ -33,6 +33,9 @@ from jobs.output_writer import BASE_SCHEMA, OutputDir, OutputError, PartWriter, 
 from jobs.progress import Progress, RowCounts
 
 logger = logging.getLogger(__name__)
+# a row's re-sends after losing its replica with the node, not counted against max_row_retries;
+# more are (a row that somehow takes nodes down with it must not loop forever)
+FREE_NODE_LOSSES = 3
 _EMPTY = dict.fromkeys(n for n in BASE_SCHEMA.names if n != "id")   # every output column of a row not generated
 
 
@@ -190,7 +193,7 @@ class JobRunner:
                 for row, res in done:
                     self._emit(row, res)
                 for row, counts in reversed(lost):
-                    if not counts:          # lost with its replica's node: no row's doing
+                    if not counts and row.lost_with_node < FREE_NODE_LOSSES:   # no row's doing
                         row.lost_with_node += 1
                         queue.appendleft(row)
                         continue

@@ -61,3 +61,52 @@ def test_a_replacement_mid_job_gets_its_own_startup_time(pool, monkeypatch):
     now[0] += 31
     with pytest.raises(JobFailed, match="no replica became ready within 60s"):
         pool._check_startup()                        # 61 s: over startup_timeout_s
+
+
+class _NodeLosingPool:
+    """Stands in for ReplicaPool: every row sent is lost with its replica's node, except `ok_id`'s."""
+
+    def __init__(self, ok_id):
+        self.ok_id, self.sent, self.out = ok_id, [], []
+        self.accepting, self.cpus, self.rows_by_node, self.replicas_lost_with_node = True, 1.0, {}, 0
+
+    def start(self):
+        pass
+
+    def free_slots(self):
+        return 4 - len(self.out)
+
+    @property
+    def in_flight(self):
+        return len(self.out)
+
+    def submit(self, row, params):
+        assert len(self.sent) < 50, "a row lost with nodes is sent again without end"
+        self.sent.append(row.id)
+        self.out.append(row)
+
+    def poll(self, timeout):
+        rows, self.out = self.out, []
+        done = [(r, {"text": "ok", "token_ids": [1], "finish_reason": "length"}) for r in rows if r.id == self.ok_id]
+        return done, [(r, False) for r in rows if r.id != self.ok_id]
+
+    def shutdown(self):
+        pass
+
+
+def test_a_row_lost_with_nodes_over_and_over_ends_as_an_error_row(tmp_path, monkeypatch):
+    """Node losses are free for a row only FREE_NODE_LOSSES times; after those they count against
+    max_row_retries like any death, so a row that took nodes down with it cannot loop forever."""
+    from jobs import runner
+    from tests.jobs.conftest import read_rows, write_parquet
+
+    inp = write_parquet(tmp_path / "in.parquet", prompt=["fine", "takes nodes down"])
+    cfg = JobConfig(input=str(inp), engine="tests.cluster.fake_engine", model="fake", draft="none",
+                    max_row_retries=1)
+    pool = _NodeLosingPool(ok_id="in.parquet:0")
+    monkeypatch.setattr(runner.JobRunner, "_start_pool", lambda self: setattr(self, "pool", pool))
+    m = runner.JobRunner(cfg).run()
+    assert pool.sent.count("in.parquet:1") == runner.FREE_NODE_LOSSES + 2   # 3 free, then 1 + max_row_retries
+    rows = {r["id"]: r for r in read_rows(tmp_path / "in.out")}
+    assert rows["in.parquet:0"]["error"] is None and "died 2 times" in rows["in.parquet:1"]["error"]
+    assert m["error_rows"] == 1
