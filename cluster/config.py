@@ -270,9 +270,11 @@ class ServeConfig(StrictModel):
 
     # ---- loading ---------------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, data: dict[str, Any] | None, source: str = "config", at: str = "") -> "ServeConfig":
+    def from_dict(cls, data: dict[str, Any] | None, source: str = "config", at: str = "",
+                  key_lines: dict | None = None) -> "ServeConfig":
         """Validate a plain dict (YAML document, Serve `args`), raising ConfigError on failure;
-        `at` is the section the dict came from (`serve` in a deploy file), for the error's field paths."""
+        `at` is the section the dict came from (`serve` in a deploy file), for the error's field paths;
+        `key_lines` the file's lines by path (cluster/config_yaml.py), to name the line of each."""
         if data is None:
             data = {}
         if not isinstance(data, dict):
@@ -280,7 +282,7 @@ class ServeConfig(StrictModel):
         try:
             return cls.model_validate(data)
         except ValidationError as e:
-            raise ConfigError(format_validation_error(e, source, at=at)) from None
+            raise ConfigError(format_validation_error(e, source, at=at, key_lines=key_lines)) from None
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike) -> "ServeConfig":
@@ -292,8 +294,8 @@ class ServeConfig(StrictModel):
             if other:     # a misspelt section, or serve fields beside the sections: never silently dropped
                 raise ConfigError(f"{path}: a deploy file has only `serve:` and `kubernetes:` sections; "
                                   f"{', '.join(other)} belong{'s' if len(other) == 1 else ''} under one of them")
-            return cls.from_dict(data.get("serve"), source=str(path), at="serve")
-        return cls.from_dict(data, source=str(path))
+            return cls.from_dict(data.get("serve"), source=str(path), at="serve", key_lines=data.lines)
+        return cls.from_dict(data, source=str(path), key_lines=data.lines)
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json", exclude_none=True), sort_keys=False)

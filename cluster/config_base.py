@@ -46,14 +46,19 @@ def _numeric(annotation: Any) -> set:
 
 
 def format_validation_error(err: ValidationError, source: str = "config", what: str = "serve config",
-                            at: str = "") -> str:
+                            at: str = "", key_lines: dict | None = None) -> str:
     """One line per problem, with a dotted field path: `config: limits.max_tokens: ...`; `at`
-    prefixes the paths with the section the data came from."""
+    prefixes the paths with the section the data came from; with the file's `key_lines`
+    (cluster/config_yaml.YamlDoc), each path also names its line."""
+    from cluster.config_yaml import line_of
+
     lines = []
     for e in err.errors():
-        loc = ".".join(str(p) for p in ((at,) if at else ()) + tuple(e["loc"])) or "(top level)"
+        path = ((at,) if at else ()) + tuple(e["loc"])
+        loc = ".".join(str(p) for p in path) or "(top level)"
+        line = line_of(key_lines, path)
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             msg = "unknown field"
-        lines.append(f"{loc}: {msg}")
+        lines.append(f"{f'line {line}: ' if line else ''}{loc}: {msg}")
     return f"{source}: invalid {what}:\n  " + "\n  ".join(lines)

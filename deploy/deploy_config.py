@@ -13,7 +13,7 @@ from pydantic import AfterValidator, Field, StringConstraints, ValidationError, 
 from cluster.config import DEPLOY_SECTIONS, ServeConfig
 from cluster.config_base import ConfigError, StrictModel, format_validation_error
 from cluster.config_sections import PlacementStrategy
-from cluster.config_yaml import read_yaml
+from cluster.config_yaml import YamlDoc, read_yaml
 from jobs.job_config import OWN_REPLICA_FLAGS, SUBMIT_JOB_FLAGS, same_place
 
 RAY_VERSION = "2.60.0"          # must equal the Ray in the image (deploy/Dockerfile.* ARG RAY_VERSION)
@@ -307,8 +307,10 @@ class DeployConfig(StrictModel):
     def from_yaml(cls, path: str | Path) -> "DeployConfig":
         """`serve:` + `kubernetes:` sections, or a plain ServeConfig file (default `kubernetes:`)."""
         data = read_yaml(path)
-        if not (data.keys() & DEPLOY_SECTIONS):
-            data = {"serve": data}
+        if not (data.keys() & DEPLOY_SECTIONS):   # a plain serve file: its lines under `serve`
+            lines = {("serve", *k): n for k, n in data.lines.items()}
+            data = YamlDoc(serve=data)
+            data.lines = lines
         return _validate(cls, data, str(path))
 
 
@@ -422,4 +424,4 @@ def _validate(cls, data: dict, source: str):
     try:
         return cls.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(format_validation_error(e, source, what="config")) from None
+        raise ConfigError(format_validation_error(e, source, what="config", key_lines=getattr(data, "lines", None))) from None

@@ -77,3 +77,30 @@ def test_serve_checks_the_api_keys_file_before_ray_starts(tmp_path, monkeypatch,
     res = CliRunner().invoke(serve, ["--config", str(cfg)], env={"RAY_ADDRESS": ""})
     assert res.exit_code == 2 and f"api_keys_file: {keys}" in res.output or needle in res.output, res.output
     assert needle in res.output and "Traceback" not in res.output, res.output
+
+
+def test_each_refused_field_names_its_line(tmp_path):
+    """In a serve file, a deploy file, and a plain serve file given to the deploy renderer: the line
+    of the refused value, or of the section holding a missing or unknown one."""
+    from deploy.deploy_config import DeployConfig
+
+    serve = _yaml(tmp_path, "model: tiny\nlimits:\n  max_model_len: 64\n  max_tokens: 0\ningress:\n  nmu_cpus: 1\n")
+    with pytest.raises(ConfigError) as e:
+        ServeConfig.from_yaml(serve)
+    assert "line 4: limits.max_tokens: Input should be greater than or equal to 1" in str(e.value)
+    assert "line 6: ingress.nmu_cpus: unknown field" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        DeployConfig.from_yaml(serve)          # its lines under `serve`
+    assert "line 4: serve.limits.max_tokens:" in str(e.value) and "line 6: serve.ingress.nmu_cpus:" in str(e.value)
+    deploy = _yaml(tmp_path, "serve:\n  model: tiny\nkubernetes:\n  name: eagle\n  workers:\n    tolerations:\n"
+                             "      - key: a\n      - key: b\n        effect: Sometimes\n", name="deploy.yaml")
+    with pytest.raises(ConfigError) as e:
+        DeployConfig.from_yaml(deploy)
+    assert "line 9: kubernetes.workers.tolerations.1.effect: Input should be" in str(e.value)
+
+
+def test_an_alias_bomb_is_read_once_per_node(tmp_path):
+    """Nine levels of nine aliases (387M leaves if walked as a tree) cost what the file's nodes cost."""
+    text = "a0: &a0 [x]\n" + "".join(f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]\n" for i in range(1, 10))
+    doc = read_yaml(_yaml(tmp_path, text))
+    assert doc.lines[("a9",)] == 10 and len(doc.lines) <= 10 + 10 * 9   # each key, each node's items once
