@@ -119,6 +119,7 @@ class Progress:
 def summary(manifest: dict) -> str:
     """The end-of-job report, from the manifest."""
     run = (manifest.get("runs") or [{}])[-1]
+    lost = run.get("replicas_lost_with_node")
     lines = [
         f"job {manifest.get('status')}: {manifest.get('rows', 0)}/{manifest.get('input_rows', 0)} rows in "
         f"{manifest.get('output')} ({manifest.get('error_rows', 0)} error rows, "
@@ -128,6 +129,7 @@ def summary(manifest: dict) -> str:
         f"tau {run.get('tau', 1.0):.2f} | {run.get('replicas') or 0} replica(s)"
         f"{' of serve app ' + manifest['serve_app']['name'] if manifest.get('serve_app') else ''}"
         f"{' | %d rows preempted (recomputed)' % run['preempted_rows'] if run.get('preempted_rows') else ''}"
+        f"{' | %d replica(s) lost with their node' % lost if lost else ''}"
         f"{' | driver peak RSS %.0f MB' % run['driver_peak_rss_mb'] if run.get('driver_peak_rss_mb') else ''}",
     ]
     noop = manifest.get("last_noop_rerun")

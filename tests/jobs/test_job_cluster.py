@@ -63,8 +63,9 @@ def test_job_on_a_two_node_cluster_followed_to_completion(tmp_path, tiny_model, 
 JOB_DRIVER = """
 import json, sys
 from jobs.job_config import JobConfig
+from jobs.progress import summary
 from jobs.runner import run_job
-run_job(JobConfig(**json.loads(sys.argv[2])), ray_address=sys.argv[1])
+print(summary(run_job(JobConfig(**json.loads(sys.argv[2])), ray_address=sys.argv[1])))
 """
 
 
@@ -101,7 +102,7 @@ def test_a_job_loses_a_replica_with_its_node_and_finishes_without_a_restart_or_a
             if driver.poll() is None:
                 driver.kill()
     assert driver.returncode == 0, log[-3000:]
-    assert "was lost with its node" in log, log[-3000:]
+    assert "was lost with its node" in log and "1 replica(s) lost with their node" in log, log[-3000:]
     m = read_manifest(out)
     ids = pq.read_table(out, columns=["id"]).column("id").to_pylist()
     assert sorted(ids) == sorted(f"in.parquet:{i}" for i in range(n))
