@@ -84,21 +84,11 @@ class LocalCluster:
             raise RuntimeError(f"driver {args[0]} failed (rc={r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}")
         return json.loads(lines[-1])
 
-    def preempt(self, node_id: str, graceful: bool = False) -> None:
-        """A spot VM taken back: the node drained with the preemption reason, then at once either gone
-        (SIGKILL to its raylet and every process under it: Ray reports the actors `preempted`) or, with
-        `graceful`, shut down as a deleted pod is (SIGTERM to the raylet: "terminated expectedly")."""
-        import psutil
-
+    def drain_for_preemption(self, node_id: str, notice_s: int = 60) -> None:
+        """What a cloud's preemption notice makes the autoscaler do: drain the node with the preemption
+        reason (the node keeps running until `kill_node` takes it: the VM taken back)."""
         self._ray("drain-node", "--address", self.gcs, "--node-id", node_id, "--reason", "DRAIN_NODE_REASON_PREEMPTION",
-                  "--reason-message", "spot instance preempted (test)", "--deadline-remaining-seconds", "1")
-        marker = f"--node_id={node_id}"
-        if graceful:
-            raylets = [p for p in psutil.process_iter(["cmdline"]) if marker in (p.info["cmdline"] or [])]
-            for p in raylets:
-                p.terminate()
-            psutil.wait_procs(raylets, timeout=20)
-        kill_tree(marker, timeout=0.0 if not graceful else 1.0, signal_first="kill" if not graceful else "term")
+                  "--reason-message", "spot instance preempted (test)", "--deadline-remaining-seconds", str(notice_s))
 
     def stop(self) -> None:
         kill_tree(self.temp)
@@ -111,10 +101,30 @@ class LocalCluster:
         self.stop()
 
 
-def kill_tree(marker: str, timeout: float = 1.0, signal_first: str = "term") -> None:
+def kill_node(node_id: str, graceful: bool = False) -> None:
+    """A node of a local cluster gone: SIGKILL to its raylet, then to every process under it (a VM
+    vanishing: Ray reports its actors lost with the node, `preempted` if it was drained so), or with
+    `graceful` SIGTERM to the raylet (a deleted pod: "terminated expectedly"). The raylet goes first:
+    a worker killed before it would be reported as a process death."""
+    import psutil
+
+    marker = f"--node_id={node_id}"
+    raylets = [p for p in psutil.process_iter(["cmdline"]) if marker in (p.info["cmdline"] or [])]
+    rest = [c for p in raylets for c in p.children(recursive=True)]
+    for p in raylets:
+        p.terminate() if graceful else p.kill()
+    psutil.wait_procs(raylets, timeout=20)
+    for p in rest:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(rest, timeout=5)
+
+
+def kill_tree(marker: str, timeout: float = 1.0) -> None:
     """Terminate the processes whose command line contains `marker`, and their children, by pid
-    (a throwaway cluster: what has not ended a second after SIGTERM is killed; `signal_first="kill"`
-    kills at once)."""
+    (a throwaway cluster: what has not ended a second after SIGTERM is killed)."""
     import psutil
 
     me = os.getpid()
@@ -134,7 +144,7 @@ def kill_tree(marker: str, timeout: float = 1.0, signal_first: str = "term") -> 
     procs = {p for p in procs if p.pid != me}
     for p in procs:
         try:
-            p.kill() if signal_first == "kill" else p.terminate()
+            p.terminate()
         except psutil.NoSuchProcess:
             pass
     _, alive = psutil.wait_procs(list(procs), timeout=timeout)

@@ -23,7 +23,7 @@ import requests
 
 from cluster.config import ServeConfig
 from tests.cluster.conftest import wait_for
-from tests.ray_cluster import LocalCluster, free_ports
+from tests.ray_cluster import LocalCluster, free_ports, kill_node
 
 pytestmark = pytest.mark.slow  # a real two-node Ray cluster
 
@@ -147,10 +147,11 @@ def test_load_spreads_over_both_nodes_and_survives_a_replica_kill(two_nodes, app
 
 
 def test_a_replica_lost_with_a_preempted_node_is_retried_as_no_death(two_nodes, app):
-    """A spot VM taken back: the worker node is drained with the preemption reason and killed under
-    load (after the test above, so this module's cluster ends with one node). Serve hands the ingress
-    Ray's ActorDiedError with `preempted` set, so every non-streamed request completes on the head's
-    replica, and the retries count as `preempted`: no death, no suspect (cluster/request_retry.py)."""
+    """A spot VM taken back (after the test above, so this module's cluster ends with one node): the
+    worker node gets its preemption notice (drained with the preemption reason), then vanishes under
+    load (SIGKILL to its raylet and everything under it). Serve hands the ingress Ray's ActorDiedError
+    with `preempted` set, so every non-streamed request completes on the head's replica and the
+    retries count as `preempted`: no death, no suspect (cluster/request_retry.py)."""
     url, client, _ = app
     state: dict = {}
 
@@ -161,7 +162,8 @@ def test_a_replica_lost_with_a_preempted_node_is_retried_as_no_death(two_nodes, 
     replicas = [r for r in state["replicas"] if r["deployment"] == "LLMServer"]
     worker = next(r for r in replicas if r["node_id"] != state["head"])   # one replica per node (sizing above)
     assert wait_for(lambda: _known_replicas(url) >= {r["replica_id"] for r in replicas}, timeout=60)
-    before = _retries_by_reason(url)
+    two_nodes.drain_for_preemption(worker["node_id"])
+    before, counts = _retries_by_reason(url), _replica_counts(url)
 
     done = threading.Semaphore(0)
 
@@ -172,17 +174,19 @@ def test_a_replica_lost_with_a_preempted_node_is_retried_as_no_death(two_nodes, 
             done.release()
 
     with cf.ThreadPoolExecutor(CONCURRENCY) as pool:
-        futs = [pool.submit(tracked, i) for i in range(40)]
+        futs = [pool.submit(tracked, i) for i in range(60)]
         for _ in range(KILL_AFTER):
             assert done.acquire(timeout=REQUEST_TIMEOUT), "requests stopped finishing before the preemption"
-        two_nodes.preempt(worker["node_id"])
+        served = _replica_counts(url).get(worker["replica_id"], 0) - counts.get(worker["replica_id"], 0)
+        kill_node(worker["node_id"])
         finished, pending = cf.wait(futs, timeout=3 * REQUEST_TIMEOUT)
         assert not pending, f"{len(pending)} requests hung after the preemption"
     results = [f.result() for f in futs]
     assert all(status == "ok" for status, _ in results), [m for s, m in results if s != "ok"]
     after = _retries_by_reason(url)
     new = {k: after.get(k, 0) - before.get(k, 0) for k in after}
-    print(f"preempted node {worker['node_id'][:8]} (replica {worker['replica_id']}); retries by reason {new}")
+    print(f"preempted {worker}; it served {served} requests after the notice; retries by reason {new}")
+    assert served > 0, "the drained replica was given no request: the kill hit nothing"
     assert new.get("preempted", 0) >= 1, new                      # the preemption hit requests in flight...
     assert all(n == 0 for k, n in new.items() if k != "preempted"), new   # ...and was seen as one
 

@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.cluster.conftest import wait_for
-from tests.ray_cluster import REPO, LocalCluster
+from tests.ray_cluster import REPO, LocalCluster, kill_node
 
 from .conftest import cli, read_manifest, write_parquet
 
@@ -96,7 +96,8 @@ def test_a_job_loses_a_replica_with_its_node_and_finishes_without_a_restart_or_a
             replicas = cluster.driver("actors", "JobReplica")["actors"]
             assert len(replicas) == 2, replicas
             lost = next(r for r in replicas if not r["on_head"])
-            cluster.preempt(lost["node_id"], graceful=True)
+            cluster.drain_for_preemption(lost["node_id"])
+            kill_node(lost["node_id"], graceful=True)
             log = driver.communicate(timeout=300)[0]
         finally:
             if driver.poll() is None:
