@@ -216,6 +216,17 @@ NODE_SHUT_DOWN = ("The actor died unexpectedly before finishing this task.\n\tcl
                   "\tthe actor's node was terminated expectedly: received SIGTERM")
 
 
+def node_lost_error(how: str) -> ray.exceptions.ActorDiedError:
+    """The error Ray raises for an actor lost with its node: `preempted` (drained, then gone) or
+    `node shut down` (drained, then SIGTERM to its raylet)."""
+    e = ray.exceptions.ActorDiedError()
+    if how == "preempted":
+        e._preempted = True
+    else:
+        e.error_msg = NODE_SHUT_DOWN
+    return e
+
+
 @pytest.mark.parametrize("how", ["preempted", "node shut down"])
 def test_replicas_lost_with_their_node_count_no_death_and_make_no_suspect(how):
     """A spot VM taken back (Ray's `preempted`: the node drained, then gone) or a node drained and shut
@@ -223,12 +234,7 @@ def test_replicas_lost_with_their_node_count_no_death_and_make_no_suspect(how):
     its retries are no suspects (which run one per replica, behind each other) and two such losses are
     no poison verdict; the retries metric names the cause."""
     def preempted():
-        e = ray.exceptions.ActorDiedError()
-        if how == "preempted":
-            e._preempted = True
-        else:
-            e.error_msg = NODE_SHUT_DOWN
-        return e
+        return node_lost_error(how)
     assert loss_reason(preempted()) == ("preempted" if how == "preempted" else "node_lost")
     assert loss_reason(ray.exceptions.ActorDiedError()) == "ActorDiedError"
     suspect_at_call = []

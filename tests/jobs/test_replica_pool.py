@@ -11,7 +11,7 @@ import ray.exceptions
 from jobs import replica_pool
 from jobs.job_config import JobConfig
 from jobs.replica_pool import JobFailed, ReplicaPool, _Replica
-from tests.cluster.test_router import NODE_SHUT_DOWN
+from tests.cluster.test_router import node_lost_error
 
 
 @pytest.fixture
@@ -27,19 +27,10 @@ def pool(tmp_path, monkeypatch):
     return p
 
 
-def _node_lost(how: str) -> BaseException:
-    e = ray.exceptions.ActorDiedError()
-    if how == "preempted":
-        e._preempted = True
-    else:
-        e.error_msg = NODE_SHUT_DOWN
-    return e
-
-
 @pytest.mark.parametrize("how", ["preempted", "node shut down"])
 def test_a_replica_lost_with_its_node_is_replaced_without_using_a_restart(pool, how):
     for _ in range(3):                              # more losses than the job has restarts
-        pool._on_death(pool.replicas[0], _node_lost(how))
+        pool._on_death(pool.replicas[0], node_lost_error(how))
     assert pool.restarts_left == 1 and pool.replicas_lost_with_node == 3
     assert pool.replicas[0].actor == "actor-4" and not pool.replicas[0].dead   # the third replacement
     pool._on_death(pool.replicas[1], ray.exceptions.ActorDiedError())          # a process death: uses one
