@@ -24,6 +24,7 @@ def read_yaml(path: str | os.PathLike, empty_ok: bool = False) -> YamlDoc:
         loader = _UniqueKeyLoader(path.read_text())
         try:
             node = loader.get_single_node()
+            lines = _key_lines(node) if node is not None else {}   # before constructing: merges rewrite nodes
             data = loader.construct_document(node) if node is not None else None
         finally:
             loader.dispose()
@@ -41,7 +42,7 @@ def read_yaml(path: str | os.PathLike, empty_ok: bool = False) -> YamlDoc:
         got = "an empty file" if data is None else type(data).__name__
         raise ConfigError(f"{path}: expected a mapping at the top level, got {got}")
     doc = YamlDoc(data)
-    doc.lines = _key_lines(node) if node is not None else {}
+    doc.lines = lines
     return doc
 
 
@@ -55,8 +56,9 @@ def line_of(lines: dict[tuple[str, ...], int] | None, path: tuple) -> int | None
 
 
 def _key_lines(root) -> dict[tuple[str, ...], int]:
-    """Each key's and list item's line by path. A node reached again through an alias is not walked
-    again (an alias bomb stays linear)."""
+    """Each key's and list item's line by path, walked in document order. A node reached again
+    through an alias is not walked again (an alias bomb stays linear); `<<` merge keys are skipped
+    (the mapping's own keys are what an error names)."""
     out: dict[tuple[str, ...], int] = {}
     seen: set[int] = set()
     todo = [((), root)]
@@ -74,7 +76,7 @@ def _key_lines(root) -> dict[tuple[str, ...], int]:
             continue
         for key, at, value in items:
             out.setdefault(path + key, at.start_mark.line + 1)
-            todo.append((path + key, value))
+        todo.extend((path + key, value) for key, _, value in reversed(items))   # popped first to last
     return out
 
 

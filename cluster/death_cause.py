@@ -1,29 +1,40 @@
-"""Why a replica was lost: with its node, or by itself.
+"""Why a replica was lost: with a node the cluster took away, or otherwise.
 
-A node that went away (a spot VM taken back, a node drained and shut down by the autoscaler or
-KubeRay, a node that failed) is no request's doing, so losing a replica with it counts as no death
-of the requests or job rows that were on it (cluster/request_retry.py, jobs/replica_pool.py). A
-replica process that died on a live node may have been killed by what it ran: that one counts.
+A node the cluster took away on purpose (a spot VM taken back after its preemption notice drained it;
+a node drained and shut down by the autoscaler or KubeRay, its pod deleted) is no request's doing, so
+losing a replica with it counts as no death of the requests or job rows that were on it
+(cluster/request_retry.py, jobs/replica_pool.py), up to FREE_NODE_LOSSES times each. A replica
+process that died, or a node that failed unexpectedly (an out-of-memory kill of the whole pod, a VM
+gone without notice), may have been brought down by what it ran: that one counts.
 """
 from __future__ import annotations
 
 from ray.exceptions import RayActorError
 
-# Ray's GCS words for an actor lost with its node ("...; the actor's node was preempted: ...",
-# "... terminated expectedly: received SIGTERM", ...); a drained-then-killed node also sets `preempted`
-_NODE_DIED = "because its node has died"
+# Ray's GCS words for an actor whose node went on purpose: "The actor died because its node has died.
+# ... the actor's node was preempted: ..." or "... was terminated expectedly: received SIGTERM" (a
+# node killed after a preemption drain also sets `preempted`); "... terminated unexpectedly" counts
+_TAKEN_AWAY = ("the actor's node was preempted", "the actor's node was terminated expectedly")
+
+# losses with a node that count as no death, per request or job row; later ones count (a request
+# that somehow takes nodes down with it cannot loop over the fleet)
+FREE_NODE_LOSSES = 3
+
+
+def _actor_errors(error: BaseException) -> list[RayActorError]:
+    """Ray's own actor errors in `error` (itself, or the cause a RayTaskError wraps): never another
+    error's text, which a request could have put words into."""
+    cause = getattr(error, "cause", None)
+    return [e for e in (error, cause) if isinstance(e, RayActorError)]
 
 
 def lost_with_node(error: BaseException) -> bool:
-    """The replica's actor died because its node did: Ray's own actor error says so (never the text of
-    another error, which a request could have put words into)."""
-    cause = getattr(error, "cause", None)
-    errors = (error, cause) if isinstance(cause, BaseException) else (error,)
-    return any(isinstance(e, RayActorError) and (e.preempted or _NODE_DIED in str(e)) for e in errors)
+    """The replica's actor died because the cluster took its node away."""
+    return any(e.preempted or any(w in str(e) for w in _TAKEN_AWAY) for e in _actor_errors(error))
 
 
 def loss_reason(error: BaseException) -> str:
     """A label for a replica loss: `preempted`, `node_lost`, or the error's type."""
-    if isinstance(error, RayActorError) and error.preempted:
+    if any(e.preempted for e in _actor_errors(error)):
         return "preempted"
     return "node_lost" if lost_with_node(error) else type(error).__name__

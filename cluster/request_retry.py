@@ -10,7 +10,8 @@ Poison requests: a request under which two *different* replicas died is not resu
 request count: the router records which replica each attempt was routed to (cluster/router.py), so
 the same death seen twice and a replica already seen dead before this attempt was sent do not
 count. That bookkeeping lives in cluster/router_state.py, which the router shares with this module.
-A replica lost with its node (cluster/death_cause.py) counts as no death at all.
+A replica lost with a node the cluster took away (cluster/death_cause.py) counts as no death
+(FREE_NODE_LOSSES times a request).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from ray.serve.exceptions import BackPressureError
 from cluster import router_state as state
 from cluster.admission import OverloadedError
 from cluster.caller_watch import this_caller
-from cluster.death_cause import lost_with_node
+from cluster.death_cause import FREE_NODE_LOSSES, lost_with_node
 from cluster.replica_errors import EngineDiedError, Failed, Rejected
 
 logger = logging.getLogger(__name__)
@@ -91,6 +92,7 @@ async def _attempts(handle, request_id, prompt, params, priority, messages, max_
                     retry_backoff_s, restartable, on_retry, group=None, stream_interval=1) -> AsyncIterator[Any]:
     tokens_seen = 0
     deaths: dict[str, BaseException] = {}   # replica -> how it died under this request
+    node_losses = 0                          # replicas lost under it with a node taken away (free)
     last: BaseException | None = None
     for attempt in range(max_attempts):
         rid = request_id if attempt == 0 else f"{request_id}-retry{attempt}"
@@ -123,11 +125,11 @@ async def _attempts(handle, request_id, prompt, params, priority, messages, max_
         except _DEATH as e:
             last = e
             replica = state.routed.get(rid)
-            # lost with its node (a spot VM taken back, a node drained and shut down): no request's
-            # doing, so no death of this one's and no suspect; its retry goes wherever the router likes
-            node_lost = lost_with_node(e)
+            # lost with a node the cluster took away (a spot VM taken back, a node drained and shut
+            # down): no request's doing, so no death of this one's and no suspect, FREE_NODE_LOSSES times
+            node_lost = lost_with_node(e) and node_losses < FREE_NODE_LOSSES
             if node_lost:
-                pass
+                node_losses += 1
             elif replica is None:                # not routed by a LoadAwareRouter here: count every death
                 deaths[f"attempt-{attempt}"] = e
             elif state.replica_key(replica) not in deaths and not state.seen_dead(replica, before=sent_at):

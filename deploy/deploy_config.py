@@ -106,7 +106,7 @@ class Toleration(StrictModel):
     operator: Literal["Equal", "Exists"] = "Equal"
     value: LabelValue | None = None
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None   # none: every effect
-    toleration_seconds: int | None = Field(None, ge=0, le=2**31 - 1)
+    toleration_seconds: int | None = Field(None, ge=0, le=2**63 - 1)   # Kubernetes: int64 (negative: 0)
 
     @model_validator(mode="after")
     def _consistent(self) -> "Toleration":

@@ -173,6 +173,7 @@ class ReplicaPool:
         self.calls: dict[Any, _Call] = {}   # ObjectRef -> call
         self.restarts_left = cfg.replica_restarts
         self.replicas_lost_with_node = 0    # replaced without using a restart (manifest)
+        self._gate_met = False              # min_ready_replicas were ready once
         self.last_error: str | None = None
         self.rows_by_node: dict[str, int] = {}   # node id -> rows finished there (manifest)
         self._cls = ray.remote(JobReplica)
@@ -221,10 +222,14 @@ class ReplicaPool:
 
     @property
     def accepting(self) -> bool:
-        """Ready replicas may take rows: `min_ready_replicas` of them are up, or none is still starting."""
+        """Ready replicas may take rows: `min_ready_replicas` of them are up, or none is still starting.
+        The gate holds only until first met: a replacement that cannot be placed mid-job (the spot
+        capacity gone) must not stop the replicas that are up."""
         ready = self.num_ready
         starting = sum(r.ready_ref is not None and not r.dead for r in self.replicas)
-        return ready > 0 and (ready >= min(self.cfg.min_ready_replicas, self.cfg.replicas) or not starting)
+        if ready >= min(self.cfg.min_ready_replicas, self.cfg.replicas):
+            self._gate_met = True
+        return ready > 0 and (self._gate_met or not starting)
 
     def free_slots(self) -> int:
         limit = self.cfg.in_flight_per_replica
@@ -315,11 +320,13 @@ class ReplicaPool:
     def _on_death(self, r: _Replica, err: BaseException) -> None:
         if r.dead:
             return
-        node_lost = lost_with_node(err)
+        # the cluster's doing, not the rows': no restart used. Not while starting: a start that takes
+        # its node down (a model too big for the pod) must use up restarts like any other failure
+        node_lost = lost_with_node(err) and r.ready_ref is None
         logger.warning("replica %d %s (%s); %d rows in flight there go back to the queue", r.index,
                        "was lost with its node" if node_lost else "died", _first_line(err), r.in_flight)
         self._kill(r)
-        if node_lost:                       # the cluster's doing, not the rows': no restart used
+        if node_lost:
             self.replicas_lost_with_node += 1
             self.replicas[self.replicas.index(r)] = self._spawn(r.index)
             return
@@ -333,8 +340,8 @@ class ReplicaPool:
         if not alive:
             raise JobFailed(f"no replica left ({self.last_error or 'all died'}); committed output is kept, "
                             "run the same command again to resume")
-        # measured from the longest-waiting start: a replacement mid-job gets the same time as the first
-        waiting = time.monotonic() - min(r.spawned_at for r in alive)
+        # measured from the latest start: a replacement mid-job gets the same time as the first replicas
+        waiting = time.monotonic() - max(r.spawned_at for r in alive)
         if not any(r.ready for r in alive) and waiting > self.cfg.startup_timeout_s:
             have = ray.cluster_resources()
             gpus = f"{self.cfg.tp_size} GPU(s) (--device cuda) and " if self.cfg.device == "cuda" else ""

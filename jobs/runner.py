@@ -25,6 +25,7 @@ from collections import deque
 
 import psutil
 
+from cluster.death_cause import FREE_NODE_LOSSES
 from cluster.signals import on_stop_signals, restore_signals
 from jobs.id_set import IdSet
 from jobs.input_reader import Row, iter_rows, open_input
@@ -33,9 +34,6 @@ from jobs.output_writer import BASE_SCHEMA, OutputDir, OutputError, PartWriter, 
 from jobs.progress import Progress, RowCounts
 
 logger = logging.getLogger(__name__)
-# a row's re-sends after losing its replica with the node, not counted against max_row_retries;
-# more are (a row that somehow takes nodes down with it must not loop forever)
-FREE_NODE_LOSSES = 3
 _EMPTY = dict.fromkeys(n for n in BASE_SCHEMA.names if n != "id")   # every output column of a row not generated
 
 
@@ -199,7 +197,8 @@ class JobRunner:
                         continue
                     row.attempts += 1
                     if row.attempts > cfg.max_row_retries:
-                        self._emit(row, {"error": f"the replica running this row died {row.attempts} times"})
+                        lost = f" (and was lost with its node {row.lost_with_node} times)" if row.lost_with_node else ""
+                        self._emit(row, {"error": f"the replica running this row died {row.attempts} times{lost}"})
                     else:
                         queue.appendleft(row)
             if self.writer.due():

@@ -97,6 +97,10 @@ def test_each_refused_field_names_its_line(tmp_path):
     with pytest.raises(ConfigError) as e:
         DeployConfig.from_yaml(deploy)
     assert "line 9: kubernetes.workers.tolerations.1.effect: Input should be" in str(e.value)
+    merged = _yaml(tmp_path, "base: &d\n  max_tokens: 16\nlimits:\n  <<: *d\n  max_tokens: -5\n", name="merged.yaml")
+    with pytest.raises(ConfigError) as e:   # the mapping's own key, not the anchor's it overrides
+        ServeConfig.from_yaml(merged)
+    assert "line 5: limits.max_tokens:" in str(e.value)
 
 
 def test_an_alias_bomb_is_read_once_per_node(tmp_path):

@@ -251,6 +251,19 @@ def test_replicas_lost_with_their_node_count_no_death_and_make_no_suspect(how):
     assert suspect_at_call[-1] is True                 # any other death: its retry is a suspect, as before
 
 
+def test_node_losses_are_free_a_few_times_then_count():
+    """FREE_NODE_LOSSES losses with a node taken away are no death; after them each counts, so a
+    request that somehow takes nodes down with it meets the poison rule like any other."""
+    from cluster.death_cause import FREE_NODE_LOSSES
+
+    n = FREE_NODE_LOSSES + 2
+    h = _Handle(*[([], node_lost_error("preempted"))] * n, ([_out(finished=True)], None),
+                replicas=[chr(ord("a") + i) for i in range(n + 1)])
+    with pytest.raises(PoisonRequestError, match="2 replicas died while serving it"):
+        asyncio.run(_collect(h, restartable=True, max_attempts=n + 1))
+    assert len(h.calls) == n
+
+
 def test_retry_after_one_death_succeeds():
     h = _Handle(([_out()], EngineDiedError("boom")), ([_out(2, finished=True)], None), replicas=["a", "b"])
     outs = asyncio.run(_collect(h, restartable=True))

@@ -8,6 +8,7 @@ import itertools
 import pytest
 import ray.exceptions
 
+from cluster.death_cause import FREE_NODE_LOSSES
 from jobs import replica_pool
 from jobs.job_config import JobConfig
 from jobs.replica_pool import JobFailed, ReplicaPool, _Replica
@@ -31,27 +32,44 @@ def pool(tmp_path, monkeypatch):
 def test_a_replica_lost_with_its_node_is_replaced_without_using_a_restart(pool, how):
     for _ in range(3):                              # more losses than the job has restarts
         pool._on_death(pool.replicas[0], node_lost_error(how))
+        pool.replicas[0].ready_ref = None           # the replacement started and served
     assert pool.restarts_left == 1 and pool.replicas_lost_with_node == 3
     assert pool.replicas[0].actor == "actor-4" and not pool.replicas[0].dead   # the third replacement
-    pool._on_death(pool.replicas[1], ray.exceptions.ActorDiedError())          # a process death: uses one
+    unexpected = ray.exceptions.ActorDiedError()    # a node that failed without notice (an OOM-killed pod)
+    unexpected.error_msg = "The actor died because its node has died.\n\tthe actor's node was terminated unexpectedly"
+    pool._on_death(pool.replicas[1], unexpected)                              # counts: uses the restart
     assert pool.restarts_left == 0 and pool.replicas[1].actor == "actor-5"
-    pool._on_death(pool.replicas[1], ray.exceptions.ActorDiedError())          # none left: not replaced
-    assert pool.replicas[1].dead
+    pool._on_death(pool.replicas[1], node_lost_error(how))  # lost while starting (a start that kills its node)
+    assert pool.replicas[1].dead and pool.replicas_lost_with_node == 3        # counts; none left: not replaced
 
 
 def test_a_replacement_mid_job_gets_its_own_startup_time(pool, monkeypatch):
-    """Counted from the pool's start, a replica replaced after `startup_timeout_s` of a job failed it
-    at the next poll (a one-replica job losing its replica an hour in could never restart it)."""
+    """Counted from the pool's start, or from the first replica still waiting, a replica replaced after
+    `startup_timeout_s` of a job failed it at the next poll (a one-replica job losing its replica an
+    hour in could never restart it)."""
     now = [1000.0]
     monkeypatch.setattr(replica_pool.time, "monotonic", lambda: now[0])
     monkeypatch.setattr(replica_pool.ray, "cluster_resources", lambda: {"CPU": 1.0})   # for the message
-    pool.replicas = [_Replica(0, actor="actor-0", spawned_at=0.0)]   # ready since the job began, 1000 s ago
+    pool.replicas = [_Replica(0, actor="actor-0", spawned_at=0.0),                  # ready since the job began
+                     _Replica(1, actor="actor-1", ready_ref="starting", spawned_at=0.0)]   # never placed
     pool._on_death(pool.replicas[0], ray.exceptions.ActorDiedError())
     now[0] += 30
-    pool._check_startup()                            # 30 s into its start: still waiting
+    pool._check_startup()                            # 30 s into the replacement's start: still waiting
     now[0] += 31
     with pytest.raises(JobFailed, match="no replica became ready within 60s"):
         pool._check_startup()                        # 61 s: over startup_timeout_s
+
+
+def test_min_ready_replicas_gates_the_first_rows_only(pool):
+    """All replicas ready before rows go (min_ready_replicas = replicas, as benchmarks ask); a
+    replacement that cannot be placed later (the spot capacity gone) must not stop the others."""
+    pool.cfg.min_ready_replicas = 2
+    pool.replicas[1].ready_ref = "starting"
+    assert not pool.accepting                        # 1 of 2 up at the start: wait
+    pool.replicas[1].ready_ref = None
+    assert pool.accepting
+    pool._on_death(pool.replicas[0], node_lost_error("preempted"))
+    assert pool.replicas[0].ready_ref == "starting" and pool.accepting   # 1 up, its peer pending: keeps going
 
 
 class _NodeLosingPool:
@@ -97,7 +115,8 @@ def test_a_row_lost_with_nodes_over_and_over_ends_as_an_error_row(tmp_path, monk
     pool = _NodeLosingPool(ok_id="in.parquet:0")
     monkeypatch.setattr(runner.JobRunner, "_start_pool", lambda self: setattr(self, "pool", pool))
     m = runner.JobRunner(cfg).run()
-    assert pool.sent.count("in.parquet:1") == runner.FREE_NODE_LOSSES + 2   # 3 free, then 1 + max_row_retries
+    assert pool.sent.count("in.parquet:1") == FREE_NODE_LOSSES + 2   # 3 free, then 1 + max_row_retries
     rows = {r["id"]: r for r in read_rows(tmp_path / "in.out")}
-    assert rows["in.parquet:0"]["error"] is None and "died 2 times" in rows["in.parquet:1"]["error"]
+    assert rows["in.parquet:0"]["error"] is None
+    assert "died 2 times (and was lost with its node 3 times)" in rows["in.parquet:1"]["error"]
     assert m["error_rows"] == 1
