@@ -75,7 +75,7 @@ def test_a_job_loses_a_replica_with_its_node_and_finishes_without_a_restart_or_a
     with no replica restarts and no row retries allowed (`max_replica_restarts=0`,
     `max_row_retries=0`), the replica is still replaced on the spare node and its rows sent again,
     since a lost node is no replica's or row's doing: every row once, no error row."""
-    n = 48
+    n = 64                                   # 8 rounds of 1.6 s a replica: outlasts the preemption by seconds
     inp = write_parquet(tmp_path / "in.parquet", prompt=[f"row {i} [slow:0.1]" for i in range(n)])
     cfg = dict(input=str(inp), engine="tests.cluster.fake_engine", model="fake", draft="none", max_tokens=16,
                max_num_seqs=4, replicas=2, cpus_per_replica=1, max_replica_restarts=0, max_row_retries=0,
