@@ -14,10 +14,10 @@ Failures: a replica that dies (actor lost, node lost, engine loop crashed, a ste
 `step_timeout_s`, seen by polling its health) is killed and replaced
 (at most `replica_restarts` times per job); its in-flight rows go back to the driver, which sends
 them again: nothing was written for them, so nothing is lost or duplicated. A row whose replicas
-keep dying is written as an error row after `max_row_retries` re-runs. A replica lost with its node
-(a spot VM taken back, a node drained and shut down: cluster/death_cause.py) is nobody's doing: it
-is replaced without using a restart, and its rows' re-runs count against no row (up to
-jobs/runner.FREE_NODE_LOSSES each).
+keep dying is written as an error row after `max_row_retries` re-runs. A serving replica lost with
+a node the cluster took away (preempted after a drain, or shut down: cluster/death_cause.py) is
+nobody's doing: it is replaced without using a restart, and its rows' re-runs count against no row
+(up to FREE_NODE_LOSSES each).
 """
 from __future__ import annotations
 
