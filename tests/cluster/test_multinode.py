@@ -173,8 +173,10 @@ def test_a_replica_lost_with_a_preempted_node_is_retried_as_no_death(two_nodes, 
         finally:
             done.release()
 
-    with cf.ThreadPoolExecutor(CONCURRENCY) as pool:
-        futs = [pool.submit(tracked, i) for i in range(60)]
+    # twice the load above: both replicas' batches full (max_num_seqs 4 each), so the drained one is
+    # sure to be running requests when its node goes
+    with cf.ThreadPoolExecutor(2 * CONCURRENCY) as pool:
+        futs = [pool.submit(tracked, i) for i in range(80)]
         for _ in range(KILL_AFTER):
             assert done.acquire(timeout=REQUEST_TIMEOUT), "requests stopped finishing before the preemption"
         served = _replica_counts(url).get(worker["replica_id"], 0) - counts.get(worker["replica_id"], 0)
