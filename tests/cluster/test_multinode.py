@@ -145,7 +145,6 @@ def test_load_spreads_over_both_nodes_and_survives_a_replica_kill(two_nodes, app
     assert r.usage.completion_tokens == 4
 
 
-
 def test_a_replica_lost_with_a_preempted_node_is_retried_as_no_death(two_nodes, app):
     """A spot VM taken back (after the test above, so this module's cluster ends with one node): the
     worker node gets its preemption notice (drained with the preemption reason), then vanishes under
