@@ -29,13 +29,18 @@ def _replicas(app: str) -> list[dict]:
     return sorted(out, key=lambda r: (r["deployment"], r["replica_id"]))
 
 
+def _head_node() -> str:
+    import ray
+
+    return next(n["NodeID"] for n in ray.nodes() if n["Alive"] and "node:__internal_head__" in n["Resources"])
+
+
 def _actors(class_name: str) -> list[dict]:
     """Alive actors of a class (e.g. a job's JobReplica): process id, node, and whether its node is the head."""
-    import ray
     from ray._private import state
 
-    head = {n["NodeID"] for n in ray.nodes() if n["Alive"] and "node:__internal_head__" in n["Resources"]}
-    return [{"pid": a["Pid"], "node_id": a["Address"]["NodeID"], "on_head": a["Address"]["NodeID"] in head}
+    head = _head_node()
+    return [{"pid": a["Pid"], "node_id": a["Address"]["NodeID"], "on_head": a["Address"]["NodeID"] == head}
             for a in state.actors(actor_state_name="ALIVE").values() if a.get("ActorClassName") == class_name]
 
 
@@ -80,7 +85,7 @@ def _main(argv: list[str]) -> None:
     elif cmd == "replicas":  # replicas APP
         answer = {"replicas": _replicas(rest[0]),
                   "nodes": sorted(n["NodeID"] for n in ray.nodes() if n["Alive"]),
-                  "head": next(n["NodeID"] for n in ray.nodes() if n["Alive"] and "node:__internal_head__" in n["Resources"])}
+                  "head": _head_node()}
     elif cmd == "actors":  # actors CLASS_NAME
         answer = {"actors": _actors(rest[0])}
     elif cmd == "kill-busy":  # kill-busy APP DEPLOYMENT
