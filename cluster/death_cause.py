@@ -2,14 +2,17 @@
 
 A node the cluster took away on purpose (a spot VM taken back after its preemption notice drained it;
 a node drained and shut down by the autoscaler or KubeRay, its pod deleted) is no request's doing, so
-losing a replica with it counts as no death of the requests or job rows that were on it
-(cluster/request_retry.py, jobs/replica_pool.py), up to FREE_NODE_LOSSES times each. A replica
-process that died, or a node that failed unexpectedly (an out-of-memory kill of the whole pod, a VM
-gone without notice), may have been brought down by what it ran: that one counts.
+losing a replica with it (or one of its tensor-parallel ranks) counts as no death of the requests or
+job rows that were on it (cluster/request_retry.py, jobs/replica_pool.py), up to FREE_NODE_LOSSES
+times each. A replica process that died, or a node that failed unexpectedly (an out-of-memory kill
+of the whole pod, a VM gone without notice), may have been brought down by what it ran: that one
+counts.
 """
 from __future__ import annotations
 
 from ray.exceptions import RayActorError
+
+from cluster.replica_errors import EngineDiedError
 
 # Ray's GCS words for an actor whose node went on purpose: "The actor died because its node has died.
 # ... the actor's node was preempted: ..." or "... was terminated expectedly: received SIGTERM" (a
@@ -21,20 +24,28 @@ _TAKEN_AWAY = ("the actor's node was preempted", "the actor's node was terminate
 FREE_NODE_LOSSES = 3
 
 
-def _actor_errors(error: BaseException) -> list[RayActorError]:
-    """Ray's own actor errors in `error` (itself, or the cause a RayTaskError wraps): never another
-    error's text, which a request could have put words into."""
-    cause = getattr(error, "cause", None)
-    return [e for e in (error, cause) if isinstance(e, RayActorError)]
+def _node_losses(error: BaseException) -> list[str]:
+    """`preempted` / `node_lost` for each loss with a node in `error` (itself, or the cause a
+    RayTaskError wraps): Ray's own actor errors, or an EngineDiedError whose TP rank went with its
+    node (cluster/tp_group.py sets `node_loss` from Ray's error); never another error's text, which
+    a request could have put words into."""
+    losses = []
+    for e in (error, getattr(error, "cause", None)):
+        if isinstance(e, RayActorError) and (e.preempted or any(w in str(e) for w in _TAKEN_AWAY)):
+            losses.append("preempted" if e.preempted else "node_lost")
+        elif isinstance(e, EngineDiedError) and getattr(e, "node_loss", None) in ("preempted", "node_lost"):
+            losses.append(e.node_loss)   # (Ray's RayTaskError-and-cause hybrid has no such attribute)
+    return losses
 
 
 def lost_with_node(error: BaseException) -> bool:
-    """The replica's actor died because the cluster took its node away."""
-    return any(e.preempted or any(w in str(e) for w in _TAKEN_AWAY) for e in _actor_errors(error))
+    """The replica's actor, or one of its TP ranks, died because the cluster took its node away."""
+    return bool(_node_losses(error))
 
 
 def loss_reason(error: BaseException) -> str:
     """A label for a replica loss: `preempted`, `node_lost`, or the error's type."""
-    if any(e.preempted for e in _actor_errors(error)):
+    losses = _node_losses(error)
+    if "preempted" in losses:
         return "preempted"
-    return "node_lost" if lost_with_node(error) else type(error).__name__
+    return losses[0] if losses else type(error).__name__

@@ -31,7 +31,13 @@ class Failed:
 
 
 class EngineDiedError(RuntimeError):
-    """The replica's engine loop crashed; the request may be retried on another replica."""
+    """The replica's engine loop crashed; the request may be retried on another replica.
+    `node_loss` (`preempted` / `node_lost`): a tensor-parallel rank went with a node the cluster took
+    away (cluster/death_cause.py), which counts as no death of the requests; set by this code only."""
+
+    def __init__(self, message: str = "", node_loss: str | None = None):
+        super().__init__(message)
+        self.node_loss = node_loss
 
 
 class ReplicaConfigError(ValueError):

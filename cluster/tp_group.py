@@ -24,17 +24,23 @@ from __future__ import annotations
 import datetime
 import logging
 import socket
+import time
 from collections.abc import Callable
 from typing import Any
 
 import ray
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.config import ServeConfig
+from cluster.death_cause import loss_reason, lost_with_node
 from eagle_worker.engine_api import load_engine_module
 
 logger = logging.getLogger(__name__)
 RENDEZVOUS_TIMEOUT_S = 300
+# after rank 0's step failed: how long a rank Ray cannot reach may take to be known dead with its node
+# (a drained node's SIGKILLed raylet is noticed by the GCS's health checks)
+NODE_LOSS_WAIT_S = 30.0
 
 
 def free_port(host: str) -> int:
@@ -95,6 +101,30 @@ class TPRankWorker:
 
     def ping(self) -> int:
         return self.rank
+
+    def node_loss(self, wait_s: float = NODE_LOSS_WAIT_S) -> str | None:
+        """`preempted` / `node_lost` when a rank went with a node the cluster took away
+        (cluster/death_cause.py), else None; asked when rank 0's step failed or a rank's loop ended.
+        A collective can fail before the GCS knows the rank's node is gone (meanwhile the rank is
+        `ActorUnavailableError`), so such a rank is asked again for up to `wait_s`; a rank that
+        answers is alive, and a crash with every rank alive costs one ping."""
+        deadline = time.monotonic() + wait_s
+        for w in self.workers:
+            while True:
+                try:
+                    ray.get(w.ping.remote(), timeout=max(0.1, deadline - time.monotonic()))
+                    break
+                except ActorUnavailableError:
+                    if time.monotonic() >= deadline:
+                        break
+                    time.sleep(0.5)
+                except RayActorError as e:
+                    if lost_with_node(e):
+                        return loss_reason(e)
+                    break
+                except GetTimeoutError:
+                    break
+        return None
 
     def shutdown(self) -> None:
         import torch.distributed as dist
@@ -164,6 +194,30 @@ class TPGroup:
                 ray.get(done[0])  # re-raises the rank's error
                 raise RuntimeError("a tensor-parallel rank's worker loop exited")
         ray.get([w.ping.remote() for w in self.workers], timeout=30)
+
+    def node_loss(self, wait_s: float = NODE_LOSS_WAIT_S) -> str | None:
+        """`preempted` / `node_lost` when a rank went with a node the cluster took away
+        (cluster/death_cause.py), else None; asked when rank 0's step failed or a rank's loop ended.
+        A collective can fail before the GCS knows the rank's node is gone (meanwhile the rank is
+        `ActorUnavailableError`), so such a rank is asked again for up to `wait_s`; a rank that
+        answers is alive, and a crash with every rank alive costs one ping."""
+        deadline = time.monotonic() + wait_s
+        for w in self.workers:
+            while True:
+                try:
+                    ray.get(w.ping.remote(), timeout=max(0.1, deadline - time.monotonic()))
+                    break
+                except ActorUnavailableError:
+                    if time.monotonic() >= deadline:
+                        break
+                    time.sleep(0.5)
+                except RayActorError as e:
+                    if lost_with_node(e):
+                        return loss_reason(e)
+                    break
+                except GetTimeoutError:
+                    break
+        return None
 
     def shutdown(self) -> None:
         import torch.distributed as dist

@@ -1,5 +1,5 @@
 """Driver side of the multi-node Serve tests:
-`python -m tests.cluster.multinode ADDRESS deploy|replicas|actors|kill-busy ...`.
+`python -m tests.cluster.multinode ADDRESS deploy|replicas|actors|kill-busy|rank-verdict ...`.
 
 The test process stays out of the cluster (it may already be connected to the session's embedded
 Ray, and a process joins one cluster only): deploying and asking Ray about replicas happen in short
@@ -12,6 +12,29 @@ import os
 import signal
 import sys
 import time
+
+
+def _rank_verdict() -> dict:
+    """A tensor-parallel rank worker (cluster/tp_group.py) on the node whose id comes on stdin, in a
+    group whose rank 0 is this driver: prints `connected`, then `ready` once the rank runs, waits for
+    another line (the test takes the node away meanwhile), then answers what the group's `node_loss`
+    says of the rank and how long it took to say it."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from cluster.config import ServeConfig
+    from cluster.tp_group import TPGroup, TPRankWorker
+
+    print("connected", flush=True)
+    node_id = sys.stdin.readline().strip()
+    config = ServeConfig(engine="tests.cluster.fake_engine", model="fake", draft="none").model_dump(mode="json")
+    rank = TPRankWorker.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)) \
+        .remote(1, 2, config, 1)
+    group = TPGroup([rank], "gloo", lambda rank, world: None)
+    before = group.node_loss()                       # alive: no verdict
+    print("ready", flush=True)
+    sys.stdin.readline()
+    t0 = time.monotonic()
+    return {"before": before, "verdict": group.node_loss(), "seconds": time.monotonic() - t0}
 
 
 # ---- driver side (runs in a subprocess joined to the cluster) ------------------------------------
@@ -90,6 +113,8 @@ def _main(argv: list[str]) -> None:
         answer = {"actors": _actors(rest[0])}
     elif cmd == "kill-busy":  # kill-busy APP DEPLOYMENT
         answer = {"killed": _kill_busy(rest[0], rest[1])}
+    elif cmd == "rank-verdict":  # rank-verdict (the node id on stdin): see _rank_verdict
+        answer = _rank_verdict()
     else:
         raise SystemExit(f"unknown command {cmd!r}")
     print(json.dumps(answer), flush=True)

@@ -140,6 +140,64 @@ def test_engine_crash_fails_requests_and_health(replica, tmp_path):
     assert replica.record_routing_stats()["engine_alive"] is False
 
 
+class _RankGone:
+    """A TP group (cluster/tp_group.py) whose rank 1 went with its node: `node_loss` is Ray's verdict."""
+
+    def __init__(self, node_loss: str | None, loop_ended: bool = False):
+        self.verdict, self.loop_ended, self.asked = node_loss, loop_ended, []
+
+    def node_loss(self, wait_s: float = 30.0) -> str | None:
+        self.asked.append(wait_s)
+        return self.verdict
+
+    def check_health(self) -> None:
+        if self.loop_ended:
+            raise RuntimeError("a tensor-parallel rank's worker loop exited")
+
+    def shutdown(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("verdict", ["preempted", "node_lost", None])
+def test_a_step_failed_by_a_rank_lost_with_its_node_fails_its_requests_as_no_death(replica, tmp_path, verdict):
+    """Rank 0's step fails because a rank's collective broke: the replica asks the group whether that
+    rank went with a node the cluster took away, and its requests' EngineDiedError says so, which
+    callers count as no death (cluster/death_cause.py); a rank that died otherwise counts."""
+    from cluster.death_cause import loss_reason, lost_with_node
+
+    replica.tp = tp = _RankGone(verdict)
+    with pytest.raises(EngineDiedError) as failed:
+        _collect(replica, "g", f"[crash-once:{tmp_path / 'x'}:2] hi", {"max_tokens": 8})
+    assert tp.asked == [30.0] and failed.value.node_loss == verdict
+    assert lost_with_node(failed.value) is (verdict is not None)
+    assert loss_reason(failed.value) == (verdict or "EngineDiedError")
+    assert ("node was" in str(failed.value)) is (verdict is not None)
+
+
+def test_a_rank_the_health_check_finds_gone_fails_the_replica_and_its_requests(replica):
+    """A rank's loop ended (its actor is gone, rank 0 may still wait in a collective): the health check
+    gives the replica up with the rank's verdict, so the requests stuck in the step are retried
+    elsewhere at once, as no death when the rank's node was taken away."""
+    failed = []
+
+    def stuck():
+        try:
+            _collect(replica, "stuck", "[slow:0.2] hi", {"max_tokens": 50})
+        except EngineDiedError as e:
+            failed.append(e)
+    t = threading.Thread(target=stuck, daemon=True)
+    t.start()
+    while replica._step_started is None:
+        threading.Event().wait(0.01)
+    replica.tp = tp = _RankGone("preempted", loop_ended=True)
+    with pytest.raises(RuntimeError, match="worker loop exited"):
+        replica.check_health()
+    t.join(10)
+    assert tp.asked == [2.0] and failed and failed[0].node_loss == "preempted"
+    with pytest.raises(EngineDiedError):
+        replica.check_health()
+
+
 def test_a_step_running_past_step_timeout_fails_the_health_check(tmp_path):
     """A hung step (a kernel or collective that never returns) leaves the loop thread alive: the
     health check alone sees it, once the step has run limits.step_timeout_s. The replica then gives

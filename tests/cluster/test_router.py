@@ -216,9 +216,16 @@ NODE_SHUT_DOWN = ("The actor died unexpectedly before finishing this task.\n\tcl
                   "\tthe actor's node was terminated expectedly: received SIGTERM")
 
 
-def node_lost_error(how: str) -> ray.exceptions.ActorDiedError:
+def node_lost_error(how: str) -> BaseException:
     """The error Ray raises for an actor lost with its node: `preempted` (drained, then gone) or
-    `node shut down` (drained, then SIGTERM to its raylet)."""
+    `node shut down` (drained, then SIGTERM to its raylet); `tp rank's node shut down`: what a caller
+    of a tensor-parallel replica gets when a non-zero rank went with its node (cluster/replica.py's
+    EngineDiedError, through Ray's pickling and its RayTaskError wrapping)."""
+    if how == "tp rank's node shut down":
+        from ray import cloudpickle
+
+        died = cloudpickle.loads(cloudpickle.dumps(EngineDiedError("rank 1 gone", node_loss="node_lost")))
+        return ray.exceptions.RayTaskError("submit", "Traceback ...", died).as_instanceof_cause()
     e = ray.exceptions.ActorDiedError()
     if how == "preempted":
         e._preempted = True
@@ -227,7 +234,7 @@ def node_lost_error(how: str) -> ray.exceptions.ActorDiedError:
     return e
 
 
-@pytest.mark.parametrize("how", ["preempted", "node shut down"])
+@pytest.mark.parametrize("how", ["preempted", "node shut down", "tp rank's node shut down"])
 def test_replicas_lost_with_their_node_count_no_death_and_make_no_suspect(how):
     """A spot VM taken back (Ray's `preempted`: the node drained, then gone) or a node drained and shut
     down (Ray: "its node has died ... terminated expectedly") took the replicas down, not the request:
@@ -237,6 +244,7 @@ def test_replicas_lost_with_their_node_count_no_death_and_make_no_suspect(how):
         return node_lost_error(how)
     assert loss_reason(preempted()) == ("preempted" if how == "preempted" else "node_lost")
     assert loss_reason(ray.exceptions.ActorDiedError()) == "ActorDiedError"
+    assert loss_reason(EngineDiedError("crashed")) == "EngineDiedError"   # a crash of the replica's own
     suspect_at_call = []
 
     class Watched(_Handle):

@@ -74,8 +74,9 @@ def test_a_job_loses_a_replica_with_its_node_and_finishes_without_a_restart_or_a
     """A node drained for preemption and shut down like a deleted pod (SIGTERM to its raylet) mid-job:
     with no replica restarts and no row retries allowed (`max_replica_restarts=0`,
     `max_row_retries=0`), the replica is still replaced on the spare node and its rows sent again,
-    since a lost node is no replica's or row's doing: every row once, no error row."""
-    n = 64                                   # 8 rounds of 1.6 s a replica: outlasts the preemption by seconds
+    since a lost node is no replica's or row's doing: every row once, no error row. A tensor-parallel
+    rank on that node is judged lost with it too (a TP replica's failed step then counts no death)."""
+    n = 80                                   # 10 rounds of 1.6 s a replica: outlasts the preemption by seconds
     inp = write_parquet(tmp_path / "in.parquet", prompt=[f"row {i} [slow:0.1]" for i in range(n)])
     cfg = dict(input=str(inp), engine="tests.cluster.fake_engine", model="fake", draft="none", max_tokens=16,
                max_num_seqs=4, replicas=2, cpus_per_replica=1, max_replica_restarts=0, max_row_retries=0,
@@ -83,6 +84,10 @@ def test_a_job_loses_a_replica_with_its_node_and_finishes_without_a_restart_or_a
     with LocalCluster(node_cpus=(1, 1, 1)) as cluster:
         driver = subprocess.Popen([sys.executable, "-c", JOB_DRIVER, cluster.gcs, json.dumps(cfg)], cwd=REPO,
                                   env=cluster.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        # a tensor-parallel rank on the node taken away below, in a group whose rank 0 is elsewhere:
+        # its loss is the cluster's doing too (cluster/tp_group.py's node_loss, which the replica asks)
+        rank = subprocess.Popen([sys.executable, "-m", "tests.cluster.multinode", cluster.gcs, "rank-verdict"],
+                                cwd=REPO, env=cluster.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         try:
             out = tmp_path / "in.out"
 
@@ -96,12 +101,19 @@ def test_a_job_loses_a_replica_with_its_node_and_finishes_without_a_restart_or_a
             replicas = cluster.driver("actors", "JobReplica")["actors"]
             assert len(replicas) == 2, replicas
             lost = next(r for r in replicas if not r["on_head"])
+            assert rank.stdout.readline().strip() == "connected"
+            rank.stdin.write(lost["node_id"] + "\n")
+            rank.stdin.flush()
+            assert rank.stdout.readline().strip() == "ready"
             cluster.drain_for_preemption(lost["node_id"])
             kill_node(lost["node_id"], graceful=True)
+            verdict = json.loads(rank.communicate("go\n", timeout=120)[0].splitlines()[-1])
             log = driver.communicate(timeout=300)[0]
         finally:
-            if driver.poll() is None:
-                driver.kill()
+            for proc in (driver, rank):
+                if proc.poll() is None:
+                    proc.kill()
+    assert verdict["before"] is None and verdict["verdict"] == "node_lost", verdict
     assert driver.returncode == 0, log[-3000:]
     assert "was lost with its node" in log and "1 replica(s) lost with their node" in log, log[-3000:]
     m = read_manifest(out)

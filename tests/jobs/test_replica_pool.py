@@ -28,7 +28,7 @@ def pool(tmp_path, monkeypatch):
     return p
 
 
-@pytest.mark.parametrize("how", ["preempted", "node shut down"])
+@pytest.mark.parametrize("how", ["preempted", "node shut down", "tp rank's node shut down"])
 def test_a_replica_lost_with_its_node_is_replaced_without_using_a_restart(pool, how):
     for _ in range(3):                              # more losses than the job has restarts
         pool._on_death(pool.replicas[0], node_lost_error(how))
