@@ -8,7 +8,7 @@ import time
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from ray import serve
 from ray.exceptions import TaskCancelledError
@@ -29,6 +29,7 @@ from cluster.replica import engine_config
 from cluster.replica_errors import Failed, Rejected
 from cluster.request_retry import PoisonRequestError, ReplicaLostError, stream_outputs
 from cluster.router_state import live_replica_stats
+from cluster.stream_response import Release, ReleasingStream
 from eagle_worker.engine_api import load_engine_module
 
 logger = logging.getLogger(__name__)
@@ -218,20 +219,26 @@ class OpenAIIngress:
                 body = render.full(rid, [last for last, _ in done], done[0][1])
                 return JSONResponse(body.model_dump(mode="json"))
             status = 200
-            return StreamingResponse(self._sse(its, firsts, rid, req, render, t0, ttft, when), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
+            release = Release(lambda: self._release(req, its))
+            return ReleasingStream(self._sse(its, firsts, rid, req, render, t0, ttft, when, release), release,
+                                   media_type="text/event-stream",
+                                   headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
         except APIError as e:
             status = e.status
             raise
         finally:
-            if not req.stream or status != 200:     # a started stream closes its readers in _sse
-                self.metrics.inflight.labels(self.config.model_name).dec()
-                self.admission.leave(req.priority, req.n)
-                for it in its:
-                    await it.aclose()
+            if not req.stream or status != 200:     # a stream's response releases it (cluster/stream_response.py)
+                await self._release(req, its)
+
+    async def _release(self, req, its: list) -> None:
+        """What an admitted request holds: its admission slot, the in-flight gauge, its engine streams."""
+        self.metrics.inflight.labels(self.config.model_name).dec()
+        self.admission.leave(req.priority, req.n)
+        for it in its:
+            await it.aclose()
 
     async def _sse(self, its: list, firsts: list, rid: str, req, render, t0: float, ttft: float,
-                   when: float | None) -> AsyncIterator[str]:
+                   when: float | None, release: Release) -> AsyncIterator[str]:
         lasts = list(firsts)
         outputs = merge_streams(its, firsts)
         timeout = self.config.limits.request_timeout_s
@@ -259,11 +266,8 @@ class OpenAIIngress:
             note_status(500)
             yield sse(APIError(500, f"internal error: {e!r}", type="server_error").body())
         finally:
-            self.metrics.inflight.labels(self.config.model_name).dec()
-            self.admission.leave(req.priority, req.n)
             await outputs.aclose()   # stops the choices' readers before their streams close
-            for it in its:
-                await it.aclose()
+            await release()
         yield "data: [DONE]\n\n"
 
     def _finish(self, out, t0: float, ttft: float, count_tokens: bool = True) -> None:
