@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
+from eagle_worker.engine_api import RESPONSE_MESSAGE_FIELDS
+
 MAX_LOGPROBS = 20      # vLLM's default max_logprobs
 MAX_N = 16             # parallel samples per request (each is an engine request)
 MAX_SEED = 2**63       # seeds are in [0, 2**63)
@@ -183,9 +185,10 @@ class ChatMessage(BaseModel):
     @classmethod
     def _empty_extras(cls, data: Any) -> Any:
         """A client that sends a response's message back carries its empty fields (`refusal: null`,
-        `tool_calls: []`): dropped; a field that says something we do not serve stays and is refused."""
+        `tool_calls: []`): those are dropped; one that says something, or any other field, stays and
+        is refused."""
         if isinstance(data, dict):
-            data = {k: v for k, v in data.items() if k in cls.model_fields or v not in (None, [], {}, "")}
+            data = {k: v for k, v in data.items() if k not in RESPONSE_MESSAGE_FIELDS or v not in (None, [], {}, "")}
         return data
 
     @model_validator(mode="after")
@@ -207,7 +210,7 @@ class ChatMessage(BaseModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p["text"] for p in self.content)
+        return "\n".join(p["text"] for p in self.content)   # vLLM's join of text parts
 
 
 class ChatCompletionRequest(_SamplingRequest):

@@ -55,8 +55,9 @@ def normalize_messages(messages) -> list[dict]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not m["role"].strip():
             raise ValueError(f"messages[{i}] must be an object with a string `role` and `content`, got {_kind(m)}")
-        extra = sorted(k for k, v in m.items() if k not in MESSAGE_FIELDS and v not in (None, [], {}, ""))
-        if extra:      # a field the template never sees is refused, not dropped (empty ones a client echoes back pass)
+        extra = sorted(k for k, v in m.items() if k not in MESSAGE_FIELDS
+                       and (k not in RESPONSE_MESSAGE_FIELDS or v not in (None, [], {}, "")))
+        if extra:      # a field the template never sees is refused, not dropped (a response's empty ones pass)
             raise ValueError(f"messages[{i}]: unsupported field(s) {', '.join(map(repr, extra))}; "
                              f"a message has {', '.join(MESSAGE_FIELDS)}")
         if m.get("name") is not None and not isinstance(m["name"], str):
@@ -67,7 +68,7 @@ def normalize_messages(messages) -> list[dict]:
                    or set(p) - {"type", "text"} for p in content):
                 raise ValueError(f"messages[{i}].content: only text parts ({{\"type\": \"text\", \"text\": ...}}, "
                                  "nothing else) are supported")
-            content = "".join(p["text"] for p in content)
+            content = "\n".join(p["text"] for p in content)     # vLLM's join of text parts
         elif content is None:
             content = ""
         elif not isinstance(content, str):
@@ -77,6 +78,9 @@ def normalize_messages(messages) -> list[dict]:
 
 
 MESSAGE_FIELDS = ("role", "content", "name")     # `name` goes to a template that reads it, refused by one that does not
+# a response's message fields beyond those (OpenAI's ChatCompletionMessage): a client that sends the
+# message back carries them empty (`refusal: null`, `tool_calls: []`), which is dropped; anything else is refused
+RESPONSE_MESSAGE_FIELDS = frozenset({"refusal", "tool_calls", "function_call", "audio", "annotations"})
 
 
 def _kind(x) -> str:

@@ -36,6 +36,8 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role", ""),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {}}]}]},
      "messages.0", "'cache_control'"),
+    ({"messages": [{"role": "user", "content": "x", "foo": ""}]}, "messages.0.foo", ""),   # empty, still unknown
+    ({"messages": [{"role": "user", "content": "x", "cache_control": {}}]}, "messages.0.cache_control", ""),
     ({"messages": [{"role": "user", "content": None}]}, "messages.0", "needs content"),
     ({"messages": [{"role": "user", "content": []}]}, "messages.0", "needs content"),
     ({"n": 17}, "n", "less than"), ({"temperature": float("nan")}, "temperature", "finite"),
@@ -56,6 +58,12 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 def test_chat_fields_refused_by_name(extra, param, needle):
     err = _refusal(ChatCompletionRequest, CHAT | extra)
     assert err.status == 400 and err.param == param and needle in err.message, err.message
+
+
+def test_text_parts_are_joined_by_a_line_break_as_vllm_joins_them():
+    req = ChatCompletionRequest.model_validate(CHAT | {"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "Question:"}, {"type": "text", "text": "What is 2+2?"}]}]})
+    assert req.messages[0].text() == "Question:\nWhat is 2+2?"
 
 
 def test_union_members_are_not_named_in_param():

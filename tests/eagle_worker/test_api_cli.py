@@ -30,14 +30,15 @@ def test_chat_with_configured_template_renders_and_generates(tiny_model_dir):
 
 
 def test_chat_takes_openai_text_parts_and_refuses_what_it_cannot_render(tiny_model_dir):
-    """`LLM.chat` reads messages as the HTTP endpoint does: text parts joined, null content empty; a
+    """`LLM.chat` reads messages as the HTTP endpoint does: text parts joined by a line break (vLLM's
+    join), null content empty, a response's empty fields dropped and any other unknown field refused; a
     bad role or a non-text part is a ValueError naming the message, and a template that cannot compile
     is refused when the engine starts."""
     template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
     llm = LLM(model=str(tiny_model_dir("llama")), block_size=4, num_kv_blocks=64, chat_template=template)
     parts = [{"role": "user", "content": [{"type": "text", "text": "two plus "}, {"type": "text", "text": "two?"}]},
              {"role": "assistant", "content": None}]
-    assert llm.engine.apply_chat_template(parts) == "user: two plus two?\nassistant: \nassistant:"
+    assert llm.engine.apply_chat_template(parts) == "user: two plus \ntwo?\nassistant: \nassistant:"
     named = "{% for m in messages %}{{ m.get('name', m['role']) }}: {{ m['content'] }}\n{% endfor %}"
     llm_named = LLM(model=str(tiny_model_dir("llama")), block_size=4, num_kv_blocks=64, chat_template=named)
     echoed = {"role": "user", "content": "hi", "name": "bob", "refusal": None, "tool_calls": []}   # empty extras pass
@@ -47,6 +48,7 @@ def test_chat_takes_openai_text_parts_and_refuses_what_it_cannot_render(tiny_mod
                         ([{"role": "user", "content": 5}], r"messages\[0\].content"), ([], "non-empty"),
                         (["hi"], r"messages\[0\] must be a message .* got str"),
                         ([{"role": "user", "content": "hi", "foo": 1}], r"messages\[0\]: unsupported field\(s\) 'foo'"),
+                        ([{"role": "user", "content": "hi", "foo": ""}], r"unsupported field\(s\) 'foo'"),
                         ([{"role": "user", "content": "hi", "name": 5}], r"messages\[0\].name must be a string"),
                         ([{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {}}]}],
                          "only text parts"),
