@@ -13,11 +13,12 @@ import fnmatch
 import glob
 import hashlib
 import logging
+import os
 from pathlib import Path
 
 import pyarrow.fs as pafs
 
-from jobs.job_config import JSONL_SUFFIXES, glob_base
+from jobs.job_config import JSONL_SUFFIXES, glob_base, is_local_glob
 from jobs.storage import StorageError, filesystem, is_uri
 
 DIGEST_SPAN = 64 * 1024
@@ -34,6 +35,30 @@ def _hidden(name: str) -> bool:
     return name.startswith((".", "_"))
 
 
+def _hidden_below(rel: str) -> bool:
+    """Whether a path relative to the input root has a hidden or `_` part (`.staging/`, `_temporary/`,
+    `_SUCCESS`): what writers leave beside their data, skipped as dataset readers skip it."""
+    return any(_hidden(part) for part in rel.split("/"))
+
+
+def _glob_match(parts: list[str], pattern: list[str]) -> bool:
+    """Path parts against pattern parts as glob.glob(recursive=True) matches them: `*`, `?`, `[...]`
+    within one part, `**` any number of parts (fnmatch on the whole path lets `*` match `/`)."""
+    if not pattern:
+        return not parts
+    if pattern[0] == "**":
+        return any(_glob_match(parts[i:], pattern[1:]) for i in range(len(parts) + 1))
+    return bool(parts) and fnmatch.fnmatchcase(parts[0], pattern[0]) and _glob_match(parts[1:], pattern[1:])
+
+
+def _printable(path: str) -> str:
+    """A local path as text that can be printed: the bytes of a name that is not UTF-8 as `\\xNN`."""
+    try:
+        return os.fsencode(path).decode("utf-8", "backslashreplace")
+    except UnicodeError:
+        return ascii(path)
+
+
 def kind_of(path: str) -> str:
     return "jsonl" if path.lower().endswith(JSONL_SUFFIXES) else "parquet"
 
@@ -43,8 +68,7 @@ def _in_folder(paths: list[str], root: str, spec: str) -> list[str]:
     other files are skipped with a warning naming them, hidden and `_` names (`_SUCCESS`) silently."""
     kinds: dict[str, list[str]] = {"parquet": [], "jsonl": [], "other": []}
     for p in sorted(paths):
-        rel = p[len(root):].strip("/")
-        if not any(_hidden(part) for part in rel.split("/")):
+        if not _hidden_below(p[len(root):].strip("/")):
             name = p.lower()
             kinds["parquet" if name.endswith(".parquet") else "jsonl" if name.endswith(JSONL_SUFFIXES)
                   else "other"].append(p)
@@ -69,28 +93,29 @@ def resolve_files(spec: str, exclude: str | None = None) -> tuple[pafs.FileSyste
     ex = filesystem(exclude)[1].rstrip("/") if exclude and is_uri(exclude) else None
 
     def keep(p: str) -> bool:
-        return not _hidden(p.rsplit("/", 1)[-1]) and not (ex and (p == ex or p.startswith(ex + "/")))
+        return not (ex and (p == ex or p.startswith(ex + "/")))
 
     try:
-        if glob.has_magic(path):
+        info = fs.get_file_info(path)
+        if glob.has_magic(path) and info.type == pafs.FileType.NotFound:   # an existing name is itself
             root = str(glob_base(path))
+            pattern = path[len(root):].strip("/").split("/")
             infos = fs.get_file_info(pafs.FileSelector(root, recursive=True, allow_not_found=True))
-            files = sorted(i.path for i in infos if i.type == pafs.FileType.File and fnmatch.fnmatchcase(i.path, path)
-                           and keep(i.path))
+            files = sorted(i.path for i in infos if i.type == pafs.FileType.File and keep(i.path)
+                           and not _hidden_below(rel := i.path[len(root):].strip("/"))
+                           and _glob_match(rel.split("/"), pattern))
             if not files:
                 raise InputError(f"{spec}: the pattern matches no files")
+        elif info.type == pafs.FileType.File:
+            root, files = path.rsplit("/", 1)[0], [path]
+        elif info.type == pafs.FileType.Directory:
+            root = path.rstrip("/")
+            infos = fs.get_file_info(pafs.FileSelector(root, recursive=True))
+            files = _in_folder([i.path for i in infos if i.type == pafs.FileType.File and keep(i.path)], root, spec)
+            if not files:
+                raise InputError(f"{spec}: the folder holds no .parquet or .jsonl files")
         else:
-            info = fs.get_file_info(path)
-            if info.type == pafs.FileType.File:
-                root, files = path.rsplit("/", 1)[0], [path]
-            elif info.type == pafs.FileType.Directory:
-                root = path.rstrip("/")
-                infos = fs.get_file_info(pafs.FileSelector(root, recursive=True))
-                files = _in_folder([i.path for i in infos if i.type == pafs.FileType.File and keep(i.path)], root, spec)
-                if not files:
-                    raise InputError(f"{spec}: the folder holds no .parquet or .jsonl files")
-            else:
-                raise InputError(f"{spec}: no such file or folder")
+            raise InputError(f"{spec}: no such file or folder")
     except OSError as e:
         raise InputError(f"{spec}: cannot list ({str(e).splitlines()[0]})") from None
     return fs, files, root
@@ -102,9 +127,10 @@ def _resolve_local(spec: str, exclude: str | None) -> tuple[list[str], str]:
     def keep(p: Path) -> bool:
         return p.is_file() and not _hidden(p.name) and not (ex and (p.resolve() == ex or ex in p.resolve().parents))
 
-    if glob.has_magic(spec):
+    if is_local_glob(spec):
         root = glob_base(spec)
-        files = sorted(Path(p) for p in glob.glob(spec, recursive=True) if keep(Path(p)))
+        files = sorted(Path(p) for p in glob.glob(spec, recursive=True)
+                       if keep(Path(p)) and not _hidden_below(os.path.relpath(p, root)))
         if not files:
             raise InputError(f"{spec}: the pattern matches no files")
     elif Path(spec).is_dir():
@@ -116,6 +142,11 @@ def _resolve_local(spec: str, exclude: str | None) -> tuple[list[str], str]:
         root, files = Path(spec).parent, [Path(spec)]
     else:
         raise InputError(f"{spec}: no such file or folder")
+    for p in files:        # its derived ids and the output could not be written (UnicodeEncodeError)
+        try:
+            str(p).encode("utf-8")
+        except UnicodeError:
+            raise InputError(f"{_printable(str(p))}: the file name is not valid UTF-8; rename the file") from None
     return [str(p) for p in files], str(root)
 
 

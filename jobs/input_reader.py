@@ -15,13 +15,11 @@ OpenAI Batch request lines are checked and parsed in jobs/openai_requests.py.
 """
 from __future__ import annotations
 
-import contextlib
 import difflib
 from dataclasses import dataclass, field
 from typing import Iterator
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
@@ -29,6 +27,7 @@ from eagle_worker.engine_api import normalize_messages as engine_messages
 from jobs.id_set import IdSet
 from jobs.input_files import MIXED, InputError, file_identity, kind_of, label_of, resolve_files
 from jobs.output_writer import BASE_SCHEMA
+from jobs.parquet_footer import check_chunks, ids_fit_int64, no_null_ids, rows_text
 from jobs.storage import is_uri
 
 __all__ = ["InputError", "InputPlan", "Row", "iter_rows", "open_input"]
@@ -49,7 +48,6 @@ NOT_PER_ROW = {"n": "one completion per row", "best_of": "one completion per row
 _READ = ("id", "prompt", "messages", *OVERRIDES)                 # the columns a Parquet job reads
 OUTPUT_COLUMNS = tuple(BASE_SCHEMA.names)
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
-INT64_MAX = 2**63 - 1
 
 
 @dataclass
@@ -163,7 +161,7 @@ def _check_parquet(f: InputFile, plan: InputPlan, keep_columns: bool) -> int:
         schema = meta.schema.to_arrow_schema()
     except (pa.ArrowException, OSError) as e:
         raise InputError(f"{path}: not a readable Parquet file ({e})") from None
-    _check_chunks(path, meta, plan.fs.get_file_info(f.path).size)
+    check_chunks(path, meta, plan.fs.get_file_info(f.path).size)
     names = schema.names
     if "prompt" not in names and "messages" not in names:
         raise InputError(f"{path}: needs a `prompt` column (string) or a `messages` column "
@@ -183,18 +181,33 @@ def _check_parquet(f: InputFile, plan: InputPlan, keep_columns: bool) -> int:
                              "--keep-columns to carry it into the output as data")
     _set_id_type(plan, path, schema.field("id").type if "id" in names else None, meta.num_rows)
     if _has_ids(schema):
-        _no_null_ids(f, plan.fs, meta, "integer" if pa.types.is_integer(schema.field("id").type) else "string")
+        no_null_ids(f, plan.fs, meta, "integer" if pa.types.is_integer(schema.field("id").type) else "string")
         if pa.types.is_uint64(schema.field("id").type):
-            _ids_fit_int64(f, plan.fs, meta)
+            ids_fit_int64(f, plan.fs, meta)
     if keep_columns:
         kept = pa.schema([schema.field(n) for n in names if n != "id"])
         if plan.kept is None:
-            plan.kept_names = {n: (f"input_{n}" if n in OUTPUT_COLUMNS else n) for n in kept.names}
+            plan.kept_names = _kept_names(path, kept.names)
             plan.kept = pa.schema([pa.field(plan.kept_names[f.name], f.type) for f in kept])
         elif kept.names != list(plan.kept_names) or [f.type for f in kept] != list(plan.kept.types):
             raise InputError(f"{path}: --keep-columns needs every input file to have the same columns and types; "
                              f"this file has {kept}, the first had {plan.kept}")
     return meta.num_rows
+
+
+def _kept_names(path: str, names: list[str]) -> dict[str, str]:
+    """Input column -> its output column (`input_<name>` where the output has a column of that name, and
+    no output column is named `input_*`), refused up front where two kept columns would share a name
+    (`text` carried as `input_text` beside an `input_text`): duplicate names make the output unreadable."""
+    owner: dict[str, str] = {}      # output column -> the input column in it
+    for n in names:
+        out = f"input_{n}" if n in OUTPUT_COLUMNS else n
+        if out in owner:
+            renamed = owner[out] if n == out else n
+            raise InputError(f"{path}: --keep-columns would carry columns `{owner[out]}` and `{n}` both as `{out}` "
+                             f"(`{renamed}` is renamed: the output has its own `{renamed}`); rename one of them")
+        owner[out] = n
+    return {n: out for out, n in owner.items()}
 
 
 def _near_miss(col: str) -> str | None:
@@ -207,20 +220,6 @@ def _near_miss(col: str) -> str | None:
         return key
     close = difflib.get_close_matches(key, _READ, n=1, cutoff=0.85)
     return close[0] if close else None
-
-
-def _check_chunks(path: str, meta, size: int) -> None:
-    """What the footer lets us check of the data without reading it: every column chunk lies inside the file."""
-    for rg in range(meta.num_row_groups):
-        g = meta.row_group(rg)
-        for c in range(g.num_columns):
-            col = g.column(c)
-            # (some writers put 0 in dictionary_page_offset for "none": trust it only with a dictionary page)
-            start = col.dictionary_page_offset if col.has_dictionary_page and col.dictionary_page_offset else \
-                col.data_page_offset
-            if start is None or start < 0 or start + col.total_compressed_size > size:
-                raise InputError(f"{path}: row group {rg}, column `{col.path_in_schema}` lies outside the file "
-                                 f"({size} bytes): the file is truncated or corrupt")
 
 
 def _set_id_type(plan: InputPlan, path: str, t: pa.DataType | None, num_rows: int) -> None:
@@ -243,56 +242,6 @@ def _set_id_type(plan: InputPlan, path: str, t: pa.DataType | None, num_rows: in
 def _has_ids(schema: pa.Schema) -> bool:
     """Whether the file's rows have their own ids (an `id` column of nulls only is no ids: derived ones)."""
     return "id" in schema.names and not pa.types.is_null(schema.field("id").type)
-
-
-def _no_null_ids(f: InputFile, fs: pafs.FileSystem, meta, kind: str) -> None:
-    """A file with ids needs one in every row, refused up front by the footer statistics (a null cannot
-    fall back to a derived id: an integer one would change the type, a string one `<file>:<row>` may be
-    another row's real id, which would then be skipped as its duplicate). Nulls the statistics miss
-    are caught at run time: those rows are listed as unreadable (`_parquet_row`, `_unreadable`)."""
-    col = next(i for i in range(meta.num_columns) if meta.schema.column(i).path == "id")   # (leaf, not field, index)
-    offset = 0
-    for rg in range(meta.num_row_groups):
-        st = meta.row_group(rg).column(col).statistics
-        if st is not None and st.has_null_count and st.null_count:
-            raise InputError(f"{f.display}: the {kind} `id` column has {st.null_count} null value(s) in row group "
-                             f"{rg} ({_null_rows(f, fs, rg, offset)}); give every row an id, or drop the `id` "
-                             "column for derived ids (`<file>:<row>`)")
-        offset += meta.row_group(rg).num_rows
-
-
-def _ids_fit_int64(f: InputFile, fs: pafs.FileSystem, meta) -> None:
-    """Integer ids come out as int64: a uint64 id above 2**63-1 is refused up front (it would fail the
-    commit), by the footer's max where the statistics have one, else by reading that row group's ids."""
-    col = next(i for i in range(meta.num_columns) if meta.schema.column(i).path == "id")
-    with contextlib.ExitStack() as opened:
-        data = None                      # the file, opened once for the row groups without statistics
-        for rg in range(meta.num_row_groups):
-            st = meta.row_group(rg).column(col).statistics
-            if st is not None and st.has_min_max:
-                top = st.max
-            else:
-                try:
-                    data = data or pq.ParquetFile(opened.enter_context(fs.open_input_file(f.path)))
-                    top = pc.max(data.read_row_group(rg, columns=["id"]).column("id")).as_py()
-                except Exception:   # unreadable data pages: the job reports them when it reads the file
-                    continue
-            if top is not None and top > INT64_MAX:
-                raise InputError(f"{f.display}: the uint64 `id` column holds {top} in row group {rg}, above the "
-                                 f"int64 maximum {INT64_MAX} of the output's integer ids; renumber the ids, or "
-                                 "cast the column to string")
-
-
-def _null_rows(f: InputFile, fs: pafs.FileSystem, rg: int, offset: int) -> str:
-    """Which rows of the file have a null id (the first few), read from that row group's `id` column alone."""
-    try:
-        with fs.open_input_file(f.path) as fh:
-            ids = pq.ParquetFile(fh).read_row_group(rg, columns=["id"]).column("id")
-        rows = [offset + i for i, v in enumerate(ids.is_null().to_pylist()) if v]
-    except Exception:    # unreadable data pages: the job reports them when it reads the file
-        return "rows unknown"
-    return ("row " if len(rows) == 1 else "rows ") + ", ".join(map(str, rows[:5])) + (
-        f" and {len(rows) - 5} more" if len(rows) > 5 else "")
 
 
 # ---- streaming rows -------------------------------------------------------------------------------
@@ -334,13 +283,19 @@ def _row_groups(f: InputFile, plan: InputPlan, pf: pq.ParquetFile, batch_rows: i
                 if batch is None:
                     break
                 cols = batch.to_pydict()
-                rows = [_parquet_row({k: v[i] for k, v in cols.items()},
-                                     f"{f.label}:{offset + done + i}" if derive else None, plan)
-                        for i in range(batch.num_rows)]
+                rows, no_id = [], []
+                for i in range(batch.num_rows):
+                    rec = {k: v[i] for k, v in cols.items()}
+                    if not derive and rec.get("id") is None:    # a null the footer statistics did not show
+                        no_id.append(offset + done + i)
+                    else:
+                        rows.append(_parquet_row(rec, f"{f.label}:{offset + done + i}" if derive else None, plan))
             except Exception as e:
                 yield from _unreadable(f, plan, pf, rg, offset + done, offset + size, e)
                 break
             del cols
+            if no_id:
+                _null_ids(f, plan, rg, no_id)
             yield from rows
             done += batch.num_rows
         offset += size
@@ -363,6 +318,20 @@ def _unreadable(f: InputFile, plan: InputPlan, pf, rg: int, start: int, end: int
     yield from (Row(id=rid, error=msg) for rid in ids if rid is not None)
 
 
+def _null_ids(f: InputFile, plan: InputPlan, rg: int, rows: list[int]) -> None:
+    """Rows whose id is null (found at run time: the file has no statistics) cannot be written under an
+    id, not even a derived one (another row's, maybe): they are skipped and listed as unreadable, one
+    entry per row group; the other rows run."""
+    last = plan.unreadable[-1] if plan.unreadable else {}
+    if last.get("null_id_rows") is None or (last["file"], last["row_group"]) != (f.display, rg):
+        last = {"file": f.display, "row_group": rg, "rows": 0, "error": "", "null_id_rows": []}
+        plan.unreadable.append(last)
+    last["rows"] += len(rows)
+    last["null_id_rows"] = (last["null_id_rows"] + rows)[:5]
+    last["error"] = (f"{f.display}: row group {rg}: a null `id` ({rows_text(last['null_id_rows'], last['rows'])}); "
+                     "give every row an id")
+
+
 def _group_offset(pf, rg: int) -> int:
     return sum(pf.metadata.row_group(i).num_rows for i in range(rg))
 
@@ -376,11 +345,8 @@ def _schema(f: InputFile, plan: InputPlan) -> pa.Schema:
 
 
 def _parquet_row(rec: dict, derived_id: str | None, plan: InputPlan) -> Row:
-    """One input row; `derived_id` None: the file has ids (a null one here escaped the footer check)."""
-    rid = rec.get("id") if derived_id is None else derived_id
-    if rid is None:
-        raise ValueError("a row without an id (null `id`)")   # -> `_unreadable`: never a derived id
-    row = Row(id=rid)
+    """One input row; `derived_id` None: the file has ids (not null: `_row_groups` took those out)."""
+    row = Row(id=rec["id"] if derived_id is None else derived_id)
     if plan.kept is not None:
         row.extra = {plan.kept_names[k]: rec.get(k) for k in plan.kept_names}
     row.params = {k: rec[k] for k in OVERRIDES if rec.get(k) is not None}

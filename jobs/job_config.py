@@ -153,10 +153,13 @@ class JobConfig(BaseModel):
     def input_is_jsonl(self) -> bool:
         return self.input.lower().endswith(JSONL_SUFFIXES)
 
-    def output_format(self) -> str:
+    def output_format(self, kind: str | None = None) -> str:
+        """`auto`: OpenAI Batch output for JSONL input, else Parquet. `kind` is the opened input's
+        ("jsonl" for a folder or glob of JSONL files too); without it, the input's name decides."""
         if self.format != "auto":
             return self.format
-        return "openai-batch" if self.input_is_jsonl() else "parquet"
+        jsonl = kind == "jsonl" if kind else self.input_is_jsonl()
+        return "openai-batch" if jsonl else "parquet"
 
     def resolved_draft(self) -> str | None:
         """None (plain decoding), or what the engine's `EngineConfig.draft` gets: the engine's one
@@ -266,6 +269,12 @@ def _is_glob(path: str) -> bool:
     return _glob.has_magic(path)
 
 
+def is_local_glob(path: str) -> bool:
+    """A local pattern: wildcards (`*`, `?`, `[`), and no file or folder of that very name
+    (`my data [v2].parquet` is a file)."""
+    return _is_glob(path) and not os.path.lexists(os.path.expanduser(path))
+
+
 def glob_base(pattern: str) -> Path:
     """The folder a glob is rooted at: its longest prefix without wildcards."""
     parts = Path(pattern).parts
@@ -308,7 +317,7 @@ def default_output(input_path: str) -> str:
         head, name = rest.rsplit("/", 1)
         stem = name.rsplit(".", 1)[0] if name.lower().endswith((".parquet",) + JSONL_SUFFIXES) else name
         return f"{scheme}://{head}/{stem}.out"
-    if _is_glob(input_path):
+    if is_local_glob(input_path):
         base = glob_base(input_path)
         return str(base.parent / f"{base.name}.glob-{_pattern_hash(input_path)}.out")
     p = Path(input_path)

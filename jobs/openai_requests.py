@@ -22,25 +22,29 @@ from jobs.input_files import InputError
 from jobs.input_reader import CHAT_URL, COMPLETIONS_URL, InputFile, InputPlan, Row
 
 
+def _lines(f: InputFile, plan: InputPlan) -> io.TextIOWrapper:
+    """The file's lines: a UTF-8 BOM skipped, and split at "\\n" only (JSONL's rule; a lone "\\r" between
+    tokens is whitespace, not a line break, as in the HTTP server's JSON)."""
+    return io.TextIOWrapper(plan.fs.open_input_stream(f.path), encoding="utf-8-sig", newline="\n")
+
+
 def check_jsonl(f: InputFile, plan: InputPlan, seen: IdSet) -> int:
     n, path = 0, f.display
     try:
-        with io.TextIOWrapper(plan.fs.open_input_stream(f.path), encoding="utf-8") as fh:
+        with _lines(f, plan) as fh:
             for lineno, line in enumerate(fh, 1):
                 if not line.strip():
                     continue
                 where = f"{path}: line {lineno}"
-                try:
-                    rec = loads_strict(line)
-                except json.JSONDecodeError as e:
-                    raise InputError(f"{where}: not valid JSON ({e.msg})") from None
-                except ValueError as e:   # a key twice
-                    raise InputError(f"{where}: not valid JSON ({e})") from None
+                rec = _parse(line, where)
                 if not isinstance(rec, dict):
                     raise InputError(f"{where}: expected a JSON object (OpenAI Batch request)")
                 cid = rec.get("custom_id")
                 if not isinstance(cid, str) or not cid:
                     raise InputError(f"{where}: `custom_id` must be a non-empty string")
+                if not _encodable(cid):    # a lone surrogate (`"\\ud800"`): valid JSON, but no output could hold it
+                    raise InputError(f"{where}: `custom_id` {ascii(cid)} is not valid Unicode text (a lone "
+                                     "surrogate escape); give the request an id of UTF-8 text")
                 body = rec.get("body")
                 if not isinstance(body, dict) or ("messages" not in body and "prompt" not in body):
                     raise InputError(f"{where}: `body` must be an object with `messages` or `prompt`")
@@ -57,11 +61,31 @@ def check_jsonl(f: InputFile, plan: InputPlan, seen: IdSet) -> int:
     return n
 
 
+def _parse(line: str, where: str):
+    """A request line's JSON, or an InputError naming the line (exit 2), never a traceback."""
+    try:
+        return loads_strict(line)
+    except json.JSONDecodeError as e:
+        raise InputError(f"{where}: not valid JSON ({e.msg})") from None
+    except ValueError as e:   # a key twice
+        raise InputError(f"{where}: not valid JSON ({e})") from None
+    except RecursionError:    # (also here when the run reads the line a few stack frames deeper than the check)
+        raise InputError(f"{where}: JSON nested too deeply to read") from None
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def jsonl_rows(f: InputFile, plan: InputPlan) -> Iterator[Row]:
-    with io.TextIOWrapper(plan.fs.open_input_stream(f.path), encoding="utf-8") as fh:
-        for line in fh:
+    with _lines(f, plan) as fh:
+        for lineno, line in enumerate(fh, 1):
             if line.strip():
-                yield openai_row(loads_strict(line))
+                yield openai_row(_parse(line, f"{f.display}: line {lineno}"))
 
 
 # What the HTTP server takes but a batch row cannot be: one completion per row, written whole,

@@ -33,7 +33,7 @@ from jobs.openai_batch import openai_line
 from jobs.progress import RowCounts
 from jobs.storage import COMMITS, LEASE, LOCK, Folder, StorageError
 
-__all__ = ["BASE_SCHEMA", "OutputDir", "OutputError", "PartWriter", "openai_line", "output_schema", "new_run_id",
+__all__ = ["BASE_SCHEMA", "KEPT", "OutputDir", "OutputError", "PartWriter", "openai_line", "output_schema", "new_run_id",
            "read_manifest", "is_locked"]
 
 MANIFEST = "_manifest.json"
@@ -44,6 +44,7 @@ BASE_SCHEMA = pa.schema([
     ("error", pa.string()),
 ])
 EXT = {"parquet": ".parquet", "openai-batch": ".jsonl"}
+KEPT = "kept_columns"   # a row's key holding its carried input columns (--keep-columns), apart from its result
 # what reading a truncated or overwritten part raises (not Parquet, not JSON, not our records)
 DAMAGED = (pa.ArrowException, ValueError, KeyError, AttributeError, TypeError)
 
@@ -143,7 +144,8 @@ class OutputDir:
         if foreign:
             raise OutputError(f"{self.path}: the output folder holds files this tool did not write "
                               f"({', '.join(foreign[:5])}); choose another --output")
-        self.dropped_uncommitted = self.folder.drop_uncommitted()   # a dead driver's: those rows are redone
+        # a dead driver's: those rows are redone (--overwrite: also commit records without their part)
+        self.dropped_uncommitted = self.folder.drop_uncommitted(orphan_records=overwrite)
         manifest = None
         if overwrite:           # whatever is there, in any format, damaged or not
             for name in self.folder.committed_parts():
@@ -225,7 +227,7 @@ class OutputDir:
                 yield from f.read(columns=["id", "error", "prompt_tokens", "completion_tokens"]).to_pylist()
                 return
             rows = []
-            for line in (self.folder.read_bytes(name) or b"").decode("utf-8").splitlines():
+            for line in self._jsonl_lines(name):
                 rec = json.loads(line)
                 resp = rec.get("response") or {}
                 body = resp.get("body") or {}
@@ -236,6 +238,11 @@ class OutputDir:
         except DAMAGED as e:
             raise self._damaged(name, e) from None
         yield from rows
+
+    def _jsonl_lines(self, name: str) -> list[str]:
+        """The lines of a JSONL part, split on "\\n" only: its JSON is not ASCII-escaped, and str.splitlines
+        would also split at a U+2028, U+2029 or U+0085 inside a text or custom_id."""
+        return [ln for ln in (self.folder.read_bytes(name) or b"").decode("utf-8").split("\n") if ln]
 
     def _drop_error_rows(self) -> int:
         """Rewrite each committed part that holds error rows without them, in place (an atomic replace:
@@ -256,7 +263,7 @@ class OutputDir:
             n_bad = pa.compute.sum(bad).as_py() or 0
             keep, n_keep = t.filter(pa.compute.invert(bad)), t.num_rows - n_bad
         else:
-            lines = (self.folder.read_bytes(name) or b"").decode("utf-8").splitlines()
+            lines = self._jsonl_lines(name)
             keep = [ln for ln in lines if (json.loads(ln).get("response") or {}).get("status_code") == 200]
             n_bad, n_keep = len(lines) - len(keep), len(keep)
         if not n_bad:
@@ -302,8 +309,8 @@ class PartWriter:
         if self._sink is None:
             self._open()
         self._file_counts.add(rec)
-        if self.out.fmt == "parquet":
-            self._pending.append(rec)
+        if self.out.fmt == "parquet":     # the table takes the schema's columns: the kept ones from KEPT
+            self._pending.append({**rec, **rec[KEPT]} if rec.get(KEPT) else rec)
             if len(self._pending) >= self.row_group_rows:
                 self._flush_row_group()
         else:

@@ -30,7 +30,7 @@ from cluster.signals import on_stop_signals, restore_signals
 from jobs.id_set import IdSet
 from jobs.input_reader import Row, iter_rows, open_input
 from jobs.job_config import JobConfig, JobConfigError, builtin_head_error
-from jobs.output_writer import BASE_SCHEMA, OutputDir, OutputError, PartWriter, new_run_id, output_schema
+from jobs.output_writer import BASE_SCHEMA, KEPT, OutputDir, OutputError, PartWriter, new_run_id, output_schema
 from jobs.progress import Progress, RowCounts
 
 logger = logging.getLogger(__name__)
@@ -73,9 +73,7 @@ class JobRunner:
         self.cfg = cfg.absolute()
         self.ray_address = ray_address
         self.progress_stream = progress_stream
-        self.fmt = self.cfg.output_format()
-        if self.fmt == "openai-batch" and self.cfg.keep_columns:
-            raise JobConfigError("--keep-columns has no place in the OpenAI Batch output format; use --format parquet")
+        self._set_format()
         self.run_id = new_run_id()
         self.stats = RowCounts()
         self.first_ready: float | None = None   # when the first replica could take rows
@@ -92,6 +90,7 @@ class JobRunner:
     def run(self) -> dict:
         """Run to completion (or cancellation/failure); returns the final manifest."""
         self.plan = open_input(self.cfg.input, self.cfg.keep_columns, exclude=self.cfg.output)  # before any model
+        self._set_format(self.plan.kind)
         if self.cfg.serve_app is not None:     # the app's engine settings become the job's (fingerprint, manifest)
             from jobs.app_link import AppLink
 
@@ -213,6 +212,15 @@ class JobRunner:
                 self.first_ready = time.monotonic()
             self.progress.update(self.stats, " | waiting for replicas to load the model" if starting else "")
 
+    def _set_format(self, kind: str | None = None) -> None:
+        """`auto` follows the opened input's kind once known (a folder of JSONL files too), written into the
+        config: the fingerprint and the manifest hold the format the parts have."""
+        if kind is not None:
+            self.cfg = self.cfg.model_copy(update={"format": self.cfg.output_format(kind)})
+        self.fmt = self.cfg.output_format()
+        if self.fmt == "openai-batch" and self.cfg.keep_columns:
+            raise JobConfigError("--keep-columns has no place in the OpenAI Batch output format; use --format parquet")
+
     def _check_this_machine(self) -> None:
         """Replicas on a Ray this job starts here: a missing model folder or CUDA without a GPU would only
         fail once Ray and a replica start (or wait for a GPU forever), so they are refused up front. On a
@@ -245,6 +253,9 @@ class JobRunner:
                                           "model")
             self._emit(row, {"error": row.error, "error_code": "model_not_found"})
             return False
+        if row.error is None and self.fmt == "parquet" and "logprobs" in row.params:   # never dropped unsaid
+            row.error, row.error_param = ("logprobs: the Parquet output has no logprobs; use --format openai-batch "
+                                          "(the default for JSONL input)"), "logprobs"
         if row.error is not None:
             self._emit(row, {"error": row.error})
             return False
@@ -264,7 +275,8 @@ class JobRunner:
         p = res.get("num_preemptions") or 0
         self.preemptions += p
         self.preempted_rows += p > 0
-        rec = {"id": row.id, **_EMPTY, **res, **row.extra, "chat": row.chat, "model": row.model or self.cfg.model}
+        # carried input columns apart: a column named `model`, `chat` or `forwards` is data, not the row's result
+        rec = {"id": row.id, **_EMPTY, **res, "chat": row.chat, "model": row.model or self.cfg.model, KEPT: row.extra}
         if rec.get("error") is not None:
             rec["error_param"] = rec.get("error_param") or row.error_param
         self.writer.add(rec)

@@ -173,13 +173,18 @@ class Folder:
         records = set(self.names(COMMITS))
         return [n for n in parts if n in records]
 
-    def drop_uncommitted(self) -> list[str]:
-        """Delete what a driver that died left behind (call with the lock held); returns the names."""
+    def drop_uncommitted(self, orphan_records: bool = False) -> list[str]:
+        """Delete what a driver that died left behind (call with the lock held); returns the names.
+        A commit record whose part is gone is refused (the folder was edited by hand), or deleted
+        with `orphan_records` (--overwrite: the output starts over)."""
         names = self.names()
         if self.remote:
             records = set(self.names(COMMITS))
             gone = [n for n in names if n.startswith("part-") and n not in records]
-            for r in records - set(names):      # a record whose part is gone: the folder was edited
+            for r in sorted(records - set(names)):
+                if orphan_records:
+                    self.delete(f"{COMMITS}/{r}")
+                    continue
                 raise StorageError(f"{self.location}: commit record {COMMITS}/{r} names a part that does not exist; "
                                    "the output was modified by hand: choose another --output or pass --overwrite")
         else:
@@ -192,9 +197,11 @@ class Folder:
         return PartSink(self, name)
 
     def delete_part(self, name: str) -> None:
-        self.delete(name)
+        """The commit record first: a driver dying between the two leaves an uncommitted part, which the
+        next run deletes, never a record naming a part that is gone."""
         if self.remote:
             self.delete(f"{COMMITS}/{name}")
+        self.delete(name)
 
     # ---- one writer ----------------------------------------------------------------------------
     def lock(self) -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -147,12 +148,75 @@ def test_openai_batch_bodies_are_checked_as_the_http_server_checks_them(tmp_path
     (json.dumps({"custom_id": "a", "body": {"prompt": "x"}}), "line 2: duplicate custom_id 'a'"),
     (json.dumps({"custom_id": "b", "body": {"input": "x"}}), "line 2: `body` must be an object with `messages` or `prompt`"),
     (json.dumps({"custom_id": "b", "url": "/v1/embeddings", "body": {"prompt": "x"}}), "`url` '/v1/embeddings' is not supported"),
+    # valid JSON, but no output can hold it (UnicodeEncodeError at the first write, on every run)
+    ('{"custom_id": "x\\ud800", "body": {"prompt": "x"}}', "line 2: `custom_id` 'x\\ud800' is not valid Unicode text"),
+    ('{"custom_id": "b", "body": {"prompt": "x", "x": ' + "[" * 100_000 + "]" * 100_000 + "}}",
+     "line 2: JSON nested too deeply to read"),                                 # was a RecursionError traceback
 ])
 def test_openai_batch_file_errors(tmp_path, line, needle):
     p = _jsonl(tmp_path / "b.jsonl", [{"custom_id": "a", "body": {"prompt": "x"}}, line])
     with pytest.raises(InputError) as e:
         open_input(str(p))
     assert needle in str(e.value) and str(p) in str(e.value)
+
+
+def test_openai_batch_lines_are_split_at_newlines_only_and_may_start_with_a_bom(tmp_path):
+    p = tmp_path / "b.jsonl"
+    p.write_bytes(b'\xef\xbb\xbf{"custom_id": "a", "body": {"prompt": "hi"}}\r\n'       # BOM, CRLF
+                  b'{"custom_id": "b",\r "body": {"prompt": "yo"}}\n')                # a lone CR: whitespace
+    assert [(r.id, r.prompt, r.error) for r in rows_of(p)] == [("a", "hi", None), ("b", "yo", None)]
+
+
+def test_a_file_name_that_is_not_utf8_is_refused_by_name(tmp_path):
+    d = tmp_path / "in"
+    write_parquet(d / "ok.parquet", prompt=["p"])
+    os.rename(d / "ok.parquet", os.fsencode(d) + b"/caf\xe9.parquet")
+    with pytest.raises(InputError, match=r"in/caf\\xe9.parquet: the file name is not valid UTF-8; rename the file$"):
+        open_input(str(d))
+    res = CliRunner().invoke(submit_job, [str(d), "--model", "no-model-needed"], env={"RAY_ADDRESS": ""})
+    assert res.exit_code == 2 and "caf\\xe9.parquet: the file name is not valid UTF-8" in res.output, res.output
+    assert not (tmp_path / "in.out").exists()
+
+
+def test_keep_columns_that_would_share_an_output_name_are_refused(tmp_path):
+    p = write_parquet(tmp_path / "a.parquet", prompt=["p"], text=["reference"], input_text=["raw"])
+    with pytest.raises(InputError, match=r"a.parquet: --keep-columns would carry columns `text` and `input_text` both "
+                                         r"as `input_text` \(`text` is renamed: the output has its own `text`\)"):
+        open_input(str(p), keep_columns=True)
+    assert open_input(str(p)).kept is None                                    # not carried: not refused
+    p = write_parquet(tmp_path / "b.parquet", prompt=["p"], text=["reference"], model=["gpt-4"])
+    assert open_input(str(p), keep_columns=True).kept_names == {"prompt": "prompt", "text": "input_text",
+                                                                "model": "model"}
+
+
+def test_globs_match_part_by_part_and_skip_hidden_parts_locally_and_in_buckets(tmp_path, monkeypatch):
+    """An object-store glob matched the whole key with fnmatch (`*` across `/`): `data/*.parquet` read
+    `data/sub/`, `data/_temporary/`, `data/.staging/`; a local `**` read `_temporary/` too."""
+    import pyarrow.fs as pafs
+
+    import jobs.input_files as input_files
+
+    for rel in ["data/a.parquet", "data/sub/b.parquet", "data/_temporary/0/part-0.parquet", "data/.staging/c.parquet",
+                "data/sub/_tmp/d.parquet"]:
+        write_parquet(tmp_path / rel, prompt=["p"])
+    bucket = input_files.filesystem        # s3://data/... -> the same tree through pyarrow's LocalFileSystem
+    monkeypatch.setattr(input_files, "filesystem", lambda uri: (pafs.LocalFileSystem(), f"{tmp_path}/{uri.split('://')[1]}")
+                        if "://" in uri else bucket(uri))
+    for pattern, want in [("data/*.parquet", ["data/a.parquet"]), ("data/*/*.parquet", ["data/sub/b.parquet"]),
+                          ("data/**/*.parquet", ["data/a.parquet", "data/sub/b.parquet"]),
+                          ("data/s?b/*.parquet", ["data/sub/b.parquet"]), ("data/**", ["data/a.parquet", "data/sub/b.parquet"])]:
+        for spec in (f"{tmp_path}/{pattern}", f"s3://{pattern}"):
+            assert [f[len(str(tmp_path)) + 1:] for f in input_files.resolve_files(spec)[1]] == want, spec
+
+
+def test_an_existing_path_with_wildcard_characters_is_that_file_or_folder(tmp_path):
+    p = write_parquet(tmp_path / "my data [v2].parquet", prompt=["p"])
+    write_parquet(tmp_path / "my data 2.parquet", prompt=["other"])           # what `[v2]` as a glob would match
+    assert [r.prompt for r in rows_of(p)] == ["p"] and default_output(str(p)) == str(tmp_path / "my data [v2].out")
+    d = tmp_path / "runs*?"
+    write_parquet(d / "a.parquet", prompt=["q"])
+    assert [r.prompt for r in rows_of(d)] == ["q"] and default_output(str(d)) == str(tmp_path / "runs*?.out")
+    assert default_output(str(tmp_path / "run[s]*")).startswith(f"{tmp_path}.glob-")   # no such name: a glob
 
 
 def test_cli_malformed_file_fails_before_generation(tmp_path):

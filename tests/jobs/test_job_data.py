@@ -107,14 +107,25 @@ def test_a_null_string_id_never_takes_another_rows_id(tmp_path):
                                          r"group 0 \(row 0\); give every row an id"):
         run_job(JobConfig(input=str(inp), model="no-model-needed", draft="none"))
     assert not (tmp_path / "idcoll.out").exists()
-    # a file without statistics: found at run time; the null row is listed as unreadable, the others
-    # become error rows under their own ids (rerun with --retry-errors once fixed), none is lost
+    # a file without statistics: found at run time; the null row alone is listed as unreadable, the
+    # others run as usual under their own ids (before: the rest of the row group became error rows)
     pq.write_table(pa.table({"id": ["a", None, "nostats.parquet:1"], "prompt": ["", "x", "y"]}),
                    tmp_path / "nostats.parquet", write_statistics=False)
     plan = open_input(str(tmp_path / "nostats.parquet"))
     rows = list(iter_rows(plan))
-    assert [r.id for r in rows] == ["a", "nostats.parquet:1"] and all("null `id`" in r.error for r in rows)
-    assert plan.unreadable[0]["rows"] == 1
+    assert [(r.id, r.prompt, r.error) for r in rows] == [("a", "", "prompt is empty"), ("nostats.parquet:1", "y", None)]
+    assert plan.unreadable == [{"file": str(tmp_path / "nostats.parquet"), "row_group": 0, "rows": 1, "null_id_rows": [1],
+                                "error": f"{tmp_path / 'nostats.parquet'}: row group 0: a null `id` (row 1); give every "
+                                         "row an id"}]
+    n = 2000                                   # many batches of one row group: one entry, the null rows named
+    ids = [f"id{i}" for i in range(n)]
+    ids[3] = ids[700] = None
+    pq.write_table(pa.table({"id": ids, "prompt": ["p"] * n}), tmp_path / "big.parquet", write_statistics=False)
+    plan = open_input(str(tmp_path / "big.parquet"))
+    rows = list(iter_rows(plan, batch_rows=256))
+    assert [r.id for r in rows] == [i for i in ids if i] and not any(r.error for r in rows)
+    assert len(plan.unreadable) == 1 and plan.unreadable[0]["rows"] == 2
+    assert "row group 0: a null `id` (rows 3, 700)" in plan.unreadable[0]["error"]
     # an `id` column of nulls only (type null) is no ids at all: derived ones, as without the column
     write_parquet(tmp_path / "noids.parquet", id=pa.array([None, None], pa.null()), prompt=["a", "b"])
     assert [r.id for r in iter_rows(open_input(str(tmp_path / "noids.parquet")))] == ["noids.parquet:0", "noids.parquet:1"]

@@ -238,3 +238,40 @@ def test_duplicate_ids_exit_3_and_committed_rows_of_a_resume_are_not_duplicates(
     assert drive(cfg, "local") == 0                              # a resume: committed rows are not duplicates
     m = read_manifest(tmp_path / "ok.out")
     assert m["complete"] and m["duplicate_ids_skipped"] == 0 and m["last_noop_rerun"]["skipped_already_done"] == 2
+
+
+# ---- 7. carried columns, the output format of JSONL input -----------------------------------------
+def test_kept_columns_named_like_a_results_keys_keep_their_input_values(tmp_path, fake_pool):
+    """`{..., **row.extra, "chat": ..., "model": ...}`: a kept `model` or `chat` column took the job's values,
+    and `forwards` or `cached_tokens` columns counted as the row's engine figures."""
+    p = write_parquet(tmp_path / "k.parquet", id=[1, 2], prompt=["x", ""], model=["gpt-4", "claude"],
+                      chat=[True, False], forwards=[7, 8], cached_tokens=[5, 6], error_param=["a", "b"])
+    cfg = JobConfig(input=str(p), model="no-model-needed", draft="none", keep_columns=True)
+    assert drive(cfg, "local") == 3                                     # row 2 is an error row (empty prompt)
+    rows = {r["id"]: r for r in read_rows(tmp_path / "k.out")}
+    assert [rows[1][k] for k in ("text", "model", "chat", "forwards", "cached_tokens")] == ["re: x", "gpt-4", True, 7, 5]
+    assert [rows[2][k] for k in ("error", "model", "error_param")] == ["prompt is empty", "claude", "b"]
+    m = read_manifest(tmp_path / "k.out")
+    assert m["runs"][-1]["target_forwards"] == 0 and m["prefix_cache"]["cached_prompt_tokens"] == 0
+
+
+def test_jsonl_in_a_folder_or_glob_gets_openai_batch_output_and_parquet_output_refuses_logprobs(tmp_path, fake_pool):
+    """The default format was chosen by the input's name (`.jsonl`): a folder of Batch files got Parquet
+    output, and the logprobs its rows asked for were dropped without a word."""
+    import json
+
+    d = tmp_path / "batches"
+    d.mkdir()
+    (d / "b.jsonl").write_text(json.dumps({"custom_id": "a", "body": {"prompt": "hi", "logprobs": 2}}) + "\n"
+                               + json.dumps({"custom_id": "b", "body": {"prompt": "yo"}}) + "\n")
+    for spec, out in [(d, tmp_path / "batches.out"), (d / "*.jsonl", tmp_path / "glob")]:
+        cfg = JobConfig(input=str(spec), output=str(out), model="no-model-needed", draft="none")
+        assert drive(cfg, "local") == 0
+        assert [p.suffix for p in out.glob("part-*")] == [".jsonl"] and read_manifest(out)["format"] == "openai-batch"
+        assert drive(cfg, "local") == 0                                 # its resume: the same format
+    cfg = JobConfig(input=str(d), output=str(tmp_path / "pq"), format="parquet", model="no-model-needed", draft="none")
+    assert drive(cfg, "local") == 3
+    rows = {r["id"]: r for r in read_rows(tmp_path / "pq")}
+    assert rows["a"]["error"].startswith("logprobs: the Parquet output has no logprobs") and rows["b"]["error"] is None
+    cfg = JobConfig(input=str(d), output=str(tmp_path / "kept"), keep_columns=True, model="no-model-needed")
+    assert drive(cfg, "local") == 2 and not (tmp_path / "kept").exists()   # as for one .jsonl file

@@ -236,3 +236,90 @@ def test_a_stop_signal_as_a_row_group_is_written_does_not_write_it_twice(tmp_pat
     assert pq.read_table(out.path).column("id").to_pylist() == ["r0", "r1"]
     ids, _ = OutputDir(out.path, "parquet").open(FP)
     assert len(ids) == 2
+
+
+def test_jsonl_parts_with_unicode_line_breaks_in_texts_and_ids_resume(tmp_path):
+    """Parts are JSON lines not ASCII-escaped, and were read back with str.splitlines, which also breaks at
+    U+2028, U+2029 and U+0085: such a text or custom_id made every resume fail on a "damaged" part."""
+    out = OutputDir(tmp_path / "o", "openai-batch")
+    out.open(FP)
+    out.write_manifest(MANIFEST)
+    w = PartWriter(out, BASE_SCHEMA, "run1")
+    w.add({**rec(0), "text": "hello\u2028world"})
+    w.add({**rec(1), "id": "r1\u2029", "text": "a\x85b"})
+    w.add(rec(2, error="bad \u2028 row"))
+    w.commit()
+    out.close()
+    again = OutputDir(out.path, "openai-batch")
+    ids, counts = again.open(FP, retry_errors=True)       # reads every part, and rewrites it without r2
+    assert again.retried_error_rows == 1 and counts.rows == 2 and "r0" in ids and "r1\u2029" in ids
+    again.close()
+    ids, counts = OutputDir(out.path, "openai-batch").open(FP)
+    assert counts.rows == 2 and counts.error_rows == 0 and "r1\u2029" in ids and "r2" not in ids
+
+
+def test_kept_columns_are_written_apart_from_the_rows_result(tmp_path):
+    """Carried input columns named like a result's internal keys (`model`, `chat`) keep their input values."""
+    import pyarrow as pa
+
+    from jobs.output_writer import KEPT, output_schema
+
+    kept = pa.schema([("model", pa.string()), ("chat", pa.bool_()), ("forwards", pa.int64())])
+    out = OutputDir(tmp_path / "o", "parquet")
+    out.open(FP)
+    out.write_manifest(MANIFEST)
+    w = PartWriter(out, output_schema(kept), "run1")
+    w.add({**rec(0), "model": "the-job-model", "forwards": 3, KEPT: {"model": "gpt-4", "chat": True, "forwards": 9}})
+    w.commit()
+    out.close()
+    row = pq.read_table(out.path).to_pylist()[0]
+    assert (row["text"], row["model"], row["chat"], row["forwards"]) == ("t0", "gpt-4", True, 9)
+    assert w.committed.forwards == 3                          # the result's own count, not the column's
+
+
+def _remote(path) -> OutputDir:
+    """An OutputDir that takes the object-store branches (commit records, no rename, a lease) on local disk."""
+    out = OutputDir(path, "parquet")
+    out.folder.remote = True
+    os.makedirs(out.path / "_commits", exist_ok=True)
+    return out
+
+
+def test_an_object_store_part_loses_its_commit_record_before_its_data(tmp_path, monkeypatch):
+    """delete_part (--retry-errors, --overwrite) deleted the part, then its `_commits/` record: a driver dying
+    in between left a record naming no part, which blocked the output for good, even with --overwrite."""
+    from jobs.storage import COMMITS, Folder
+
+    out = _remote(tmp_path / "o")
+    out.open(FP)
+    out.write_manifest(MANIFEST)
+    w = PartWriter(out, BASE_SCHEMA, "run1", rows_per_file=2)
+    for i in range(4):
+        w.add(rec(i, error="bad" if i < 2 else None))
+    out.close()
+    assert sorted(os.listdir(out.path / COMMITS)) == ["part-run1-00000.parquet", "part-run1-00001.parquet"]
+    real, calls = Folder.delete, []
+
+    def dies_after_the_first(self, name):
+        real(self, name)
+        calls.append(name)
+        if len(calls) == 1:
+            raise KeyboardInterrupt              # kill -9 between the two deletes
+
+    monkeypatch.setattr(Folder, "delete", dies_after_the_first)
+    with pytest.raises(KeyboardInterrupt):
+        _remote(out.path).open(FP, retry_errors=True)    # the part of two error rows goes
+    assert calls[0] == f"{COMMITS}/part-run1-00000.parquet"    # the record went first
+    monkeypatch.setattr(Folder, "delete", real)
+    again = _remote(out.path)
+    ids, counts = again.open(FP)                 # the part left over is uncommitted: dropped, its rows run again
+    assert again.dropped_uncommitted == ["part-run1-00000.parquet"] and counts.rows == 2 and "r0" not in ids
+    again.close()
+    # a record without its part (an older driver's crash, a hand edit): refused, unless the output starts over
+    (out.path / COMMITS / "part-run1-00009.parquet").write_text("{}")
+    with pytest.raises(OutputError, match="commit record _commits/part-run1-00009.parquet names a part that does not"):
+        _remote(out.path).open(FP)
+    fresh = _remote(out.path)
+    ids, _ = fresh.open(FP, overwrite=True)
+    assert len(ids) == 0 and os.listdir(out.path / COMMITS) == [] and visible(out.path) == []
+    fresh.close()
