@@ -42,7 +42,9 @@ def _run_local(cfg, ray_address: str) -> None:
 @click.option("--output", "-o", help="Output folder or s3://, gs:// prefix [default: beside the input: <input name>.out; "
               "a glob: <its folder>.glob-<hash>.out].")
 @click.option("--format", "fmt", type=click.Choice(["auto", "parquet", "openai-batch"]), default="auto",
-              show_default=True, help="Output format; auto = openai-batch for .jsonl input, else parquet.")
+              show_default=True,
+              help="Output format; auto = openai-batch for JSONL input (a .jsonl file, or a folder or glob of them), "
+                   "else parquet.")
 @click.option("--model", help="Built-in name, local folder or hub id [default: gemma-3-270m].")
 @click.option("--draft", help="Speculation: auto (the hybrid with the model's built-in head, or prompt lookup "
               "where it has none), default (that head, required), none (off), or a head folder [default: auto].")

@@ -45,7 +45,7 @@ from cluster.openai_errors import context_error
 from cluster.replica_errors import Failed, Rejected
 from jobs.input_reader import Row
 from jobs.job_config import JobConfig
-from jobs.openai_batch import openai_logprobs
+from jobs.openai_batch import SERVER_ERROR, openai_logprobs
 from jobs.replica_pool import OFFLINE_PRIORITY, JobFailed, _first_line, row_result
 
 logger = logging.getLogger(__name__)
@@ -172,7 +172,7 @@ class AppPool:
                     if isinstance(out, Rejected):
                         return {"error": out.message, "error_param": out.param}
                     if isinstance(out, Failed):
-                        return {"error": out.message}
+                        return {"error": out.message, **SERVER_ERROR}
                     if last is None and check_context and max_len:
                         n = len(out.prompt_token_ids)
                         if n + params["max_tokens"] > max_len:
@@ -180,7 +180,7 @@ class AppPool:
                                     "error_param": "max_tokens", "error_code": "context_length_exceeded"}
                     last = out
         except PoisonRequestError as e:
-            return {"error": f"the replicas running this row died: {_first_line(e)}"}
+            return {"error": f"the replicas running this row died: {_first_line(e)}", **SERVER_ERROR}
         except (ReplicaLostError, OverloadedError) as e:
             raise _Lost(_first_line(e)) from None
         if last is None:

@@ -1,8 +1,10 @@
 """OpenAI Batch output lines: one per request, in the shape OpenAI's Batch API writes them.
 
-A bad request is a `status_code` 400 line with an `error` body (what OpenAI answers for it); a
-finished one carries the chat.completion / text_completion body, with `logprobs` in OpenAI's shape
-when the request asked for them (built in the replica, jobs/replica_pool.py, where the tokenizer is).
+A bad request is a `status_code` 400 line with an `error` body (what OpenAI answers for it; 404 for
+a model the job does not run); a row the server failed (its engine step raised, its replicas died)
+is a 500 `server_error` line, which a client may send again as it is. A finished one carries the
+chat.completion / text_completion body, with `logprobs` in OpenAI's shape when the request asked
+for them (built in the replica, jobs/replica_pool.py, where the tokenizer is).
 """
 from __future__ import annotations
 
@@ -10,15 +12,20 @@ import time
 
 from jobs.id_set import id_digest
 
+# an error row the server is to blame for, not the request (rec | SERVER_ERROR): a 500 in Batch output
+SERVER_ERROR = {"error_type": "server_error"}
+
 
 def openai_line(rec: dict) -> dict:
     """One line of an OpenAI Batch output file for a finished (or failed) row."""
     digest = id_digest(rec["id"]).hex()[:24]
     if rec.get("error") is not None:
-        body = {"error": {"message": rec["error"], "type": "invalid_request_error",
+        server = rec.get("error_type") == "server_error"
+        status = 500 if server else 404 if rec.get("error_code") == "model_not_found" else 400
+        body = {"error": {"message": rec["error"], "type": "server_error" if server else "invalid_request_error",
                           "param": rec.get("error_param"), "code": rec.get("error_code")}}
         return {"id": f"batch_req_{digest}", "custom_id": rec["id"],
-                "response": {"status_code": 400, "request_id": digest, "body": body}, "error": None}
+                "response": {"status_code": status, "request_id": digest, "body": body}, "error": None}
     finish = {"stop": "stop", "length": "length"}.get(rec.get("finish_reason"), rec.get("finish_reason"))
     usage = {"prompt_tokens": rec["prompt_tokens"], "completion_tokens": rec["completion_tokens"],
              "total_tokens": rec["prompt_tokens"] + rec["completion_tokens"]}

@@ -39,7 +39,7 @@ from cluster.replica import EngineReplica, engine_config
 from cluster.replica_errors import EngineDiedError, Failed, Rejected, ReplicaConfigError
 from jobs.input_reader import Row
 from jobs.job_config import JobConfig
-from jobs.openai_batch import openai_logprobs
+from jobs.openai_batch import SERVER_ERROR, openai_logprobs
 
 logger = logging.getLogger(__name__)
 OFFLINE_PRIORITY = 1
@@ -83,7 +83,7 @@ class JobReplica(EngineReplica):
             if isinstance(out, Rejected):
                 return {"error": out.message, "error_param": out.param}
             if isinstance(out, Failed):
-                return {"error": out.message}
+                return {"error": out.message, **SERVER_ERROR}
             if last is None and check_context:
                 n = len(out.prompt_token_ids)
                 if n + params["max_tokens"] > self.max_model_len:
@@ -276,7 +276,7 @@ class ReplicaPool:
                 self._on_death(call.replica, e)
                 retry.append((call.row, not lost_with_node(e)))
             except Exception as e:  # a bug on one row: report it on that row, keep going
-                done.append((call.row, {"error": f"internal error: {type(e).__name__}: {_first_line(e)}"}))
+                done.append((call.row, {"error": f"internal error: {type(e).__name__}: {_first_line(e)}", **SERVER_ERROR}))
         self._check_health()
         self._check_startup()
         return done, retry

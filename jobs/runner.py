@@ -30,6 +30,7 @@ from cluster.signals import on_stop_signals, restore_signals
 from jobs.id_set import IdSet
 from jobs.input_reader import Row, iter_rows, open_input
 from jobs.job_config import JobConfig, JobConfigError, builtin_head_error
+from jobs.openai_batch import SERVER_ERROR
 from jobs.output_writer import BASE_SCHEMA, KEPT, OutputDir, OutputError, PartWriter, new_run_id, output_schema
 from jobs.progress import Progress, RowCounts
 
@@ -197,7 +198,8 @@ class JobRunner:
                     row.attempts += 1
                     if row.attempts > cfg.max_row_retries:
                         lost = f" (and was lost with its node {row.lost_with_node} times)" if row.lost_with_node else ""
-                        self._emit(row, {"error": f"the replica running this row died {row.attempts} times{lost}"})
+                        self._emit(row, {"error": f"the replica running this row died {row.attempts} times{lost}",
+                                         **SERVER_ERROR})
                     else:
                         queue.appendleft(row)
             if self.writer.due():

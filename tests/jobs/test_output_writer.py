@@ -10,6 +10,7 @@ import pytest
 
 import jobs.id_set as id_set_mod
 from jobs.id_set import IdSet
+from jobs.openai_batch import SERVER_ERROR
 from jobs.output_writer import BASE_SCHEMA, OutputDir, OutputError, PartWriter, openai_line
 
 FP = {"model": "m", "max_tokens": 4}
@@ -119,6 +120,12 @@ def test_openai_lines_and_jsonl_parts(tmp_path):
     assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
     bad = openai_line(rec(2, error="SamplingParams.temperature must be >= 0"))
     assert bad["response"]["status_code"] == 400 and "temperature" in bad["response"]["body"]["error"]["message"]
+    assert bad["response"]["body"]["error"]["type"] == "invalid_request_error"
+    # the server's fault, not the request's: a 500 a client may send again as it is; an unknown model: 404
+    died = openai_line({**rec(3, error="the replica running this row died 2 times"), **SERVER_ERROR})["response"]
+    assert died["status_code"] == 500 and died["body"]["error"]["type"] == "server_error"
+    unknown = openai_line({**rec(4, error="model 'x' does not exist"), "error_code": "model_not_found"})["response"]
+    assert unknown["status_code"] == 404 and unknown["body"]["error"]["code"] == "model_not_found"
 
     out = OutputDir(tmp_path / "o", "openai-batch")
     out.open(FP)
