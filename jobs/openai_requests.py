@@ -28,6 +28,9 @@ def _lines(f: InputFile, plan: InputPlan) -> io.TextIOWrapper:
     return io.TextIOWrapper(plan.fs.open_input_stream(f.path), encoding="utf-8-sig", newline="\n")
 
 
+_LINE_FIELDS = {"custom_id", "method", "url", "body"}    # an OpenAI Batch request line's fields
+
+
 def check_jsonl(f: InputFile, plan: InputPlan, seen: IdSet) -> int:
     n, path = 0, f.display
     try:
@@ -45,6 +48,12 @@ def check_jsonl(f: InputFile, plan: InputPlan, seen: IdSet) -> int:
                 if not _encodable(cid):    # a lone surrogate (`"\\ud800"`): valid JSON, but no output could hold it
                     raise InputError(f"{where}: `custom_id` {ascii(cid)} is not valid Unicode text (a lone "
                                      "surrogate escape); give the request an id of UTF-8 text")
+                unknown = sorted(set(rec) - _LINE_FIELDS)
+                if unknown:
+                    raise InputError(f"{where}: unsupported field(s) {', '.join(map(repr, unknown))}; a request line "
+                                     f"has {', '.join(sorted(_LINE_FIELDS))}")
+                if rec.get("method", "POST") != "POST":
+                    raise InputError(f"{where}: `method` {rec['method']!r} is not supported; batch requests are POST")
                 body = rec.get("body")
                 if not isinstance(body, dict) or ("messages" not in body and "prompt" not in body):
                     raise InputError(f"{where}: `body` must be an object with `messages` or `prompt`")
@@ -126,5 +135,7 @@ def openai_row(rec: dict) -> Row:
     wanted = {_PARAM_OF.get(f, f) for f in given}
     params = req.sampling_params((req.requested_max_tokens if chat else req.max_tokens) or 1)
     row.params = {k: v for k, v in params.items() if k in wanted and v is not None}
+    if "stop" in given and "stop" not in row.params:
+        row.params["stop"] = []          # `stop: []` or null: no stop strings, not the job's
     row.prompt = None if chat else req.prompt
     return row

@@ -99,8 +99,10 @@ def test_openai_batch_rows(tmp_path):
         {"custom_id": "c2", "url": "/v1/completions", "body": {"prompt": "once upon", "max_tokens": 4, "stop": "\n"}},
         {"custom_id": "c3", "body": {"messages": [{"role": "user", "content": "x"}], "n": 2}},
         {"custom_id": "c4", "body": {"prompt": ""}},
+        {"custom_id": "c5", "body": {"prompt": "x", "stop": []}},      # no stop strings: not the job's
     ])
     rows = rows_of(p)
+    assert rows[4].params == {"stop": []}
     assert rows[0].messages == [{"role": "user", "content": "hi"}] and rows[0].chat and rows[0].model == "m"
     assert rows[0].params == {"max_tokens": 5, "temperature": 0.2, "seed": 3}
     assert rows[1].prompt == "once upon" and rows[1].params == {"max_tokens": 4, "stop": ["\n"]} and not rows[1].chat
@@ -148,6 +150,8 @@ def test_openai_batch_bodies_are_checked_as_the_http_server_checks_them(tmp_path
     (json.dumps({"custom_id": "a", "body": {"prompt": "x"}}), "line 2: duplicate custom_id 'a'"),
     (json.dumps({"custom_id": "b", "body": {"input": "x"}}), "line 2: `body` must be an object with `messages` or `prompt`"),
     (json.dumps({"custom_id": "b", "url": "/v1/embeddings", "body": {"prompt": "x"}}), "`url` '/v1/embeddings' is not supported"),
+    (json.dumps({"custom_id": "b", "method": "GET", "body": {"prompt": "x"}}), "line 2: `method` 'GET' is not supported"),
+    (json.dumps({"custom_id": "b", "body": {"prompt": "x"}, "headers": {}}), "line 2: unsupported field(s) 'headers'"),
     # valid JSON, but no output can hold it (UnicodeEncodeError at the first write, on every run)
     ('{"custom_id": "x\\ud800", "body": {"prompt": "x"}}', "line 2: `custom_id` 'x\\ud800' is not valid Unicode text"),
     ('{"custom_id": "b", "body": {"prompt": "x", "x": ' + "[" * 100_000 + "]" * 100_000 + "}}",
