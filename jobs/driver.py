@@ -37,12 +37,15 @@ def drive(cfg, ray_address: str) -> int:
     from jobs.progress import summary
     from jobs.replica_pool import JobFailed
     from jobs.runner import run_job
+    from jobs.storage import StorageError
 
     setup_logging()
     try:
         manifest = run_job(cfg, ray_address=ray_address)
     except (InputError, JobConfigError, OutputError) as e:
         return _error(str(e), EXIT_USAGE)
+    except StorageError as e:   # mid-run: e.g. this job's lease on a bucket output was taken over
+        return _error(f"job failed: {e}", EXIT_FAILED)
     except OSError as e:     # storage unreachable or failing mid-run (object store credentials, network)
         return _error(f"job failed: storage error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", EXIT_FAILED)
     except JobFailed as e:

@@ -201,6 +201,7 @@ class OutputDir:
         """Ids and counts of every committed row (the source of truth for resume)."""
         ids, counts = IdSet(), RowCounts()
         for name in self.parts():
+            self.folder.renew()       # a bucket of many parts takes longer to read than the lease lasts
             for rec in self._read_part(name):
                 if not ids.add(rec["id"]):
                     raise OutputError(f"{self.folder.uri(name)}: id {rec['id']!r} was already committed in another "
@@ -215,8 +216,8 @@ class OutputDir:
 
     def write_manifest(self, data: dict) -> None:
         self.manifest = data
+        self.folder.renew()           # first: a driver whose lease another took over writes nothing more
         self.folder.write_bytes_atomic(MANIFEST, json.dumps(data, indent=2, default=str).encode())
-        self.folder.renew()
 
     def _read_part(self, name: str):
         """Yield {id, error, prompt_tokens, completion_tokens} of each row of a committed part (read
@@ -249,6 +250,7 @@ class OutputDir:
         whenever the driver dies, a row is in the output once or not at all, and then it is redone)."""
         dropped = 0
         for name in self.parts():
+            self.folder.renew()
             try:
                 dropped += self._drop_error_rows_of(name)
             except DAMAGED as e:

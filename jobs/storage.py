@@ -223,9 +223,15 @@ class Folder:
         self.renew(force=True)
 
     def renew(self, force: bool = False) -> None:
-        """Extend the lease (object stores); cheap to call often."""
+        """Extend the lease (object stores); cheap to call often. A lease another driver took over (this
+        one let it expire: a stalled driver, a paused VM) stops this driver before it writes again."""
         if self._lease is None or (not force and time.monotonic() - self._lease_at < LEASE_S / 4):
             return
+        if not force:
+            held = self.lease_holder()
+            if held is not None:
+                raise StorageError(f"{self.location}: this job's lease on the output expired and another job took "
+                                   f"it over ({held}); this driver stops writing")
         self._lease["expires_at"] = time.time() + LEASE_S
         self.write_bytes_atomic(LEASE, json.dumps(self._lease).encode())
         self._lease_at = time.monotonic()
@@ -308,8 +314,8 @@ class PartSink:
         f = self.folder
         if f.remote:
             self.stream.close()                    # completes the upload: the object exists, whole
+            f.renew()                              # still ours? (else the part stays uncommitted: it never counts)
             f.write_bytes_atomic(f"{COMMITS}/{self.name}", json.dumps(record or {}).encode())   # now it counts
-            f.renew()
             return
         self.stream.flush()
         os.fsync(self.stream.fileno())

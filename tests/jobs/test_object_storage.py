@@ -129,3 +129,33 @@ def test_job_in_and_out_of_a_bucket_killed_and_resumed(s3_env, tiny_model):
     assert len(ids) == n and set(ids) == {f"f{k}-{i}" for k in range(2) for i in range(n // 2)}
     status = cli("job", "status", "s3://jobs/out", "--json", env=env)
     assert status.returncode == 0 and '"complete": true' in status.stdout
+
+
+def test_a_driver_whose_lease_another_took_over_writes_nothing_more(s3_env):
+    """A driver that stalled past its lease (a paused VM) while another driver took the output over:
+    its next write finds the lease gone and stops, so it never commits a part the other also writes
+    (its upload stays uncommitted: it never counts), nor overwrites the other's manifest."""
+    import json
+
+    from jobs.output_writer import BASE_SCHEMA, OutputDir, PartWriter
+    from jobs.storage import COMMITS, LEASE, StorageError
+
+    fs = _bucket("takeover")
+    fp = {"model": "m"}
+    out = OutputDir("s3://takeover/out", "parquet")
+    out.open(fp)
+    w = PartWriter(out, BASE_SCHEMA, "run1", rows_per_file=2)
+    w.add(_rec(0))
+    w.add(_rec(1))                                               # one part committed while the lease was ours
+    theirs = {"host": "elsewhere", "pid": 1, "token": "theirs", "expires_at": time.time() + 120}
+    out.folder.write_bytes_atomic(LEASE, json.dumps(theirs).encode())
+    out.folder._lease_at -= 10_000                               # this driver's last renewal: long ago
+    w.add(_rec(2))
+    with pytest.raises(StorageError, match="lease on the output expired and another job took it over"):
+        w.add(_rec(3))                                           # the second part's commit
+    with pytest.raises(StorageError, match="another job took it over"):
+        out.write_manifest({"fingerprint": fp, "runs": []})
+    records = [i.base_name for i in fs.get_file_info(pafs.FileSelector(f"takeover/out/{COMMITS}"))]
+    assert records == ["part-run1-00000.parquet"]
+    assert json.loads(out.folder.read_bytes(LEASE))["token"] == "theirs"
+    assert out.folder.read_bytes("_manifest.json") is None
