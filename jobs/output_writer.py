@@ -327,16 +327,19 @@ class PartWriter:
         """Make every row added so far durable and visible; returns what was committed."""
         if self._sink is None:
             return None
-        if self.out.fmt == "parquet":
-            self._flush_row_group()
-            self._pq.close()
-        counts = self._file_counts
-        self._sink.commit({"rows": counts.rows, "error_rows": counts.error_rows, "run_id": self.run_id})
-        self.prefix_cache_by_part[self._sink.name] = [counts.cache_queried_tokens, counts.cached_tokens]
-        self._file_counts = RowCounts()
+        # one attempt: a part whose write or upload failed is never committed by a second call (the
+        # runner's last commit): its object may be missing or cut short. Its rows are redone on resume.
+        sink, counts, self._sink, self._file_counts = self._sink, self._file_counts, None, RowCounts()
+        try:
+            if self.out.fmt == "parquet":
+                self._flush_row_group()
+                self._pq.close()
+        finally:
+            self._pq = None
+        sink.commit({"rows": counts.rows, "error_rows": counts.error_rows, "run_id": self.run_id})
+        self.prefix_cache_by_part[sink.name] = [counts.cache_queried_tokens, counts.cached_tokens]
         self.committed.merge(counts)
         self.files_committed += 1
-        self._sink = self._pq = None
         if self.on_commit is not None:
             self.on_commit()
         return counts

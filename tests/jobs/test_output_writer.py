@@ -245,6 +245,31 @@ def test_a_stop_signal_as_a_row_group_is_written_does_not_write_it_twice(tmp_pat
     assert len(ids) == 2
 
 
+@pytest.mark.parametrize("fmt", ["parquet", "openai-batch"])
+def test_a_part_whose_commit_failed_is_not_committed_by_the_runners_last_commit(tmp_path, monkeypatch, fmt):
+    """A part whose upload (or rename) failed raised out of the commit; the runner's `finally` commits
+    again, which completed the failed part's commit (in a bucket: a record naming a part that is not
+    there, which blocks the output). Now the failed part stays uncommitted: its rows are redone."""
+    from jobs.storage import PartSink
+
+    out = OutputDir(tmp_path / "o", fmt)
+    out.open(FP)
+    out.write_manifest(MANIFEST)
+    w = PartWriter(out, BASE_SCHEMA, "run1", rows_per_file=100)
+    w.add(rec(0))
+    w.commit()
+    real = PartSink.commit
+    monkeypatch.setattr(PartSink, "commit", lambda self, record=None: (_ for _ in ()).throw(OSError("upload failed")))
+    w.add(rec(1))
+    with pytest.raises(OSError, match="upload failed"):
+        w.commit()
+    monkeypatch.setattr(PartSink, "commit", real)
+    assert w.commit() is None and w.committed.rows == 1       # the runner's `finally`: nothing left to commit
+    out.close()
+    ids, counts = OutputDir(out.path, fmt).open(FP)
+    assert len(ids) == 1 and "r0" in ids and counts.rows == 1
+
+
 def test_jsonl_parts_with_unicode_line_breaks_in_texts_and_ids_resume(tmp_path):
     """Parts are JSON lines not ASCII-escaped, and were read back with str.splitlines, which also breaks at
     U+2028, U+2029 and U+0085: such a text or custom_id made every resume fail on a "damaged" part."""
