@@ -75,7 +75,10 @@ class BlockManager:
     def register(self, seq: Sequence, head_done: int | None = None) -> None:
         """Make `seq`'s full committed blocks findable by later requests (prefix_cache.py)."""
         if self.prefix_cache is not None and seq.block_table:
-            self.prefix_cache.register(seq, head_done)
+            for b in self.prefix_cache.register(seq, head_done):
+                if self.ref_counts[b] == 0:       # a dropped block nobody holds: free, not evictable
+                    del self.evictable[b]
+                    self.free_blocks.append(b)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

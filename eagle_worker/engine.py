@@ -129,6 +129,7 @@ class LLMEngine:
         if not batch:
             return outputs
         self._last_step = {"batch_size": len(batch), "num_tokens": sum(b.num_tokens for b in batch)}
+        work = [(item.num_tokens, item.completes) for item in batch]   # (the step commits: after it, none completes)
         started = time.perf_counter()
         try:
             new_tokens = self.worker.execute(batch)
@@ -136,7 +137,7 @@ class LLMEngine:
             if self.config.tp_size > 1:
                 raise                 # the other ranks may be inside a collective: the replica must go
             return outputs + self._fail_step(batch, e)
-        self.scheduler.observe(batch, time.perf_counter() - started)
+        self.scheduler.observe(work, time.perf_counter() - started)
         now = time.monotonic()
         finished = []
         for item in batch:

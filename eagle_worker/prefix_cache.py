@@ -89,10 +89,12 @@ class PrefixCache:
                 del self.inflight[h]
 
     # ---- registration and eviction ----------------------------------------------------------------
-    def register(self, seq, head_done: int | None) -> None:
+    def register(self, seq, head_done: int | None) -> list[int]:
         """Register `seq`'s blocks whose tokens all have committed KV; with a head (`head_done`:
-        positions whose head KV is written), record which blocks carry the head's KV as well."""
+        positions whose head KV is written), record which blocks carry the head's KV as well. Returns
+        the cached blocks this dropped (replaced by one that carries the head's KV too)."""
         bs = self.block_size
+        dropped = []
         full = min(seq.num_computed_tokens, len(seq.token_ids)) // bs
         hashes = self.hashes(seq, full)
         for i, h in enumerate(hashes):
@@ -111,10 +113,12 @@ class PrefixCache:
                 if head_next is None or self.blocks[held].head_next is not None:
                     continue                     # an equal block is cached already
                 del self.blocks[held]            # ours carries the head's KV too: it replaces that one
+                dropped.append(held)
             if b in self.blocks:                 # (a block can hold only one hash)
                 continue
             self.by_hash[h] = b
             self.blocks[b] = CachedBlock(h, head_next)
+        return dropped
 
     def is_cached(self, block: int) -> bool:
         return block in self.blocks

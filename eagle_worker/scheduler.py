@@ -102,10 +102,11 @@ class Scheduler:
             self._reserve_lookahead(batch)
         return batch
 
-    def observe(self, batch: list[ScheduledSeq], seconds: float) -> None:
-        """A step's measured time, for the cost model the offline cap prices steps with."""
+    def observe(self, work: list[tuple[int, bool]], seconds: float) -> None:
+        """A step's measured time, for the cost model the offline cap prices steps with. `work`: each
+        item's (tokens, completes), taken before the step ran (it commits them)."""
         if self.step_cost is not None and self.config.offline_slowdown is not None:
-            self.step_cost.observe(step_work([(item.num_tokens, item.completes) for item in batch]), seconds)
+            self.step_cost.observe(step_work(work), seconds)
 
     def _background_cap(self) -> BackgroundCap | None:
         """The cap for this step: only with a slowdown set and offline work beside online work

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from eagle_worker.background_cap import step_work
 from eagle_worker.block_manager import BlockManager
 from eagle_worker.config import EngineConfig
 from eagle_worker.engine import LLMEngine
@@ -153,6 +154,29 @@ def test_the_engine_measures_its_steps_and_the_cap_never_changes_tokens(tiny_mod
     assert capped.stats()["num_offline_held"] > 0
     measured, got = run_engine(config(0.25), online)           # the engine's own StepCost, fitted from its steps
     assert got == expected and measured.scheduler.step_cost.measured
+
+
+def test_the_cost_model_sees_each_step_as_it_was_planned(tiny_model_dir, monkeypatch):
+    """The step commits its items (after it, none reaches its sequence's end), so what the cost model
+    is fitted from is taken before the step: its logit rows (every decode, a prompt's last chunk)
+    are there, and their cost is not folded into the per-sequence one."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir("llama")), block_size=4, num_kv_blocks=256, draft=None,
+                                    offline_slowdown=0.25))
+    planned, observed = [], []
+    execute, observe = engine.worker.execute, engine.scheduler.step_cost.observe
+    monkeypatch.setattr(engine.worker, "execute",
+                        lambda batch: planned.append(step_work([(i.num_tokens, i.completes) for i in batch]))
+                        or execute(batch))
+    monkeypatch.setattr(engine.scheduler.step_cost, "observe", lambda work, s: observed.append(work) or observe(work, s))
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+                           priority=i % 2)
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o for o in engine.step() if o.finished]
+    assert sorted(o.finish_reason for o in finished) == ["length"] * len(PROMPTS)
+    assert len(observed) == len(planned) == 4 and observed == planned     # a prefill, then 3 decodes
+    assert all(w.target_rows == w.sequences for w in observed)    # every item sampled: prompts fit one chunk
 
 
 @pytest.mark.parametrize("bad", [-0.1, float("nan"), float("inf"), 1e9])

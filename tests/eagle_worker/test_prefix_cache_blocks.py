@@ -83,6 +83,29 @@ def test_with_a_head_only_blocks_carrying_its_kv_and_the_right_next_token():
     assert bm2.take_cached(seq(toks[:8] + [0, 0, 0, 0, 1]), need_head=True) == 4
 
 
+def test_a_cached_block_replaced_by_one_with_head_kv_is_free_again_not_evictable():
+    """A request whose head sat out cached its blocks without head KV; an equal request with the
+    head's KV replaces them in the cache. The replaced blocks, held by nobody, hold nothing findable:
+    they are handed out before any cached block, and reusing them evicts nothing."""
+    bm = BlockManager(8, BS, enable_prefix_caching=True)
+    toks = list(range(10, 19))                        # 2 full blocks and 1 token
+    a, b = seq(toks, "a"), seq(toks, "b")             # prefilled side by side: neither found the other's
+    for s in (a, b):
+        bm.append_slots(s, len(toks))
+        bm.commit(s, len(toks))
+    bm.register(a, None)
+    old = a.block_table[:2]
+    bm.free(a)                                        # a's 2 cached blocks: evictable
+    bm.register(b, 9)                                 # replaces them: b's blocks carry the head's KV
+    assert sorted(bm.prefix_cache.blocks) == sorted(b.block_table[:2])
+    assert not set(old) & set(bm.evictable) and set(old) <= set(bm.free_blocks)
+    bm.free(b)
+    assert set(bm.evictable) == set(bm.prefix_cache.blocks) and bm.num_free_blocks == 8
+    c = seq(range(200, 224), "c")
+    bm.append_slots(c, 24)                            # 6 blocks: every one that caches nothing, no eviction
+    assert set(old) <= set(c.block_table) and bm.prefix_cache.stats["prefix_cache_evictions"] == 0
+
+
 def test_hashes_are_chained_and_stable():
     assert block_hashes(list(range(8)), 4)[1] != block_hashes([9, 9, 9, 9] + list(range(4, 8)), 4)[1]
     assert block_hashes(list(range(8)), 4) == block_hashes(list(range(9)), 4)
