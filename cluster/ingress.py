@@ -141,10 +141,15 @@ class OpenAIIngress:
             req = model_cls.model_validate(body)
         except ValidationError as e:
             raise validation_error(e) from None
-        if req.model not in (self.config.model_name, self.config.model):
-            raise APIError(404, f"model {req.model!r} does not exist; this server serves "
-                              f"{self.config.model_name!r}", param="model", code="model_not_found")
+        self._known_model(req.model)
         return req
+
+    def _known_model(self, name: str) -> None:
+        """The served name, or the model's path or id as the config gives it (vLLM's default name)."""
+        if name not in (self.config.model_name, self.config.model):
+            shown = repr(name) if len(name) <= 200 else f"{name[:200]!r}... ({len(name)} characters)"
+            raise APIError(404, f"model {shown} does not exist; this server serves {self.config.model_name!r}",
+                           param="model", code="model_not_found")
 
     def _max_tokens(self, requested: int | None, default: int) -> int:
         limit = self.config.limits.max_tokens
@@ -344,9 +349,7 @@ class OpenAIIngress:
     @api.api_route("/v1/models/{model_id:path}", methods=["GET", "HEAD"])   # the client's models.retrieve()
     async def model(self, request: Request, model_id: str):
         self._check_auth(request)
-        if model_id != self.config.model_name:
-            raise APIError(404, f"model {model_id!r} does not exist; this server serves {self.config.model_name!r}",
-                           param="model", code="model_not_found")
+        self._known_model(model_id)
         return JSONResponse((await self._model_card()).model_dump(mode="json"))
 
     async def _model_card(self) -> ModelCard:

@@ -31,6 +31,11 @@ def test_models(app):
     assert app.client.models.retrieve(MODEL).id == MODEL                 # GET /v1/models/{id}
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         app.client.models.retrieve("other-model")
+    by_path = requests.get(f"{app.url}/v1/models/{app.config.model}")    # the model as the config names it
+    assert by_path.status_code == 200 and by_path.json()["id"] == MODEL
+    with pytest.raises(openai.NotFoundError) as e:      # a 100 kB model name is not echoed back whole
+        app.client.completions.create(model="m" * 100_000, prompt="x", max_tokens=1)
+    assert "(100000 characters)" in e.value.message and len(e.value.message) < 400
     for path in ("/v1/models", "/health"):             # HEAD as load balancers' probes send it: no body
         head = requests.head(f"{app.url}{path}")
         assert head.status_code == 200 and head.content == b"", (path, head.status_code)
