@@ -142,6 +142,7 @@ class _PriorityCollector:
 
 
 CLIENT_CLOSED = 499   # nginx's "client closed request", as vLLM's metrics report aborted requests
+GONE_REPLICA_SERIES_S = 600.0   # a replica not live for this long: its eagle_replica_requests_total series goes
 
 
 class ServeMetrics:
@@ -174,6 +175,7 @@ class ServeMetrics:
         self.replica_requests = Counter("eagle_replica_requests", "finished requests by the replica that served them",
                                         rl, registry=r)
         self._recent: deque[tuple[float, int]] = deque()
+        self._replica_seen: dict[str, float] = {}   # replica id -> when last live: its requests_total series
         self.replica_stats: dict[str, dict] = {}    # the replicas' latest stats (prefix-cache series)
         r.register(_PrefixCacheCollector(self))
         r.register(_PriorityCollector(self))
@@ -190,7 +192,13 @@ class ServeMetrics:
 
     def tokens(self, n: int) -> None:
         if n:
-            self._recent.append((time.monotonic(), n))
+            now = time.monotonic()
+            self._recent.append((now, n))
+            self._forget_before(now - self.window_s)   # here too: a server nobody scrapes keeps a window only
+
+    def _forget_before(self, t: float) -> None:
+        while self._recent and self._recent[0][0] < t:
+            self._recent.popleft()
 
     def finished(self, out, e2e_s: float, ttft_s: float | None) -> None:
         """Record a finished request from its final engine output."""
@@ -207,12 +215,23 @@ class ServeMetrics:
             self.tau.labels(self.model).observe(float(m["mean_accepted_tokens"]))
         if m.get("replica_id"):
             self.replica_requests.labels(self.model, str(m["replica_id"])).inc()
+            self._replica_seen.setdefault(str(m["replica_id"]), time.monotonic())
 
     def replica_gauges(self, replicas: dict[str, dict]) -> None:
         """Per-replica gauges for exactly these replicas (id -> stats); others' series are removed."""
         for g in (self.running, self.waiting, self.kv_usage, self.free_blocks):
             g.clear()
         self.replica_stats = dict(replicas)
+        now = time.monotonic()
+        for rid in replicas:
+            self._replica_seen[rid] = now
+        for rid, seen in list(self._replica_seen.items()):   # an autoscaled fleet's replicas come and go
+            if now - seen > GONE_REPLICA_SERIES_S:
+                del self._replica_seen[rid]
+                try:
+                    self.replica_requests.remove(self.model, rid)
+                except KeyError:
+                    pass
         for rid, st in replicas.items():
             self.running.labels(self.model, rid).set(st.get("num_running", 0))
             self.waiting.labels(self.model, rid).set(st.get("num_waiting", 0))
@@ -222,9 +241,7 @@ class ServeMetrics:
     def render(self, replicas: dict[str, dict] | None = None) -> bytes:
         """The exposition text; `replicas` (id -> stats of every live replica) replaces the per-replica
         gauges, None keeps them."""
-        now = time.monotonic()
-        while self._recent and self._recent[0][0] < now - self.window_s:
-            self._recent.popleft()
+        self._forget_before(time.monotonic() - self.window_s)
         self.tokens_per_s.labels(self.model).set(sum(n for _, n in self._recent) / self.window_s)
         if replicas is not None:
             self.replica_gauges(replicas)

@@ -92,7 +92,7 @@ async def _attempts(handle, request_id, prompt, params, priority, messages, max_
                     retry_backoff_s, restartable, on_retry, group=None, stream_interval=1) -> AsyncIterator[Any]:
     tokens_seen = 0
     deaths: dict[str, BaseException] = {}   # replica -> how it died under this request
-    node_losses = 0                          # replicas lost under it with a node taken away (free)
+    node_losses = 0                          # replicas lost under it with a node taken away, or unreachable (free)
     last: BaseException | None = None
     for attempt in range(max_attempts):
         rid = request_id if attempt == 0 else f"{request_id}-retry{attempt}"
@@ -126,8 +126,10 @@ async def _attempts(handle, request_id, prompt, params, priority, messages, max_
             last = e
             replica = state.routed.get(rid)
             # lost with a node the cluster took away (a spot VM taken back, a node drained and shut
-            # down): no request's doing, so no death of this one's and no suspect, FREE_NODE_LOSSES times
-            node_lost = lost_with_node(e) and node_losses < FREE_NODE_LOSSES
+            # down), or unreachable for now (a network or GCS blip: Ray has not called it dead): no
+            # request's doing, so no death of this one's and no suspect, FREE_NODE_LOSSES times
+            node_lost = (lost_with_node(e) or isinstance(e, ray.exceptions.ActorUnavailableError)) \
+                and node_losses < FREE_NODE_LOSSES
             if node_lost:
                 node_losses += 1
             elif replica is None:                # not routed by a LoadAwareRouter here: count every death

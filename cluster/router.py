@@ -59,11 +59,14 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         match must cover, and how much busier than the least-loaded replica a prefix's holder may be)."""
         self.offline_kv_threshold = offline_kv_threshold
         self.kv_weight = kv_weight
-        self._inflight: dict[ReplicaID, set[str]] = defaultdict(set)   # ids of engine requests (`submit`) sent
+        # engine requests (`submit`) sent: call id -> wall time routed
+        self._inflight: dict[ReplicaID, dict[str, float]] = defaultdict(dict)
         self._control_ids: set[str] = set()   # other calls in flight (stats, engine_info): they take no engine slot
-        self._ended_unrouted: dict[str, None] = {}   # call ids, oldest first: see on_request_completed
+        # (replica, call id) of calls that ended there unrouted, oldest first: see on_request_completed
+        self._ended_unrouted: dict[tuple[ReplicaID, str], None] = {}
         self._promised: dict[str, tuple[Any, float]] = {}   # offline request id -> (replica given, when)
-        self._completed: dict[ReplicaID, deque] = defaultdict(lambda: deque(maxlen=256))  # wall times
+        # engine requests that ended, as (wall time routed, wall time ended): see `ongoing`
+        self._completed: dict[ReplicaID, deque] = defaultdict(lambda: deque(maxlen=256))
         self.prefix_aware = prefix_aware
         self.prefix_block_size, self.prefix_max_blocks = max(1, prefix_block_size), max(1, prefix_max_blocks)
         self.prefix_match_threshold, self.prefix_load_slack = prefix_match_threshold, prefix_load_slack
@@ -78,12 +81,15 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         by): the stats less what finished here since they were taken (they are up to a second old),
         so a freed batch slot is refilled at once, and not Serve's cache, which counts every call
         (a caller polling `stats` kept it one above the engine's requests, and a job's rows then ran
-        one at a time)."""
+        one at a time). Only requests routed before the stats were taken are subtracted: the stats
+        never counted later ones, and short rows sent and ended meanwhile would otherwise drive the
+        count below what the engine runs (times are wall clock: the stats' from the replica's host)."""
         stats = replica.routing_stats or {}
         queued = int(stats.get("num_running", 0)) + int(stats.get("num_waiting", 0))
         done = self._completed.get(replica.replica_id)
         if fresh and done and queued and stats.get("updated_at"):
-            queued -= sum(1 for t in done if t > float(stats["updated_at"]))
+            taken = float(stats["updated_at"])
+            queued -= sum(1 for routed, ended in done if routed <= taken < ended)
         cached = 0 if fresh else self.replica_queue_len_cache.get(replica.replica_id) or 0
         return max(len(self._inflight.get(replica.replica_id, ())), queued, cached)
 
@@ -115,6 +121,7 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         self, candidate_replicas: List[RunningReplica], pending_request: Optional[PendingRequest] = None
     ) -> List[List[RunningReplica]]:
         """Replicas in preference order, one per rank; Serve skips the ones that are full."""
+        self._forget_gone()
         candidates = [r for r in candidate_replicas if not state.seen_dead(r.replica_id)]
         if state.is_suspect(pending_request):  # one suspect per replica (see _fulfill_next_pending_request)
             hosts = state.suspect_hosts()
@@ -144,6 +151,19 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
             ranked = [r for r in roomy if self.has_headroom(r)] + [r for r in roomy if not self.has_headroom(r)]
         return [[r] for r in ranked]
 
+    def _forget_gone(self) -> None:
+        """Drop what is kept per replica for replicas Serve no longer has (scaled down, replaced after
+        a failed health check: `on_replica_actor_died` sees only deaths this caller saw)."""
+        live = getattr(self, "curr_replicas", None)
+        if live is None:
+            return
+        for rid in [k for k in self._completed if k not in live]:
+            del self._completed[rid]
+        keys = {state.replica_key(k) for k in live}
+        for key in [k for k in self._prefix_capacity if k not in keys]:
+            del self._prefix_capacity[key]
+        self._prefix.keep_only(keys)
+
     def _online_waiting(self) -> bool:
         return any(request_priority(pr) == 0 and not pr.future.done()
                    for pr in list(getattr(self, "_pending_requests_to_fulfill", ())))
@@ -155,9 +175,6 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
             total = int((r.routing_stats or {}).get("num_total_blocks") or 0)
             if total:
                 self._prefix_capacity[state.replica_key(r.replica_id)] = total
-        live = getattr(self, "curr_replicas", None)   # forget replicas Serve no longer has
-        if live is not None:
-            self._prefix.keep_only({state.replica_key(k) for k in live})
         hashes = self._prompt_hashes(pending_request)
         return prefer_prefix(ranked, hashes, self._prefix, self.load, lambda r: state.replica_key(r.replica_id),
                              self.prefix_load_slack, self.prefix_match_threshold)
@@ -223,16 +240,17 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         metadata = pending_request.metadata
         call_id = metadata.internal_request_id
-        ended = call_id in self._ended_unrouted     # it finished before this was called
-        self._ended_unrouted.pop(call_id, None)
+        ended = (replica_id, call_id) in self._ended_unrouted     # it ended there before this ran
+        self._ended_unrouted.pop((replica_id, call_id), None)
         if metadata.call_method != "submit":   # no engine request: not counted
             if not ended:
                 self._control_ids.add(call_id)
             return
+        now = time.time()
         if ended:
-            self._completed[replica_id].append(time.time())
+            self._completed[replica_id].append((now, now))
         else:
-            self._inflight[replica_id].add(call_id)
+            self._inflight[replica_id][call_id] = now
         rid = state.request_id(pending_request)
         self._promised.pop(rid, None)
         if self.prefix_aware and rid is not None:    # that replica computes (and caches) this prompt now
@@ -248,18 +266,20 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         """Serve calls this for every call it sent, also for ones the replica rejected (never routed)
         and, racing, for ones that ended before `on_request_routed` ran (its done-callback is queued
         from another thread). Counted by id, so neither leaks a slot (a leaked one kept offline rows
-        off the replica for good); an id not seen yet is remembered for `on_request_routed`."""
+        off the replica for good); an id not seen yet is remembered, with the replica, for
+        `on_request_routed`: Serve routes a rejected call again under the same id, and the rejection
+        must not make it look ended on the replica that then runs it."""
         if internal_request_id in self._control_ids:
             self._control_ids.discard(internal_request_id)
             return
         calls = self._inflight.get(replica_id)
         if calls is not None and internal_request_id in calls:
-            calls.discard(internal_request_id)
+            routed = calls.pop(internal_request_id)
             if not calls:
                 self._inflight.pop(replica_id, None)
-            self._completed[replica_id].append(time.time())
+            self._completed[replica_id].append((routed, time.time()))
             return
-        self._ended_unrouted[internal_request_id] = None
+        self._ended_unrouted[(replica_id, internal_request_id)] = None
         while len(self._ended_unrouted) > 4096:     # rejected calls are never routed: oldest go first
             self._ended_unrouted.pop(next(iter(self._ended_unrouted)))
 

@@ -144,6 +144,27 @@ def test_replica_gauges_are_exactly_the_live_replicas():
     assert 'replica="r2"' in metrics.render().decode()     # None keeps the last view
 
 
+def test_what_the_ingress_keeps_is_bounded_scraped_or_not(monkeypatch):
+    """The throughput window forgets old chunks as they come (a server nobody scrapes kept every
+    chunk), and a replica gone for GONE_REPLICA_SERIES_S loses its requests_total series (an
+    autoscaled fleet's replica ids come and go)."""
+    metrics = m.ServeMetrics("tiny", window_s=10.0)
+    now = [1000.0]
+    monkeypatch.setattr(m.time, "monotonic", lambda: now[0])
+    for _ in range(5000):
+        metrics.tokens(1)
+        now[0] += 0.01
+    assert len(metrics._recent) <= 1001
+    out = type("Out", (), {"metrics": {"replica_id": "old"}, "token_ids": [1], "prompt_token_ids": [1]})()
+    metrics.finished(out, 0.1, 0.05)
+    metrics.render({"old": {}})
+    now[0] += m.GONE_REPLICA_SERIES_S / 2
+    assert 'replica="old"' in metrics.render({"new": {}}).decode()        # gone a little while: kept
+    now[0] += m.GONE_REPLICA_SERIES_S
+    text = metrics.render({"new": {}}).decode()
+    assert 'replica="old"' not in text and "old" not in metrics._replica_seen
+
+
 def test_prefix_cache_series_come_from_each_replica_stats():
     """The engine's cumulative prefix-cache totals become per-replica counters, with cached blocks and hit
     rates as gauges; replicas whose engine has no prefix cache get no series; a gone replica's vanish."""

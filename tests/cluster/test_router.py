@@ -92,6 +92,55 @@ def test_calls_ending_before_they_are_seen_routed_or_rejected_leak_no_slot():
     assert r.offline_room(rep, "row-3")
 
 
+def test_a_call_one_replica_rejected_counts_where_it_then_runs():
+    """Serve ends a rejected attempt (on_request_completed on the replica that refused it) and routes
+    the same call again, under the same id: it counted as ended where it then ran, so that replica's
+    one batch slot looked free while the call ran there."""
+    r = _router()
+    b = _batch_replica("b", running=0, max_num_seqs=1)
+    r.on_request_completed("a", "c1")                   # replica a refused it ...
+    r.on_request_routed(_call("c1"), "b", None)         # ... and b runs it
+    assert r.ongoing(b) == 1 and not r.offline_room(b, "row-1")
+    r.on_request_completed("b", "c1")
+    assert r._inflight == {} and r.offline_room(b, "row-2")
+
+
+def test_the_stats_less_only_what_they_counted_and_that_ended_since(monkeypatch):
+    """`ongoing(fresh)` is the replica's stats (up to a second old) less the requests that ended here
+    since: only those routed before the stats were taken, which they counted. Short rows sent and
+    ended after them were subtracted too, so the count fell below what the engine ran and offline
+    rows overfilled its batch."""
+    import cluster.router as router_mod
+
+    r = _router()
+    rep = _batch_replica("a", running=8, max_num_seqs=8)   # 7 requests of other callers, and ours
+    now = [1000.0]
+    monkeypatch.setattr(router_mod.time, "time", lambda: now[0])
+    r.on_request_routed(_call("ours"), "a", None)
+    now[0] += 0.5
+    rep.routing_stats["updated_at"] = now[0]               # the stats count ours
+    for i in range(8):                                     # rows sent and ended since: never in the stats
+        now[0] += 0.01
+        r.on_request_routed(_call(f"short{i}"), "a", None)
+        r.on_request_completed("a", f"short{i}")
+    assert r.ongoing(rep, fresh=True) == 8 and not r.offline_room(rep, "row-1")
+    r.on_request_completed("a", "ours")                    # counted by the stats, ended since: a slot is free
+    assert r.ongoing(rep, fresh=True) == 7 and r.offline_room(rep, "row-2")
+
+
+def test_what_is_kept_per_replica_follows_the_live_replicas():
+    """A replica scaled down or replaced after a failed health check is no death this caller saw
+    (`on_replica_actor_died` is not called): what the router keeps for it goes when Serve drops it."""
+    r = _router()
+    for rid in ("a", "b"):
+        r.on_request_routed(_call(f"c-{rid}"), rid, None)
+        r.on_request_completed(rid, f"c-{rid}")
+        r._prefix_capacity[router_state.replica_key(rid)] = 64
+    r._replicas = {"b": _replica("b")}                  # Serve's curr_replicas: a is gone
+    _rank(r, [_replica("b")])
+    assert set(r._completed) == {"b"} and set(r._prefix_capacity) == {router_state.replica_key("b")}
+
+
 def test_queue_len_cache_counts():
     assert _rank(_router({"a": 10}), [_replica("a"), _replica("b")])[0] == "b"
 
@@ -300,6 +349,22 @@ def test_an_unavailable_replica_is_not_taken_for_dead():
     h = _Handle(([], ray.exceptions.ActorUnavailableError("blip", None)), ([_out(finished=True)], None),
                 replicas=["a", "b"])
     assert asyncio.run(_collect(h))[-1].finished and not router_state.seen_dead("a")
+
+
+def test_unavailable_replicas_are_no_deaths_of_the_request_a_few_times():
+    """Ray raises ActorUnavailableError for a replica it cannot reach now (a network or GCS blip) and
+    does not call it dead: two such on two replicas answered an innocent request with 500
+    `replicas_died`, and made its retries suspects. They are free as node losses are, a few times."""
+    blip = ray.exceptions.ActorUnavailableError("blip", None)
+    suspect_at_call = []
+
+    class Watched(_Handle):
+        def remote(self, rid, *a, **kw):
+            suspect_at_call.append(rid in router_state.suspects)
+            return super().remote(rid, *a, **kw)
+    h = Watched(([], blip), ([], blip), ([_out(finished=True)], None), replicas=["a", "b", "c"])
+    assert asyncio.run(_collect(h, restartable=True, max_attempts=3))[-1].finished
+    assert suspect_at_call == [False, False, False]
 
 
 def test_replicas_seen_dead_are_not_chosen():
