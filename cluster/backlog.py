@@ -71,8 +71,8 @@ class BacklogReader:
 
         if not self.app_name:
             return 0
-        if self._board is None:
-            self._board = board(self.app_name, create=False)
+        if self._board is None:   # a GCS lookup: off the replica's event loop, which streams tokens
+            self._board = await asyncio.to_thread(board, self.app_name, create=False)
             if self._board is None:
                 return 0
         try:
