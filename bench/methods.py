@@ -1,5 +1,6 @@
-"""The methods `eaglectl bench spec` compares, in a module light enough for the CLI to check
-`--methods` against before torch loads."""
+"""The methods `eaglectl bench spec` compares (and the scenarios of `eaglectl bench prefix`), in a
+module light enough for the CLI to check `--methods` (`--scenarios`) against before torch, numpy or
+pyarrow loads (`eaglectl --help` imports none of them)."""
 from __future__ import annotations
 
 # batch 1 (bench/spec.py), every one, in order
@@ -8,6 +9,8 @@ SPEC_METHODS = ("vanilla", "hf", "hf_lookup", "lookup", "chain", "static", "dyna
 BATCH_METHODS = ("vanilla", "default", "head", "lookup", "hybrid")
 # the methods that draft with the head `--draft` names
 HEAD_METHODS = ("chain", "static", "dynamic", "hybrid", "head")
+# `bench prefix --scenarios` (bench/prefix.py): a shared system prompt, multi-turn conversations, a job
+PREFIX_SCENARIOS = ("a", "b", "c")
 
 
 def check_methods(methods, allowed: tuple[str, ...]) -> None:

@@ -39,10 +39,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.job import completed_run
+from bench.methods import PREFIX_SCENARIOS as SCENARIOS
 from bench.prompts import load_questions
 from bench.report_file import write_json
-
-SCENARIOS = ("a", "b", "c")
 
 
 @dataclasses.dataclass

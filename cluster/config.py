@@ -126,9 +126,9 @@ class ServeConfig(StrictModel):
             raise ValueError("device: cuda needs resources_per_rank.gpu: 1 (one GPU per rank)")
         if self.device == "cpu" and self.resources_per_rank.gpu:
             raise ValueError("device: cpu must not reserve GPUs (resources_per_rank.gpu: 0)")
-        try:
+        try:     # refuses what is no module name before importing it (eagle_worker/engine_api.py)
             choose, resolve = draft_rules(self.engine)
-        except (ImportError, AttributeError) as e:
+        except Exception as e:      # whatever the import raised: a config error naming the field
             raise ValueError(f"engine: {self.engine!r} is not an engine module (LLMEngine, EngineConfig, "
                              f"SamplingParams): {e}") from None
         if self.speculation is not None and not self.speculation.lookup and str(self.draft).lower() == "none":

@@ -16,7 +16,8 @@ MAX_COUNT = 2**31 - 1     # Kubernetes' int32: a count or size past it is a typo
 class StrictModel(BaseModel):
     # Unknown keys are almost always typos in hand-written YAML: reject them; so are inf/NaN, a YAML
     # boolean (`yes`, `true`) where a number belongs, which pydantic would read as 1, a string or number
-    # where a boolean belongs ("false" would read as false, "no" too), and counts past int32.
+    # where a boolean belongs ("false" would read as false, "no" too), and counts past int32 (unless the
+    # field states its own upper bound: a seed's is 2**63, a toleration's seconds int64).
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     @field_validator("*", mode="before")
@@ -28,9 +29,15 @@ class StrictModel(BaseModel):
             raise ValueError(f"expected a number, got {str(value).lower()}")
         if value is not None and not isinstance(value, bool) and _boolean(annotation):   # "yes", 0: pydantic reads them
             raise ValueError(f"expected true or false, got {value!r}")
-        if isinstance(value, int) and kinds == {int} and value > MAX_COUNT:
+        if isinstance(value, int) and kinds == {int} and value > MAX_COUNT and not _own_upper_bound(cls, info.field_name):
             raise ValueError(f"must be at most {MAX_COUNT}, got {value}")
         return value
+
+
+def _own_upper_bound(cls, name: str) -> bool:
+    """Whether field `name` declares its own upper bound (`le`/`lt`), which then replaces the int32 cap."""
+    return any(getattr(m, "le", None) is not None or getattr(m, "lt", None) is not None
+               for m in cls.model_fields[name].metadata)
 
 
 def _boolean(annotation: Any) -> bool:

@@ -4,16 +4,27 @@ refused before any manifest is written (deploy/kuberay.py turns them into manife
 from __future__ import annotations
 
 import math
+import posixpath
 import re
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, Field, StringConstraints, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BeforeValidator,
+    Field,
+    StringConstraints,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from cluster.config import DEPLOY_SECTIONS, ServeConfig
 from cluster.config_base import ConfigError, StrictModel, format_validation_error
 from cluster.config_sections import PlacementStrategy
 from cluster.config_yaml import YamlDoc, read_yaml
+from cluster.openai_requests import MAX_SEED
+from eagle_worker.default_models import is_builtin
 from jobs.job_config import OWN_REPLICA_FLAGS, SUBMIT_JOB_FLAGS, same_place
 
 RAY_VERSION = "2.60.0"          # must equal the Ray in the image (deploy/Dockerfile.* ARG RAY_VERSION)
@@ -22,6 +33,8 @@ GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"  # set by NVIDIA GPU feature discov
 OBJECT_STORE_SCHEMES = ("s3", "gs", "gcs")       # what `eaglectl submit-job` reads and writes (pyarrow.fs)
 HEAD_PORTS = {"gcs": 6379, "dashboard": 8265, "client": 10001, "metrics": 8080}  # the head pod's Ray ports
 DASHBOARD_AGENT_PORT = 52365    # Ray's dashboard agent on every node (the workers' health probe)
+RAY_WORKER_PORTS = (10002, 19999)   # `ray start`'s default --min-worker-port / --max-worker-port, on every node
+MIN_MEMORY = "512Mi"            # less than this holds no Ray node (raylet, object store, a Python process)
 
 Name = Annotated[str, StringConstraints(pattern=r"^[a-z]([-a-z0-9]*[a-z0-9])?$", max_length=40)]  # what we create
 Ref = Annotated[str, StringConstraints(pattern=r"^[a-z0-9]([-.a-z0-9]*[a-z0-9])?$", max_length=253)]  # what exists
@@ -50,7 +63,34 @@ def _quantity(q: str) -> str:
     return q
 
 
+def _positive(q: str) -> str:
+    if quantity_value(q) <= 0:
+        raise ValueError(f"{q!r}: must be more than 0")
+    return q
+
+
+def _memory(q: str) -> str:
+    if quantity_value(q) < quantity_value(MIN_MEMORY):
+        raise ValueError(f"{q!r} is less than {MIN_MEMORY}: a Ray pod needs memory for the raylet, the object store "
+                         "and its Python processes (a plain number is bytes: write 8Gi, not 8)")
+    return q
+
+
+def _number_as_quantity(v: Any) -> Any:
+    """`cpu: 2` or `cpu: 0.5`, as Kubernetes takes them: the quantity "2", "0.5"."""
+    if isinstance(v, bool):
+        raise ValueError(f"expected a quantity (e.g. 2, 500m), got {str(v).lower()}")
+    if isinstance(v, int | float):
+        if not math.isfinite(v):
+            raise ValueError(f"{v!r} is not a finite amount")
+        return str(v)
+    return v
+
+
 Quantity = Annotated[str, AfterValidator(_quantity)]
+PositiveQuantity = Annotated[str, AfterValidator(_quantity), AfterValidator(_positive)]   # sizes where 0 fails
+CpuQuantity = Annotated[str, BeforeValidator(_number_as_quantity), AfterValidator(_quantity), AfterValidator(_positive)]
+MemoryQuantity = Annotated[str, AfterValidator(_quantity), AfterValidator(_memory)]
 
 
 def _mount_path(path: str) -> str:
@@ -90,9 +130,9 @@ class SecretRef(StrictModel):
 
 class PodResources(StrictModel):
     """Requests = limits (Ray sizes itself from the limits; GPUs must be equal anyway)."""
-    cpu: Quantity
-    memory: Quantity
-    ephemeral_storage: Quantity | None = None
+    cpu: CpuQuantity                          # "2", "500m", or a number (2, 0.5)
+    memory: MemoryQuantity                    # at least MIN_MEMORY
+    ephemeral_storage: PositiveQuantity | None = None
 
 
 class HeadPodConfig(StrictModel):
@@ -134,6 +174,14 @@ class WorkerPodConfig(StrictModel):
     node_selector: dict[LabelKey, LabelValue] = Field(default_factory=dict)
     tolerations: list[Toleration] = Field(default_factory=list, max_length=64)   # besides nvidia.com/gpu's
 
+    @model_validator(mode="after")
+    def _one_gpu_product(self) -> "WorkerPodConfig":
+        chosen = self.node_selector.get(GPU_PRODUCT_LABEL)
+        if self.gpu_product is not None and chosen is not None and chosen != self.gpu_product:
+            raise ValueError(f"gpu_product ({self.gpu_product}) and node_selector {GPU_PRODUCT_LABEL} ({chosen}) "
+                             f"pick different GPUs: gpu_product sets that label; give it once")
+        return self
+
 
 class StorageConfig(StrictModel):
     """Weights are mounted (a PVC holding models and EAGLE heads) or downloaded at start, never baked."""
@@ -141,7 +189,7 @@ class StorageConfig(StrictModel):
     models_path: MountPath = "/models"
     download: bool = False                    # fetch hub ids at start (EAGLE_ALLOW_DOWNLOAD=1)
     hf_token_secret: SecretRef | None = None  # HF_TOKEN for gated models
-    cache_size: Quantity = "20Gi"             # emptyDir for the HF / built-in model caches
+    cache_size: PositiveQuantity = "20Gi"     # emptyDir for the HF / built-in model caches
 
 
 class DataVolume(StrictModel):
@@ -149,15 +197,33 @@ class DataVolume(StrictModel):
     path: MountPath = "/data"
 
 
-# keys that are credentials: they belong in a Secret, never in the RayJob's plain `env`
-_SECRET_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "GOOGLE_APPLICATION_CREDENTIALS")
+# Environment variables that are credentials: they belong in a Secret, never in a plain `env` (the manifests,
+# and every `kubectl get -o yaml`, would hold them in plain text). Name -> the setting that sets it from a Secret.
+_ENV_FROM_SECRET = ("object_store.credentials_secret (job.yaml's, or kubernetes.job_data's for the RayService's "
+                    "pods: every key of that Secret becomes an environment variable)")
+_SECRET_ENV = {
+    "AWS_ACCESS_KEY_ID": _ENV_FROM_SECRET, "AWS_SECRET_ACCESS_KEY": _ENV_FROM_SECRET,
+    "AWS_SESSION_TOKEN": _ENV_FROM_SECRET,
+    "GOOGLE_APPLICATION_CREDENTIALS": "object_store.gcp_key_secret (a service-account key, mounted; it sets "
+                                      "GOOGLE_APPLICATION_CREDENTIALS)",
+    "HF_TOKEN": "kubernetes.storage.hf_token_secret (it sets HF_TOKEN from a Secret's key)",
+    "HUGGING_FACE_HUB_TOKEN": "kubernetes.storage.hf_token_secret (it sets HF_TOKEN, which the hub reads first)",
+    "RAY_AUTH_TOKEN": "kubernetes.ray_auth_secret (KubeRay sets RAY_AUTH_TOKEN from it)",
+}
+# ... and any name with one of these words in it (between '_', '.', '-' or the ends; any case)
+_SECRET_WORDS = re.compile(r"(?:^|[_.-])(?:TOKEN|SECRET|PASSWORD|PASSWD|API[_.-]?KEYS?)(?:$|[_.-])", re.IGNORECASE)
+_OTHER_SECRET = (f"a Secret: {_ENV_FROM_SECRET}; the server's own API keys: serve.api_keys_env with "
+                 "kubernetes.api_keys_secret")
 
 
-def no_plain_secrets(env: dict[str, str], field: str) -> None:
-    leaked = sorted(k for k in env if k in _SECRET_ENV)
+def no_plain_secrets(env: dict[str, str], field: str | None) -> None:
+    """ValueError naming the credentials in `env` (`field`: where it is, unless the error's path says it)."""
+    leaked = sorted(k for k in env if k in _SECRET_ENV or _SECRET_WORDS.search(k))
     if leaked:
-        raise ValueError(f"{field}: {', '.join(leaked)} would be written into the manifests in plain text: put "
-                         "credentials in the Secret named by object_store.credentials_secret (or gcp_key_secret)")
+        homes = "; ".join(f"{k}: {_SECRET_ENV.get(k, _OTHER_SECRET)}" for k in leaked)
+        where = f"{field}: " if field else ""
+        raise ValueError(f"{where}{', '.join(leaked)} would be written into the manifests in plain text (a credential): "
+                         f"set {'it' if len(leaked) == 1 else 'them'} from a Secret instead. {homes}")
 
 
 class ObjectStoreConfig(StrictModel):
@@ -205,7 +271,7 @@ class KubeConfig(StrictModel):
     service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
     idle_timeout_seconds: int = Field(300, ge=0)  # autoscaler v2: idle worker -> removed
     upscaling_mode: Literal["Default", "Aggressive", "Conservative"] = "Default"
-    pdb_max_unavailable: int = Field(1, ge=1)
+    pdb_max_unavailable: int = Field(1, ge=1)     # the PDB's minAvailable: the minimum workers less this (kuberay.pdb)
     env: dict[EnvName, str] = Field(default_factory=dict)
     # Ray token auth on every cluster rendered from this file (KubeRay authOptions): a Secret with key
     # auth_token, shared, so a job's cluster can submit to the RayService's dashboard
@@ -215,7 +281,7 @@ class KubeConfig(StrictModel):
     @field_validator("env")
     @classmethod
     def _no_plain_secrets(cls, env: dict[str, str]) -> dict[str, str]:
-        return no_plain_secrets(env, "env") or env
+        return no_plain_secrets(env, None) or env
 
 
 class DeployConfig(StrictModel):
@@ -251,6 +317,14 @@ class DeployConfig(StrictModel):
         ray = {p: f"the head pod's {n}" for n, p in HEAD_PORTS.items()} | {DASHBOARD_AGENT_PORT: "every node's dashboard agent"}
         if s.port in ray:
             raise ValueError(f"serve.port ({s.port}) is {ray[s.port]} port: pick another HTTP port")
+        lo_port, hi_port = RAY_WORKER_PORTS
+        if lo_port <= s.port <= hi_port:
+            raise ValueError(f"serve.port ({s.port}) is in Ray's worker port range ({lo_port}-{hi_port}), which Ray's "
+                             "worker processes on every node bind: pick another HTTP port (e.g. 8000)")
+        if s.port < 1024:
+            raise ValueError(f"serve.port ({s.port}) is below 1024: the pods run as a non-root user with every "
+                             "capability dropped, which cannot bind it: pick 1024 or above (e.g. 8000; a Service "
+                             "may still expose another port)")
         if (self.kubernetes.api_keys_secret is None) != (s.api_keys_env is None):
             raise ValueError("kubernetes.api_keys_secret and serve.api_keys_env go together")
         if s.device == "cuda" and s.autoscaling and s.autoscaling.min_replicas == 0:
@@ -263,6 +337,9 @@ class DeployConfig(StrictModel):
         if quantity_value(self.worker_resources.cpu) < need:
             raise ValueError(f"kubernetes.workers.resources.cpu ({self.worker_resources.cpu}) is below the "
                              f"{need:g} CPUs one node's replicas and the ingress reserve: they would never schedule")
+        why = weights_error(s.model, s.draft, self.weight_mounts(), self.kubernetes.storage.download, "serve")
+        if why:
+            raise ValueError(why)
         threads = getattr(s.resources_per_rank, "threads", None)
         if s.device != "cuda" and threads is not None:
             busy = self.replicas_per_node * s.tp_size * threads
@@ -271,6 +348,19 @@ class DeployConfig(StrictModel):
                                  f"ranks a worker pod = {busy} torch threads, more than its "
                                  f"{self.worker_resources.cpu} CPUs: the pod's CPU limit would throttle them")
         return self
+
+    def weight_mounts(self, data: "RayJobConfig | JobData | None | Literal[False]" = False) -> list[tuple[str, str]]:
+        """(path, setting) of the volumes where pods may find weights: the models claim, and the data
+        volume of `data` (a job's own cluster: the job's; False: the serving clusters', kubernetes.job_data)."""
+        k = self.kubernetes
+        out = [(k.storage.models_path, "kubernetes.storage.models_path")] if k.storage.models_claim else []
+        if data is False:
+            data, where = k.job_data, "kubernetes.job_data.data_volume.path"
+        else:
+            where = "job data_volume.path"
+        if data is not None and data.data_volume is not None:
+            out.append((data.data_volume.path, where))
+        return out
 
     # ---- derived sizes ---------------------------------------------------------------------
     @property
@@ -305,13 +395,53 @@ class DeployConfig(StrictModel):
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "DeployConfig":
-        """`serve:` + `kubernetes:` sections, or a plain ServeConfig file (default `kubernetes:`)."""
-        data = read_yaml(path)
+        """`serve:` + `kubernetes:` sections, or a plain ServeConfig file (default `kubernetes:`). As with
+        `eaglectl serve --config` (ServeConfig.from_yaml), an empty file or an empty section is the defaults."""
+        data = read_yaml(path, empty_ok=True)
         if not (data.keys() & DEPLOY_SECTIONS):   # a plain serve file: its lines under `serve`
             lines = {("serve", *k): n for k, n in data.lines.items()}
             data = YamlDoc(serve=data)
             data.lines = lines
+        for section in DEPLOY_SECTIONS:
+            if section in data and data[section] is None:    # `serve:` with nothing under it
+                data[section] = {}
         return _validate(cls, data, str(path))
+
+
+def _under(path: str, root: str) -> bool:
+    p, r = posixpath.normpath(path), posixpath.normpath(root)
+    return p == r or p.startswith(r.rstrip("/") + "/")
+
+
+def weights_error(model: str | None, draft: str | None, mounts: list[tuple[str, str]], download: bool,
+                  field: str) -> str | None:
+    """None when pods with volumes `mounts` ((path, setting) pairs) and hub downloads on or off can load
+    `model` and `draft` (None: not checked), else why not (`field`: where they are set, `serve` or `job`). The engine's rules
+    (eagle_worker/loader.py, model_runner.py, speculative/config.py): a built-in name loads from the image, a
+    path must be on a mounted volume, any other model name is a hub id the pods must download (their cache
+    starts empty); a draft is `auto`, `default`, `none` or a head folder (a path; no hub id)."""
+    roots = ", ".join(f"{setting} ({root})" for root, setting in mounts)
+    where = (f"the pods see only {roots}" if mounts else
+             "no volume holds weights: set kubernetes.storage.models_claim (mounted at kubernetes.storage.models_path)")
+    for what, value in (("model", model), ("draft", draft)):
+        if value is None or (what == "draft" and value in ("", "none", "auto", "default")):
+            continue
+        if what == "model" and is_builtin(value):
+            continue
+        if value.startswith("/"):
+            if not any(_under(value, root) for root, _ in mounts):
+                return f"{field}.{what} {value!r} is not on a volume the pods mount: {where}"
+        elif what == "draft":
+            return (f"{field}.draft {value!r} is not a head folder the pods have: a draft is auto, default, none or "
+                    f"the absolute path of a folder on a mounted volume ({where}); heads are never downloaded")
+        elif value.startswith(("./", "../", "~", ".")) or value.endswith(".gguf"):
+            return (f"{field}.{what} {value!r} is a path on this machine, which the pods do not have: give an "
+                    f"absolute path on a mounted volume ({where})")
+        elif not download:
+            return (f"{field}.{what} {value!r} is a Hugging Face Hub id, but kubernetes.storage.download is off and the "
+                    "pods start with an empty cache: set kubernetes.storage.download: true, or put the weights on "
+                    "the models volume (kubernetes.storage.models_claim) and give their path")
+    return None
 
 
 # what a job through the serving app takes from the app, never from job.yaml
@@ -385,7 +515,7 @@ class RayJobConfig(StrictModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, lt=MAX_SEED)   # the job config's (and the engine's) range: [0, 2**63)
     extra_args: list[str] = Field(default_factory=list)  # more submit-job flags, e.g. [--keep-columns]
     ttl_seconds_after_finished: int = Field(60, ge=0)     # finished cluster kept for logs, then deleted
     active_deadline_seconds: int | None = Field(None, ge=1)

@@ -22,7 +22,7 @@ from typing import Any
 
 from cluster.config_base import ConfigError
 from deploy.deploy_config import DeployConfig, PodResources, RayJobConfig, reachable
-from deploy.kuberay import _labels, _meta, _pod, _probe, _resources, _submitter_pod, auth_options
+from deploy.kuberay import _check_job, _labels, _meta, _pod, _probe, _resources, _submitter_pod, auth_options
 from jobs.job_config import submit_job_args_error
 
 DASHBOARD_PORT = 8265
@@ -55,6 +55,7 @@ def _check(cfg: DeployConfig, job: RayJobConfig) -> None:
 def fleet_entrypoint(cfg: DeployConfig, job: RayJobConfig) -> str:
     """`eaglectl submit-job IN --output OUT [sampling] --serve-app APP --address <rayservice dashboard> --wait`."""
     _check(cfg, job)
+    _check_job(cfg, job, own_cluster=False)
     app = cfg.serve.app_name
     argv = ["eaglectl", "submit-job", job.input, "--output", job.output]
     for flag, value in (("--max-tokens", job.max_tokens), ("--temperature", job.temperature),

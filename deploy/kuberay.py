@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import math
 import shlex
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +29,10 @@ from deploy.deploy_config import (
     JobData,
     PodResources,
     RayJobConfig,
+    quantity_value,
+    weights_error,
 )
-from jobs.job_config import submit_job_args_error
+from jobs.job_config import JobConfig, submit_job_args_error
 
 IMPORT_PATH = "cluster.serve_app:app_builder"
 HOME = "/home/ray"              # the image's non-root user's home (uid 1000, like rayproject/ray)
@@ -251,13 +254,23 @@ def rayservice(cfg: DeployConfig) -> dict[str, Any]:
                      "serveService": http, "rayClusterConfig": _cluster_spec(cfg, "serving", serving=True)}}
 
 
+def pdb_min_available(cfg: DeployConfig) -> int:
+    """The serving workers voluntary evictions leave: the worker group's minimum less `pdb_max_unavailable`."""
+    return max(0, cfg.node_bounds[0] - cfg.kubernetes.pdb_max_unavailable)
+
+
 def pdb(cfg: DeployConfig) -> dict[str, Any]:
-    """Node drains evict serving workers one at a time (the Ray autoscaler deletes pods, unaffected)."""
+    """Voluntary evictions (node drains, cluster-autoscaler consolidation) keep at least `min_nodes -
+    pdb_max_unavailable` serving workers; above the minimum (scaled up) a drain may evict more at once.
+    An integer `minAvailable`, never `maxUnavailable` or a percentage: the worker pods' owner is a
+    RayCluster, which has no scale subresource, so for those Kubernetes cannot count the pods expected,
+    allows no disruption at all and node drains hang (kuberay#2662). The Ray autoscaler deletes pods
+    rather than evicting them: unaffected."""
     sel = {"app.kubernetes.io/instance": cfg.kubernetes.name, "app.kubernetes.io/component": "serving",
            "eagle-serve/role": "worker"}
     return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
             "metadata": _meta(cfg, f"{cfg.kubernetes.name}-workers", "serving"),
-            "spec": {"maxUnavailable": cfg.kubernetes.pdb_max_unavailable, "selector": {"matchLabels": sel}}}
+            "spec": {"minAvailable": pdb_min_available(cfg), "selector": {"matchLabels": sel}}}
 
 
 def raycluster(cfg: DeployConfig) -> dict[str, Any]:
@@ -280,13 +293,61 @@ def _job_tp(cfg: DeployConfig, job: RayJobConfig) -> int:
 
 
 def _job_nodes(cfg: DeployConfig, job: RayJobConfig) -> int:
-    """Worker pods for the job's engine replicas, `gpus_per_node // tp` replicas a node (1 on CPU)."""
-    gpus, tp = cfg.kubernetes.workers.gpus_per_node, _job_tp(cfg, job)
+    """Worker pods for the job's engine replicas, `gpus_per_node // tp` replicas a node (1 on CPU).
+    The job's workers are the serving workers' size; a job reserves at least 1 CPU a rank
+    (jobs/replica_pool.py default_cpus_per_replica), so a worker must hold its ranks' CPUs: a job that
+    could never place a replica is refused (the workers are not resized: their size is what the nodes fit)."""
+    gpus, tp, replicas = cfg.kubernetes.workers.gpus_per_node, _job_tp(cfg, job), job.replicas or 1
     if cfg.serve.device != "cuda":
-        return job.replicas or 1
-    if gpus < tp or gpus % tp:
-        raise ConfigError(f"job tp_size ({tp}) must divide kubernetes.workers.gpus_per_node ({gpus})")
-    return math.ceil((job.replicas or 1) / (gpus // tp))
+        nodes, ranks = replicas, tp
+    else:
+        if gpus < tp or gpus % tp:
+            raise ConfigError(f"job tp_size ({tp}) must divide kubernetes.workers.gpus_per_node ({gpus})")
+        nodes, ranks = math.ceil(replicas / (gpus // tp)), min(replicas, gpus // tp) * tp
+    per_rank = _flag_value(job.extra_args, "--cpus-per-replica")
+    try:
+        per_rank = 1.0 if per_rank is None else float(per_rank)    # a bad value: submit-job's own check says so
+    except ValueError:
+        return nodes
+    cpus = cfg.worker_resources.cpu
+    if quantity_value(cpus) < ranks * per_rank:
+        raise ConfigError(f"job tp_size ({tp}): a worker pod would run {ranks} ranks reserving {per_rank:g} CPU each "
+                          f"(jobs/replica_pool.py: at least 1 unless --cpus-per-replica says otherwise), but has {cpus} "
+                          "CPUs (kubernetes.workers.resources.cpu): no replica could ever be placed; lower the job's "
+                          "tp_size or give the workers more CPUs")
+    return nodes
+
+
+def _flag_value(args: list[str], flag: str) -> str | None:
+    """The last value of `flag` in a submit-job argument list (`--flag V` or `--flag=V`), None if not given."""
+    value, i = None, 0
+    while i < len(args) and args[i] != "--":
+        name, eq, rest = args[i].partition("=")
+        if name == flag:
+            value = rest if eq else (args[i + 1] if i + 1 < len(args) else None)
+            i += 0 if eq else 1
+        i += 1
+    return value
+
+
+def _check_job(cfg: DeployConfig, job: RayJobConfig, own_cluster: bool) -> None:
+    """What `submit-job` or the engine would refuse on the cluster, refused now: a `max_tokens` the
+    context cannot hold (the job config's rule, against serve.limits.max_model_len) and, for a job with
+    replicas of its own, a model or draft its pods cannot load."""
+    s = cfg.serve
+    max_tokens = job.max_tokens if job.max_tokens is not None else JobConfig.model_fields["max_tokens"].default
+    if s.limits.max_model_len is not None and max_tokens >= s.limits.max_model_len:
+        given = "" if job.max_tokens is not None else ", submit-job's default"
+        raise ConfigError(f"job: max_tokens ({max_tokens}{given}) must be < max_model_len ({s.limits.max_model_len}, "
+                          "serve.limits.max_model_len)")
+    if not own_cluster:
+        return
+    mounts, download = cfg.weight_mounts(job), cfg.kubernetes.storage.download
+    for model, draft, inherited in ((job.model or s.model, None, job.model is None),
+                                    (None, job.draft if job.draft is not None else s.draft, job.draft is None)):
+        why = weights_error(model, draft, mounts, download, "job")
+        if why:
+            raise ConfigError(why + (" (the serve section's, which the job uses)" if inherited else ""))
 
 
 def job_entrypoint(cfg: DeployConfig, job: RayJobConfig) -> str:
@@ -295,6 +356,7 @@ def job_entrypoint(cfg: DeployConfig, job: RayJobConfig) -> str:
     batch's status, which becomes the RayJob's. Its flags are checked against submit-job's
     (`jobs.job_config.SUBMIT_JOB_FLAGS`, which tests/jobs keeps equal to the CLI's)."""
     s = cfg.serve
+    _check_job(cfg, job, own_cluster=True)
     draft = job.draft if job.draft is not None else (s.draft or "none")
     argv = ["eaglectl", "submit-job", job.input, "--output", job.output, "--model", job.model or s.model,
             "--draft", draft, "--dtype", s.dtype, "--device", s.device]
@@ -367,13 +429,25 @@ def to_yaml(manifest: dict[str, Any], sources: str) -> str:
     return head + yaml.dump(manifest, Dumper=_Dumper, sort_keys=False, width=1 << 16)
 
 
-def render_files(config: str | Path, job: str | Path | None = None) -> dict[str, str]:
-    """File name -> YAML text, from config files (what the CLI writes and the tests compare)."""
+def render_files(config: str | Path, job: str | Path | None = None,
+                 check_job_args: Callable[[list[str]], str | None] | None = None) -> dict[str, str]:
+    """File name -> YAML text, from config files (what the CLI writes and the tests compare).
+
+    `check_job_args`: the submit-job command's own check of an argument list (None when it would start,
+    else why not); `eaglectl deploy render` passes `eaglectl.jobs.submit_job_refusal`, which parses the
+    RayJob's entrypoint with the command itself and validates its values (`extra_args: [--top-k, "-5"]`),
+    beyond the flag check every render makes (no CLI import here: the renderer is below the CLI)."""
     cfg = DeployConfig.from_yaml(config)
     job_cfg = RayJobConfig.from_yaml(job) if job else None
     sources = " + ".join(Path(p).name for p in (config, job) if p)
     try:
         manifests = render(cfg, job_cfg)
+        if check_job_args is not None and "rayjob.yaml" in manifests:
+            argv = shlex.split(manifests["rayjob.yaml"]["spec"]["entrypoint"])
+            why = check_job_args(argv[2:])
+            if why is not None:
+                raise ConfigError(f"job: eaglectl submit-job would refuse {shlex.join(argv[2:])!r} (its extra_args or "
+                                  f"settings): {why}")
     except ConfigError as e:   # a clash between settings: say which files hold them
         raise ConfigError(f"{' + '.join(str(p) for p in (config, job) if p)}: {e}") from None
     return {name: to_yaml(m, sources) for name, m in manifests.items()}

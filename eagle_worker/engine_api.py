@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import keyword
+import sys
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
@@ -120,16 +122,37 @@ def signature_mismatches(impl: Any, proto: type) -> list[str]:
     return problems
 
 
+def import_engine_module(path: str) -> Any:
+    """The module `path` names, imported; ImportError saying why not. A config's `engine` is imported
+    while the config is validated, so what is no engine module is refused before anything runs it: a
+    name that is not a dotted Python module name (`.x`, `a b`), a standard-library module (importing
+    `this` prints, `antigravity` opens a browser), and a module whose import raises anything."""
+    parts = path.split(".") if isinstance(path, str) else [""]
+    if not all(p.isidentifier() and not keyword.iskeyword(p) for p in parts):
+        raise ImportError(f"{path!r} is not a dotted Python module name (e.g. eagle_worker, my_package.engine)")
+    if parts[0] in sys.stdlib_module_names:
+        raise ImportError(f"{path!r} is a Python standard-library module")
+    try:
+        return importlib.import_module(path)
+    except ImportError as e:
+        raise ImportError(f"cannot import {path!r}: {e}") from e
+    except (Exception, SystemExit) as e:     # the module's own code failed: a config error, not a traceback
+        raise ImportError(f"importing {path!r} failed: {type(e).__name__}: {e}") from e
+
+
 def draft_rules(path: str) -> tuple[Callable, Callable]:
     """The engine module's `choose_draft` and `resolve_draft`, for configs that read a `draft`
-    setting (light: the rest of the engine is not imported)."""
-    module = importlib.import_module(path)
-    return module.choose_draft, module.resolve_draft
+    setting (light: the rest of the engine is not imported); ImportError when `path` is no such module."""
+    module = import_engine_module(path)
+    try:
+        return module.choose_draft, module.resolve_draft
+    except AttributeError:
+        raise ImportError(f"{path!r} lacks choose_draft / resolve_draft (see eagle_worker/engine_api.py)") from None
 
 
 def load_engine_module(path: str) -> EngineModule:
     """Import the engine module `path` and check it provides `EngineModule`; TypeError if not."""
-    module = importlib.import_module(path)
+    module = import_engine_module(path)
     missing = [n for n in MODULE_NAMES if not hasattr(module, n)]  # hasattr: lazy module __getattr__ counts
     if missing:
         raise TypeError(f"engine module {path!r} lacks {', '.join(missing)} (see eagle_worker/engine_api.py)")

@@ -5,8 +5,7 @@ import contextlib
 
 import click
 
-from bench.methods import BATCH_METHODS, HEAD_METHODS, SPEC_METHODS, check_methods  # light: no torch
-from bench.prefix import SCENARIOS
+from bench.methods import BATCH_METHODS, HEAD_METHODS, PREFIX_SCENARIOS, SPEC_METHODS, check_methods  # light
 from eagle_worker.speculative.config import HEAD_DTYPES, SpecConfig  # light: no torch
 from eaglectl.common import POSITIVE, FiniteFloat, given_flags
 
@@ -158,6 +157,12 @@ def bench_spec(model, prompts_file, per_category, max_tokens, dtype, draft, meth
         raise click.BadParameter("applies to the batch-size sweep only (--batch-sizes without --tp-size 2)",
                                  param_hint="--head-dtype")
     prompts_file = prompts_file or SPEC_BENCH
+    if batch_sizes is not None and tp_size != "2":
+        unused = given_flags(click.get_current_context(), "num_draft_tokens", "depth", "top_k", "warmup")
+        if unused:                   # the sweep's methods draft their full trees and warm up on 8 prompts of their own
+            raise click.BadParameter(f"{', '.join(unused)} do{'es' if len(unused) == 1 else ''} not apply to the "
+                                     "batch-size sweep (bench/spec_batch.py: each method's fixed tree, its own "
+                                     "warm-up batch)", param_hint="--batch-sizes")
     if tp_size == "2":
         unused = given_flags(click.get_current_context(), "methods", "draft", "temperature", "num_draft_tokens",
                              "depth", "top_k", "warmup")
@@ -278,6 +283,13 @@ def bench_serve(url, model, concurrencies, num_prompts, max_tokens, draft, threa
         # 'default' for a model that ships no head is no error here: the plain setup runs alone, with a note
         _preflight(json_out, model=model, draft=None if draft == "default" else draft)
     else:
+        unused = given_flags(click.get_current_context(), "model", "draft", "threads", "engine_baseline",
+                             "stream_interval", "direct_ingress", "rounds", "separate_ingress")
+        if unused:                   # not silently ignored: they set up the app (and the engine run) started here
+            unused = ["--engine/--no-engine" if u == "--engine-baseline" else u for u in unused]
+            raise click.BadParameter(f"{', '.join(unused)} appl{'ies' if len(unused) == 1 else 'y'} to the app this "
+                                     "command starts and the engine it compares with; an endpoint given by --url is "
+                                     "measured as it runs (HTTP levels only, one round)", param_hint="--url")
         _preflight(json_out)
     from bench.serve import EndpointError, run
 
@@ -336,7 +348,7 @@ def _slowdown(text: str, option: str) -> float:
 @click.option("--dtype", default="float32", show_default=True, type=click.Choice(DTYPES))
 @click.option("--draft", default="auto", show_default=True,
               help="Head for the with-head runs: auto (the model's built-in head), default, a folder, or none.")
-@click.option("--scenarios", default="a,b,c", show_default=True, type=CommaList(SCENARIOS),
+@click.option("--scenarios", default="a,b,c", show_default=True, type=CommaList(PREFIX_SCENARIOS),
               help="a: shared system prompt; b: multi-turn conversations; c: an offline job with a shared preamble.")
 @click.option("--rounds", default=3, show_default=True, type=POSITIVE,
               help="Runs of each measurement, caching off and on taking turns; the median counts.")

@@ -28,9 +28,10 @@ def render_cmd(config, job, out, check) -> None:
     """
     from cluster.config_base import ConfigError
     from deploy.kuberay import FILE_NAMES, render_files
+    from eaglectl.jobs import submit_job_refusal
 
-    try:
-        files = render_files(config, job)
+    try:   # the RayJob's entrypoint is checked by submit-job itself: parsed and validated, not run
+        files = render_files(config, job, check_job_args=submit_job_refusal)
     except ConfigError as e:
         raise click.ClickException(str(e)) from None
     out = Path(out)

@@ -92,18 +92,10 @@ def submit_job(input, fmt, stop, address, job_id, wait, **opts):
     3 completed with error rows (rerun with --retry-errors after fixing them) or with rows skipped
     for a duplicate id, 130 cancelled.
     """
-    from jobs.job_config import JobConfig, JobConfigError
+    from jobs.job_config import JobConfigError
 
-    # only the options given: `--serve-app` refuses an own-replica flag given even at its default value
-    ctx = click.get_current_context()
-    opts = {k: v for k, v in opts.items() if ctx.get_parameter_source(k) is not ParameterSource.DEFAULT}
-    if opts.get("speculation") is not None:
-        try:
-            opts["speculation"] = json.loads(opts["speculation"])
-        except json.JSONDecodeError as e:
-            fail(f"--speculation: not JSON ({e.msg} at character {e.pos}): {opts['speculation']}")
     try:
-        cfg = JobConfig.from_options(input=input, format=fmt, stop=list(stop) or None, **opts).absolute()
+        cfg = _job_config(click.get_current_context(), input, fmt, stop, opts).absolute()
     except JobConfigError as e:
         fail(str(e))
     address = _address(address)
@@ -114,6 +106,46 @@ def submit_job(input, fmt, stop, address, job_id, wait, **opts):
         _run_local(cfg, "local")
         return
     _submit_remote(cfg, address, job_id, wait)
+
+
+def _job_config(ctx: click.Context, input: str, fmt: str, stop: tuple[str, ...], opts: dict):
+    """The JobConfig of a parsed `submit-job` command line (JobConfigError naming what is wrong), before
+    its paths are made absolute: what `submit-job` checks before it runs or submits anything."""
+    from jobs.job_config import JobConfig, JobConfigError
+
+    # only the options given: `--serve-app` refuses an own-replica flag given even at its default value
+    opts = {k: v for k, v in opts.items() if ctx.get_parameter_source(k) is not ParameterSource.DEFAULT}
+    if opts.get("speculation") is not None:
+        try:
+            opts["speculation"] = json.loads(opts["speculation"])
+        except json.JSONDecodeError as e:
+            raise JobConfigError(f"--speculation: not JSON ({e.msg} at character {e.pos}): {opts['speculation']}") from None
+    return JobConfig.from_options(input=input, format=fmt, stop=list(stop) or None, **opts)
+
+
+def submit_job_refusal(args: list[str]) -> str | None:
+    """None when `eaglectl submit-job ARGS` would start: parsed by this very command (click's types and
+    choices) and its job settings validated as the command validates them, nothing run or submitted;
+    else why not, in the command's words. The KubeRay renderer checks RayJob entrypoints with it
+    (`eaglectl deploy render`)."""
+    from jobs.job_config import JobConfigError
+
+    try:
+        ctx = submit_job.make_context("submit-job", list(args))
+    except click.exceptions.Exit:             # --help: prints and stops, runs nothing
+        return "it would only print its help"
+    except click.ClickException as e:
+        return e.format_message()
+    with ctx:
+        params = dict(ctx.params)
+        input, fmt, stop = params.pop("input"), params.pop("fmt"), params.pop("stop")
+        for key in ("address", "job_id", "wait"):
+            params.pop(key)
+        try:
+            _job_config(ctx, input, fmt, stop, params)
+        except JobConfigError as e:
+            return str(e)
+    return None
 
 
 def _submit_remote(cfg, address: str, job_id: str | None, wait: bool) -> None:

@@ -1,7 +1,7 @@
 """`eaglectl train-head`: train an EAGLE draft head for a target (registered in `eaglectl/main.py`).
 
 Example (the shipped gemma-3-270m head; see eagle_worker/heads/gemma-3-270m/TRAINING.md):
-    eaglectl train-head --target gemma-3-270m --format eagle3 --data data/train/gsm8k/train.jsonl:2000 \\
+    eaglectl train-head --target gemma-3-270m --format eagle3 --data data/train/gsm8k/train_2500.jsonl:2000 \\
         --out heads/g270 --prompt-format 'Question: {prompt}\\nAnswer:' --self-distill 200
 Rerunning the same command resumes (distilled data, feature shards and checkpoints are reused); a
 work folder whose examples came from other data or example settings is refused, not reused.

@@ -108,3 +108,41 @@ def test_an_alias_bomb_is_read_once_per_node(tmp_path):
     text = "a0: &a0 [x]\n" + "".join(f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]\n" for i in range(1, 10))
     doc = read_yaml(_yaml(tmp_path, text))
     assert doc.lines[("a9",)] == 10 and len(doc.lines) <= 10 + 10 * 9   # each key, each node's items once
+
+
+# ---- engine: a module name, imported without a traceback or side effects -------------------------------
+@pytest.mark.parametrize("text, needle", [
+    ('engine: ".x"', r"'\.x' is not a dotted Python module name"),                  # was TypeError
+    ('engine: "a b"', "is not a dotted Python module name"),
+    ('engine: "x..y"', "is not a dotted Python module name"),
+    ("engine: eagle_worker.class", "is not a dotted Python module name"),
+    ("engine: 3", "engine: Input should be a valid string"),
+    ("engine: this", "'this' is a Python standard-library module"),                  # printed the Zen of Python
+    ("engine: os.path", "standard-library module"),
+    ("engine: no_such_engine_module", "cannot import 'no_such_engine_module'"),
+    ("engine: tests.cluster", "lacks choose_draft / resolve_draft"),
+])
+def test_an_engine_that_is_no_engine_module_is_a_config_error(tmp_path, capsys, text, needle):
+    p = _yaml(tmp_path, text)
+    with pytest.raises(ConfigError, match=needle) as e:
+        ServeConfig.from_yaml(p)
+    assert "engine:" in str(e.value) and str(p) in str(e.value)
+    assert capsys.readouterr().out == ""          # nothing imported that prints
+
+
+@pytest.mark.parametrize("body, needle", [
+    ("raise RuntimeError('boom')", "importing 'broken_engine_mod' failed: RuntimeError: boom"),
+    ("import sys\nsys.exit(3)", "importing 'broken_engine_mod' failed: SystemExit: 3"),
+    ("1/0", "ZeroDivisionError"),
+])
+def test_an_engine_whose_import_fails_is_a_config_error(tmp_path, monkeypatch, body, needle):
+    (tmp_path / "broken_engine_mod.py").write_text(body + "\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match=rf"engine: 'broken_engine_mod' is not an engine module .*{needle}"):
+        ServeConfig.from_yaml(_yaml(tmp_path, "engine: broken_engine_mod\n"))
+
+
+def test_valid_engine_modules_still_load():
+    assert ServeConfig.from_dict({"engine": "tests.cluster.fake_engine", "model": "fake", "draft": None}).engine == \
+        "tests.cluster.fake_engine"
+    assert ServeConfig.from_dict({"engine": "eagle_worker"}).engine == "eagle_worker"

@@ -82,3 +82,41 @@ def test_dockerignore_keeps_the_context_small(path):
     assert ignore[ignore.index("**") if "**" in ignore else 0] == "**"
     for src in ("pyproject.toml", "eagle_worker", "cluster", "jobs", "bench"):
         assert f"!{src}" in ignore
+
+
+def _package_data_check(path) -> str:
+    """The build step that fails the image when the wheel lacks its package data (a `python ... -c` command)."""
+    (run,) = [a for i, a in _instructions(path) if i == "RUN" and "has_builtin_head" in a]
+    (check,) = [c.strip() for c in run.split("&&") if "has_builtin_head" in c]
+    return check
+
+
+@pytest.mark.parametrize("path", DOCKERFILES, ids=IDS)
+def test_the_package_data_check_reads_the_installed_wheel(path):
+    """The check ran in WORKDIR, where the source tree is the current folder and shadows the wheel
+    (`python -c` puts '' first on sys.path): it passed whatever the wheel held."""
+    assert re.match(r"python3? -I\b", _package_data_check(path)), _package_data_check(path)   # isolated: no cwd
+
+
+@pytest.mark.parametrize("path", DOCKERFILES, ids=IDS)
+def test_the_package_data_check_fails_without_the_installed_package(path, tmp_path):
+    """Run as the Dockerfile writes it, in a folder holding look-alike sources that pass (the source
+    tree in WORKDIR) and with a Python that has no eagle-serve installed: it must fail."""
+    import sys
+
+    look_alikes = {"eagle_worker/__init__.py": "", "eagle_worker/speculative/__init__.py": "",
+                   "eagle_worker/speculative/config.py": "def has_builtin_head(model):\n    return True\n",
+                   "bench/__init__.py": "", "bench/prompts.py": "from pathlib import Path\nSPEC_BENCH = Path(__file__)\n"}
+    for mod, text in look_alikes.items():
+        (tmp_path / "src" / mod).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "src" / mod).write_text(text)
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "python").symlink_to(getattr(sys, "_base_executable", sys.executable))
+    env = {"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin", "HOME": str(tmp_path)}
+    probe = subprocess.run(["python", "-I", "-c", "import eagle_worker"], cwd=tmp_path, env=env, capture_output=True)
+    if probe.returncode == 0:
+        pytest.skip("the base interpreter has eagle_worker installed: cannot show a missing package")
+    check = _package_data_check(path)
+    r = subprocess.run(["bash", "-c", check], cwd=tmp_path / "src", env=env, capture_output=True, text=True)
+    assert r.returncode != 0, f"{check!r} passed with only the source tree in the working folder"
+    assert "ModuleNotFoundError" in r.stderr, r.stderr

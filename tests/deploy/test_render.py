@@ -319,7 +319,7 @@ VOL = {"claim": "eagle-data", "path": "/data"}
 
 def test_rayjob_runs_submit_job_and_shuts_down():
     cfg = _cfg({**GPU, "tp_size": 2, "placement_strategy": "STRICT_PACK", "draft": "/models/head"},
-               {"workers": {"gpus_per_node": 4}})
+               {"workers": {"gpus_per_node": 4}, "storage": {"models_claim": "eagle-models"}})
     job = RayJobConfig(input="/data/in/", output="/data/out", data_volume=VOL, replicas=3, max_tokens=64)
     m = render(cfg, job)["rayjob.yaml"]
     assert m["spec"]["shutdownAfterJobFinishes"] is True

@@ -51,7 +51,8 @@ def test_another_serve_port_renders(tmp_path):
 @pytest.mark.parametrize("data,fields", [
     ({"kubernetes": {"env": {"HF_HOME": "/x"}}}, "kubernetes.env: .*HF_HOME .*renderer"),
     (_merge(KEYS, {"serve": {"api_keys_env": "HF_HOME"}}), "serve.api_keys_env: .*HF_HOME .*renderer"),
-    (_merge(KEYS, {"kubernetes": {"env": {"EAGLE_API_KEYS": "x"}}}), "kubernetes.env: .*EAGLE_API_KEYS .*serve.api_keys_env"),
+    (_merge(KEYS, {"serve": {"api_keys_env": "EAGLE_KEYS"}, "kubernetes": {"env": {"EAGLE_KEYS": "x"}}}),
+     "kubernetes.env: .*EAGLE_KEYS .*serve.api_keys_env"),
     ({"kubernetes": {"env": {"HF_TOKEN": "x"}, "storage": {"hf_token_secret": {"name": "hf", "key": "t"}}}},
      "kubernetes.env: .*HF_TOKEN .*kubernetes.storage.hf_token_secret"),
     ({"kubernetes": {"job_data": {"object_store": {"env": {"HF_HOME": "/x"}}}}},
@@ -132,7 +133,7 @@ def test_kubernetes_quantities_are_read(q, value):
     assert quantity_value(q) == pytest.approx(value)
 
 
-@pytest.mark.parametrize("memory", ["1k", "2e3", "1.5Gi", "2E3", "100M"])
+@pytest.mark.parametrize("memory", ["1000000k", "2e9", "1.5Gi", "2E9", "600M", "512Mi"])
 def test_valid_memory_quantities_render(tmp_path, memory):
     _crd_valid(render(_load(tmp_path, {"kubernetes": {"head": {"resources": {"cpu": "1", "memory": memory}}}})))
 

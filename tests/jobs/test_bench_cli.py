@@ -413,3 +413,98 @@ def test_job_commands_on_a_plain_file_say_it_is_no_output_folder(tmp_path, monke
         res = CliRunner().invoke(job, [command, str(f)])
         assert res.exit_code == 2, res.output
         assert "is a file, not a job's output folder" in res.output, res.output
+
+
+# ---- options a run would ignore are refused, not dropped -------------------------------------------------
+@pytest.mark.parametrize("args,named", [
+    (["--num-draft-tokens", "8"], "--num-draft-tokens"), (["--depth", "3"], "--depth"), (["--top-k", "4"], "--top-k"),
+    (["--warmup", "0"], "--warmup"), (["--warmup", "4"], "--warmup"),          # given, even at its default
+    (["--depth", "3", "--top-k", "4"], "--depth, --top-k"),
+])
+def test_bench_spec_batch_sizes_refuses_the_batch_1_options(monkeypatch, args, named):
+    """bench/spec_batch.py runs each method's fixed tree and warms up on its own batch: the tree
+    options and --warmup were silently ignored with --batch-sizes."""
+    _no_benchmark(monkeypatch)
+    res = CliRunner().invoke(bench_spec, ["--batch-sizes", "1,8", *args])
+    assert res.exit_code == 2 and isinstance(res.exception, SystemExit), res.output
+    assert named in res.output and "--batch-sizes" in res.output and "sweep" in res.output, res.output
+
+
+def test_bench_spec_batch_sizes_without_them_reaches_the_sweep(monkeypatch):
+    from bench import spec_batch
+
+    calls = []
+    monkeypatch.setattr(spec_batch, "run", lambda **k: calls.append(k))
+    res = CliRunner().invoke(bench_spec, ["--batch-sizes", "1,8", "--rounds", "2"])
+    assert res.exit_code == 0, res.output
+    assert calls and calls[0]["batch_sizes"] == (1, 8)
+
+
+@pytest.mark.parametrize("args,named", [
+    (["--direct-ingress"], "--direct-ingress"), (["--stream-interval", "4"], "--stream-interval"),
+    (["--separate-ingress"], "--separate-ingress"), (["--draft", "none"], "--draft"), (["--threads", "2"], "--threads"),
+    (["--no-engine"], "--engine/--no-engine"), (["--engine"], "--engine/--no-engine"), (["--rounds", "3"], "--rounds"),
+    (["--model", "other"], "--model"), (["--threads", "2", "--draft", "none"], "--draft, --threads"),
+])
+def test_bench_serve_url_refuses_the_options_of_the_app_it_does_not_start(monkeypatch, args, named):
+    """With --url the endpoint is measured as it runs: no app is started here and no engine run compared."""
+    from eaglectl.bench import bench_serve
+
+    _no_benchmark(monkeypatch)
+    res = CliRunner().invoke(bench_serve, ["--url", "http://127.0.0.1:9", *args])
+    assert res.exit_code == 2 and isinstance(res.exception, SystemExit), res.output
+    assert named in res.output and "--url" in res.output, res.output
+
+
+def test_bench_serve_url_with_its_own_options_reaches_the_benchmark(monkeypatch, tmp_path):
+    import bench.serve
+    from eaglectl.bench import bench_serve
+
+    calls = []
+    monkeypatch.setattr(bench.serve, "run", lambda **k: calls.append(k))
+    res = CliRunner().invoke(bench_serve, ["--url", "http://127.0.0.1:9", "--concurrencies", "2", "--num-prompts", "4",
+                                           "--max-tokens", "8", "--json", str(tmp_path / "s.json")])
+    assert res.exit_code == 0, res.output
+    assert calls[0]["url"] == "http://127.0.0.1:9" and calls[0]["concurrencies"] == (2,)
+
+
+# ---- `eaglectl --help` loads none of the heavy libraries -------------------------------------------------
+HEAVY = ("torch", "ray", "pydantic", "pyarrow", "numpy", "transformers")
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["bench", "--help"], ["bench", "prefix", "--help"],
+                                  ["deploy", "render", "--help"], ["submit-job", "--help"]])
+def test_help_imports_no_heavy_library(argv):
+    """eaglectl/README: `eaglectl --help` imports none of torch, Ray, pydantic or pyarrow (`bench prefix`'s
+    scenarios pulled in bench.prefix, and with it pyarrow and numpy)."""
+    import json
+    import subprocess
+    import sys
+
+    code = ("import json, sys\nfrom eaglectl.main import main\ntry:\n    main(%r)\nexcept SystemExit:\n    pass\n"
+            "print(json.dumps([m for m in %r if m in sys.modules]))" % (argv, HEAVY))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == [], r.stdout[-500:]
+
+
+def test_prefix_scenarios_are_the_benchmarks():
+    from bench import prefix
+    from bench.methods import PREFIX_SCENARIOS
+
+    assert prefix.SCENARIOS == PREFIX_SCENARIOS == ("a", "b", "c")
+
+
+# ---- the CLI's documented examples name files that exist -----------------------------------------------
+def test_train_head_example_names_a_shipped_data_file():
+    import re
+    from pathlib import Path
+
+    import eaglectl.train
+
+    root = Path(__file__).resolve().parents[2]
+    specs = re.findall(r"--data (\S+)", eaglectl.train.__doc__)
+    assert specs
+    for spec in specs:
+        path = spec.rsplit(":", 1)[0] if re.search(r":\d+$", spec) else spec
+        assert (root / path).exists(), f"eaglectl/train.py's example: {path} does not exist"
