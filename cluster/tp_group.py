@@ -102,30 +102,6 @@ class TPRankWorker:
     def ping(self) -> int:
         return self.rank
 
-    def node_loss(self, wait_s: float = NODE_LOSS_WAIT_S) -> str | None:
-        """`preempted` / `node_lost` when a rank went with a node the cluster took away
-        (cluster/death_cause.py), else None; asked when rank 0's step failed or a rank's loop ended.
-        A collective can fail before the GCS knows the rank's node is gone (meanwhile the rank is
-        `ActorUnavailableError`), so such a rank is asked again for up to `wait_s`; a rank that
-        answers is alive, and a crash with every rank alive costs one ping."""
-        deadline = time.monotonic() + wait_s
-        for w in self.workers:
-            while True:
-                try:
-                    ray.get(w.ping.remote(), timeout=max(0.1, deadline - time.monotonic()))
-                    break
-                except ActorUnavailableError:
-                    if time.monotonic() >= deadline:
-                        break
-                    time.sleep(0.5)
-                except RayActorError as e:
-                    if lost_with_node(e):
-                        return loss_reason(e)
-                    break
-                except GetTimeoutError:
-                    break
-        return None
-
     def shutdown(self) -> None:
         import torch.distributed as dist
 

@@ -140,6 +140,22 @@ def test_engine_crash_fails_requests_and_health(replica, tmp_path):
     assert replica.record_routing_stats()["engine_alive"] is False
 
 
+def _in_a_step(replica, *request) -> tuple[threading.Thread, list[EngineDiedError]]:
+    """A request streaming on a thread, returned once a step runs; the list gets its EngineDiedError."""
+    failed = []
+
+    def run():
+        try:
+            _collect(replica, *request)
+        except EngineDiedError as e:
+            failed.append(e)
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    while replica._step_started is None:
+        threading.Event().wait(0.01)
+    return t, failed
+
+
 class _RankGone:
     """A TP group (cluster/tp_group.py) whose rank 1 went with its node: `node_loss` is Ray's verdict."""
 
@@ -178,17 +194,7 @@ def test_a_rank_the_health_check_finds_gone_fails_the_replica_and_its_requests(r
     """A rank's loop ended (its actor is gone, rank 0 may still wait in a collective): the health check
     gives the replica up with the rank's verdict, so the requests stuck in the step are retried
     elsewhere at once, as no death when the rank's node was taken away."""
-    failed = []
-
-    def stuck():
-        try:
-            _collect(replica, "stuck", "[slow:0.2] hi", {"max_tokens": 50})
-        except EngineDiedError as e:
-            failed.append(e)
-    t = threading.Thread(target=stuck, daemon=True)
-    t.start()
-    while replica._step_started is None:
-        threading.Event().wait(0.01)
+    t, failed = _in_a_step(replica, "stuck", "[slow:0.2] hi", {"max_tokens": 50})
     replica.tp = tp = _RankGone("preempted", loop_ended=True)
     with pytest.raises(RuntimeError, match="worker loop exited"):
         replica.check_health()
@@ -208,17 +214,7 @@ def test_a_step_running_past_step_timeout_fails_the_health_check(tmp_path):
     try:
         _collect(r, "fast", "hi", {"max_tokens": 4})
         r.check_health()                                  # steps that return: healthy
-        failed = []
-
-        def slow():
-            try:
-                _collect(r, "slow", "[slow:1.5] hi", {"max_tokens": 3})
-            except EngineDiedError as e:
-                failed.append(e)
-        t = threading.Thread(target=slow, daemon=True)
-        t.start()
-        while r._step_started is None:
-            threading.Event().wait(0.01)
+        t, failed = _in_a_step(r, "slow", "[slow:1.5] hi", {"max_tokens": 3})
         r.check_health()                                  # within the limit: healthy
         threading.Event().wait(0.7)
         with pytest.raises(EngineDiedError, match=r"limits.step_timeout_s \(0.5 s\): the engine is hung"):
