@@ -80,6 +80,11 @@ def parse_record(rec, source: str) -> list[Sample]:
     return [Sample(prompt, response, source)]
 
 
+def prompt_key(prompt: str) -> str:
+    """A prompt as the held-out split compares it: case and spacing do not make another question."""
+    return " ".join(prompt.split()).casefold()
+
+
 def read_records(path: str | Path) -> list:
     """Records of one file; a file that does not parse is named, with the line for .jsonl."""
     path = Path(path)

@@ -13,6 +13,29 @@ from pathlib import Path
 from eagle_worker.training.render import Example
 
 
+def _read_partial(path: Path) -> list[dict]:
+    """The finished prompts' records. A last line without its newline was cut by a kill during the
+    append: it is dropped, from the file too, so the next append starts a line of its own."""
+    data = path.read_bytes()
+    whole = data[:data.rfind(b"\n") + 1]
+    if len(whole) < len(data):
+        with open(path, "r+b") as f:
+            f.truncate(len(whole))
+    out = []
+    for n, line in enumerate(whole.decode("utf-8", errors="replace").split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            if not isinstance(rec, dict) or "example" not in rec:
+                raise ValueError("no 'example'")
+        except ValueError as e:
+            raise ValueError(f"{path}: line {n}: not a self-distillation record ({e}); delete the file to "
+                             "distil its prompts again") from None
+        out.append(rec)
+    return out
+
+
 def self_distill(llm, prompts: list[list[int]], sources: list[str], max_new_tokens: int,
                  batch: int = 64, progress: bool = True, partial: str | Path | None = None,
                  seconds: float | None = None) -> list[Example]:
@@ -23,9 +46,7 @@ def self_distill(llm, prompts: list[list[int]], sources: list[str], max_new_toke
     from eagle_worker.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0)
-    done: list[dict] = []
-    if partial and Path(partial).exists():
-        done = [json.loads(x) for x in Path(partial).read_text().split("\n") if x.strip()]
+    done = _read_partial(Path(partial)) if partial and Path(partial).exists() else []
     out = [Example(**d["example"]) for d in done if d["example"]]
     start, t0 = len(done), time.monotonic()
     for i in range(start, len(prompts), batch):

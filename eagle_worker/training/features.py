@@ -204,6 +204,7 @@ class FeatureStore:
 
     def __init__(self, folder: str | Path, require_complete: bool = True):
         self.folder = Path(folder)
+        self._lengths: dict[Path, list[int]] = {}
         self.refresh()
         if require_complete and not self.complete:
             raise ValueError(f"{self.folder}: feature extraction did not finish; rerun to resume it")
@@ -224,6 +225,17 @@ class FeatureStore:
         """Planned tokens (all examples), extracted or not."""
         return int(self.manifest["num_tokens"])
 
+    def lengths(self, i: int) -> list[int]:
+        """Example lengths of shard `i`, from its offsets alone (no features read)."""
+        from safetensors import safe_open
+
+        p = self.shards[i]
+        if p not in self._lengths:
+            with safe_open(str(p), "pt") as f:
+                off = f.get_tensor("offsets").tolist()
+            self._lengths[p] = [b - a for a, b in zip(off[:-1], off[1:])]
+        return self._lengths[p]
+
     def token_counts(self, vocab_size: int) -> torch.Tensor:
         """How often the target predicts each token on trained positions (draft vocabulary input)."""
         counts = torch.zeros(vocab_size, dtype=torch.long)
@@ -236,7 +248,8 @@ class FeatureStore:
 class OnlineFeatures:
     """Features computed when training needs them and never stored: for targets whose features
     would not fit on disk (4 KB per token here, ~100 KB for an 8B target). Every epoch pays the
-    target forward again; chunks of ~`chunk_tokens` are computed and packed one at a time."""
+    target forward again; chunks of ~`chunk_tokens` are computed one at a time (the trainer packs
+    their rows across chunks)."""
 
     complete = True
 

@@ -8,8 +8,11 @@ says "complete": false on the heads exported at checkpoints, true once training 
 """
 from __future__ import annotations
 
+import gc
 import json
+import os
 import random
+import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -18,7 +21,7 @@ from pathlib import Path
 import torch
 
 from eagle_worker.config import EngineConfig
-from eagle_worker.training.data import Sample, load_data
+from eagle_worker.training.data import Sample, load_data, prompt_key
 from eagle_worker.training.distill import self_distill
 from eagle_worker.training.features import Extractor, FeatureSpec, FeatureStore, OnlineFeatures, extract
 from eagle_worker.training.preflight import check_folder, check_init_head, check_max_tokens, local_context, native_context
@@ -136,18 +139,24 @@ def chat_template(cfg: PipelineConfig, llm) -> str | None:
 
 
 def split_samples(cfg: PipelineConfig, samples: list[Sample]) -> tuple[list[Sample], list[Sample]]:
-    """(held-out, train), seeded; at most a tenth is held out. Refused when nothing is left to train on."""
-    samples = list(samples)
-    random.Random(cfg.seed).shuffle(samples)
-    n_held = min(cfg.heldout, max(1, len(samples) // 10))
-    if n_held == len(samples):
+    """(held-out, train), seeded, by prompt (`prompt_key`): one sample of each of `--heldout`
+    prompts (at most a tenth of them) is held out, and no sample of a held-out prompt is trained
+    on -- a question asked twice (OpenAssistant's several replies, ShareGPT repeats) would
+    otherwise be measured on what was trained. Refused when nothing is left to train on."""
+    groups: dict[str, list[Sample]] = {}
+    for s in samples:
+        groups.setdefault(prompt_key(s.prompt), []).append(s)
+    order = list(groups.values())
+    random.Random(cfg.seed).shuffle(order)
+    n_held = min(cfg.heldout, max(1, len(order) // 10))
+    if n_held == len(order):
         raise ValueError(f"no training examples: the {len(samples)} sample(s) in {', '.join(cfg.data)} "
-                         "are all held out (--heldout)")
-    return samples[:n_held], samples[n_held:]
+                         f"have {len(order)} distinct prompt(s), all held out (--heldout)")
+    return [g[0] for g in order[:n_held]], [s for g in order[n_held:] for s in g]
 
 
-def build_examples(cfg: PipelineConfig, llm, work: Path, held_s: list[Sample], train_s: list[Sample], seal=None
-                   ) -> tuple[list[Example], list[Example], list[list[int]]]:
+def build_examples(cfg: PipelineConfig, llm, work: Path, held_s: list[Sample], train_s: list[Sample], seal=None,
+                   progress: bool = True) -> tuple[list[Example], list[Example], list[list[int]]]:
     """(train, held-out, held-out prompt ids); cached in the work folder. `seal()` is called before
     the first file made from them is written (the work folder's record of what built them)."""
     tok = llm.tokenizer
@@ -163,7 +172,7 @@ def build_examples(cfg: PipelineConfig, llm, work: Path, held_s: list[Sample], t
         if seal:
             seal()
         return self_distill(llm, [k[0] for k in keep], [k[1] for k in keep], cfg.distill_tokens,
-                            batch=cfg.distill_batch, partial=work / f"distill_{tag}.partial.jsonl",
+                            batch=cfg.distill_batch, progress=progress, partial=work / f"distill_{tag}.partial.jsonl",
                             seconds=seconds)
 
     def fixed(ss):
@@ -182,20 +191,34 @@ def build_examples(cfg: PipelineConfig, llm, work: Path, held_s: list[Sample], t
 
     train = _examples_file(work / "train_examples.jsonl", train_make, seal)
     held = _examples_file(work / "heldout_examples.jsonl", held_make, seal)
-    held_prompts = [e.ids[:e.loss_start] for e in held]
+    # what the engine is given: the prompt; all of a prompt-only example (trained from its first token: render)
+    held_prompts = [e.ids if e.loss_start <= 1 else e.ids[:e.loss_start] for e in held]
     return train, held, held_prompts
 
 
-def _export(head, cfg: PipelineConfig, llm, vocab_ids, out: Path, record: dict) -> None:
-    """Published format in the target's serving dtype (bf16 halves the file), plus the record."""
-    from eagle_worker.speculative.head_init import new_head
+def _write_record(path: Path, record: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(record, indent=1, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def _export(head, out: Path, record: dict) -> None:
+    """The head as trained, with its own config (an --init-head's aux layers, rope, sizes), in bf16
+    (halves the file), plus the record. Each file is written whole in a staging folder and renamed
+    into --out, config.json last: a kill never leaves a half-written file there. (Not the folder
+    at once: --out holds the work folder by default.)"""
+    from eagle_worker.speculative.head_loader import build_head_like_target
     from eagle_worker.speculative.head_saver import save_draft_head
 
-    runner = llm.engine.runner
-    pub = new_head(cfg.kind, runner.model, runner.hf_config, vocab_ids if cfg.kind == "eagle3" else None)
+    pub = build_head_like_target(head.config, head.target, head.vocab, dtype=torch.bfloat16)
     pub.load_state_dict(head.state_dict())
-    save_draft_head(pub.to(torch.bfloat16), out)
-    (out / "training_record.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
+    stage = out / ".export.tmp"
+    shutil.rmtree(stage, ignore_errors=True)
+    save_draft_head(pub, stage)
+    _write_record(stage / "training_record.json", record)
+    for name in ("model.safetensors", "training_record.json", "config.json"):
+        os.replace(stage / name, out / name)
+    shutil.rmtree(stage)
 
 
 def engine_tau(target: str, dtype: str, head_dir: str | Path, prompts: list[list[int]], new_tokens: int,
@@ -224,9 +247,6 @@ def _distill_engine_args(cfg: PipelineConfig) -> dict:
 
 
 def run(cfg: PipelineConfig, progress: bool = True) -> dict:
-    from eagle_worker.llm import LLM
-    from eagle_worker.speculative.head_init import new_head
-
     cfg.check()
     held_s, train_s = split_samples(cfg, load_data(cfg.data, drop_responses=cfg.drop_responses))
     if cfg.train.threads:
@@ -236,6 +256,28 @@ def run(cfg: PipelineConfig, progress: bool = True) -> dict:
     stamp = examples_stamp(cfg, held_s, train_s)
     check_stamp(work, stamp, "--work-dir" if cfg.work_dir else "work folder")
     t_start = time.time()
+    record, held_prompts = _train(cfg, out, work, held_s, train_s, stamp, progress)
+    # the training state (target, engine, head, optimizer, stores) is gone with _train's frame, but
+    # the trainer and its checkpoint hook hold each other: collect them before a second target loads
+    gc.collect()
+    if torch.cuda.is_available() and str(cfg.device).startswith("cuda"):
+        torch.cuda.empty_cache()
+    prompts = held_prompts[:cfg.eval_prompts]
+    if prompts:      # none with --heldout 0
+        record["engine"] = engine_tau(cfg.target, cfg.dtype, out, prompts, cfg.eval_new_tokens,
+                                      depth=max(2, cfg.train.ttt_steps + 1), device=cfg.device)
+        _log(f"engine tau on {len(prompts)} held-out prompts: {record['engine']['engine_tau']:.3f}")
+    record["wall_s"] = time.time() - t_start
+    _write_record(out / "training_record.json", record)
+    return record
+
+
+def _train(cfg: PipelineConfig, out: Path, work: Path, held_s: list[Sample], train_s: list[Sample], stamp: dict,
+           progress: bool) -> tuple[dict, list[list[int]]]:
+    """Examples, vocabulary, features, training and the finished head's export: (record, held-out prompts)."""
+    from eagle_worker.llm import LLM
+    from eagle_worker.speculative.head_init import new_head
+
     llm = LLM(model=cfg.target, dtype=cfg.dtype, device=cfg.device, **_distill_engine_args(cfg))
     runner = llm.engine.runner
     model, hf_config = runner.model, runner.hf_config
@@ -243,7 +285,8 @@ def run(cfg: PipelineConfig, progress: bool = True) -> dict:
     context = native_context(hf_config)     # rotary rows for the feature forward; the engine's limit when it distils
     check_max_tokens(cfg.max_tokens, min(context, llm.engine.max_model_len) if cfg.self_distill else context, cfg.target)
     work.mkdir(parents=True, exist_ok=True)
-    train_ex, held_ex, held_prompts = build_examples(cfg, llm, work, held_s, train_s, lambda: write_stamp(work, stamp))
+    train_ex, held_ex, held_prompts = build_examples(cfg, llm, work, held_s, train_s, lambda: write_stamp(work, stamp),
+                                                     progress=progress)
     n_train = sum(len(e.ids) for e in train_ex)
     _log(f"{len(train_ex)} train examples, {n_train} tokens; {len(held_ex)} held-out")
 
@@ -288,28 +331,25 @@ def run(cfg: PipelineConfig, progress: bool = True) -> dict:
               "complete": False}    # checkpoints exported mid-training say so; true once training finished
 
     def on_checkpoint(step, metrics):
-        record.update({"steps": step, "epochs_seen": step / trainer.spe, "metrics": metrics})
-        _export(head, cfg, llm, vocab_ids, out, record)
+        record.update({"steps": step, "epochs_seen": trainer.epochs_seen, "metrics": metrics})
+        _export(head, out, record)
 
-    trainer = Trainer(head, train_store, held_store, cfg.train, work, t2d_index, on_checkpoint, produce)
+    trainer = Trainer(head, train_store, held_store, cfg.train, work, t2d_index, on_checkpoint, produce, log=_log)
     if trainer.resume():
         _log(f"resumed at step {trainer.step} (epoch {trainer.epoch})")
     # only now: a run refused for a mismatch above leaves the folder's record of the run it holds
     (work / "pipeline_config.json").write_text(json.dumps(asdict(cfg), indent=1) + "\n")
-    _log(f"training {trainer.total} steps (~{trainer.spe}/epoch), bf16 autocast: {trainer.autocast}")
     t0 = time.time()
-    if trainer.step < trainer.total:
-        metrics = trainer.fit(progress=progress)
-    else:
+    if trainer.done():
+        why = (f"its {cfg.train.seconds:g} s budget (--train-seconds) is spent" if trainer.step < trainer.total
+               else f"{trainer.total} steps were planned")
+        _log(f"training finished at step {trainer.step}: {why}; nothing left to train")
         metrics = trainer.evaluate()
-    record.update({"steps": trainer.step, "metrics": metrics, "train_s": time.time() - t0, "complete": True})
-    _export(head, cfg, llm, vocab_ids, out, record)
-    llm = None  # free the engine before the evaluation builds its own
-    prompts = held_prompts[:cfg.eval_prompts]
-    if prompts:      # none with --heldout 0
-        record["engine"] = engine_tau(cfg.target, cfg.dtype, out, prompts, cfg.eval_new_tokens,
-                                      depth=max(2, cfg.train.ttt_steps + 1), device=cfg.device)
-        _log(f"engine tau on {len(prompts)} held-out prompts: {record['engine']['engine_tau']:.3f}")
-    record["wall_s"] = time.time() - t_start
-    (out / "training_record.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
-    return record
+    else:
+        budget = f" at most, in what is left of {cfg.train.seconds:g} s" if cfg.train.seconds else ""
+        _log(f"training {trainer.total} steps{budget} (~{trainer.spe}/epoch), bf16 autocast: {trainer.autocast}")
+        metrics = trainer.fit(progress=progress)
+    record.update({"steps": trainer.step, "epochs_seen": trainer.epochs_seen, "metrics": metrics,
+                   "train_s": time.time() - t0, "complete": True})
+    _export(head, out, record)
+    return record, held_prompts

@@ -1,15 +1,22 @@
 """The training loop: packed rows from feature shards, AdamW with warm-up + cosine decay,
 gradient clipping, bf16 autocast where the CPU/GPU has it, checkpoints every N steps, resume.
 
-Why a checkpoint holds the data position (epoch, batch): epochs are shuffled from a seeded
-generator, so resuming replays the same order and skips what was done -- the same command
-continues a killed run exactly.
+Why a checkpoint holds the data position (epoch, batch) and the settings that decide it: epochs
+are shuffled from a seeded generator and packed from the sequence lengths alone, so resuming
+replays the same order and skips what was done -- the same command continues a killed run
+exactly; a rerun with settings that pack other batches (or build another head) is refused.
+Why the time budget is counted across invocations and schedules the cosine: a killed run resumes
+with what is left of it, a finished one is not trained again, and a run the budget cuts ends at
+its low rate however its pace changed.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
-import random
+import os
+import pickle
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -18,15 +25,18 @@ import torch
 
 from eagle_worker.layers.argmax_screen import fast_bf16
 from eagle_worker.speculative.heads import DraftHead
-from eagle_worker.training.features import FeatureStore, OnlineFeatures, Seq, load_shard
+from eagle_worker.training.batches import count_batches, epoch_batches, estimate_steps_per_epoch, pack_rows, rows_per_batch
+from eagle_worker.training.features import FeatureStore, OnlineFeatures, load_shard
 from eagle_worker.training.ttt import Rows, chain_accepted, unrolled_forward
+
+PACKING = 2      # how batches are packed from the lengths; a checkpoint of another packing is refused
 
 
 @dataclass
 class TrainConfig:
     steps: int | None = None          # optimizer steps; None: `epochs` over the data
     epochs: float = 1.0
-    seconds: float | None = None      # time budget: the plan is cut to the steps that fit (cosine included)
+    seconds: float | None = None      # time budget, over every invocation: the cosine runs over it too
     lr: float = 3e-4
     min_lr_ratio: float = 0.1
     warmup_steps: int = 50
@@ -47,131 +57,22 @@ class TrainConfig:
     threads: int | None = None
 
 
-def plan_rows(lengths: list[int], row_len: int) -> list[list[int]]:
-    """Indices of the sequences in each row: laid back to back, first fit among the last few rows.
-    Depends on lengths only, so a resumed run can count batches without computing features."""
-    rows: list[list[int]] = []
-    fill: list[int] = []
-    for k, n in enumerate(lengths):
-        n = min(n, row_len)
-        for i in range(max(0, len(rows) - 8), len(rows)):
-            if fill[i] + n <= row_len:
-                rows[i].append(k)
-                fill[i] += n
-                break
-        else:
-            rows.append([k])
-            fill.append(n)
-    return rows
+def lr_at(step: int, total: int, cfg: TrainConfig, spent: float = 0.0) -> float:
+    """Warm-up, then cosine to `min_lr_ratio` over whichever runs out first: the planned steps or
+    the time budget (`spent`: its used fraction), so a run the budget stops ends at its low rate
+    whatever its pace was. A budget spent during warm-up caps the warm-up too."""
+    warm = (step + 1) / cfg.warmup_steps if step < cfg.warmup_steps else 1.0
+    frac = min(1.0, max(0.0, spent, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)))
+    return cfg.lr * min(warm, cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
-def _truncate(s: Seq, n: int) -> Seq:
-    return s if len(s) <= n else Seq(*(getattr(s, f)[:n] for f in ("features", "tokens", "topk_ids", "topk_logp", "label_mask")))
-
-
-def pack_rows(seqs: list[Seq], row_len: int, rows_per_batch: int):
-    """Yield `Rows` batches of `rows_per_batch` packed rows of `row_len`."""
-    rows = plan_rows([len(s) for s in seqs], row_len)
-    for b in range(0, len(rows), rows_per_batch):
-        yield _to_rows([[_truncate(seqs[k], row_len) for k in r] for r in rows[b:b + rows_per_batch]], row_len)
-
-
-def _to_rows(groups: list[list[Seq]], L: int) -> Rows:
-    B = len(groups)
-    s0 = groups[0][0]
-    F, K = s0.features.shape[1], s0.topk_ids.shape[1]
-    feats = torch.zeros(B, L, F, dtype=s0.features.dtype)
-    tokens = torch.zeros(B, L, dtype=torch.long)
-    seq_id = torch.full((B, L), -1, dtype=torch.long)
-    pos = torch.zeros(B, L, dtype=torch.long)
-    tids = torch.zeros(B, L, K, dtype=torch.long)
-    tlp = torch.full((B, L, K), float("-inf"))
-    lm = torch.zeros(B, L, dtype=torch.bool)
-    for b, g in enumerate(groups):
-        o = 0
-        for j, s in enumerate(g):
-            n = len(s)
-            feats[b, o:o + n] = s.features
-            tokens[b, o:o + n] = s.tokens.long()
-            seq_id[b, o:o + n] = j
-            pos[b, o:o + n] = torch.arange(n)
-            tids[b, o:o + n] = s.topk_ids.long()
-            tlp[b, o:o + n] = s.topk_logp.float()
-            lm[b, o:o + n] = s.label_mask
-            o += n
-    return Rows(feats, tokens, seq_id, pos, tids, tlp, lm)
-
-
-def epoch_batches(store, cfg: TrainConfig, epoch: int, produce=None, skip: int = 0):
-    """(index, Rows) of one epoch, deterministic in `epoch`, from index `skip` on.
-
-    Disk store: epoch 0 streams the shards in extraction order (shuffled within each), calling
-    `produce()` for the next one while the store is still growing, so training starts with the
-    first shard; later epochs shuffle across shards. Online store: chunks in order (epoch 0) or
-    shuffled, features computed per chunk; chunks before `skip` are counted, not computed."""
-    rng = random.Random(cfg.seed * 1000003 + epoch)
-    per = max(1, cfg.batch_tokens // cfg.row_len)
-    b = 0
-
-    def emit(seqs):
-        nonlocal b
-        rng.shuffle(seqs)
-        for rows in pack_rows(seqs, cfg.row_len, per):
-            if b >= skip:
-                yield b, rows
-            b += 1
-
-    if isinstance(store, OnlineFeatures):
-        order = list(range(len(store.chunks)))
-        if epoch:
-            rng.shuffle(order)
-        for c in order:
-            lengths = store.lengths(c)
-            idx = list(range(len(lengths)))
-            r = random.Random(rng.random())
-            r.shuffle(idx)
-            n = -(-len(plan_rows([lengths[i] for i in idx], cfg.row_len)) // per)
-            if b + n <= skip:
-                b += n
-                continue
-            seqs = store.seqs(c)
-            seqs = [seqs[i] for i in idx]
-            for rows in pack_rows(seqs, cfg.row_len, per):
-                if b >= skip:
-                    yield b, rows
-                b += 1
-        return
-    if epoch == 0:
-        i = 0
-        while True:
-            store.refresh()
-            if i < len(store.shards):
-                yield from emit(load_shard(store.shards[i]))
-                i += 1
-            elif store.complete:
-                return
-            elif produce is None or not produce():
-                raise RuntimeError(f"{store.folder}: features incomplete and nothing extracts them")
-    shards = list(store.shards)
-    rng.shuffle(shards)
-    for i in range(0, len(shards), cfg.shards_in_memory):
-        yield from emit([s for p in shards[i:i + cfg.shards_in_memory] for s in load_shard(p)])
-
-
-def estimate_steps_per_epoch(store: FeatureStore, cfg: TrainConfig) -> int:
-    return max(1, math.ceil(store.num_tokens / (cfg.batch_tokens * 0.92)))
-
-
-def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    frac = min(1.0, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
 
 
 class Trainer:
     def __init__(self, head: DraftHead, train: FeatureStore, heldout: FeatureStore | None, cfg: TrainConfig,
-                 out_dir: str | Path, target_to_draft: torch.Tensor, on_checkpoint=None, produce=None):
+                 out_dir: str | Path, target_to_draft: torch.Tensor, on_checkpoint=None, produce=None, log=_stderr):
         self.head, self.train_store, self.heldout, self.cfg = head, train, heldout, cfg
         self.out = Path(out_dir)
         self.ckpt_dir = self.out / "checkpoints"
@@ -179,6 +80,7 @@ class Trainer:
         self.t2d_index = target_to_draft.to(self.device)
         self.on_checkpoint = on_checkpoint       # called with (step, metrics) after each checkpoint
         self.produce = produce                   # extracts the next feature shard (streaming epoch 0)
+        self.log = log
         self.params = [p for p in head.parameters()]
         for p in self.params:
             p.requires_grad_(True)
@@ -186,11 +88,53 @@ class Trainer:
         no_decay = [p for p in self.params if p.dim() < 2]
         self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                                       {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
-        self.spe = estimate_steps_per_epoch(train, cfg)
-        self.total = cfg.steps or max(1, int(self.spe * cfg.epochs))
+        vocab = (target_to_draft >= 0).nonzero().flatten().cpu().numpy().astype("int64").tobytes()
+        self.settings = {"packing": PACKING, "batch_tokens": cfg.batch_tokens, "row_len": cfg.row_len,
+                         "online": isinstance(train, OnlineFeatures),
+                         "draft_vocab": hashlib.sha256(vocab).hexdigest()[:16]}
+        self._batches: dict[int, int] = {}
+        self.spe = self.steps_in_epoch(0)
+        self.total = self.planned_steps()
         self.step, self.epoch, self.batch_in_epoch = 0, 0, 0
+        self.budget_used = 0.0                   # seconds of the time budget spent up to the last checkpoint
+        self._t0: float | None = None            # when this invocation's fit() started
+        self.finished = False
         self.history: list[dict] = []
         self.autocast = cfg.bf16 == "on" or (cfg.bf16 == "auto" and self.device.type == "cuda" and fast_bf16(self.device))
+
+    # ------------------------------------------------------------------ plan and budget
+    def steps_in_epoch(self, epoch: int) -> int:
+        """Exact once every length is known (online; a complete store); estimated while extracting."""
+        if not self.train_store.complete:
+            return estimate_steps_per_epoch(self.train_store, self.cfg)
+        if epoch not in self._batches:
+            self._batches[epoch] = max(1, count_batches(self.train_store, self.cfg, epoch))
+        return self._batches[epoch]
+
+    def planned_steps(self) -> int:
+        if self.cfg.steps:
+            return self.cfg.steps
+        whole = int(self.cfg.epochs)
+        n = sum(self.steps_in_epoch(e) for e in range(whole))
+        return max(1, n + int((self.cfg.epochs - whole) * self.steps_in_epoch(whole)))
+
+    @property
+    def epochs_seen(self) -> float:
+        return self.epoch + self.batch_in_epoch / self.steps_in_epoch(self.epoch)
+
+    def _plan(self) -> dict:
+        return {"steps": self.cfg.steps, "epochs": self.cfg.epochs, "seconds": self.cfg.seconds}
+
+    def seconds_used(self) -> float:
+        return self.budget_used + (time.monotonic() - self._t0 if self._t0 is not None else 0.0)
+
+    def spent(self) -> float:
+        """Used fraction of the time budget (0 without one); the last 10% is kept for the evaluations
+        and checkpoints around the last step."""
+        return 0.0 if self.cfg.seconds is None else self.seconds_used() / (0.9 * self.cfg.seconds)
+
+    def done(self) -> bool:
+        return self.step >= self.total or self.spent() >= 1.0
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:
@@ -198,29 +142,77 @@ class Trainer:
         path = self.ckpt_dir / f"step-{self.step:07d}.pt"
         state = {"head": self.head.state_dict(), "opt": self.opt.state_dict(), "step": self.step,
                  "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "history": self.history,
-                 "config": asdict(self.cfg), "torch_rng": torch.get_rng_state()}
+                 "config": asdict(self.cfg), "torch_rng": torch.get_rng_state(), "settings": self.settings,
+                 "plan": self._plan(), "total": self.total, "budget_used": self.seconds_used(),
+                 "finished": self.finished}
         torch.save(state, str(path) + ".tmp")
         Path(str(path) + ".tmp").replace(path)
-        (self.ckpt_dir / "latest").write_text(path.name + "\n")
-        for old in sorted(self.ckpt_dir.glob("step-*.pt"))[:-self.cfg.keep_checkpoints]:
-            old.unlink()
+        pointer = self.ckpt_dir / "latest.tmp"
+        pointer.write_text(path.name + "\n")
+        os.replace(pointer, self.ckpt_dir / "latest")
+        # keep this one and the newest before it; later steps are of a run this one replaced
+        found = sorted(self.ckpt_dir.glob("step-*.pt"))
+        keep = [p for p in found if p.name <= path.name][-self.cfg.keep_checkpoints:]
+        for old in found:
+            if old not in keep:
+                old.unlink()
         return path
 
+    def checkpoints(self) -> list[Path]:
+        """Resume candidates, best first: the one `latest` names, then every step-*.pt, newest first
+        (a `latest` left empty or partial by a kill names none)."""
+        try:
+            name = (self.ckpt_dir / "latest").read_text().strip()
+        except (OSError, UnicodeDecodeError):
+            name = ""
+        named = [self.ckpt_dir / name] if name.startswith("step-") and name.endswith(".pt") else []
+        found = sorted(self.ckpt_dir.glob("step-*.pt"), reverse=True)
+        return [p for p in dict.fromkeys(named + found) if p.is_file()]
+
     def latest_checkpoint(self) -> Path | None:
-        f = self.ckpt_dir / "latest"
-        if f.exists() and (self.ckpt_dir / f.read_text().strip()).exists():
-            return self.ckpt_dir / f.read_text().strip()
-        return None
+        return next(iter(self.checkpoints()), None)
+
+    def _check(self, state: dict, path: Path) -> None:
+        """Refuse a checkpoint whose batches or head differ from this run's: resuming it would skip
+        the wrong data or fail on a size mismatch."""
+        saved = state.get("settings")
+        if not isinstance(saved, dict) or saved.get("packing") != PACKING:
+            raise ValueError(f"{path}: a checkpoint of an earlier train-head, which packed its batches otherwise "
+                             "or did not record its settings; use a fresh --work-dir")
+        now = self.settings
+        said = {"batch_tokens": f"with --batch-tokens {saved.get('batch_tokens')}, not {now['batch_tokens']}",
+                "row_len": f"with packed rows of {saved.get('row_len')} tokens (--max-tokens), not {now['row_len']}",
+                "online": "with --online" if saved.get("online") else "without --online",
+                "draft_vocab": "with another draft vocabulary (--draft-vocab-size, --init-head)"}
+        fix = "rerun with that setting, or use a fresh --work-dir"
+        for k, why in said.items():
+            if saved.get(k) != now[k]:
+                raise ValueError(f"{path}: this checkpoint was trained {why}; {fix}")
+        mine = {k: tuple(v.shape) for k, v in self.head.state_dict().items()}
+        if mine != {k: tuple(v.shape) for k, v in state["head"].items()}:
+            raise ValueError(f"{path}: this checkpoint is of a head of another shape (--format, --init-head); {fix}")
 
     def resume(self, path: Path | None = None) -> bool:
-        path = path or self.latest_checkpoint()
-        if path is None:
+        """Continue from `path`, or the newest readable checkpoint; False when there is none."""
+        state = None
+        for p in [path] if path else self.checkpoints():
+            try:
+                state = torch.load(p, map_location="cpu", weights_only=False)
+            except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
+                self.log(f"{p}: unreadable checkpoint ({type(e).__name__}), trying an older one")
+                continue
+            path = p
+            break
+        if state is None:
             return False
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        self._check(state, path)
         self.head.load_state_dict(state["head"])
         self.opt.load_state_dict(state["opt"])
         self.step, self.epoch, self.batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]
         self.history = state.get("history", [])
+        self.budget_used, self.finished = state["budget_used"], state["finished"]
+        if state["plan"] == self._plan():
+            self.total = state["total"]           # a plan refined while extracting stays as it ran
         torch.set_rng_state(state["torch_rng"])
         return True
 
@@ -233,7 +225,7 @@ class Trainer:
     def train_step(self, rows: Rows) -> dict:
         self.head.train()
         for g in self.opt.param_groups:
-            g["lr"] = lr_at(self.step, self.total, self.cfg)
+            g["lr"] = lr_at(self.step, self.total, self.cfg, self.spent())
         outs = self._forward(rows)
         loss = sum(self.cfg.step_decay ** k * o.loss for k, o in enumerate(outs))
         self.opt.zero_grad(set_to_none=True)
@@ -256,9 +248,8 @@ class Trainer:
         correct = [0] * cfg.ttt_steps
         valid = [0] * cfg.ttt_steps
         acc_sum = bases = 0
-        per = max(1, cfg.batch_tokens // cfg.row_len)
         for i, p in enumerate(store.shards):
-            for j, rows in enumerate(pack_rows(load_shard(p), cfg.row_len, per)):
+            for j, rows in enumerate(pack_rows(load_shard(p), cfg.row_len, rows_per_batch(cfg))):
                 outs = self._forward(rows)
                 for k, o in enumerate(outs):
                     correct[k] += int(o.correct.sum())
@@ -271,50 +262,75 @@ class Trainer:
         return {"heldout_acc": [c / max(1, v) for c, v in zip(correct, valid)],
                 "heldout_chain_tau": 1 + acc_sum / max(1, bases), "heldout_positions": bases}
 
-    def _fit_budget(self, elapsed: float, steps_done: int) -> None:
-        """With a time budget, cut the plan to the steps the measured pace fits into what is left
-        (10% kept for evaluations and checkpoints), so the schedule still ends at its low rate."""
-        if self.cfg.seconds is None or steps_done < 10:
+    def _trim_log(self, path: Path) -> None:
+        """Keep the log of the steps up to where this run starts: a killed run logged steps past its
+        last checkpoint, which are trained again now (and a line cut by the kill)."""
+        if not path.exists():
             return
-        left = 0.9 * self.cfg.seconds - elapsed
-        self.total = min(self.total, self.step + max(0, int(left / (elapsed / steps_done))))
+        keep = []
+        for line in path.read_text().split("\n"):
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] <= self.step:
+                keep.append(line + "\n")
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(keep))
+        os.replace(tmp, path)
 
     def fit(self, progress: bool = True) -> dict:
         from tqdm import tqdm
 
         cfg = self.cfg
+        self._trim_log(self.out / "train_log.jsonl")
         log = open(self.out / "train_log.jsonl", "a")
         bar = tqdm(total=self.total, initial=self.step, desc="train", disable=not progress, mininterval=5)
-        t0, tokens, start_step = time.time(), 0, self.step
+        self._t0 = t0 = time.monotonic()
+        tokens, start_step, self.finished = 0, self.step, False
         metrics: dict = {}
-        while self.step < self.total:
+        while not self.done():
+            trained = False
             for b, rows in epoch_batches(self.train_store, cfg, self.epoch, self.produce, skip=self.batch_in_epoch):
                 m = self.train_step(rows)
+                trained = True
                 self.batch_in_epoch = b + 1
-                self._fit_budget(time.time() - t0, self.step - start_step)
+                last = self.done()
                 tokens += m["tokens"]
                 rec = {"step": self.step, "epoch": self.epoch, **m, "lr": self.opt.param_groups[0]["lr"],
-                       "s_per_step": (time.time() - t0) / max(1, self.step - start_step)}
+                       "s_per_step": (time.monotonic() - t0) / max(1, self.step - start_step)}
                 bar.update(1)
                 bar.set_postfix(loss=f"{m['loss']:.3f}", acc="/".join(f"{a:.2f}" for a in m["acc"]), refresh=False)
-                if self.step % cfg.eval_every == 0 or self.step == self.total:
+                if self.step % cfg.eval_every == 0 or last:
                     rec.update(self.evaluate())
                     metrics = rec
                     bar.write(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in rec.items()}))
                 log.write(json.dumps(rec) + "\n")
                 log.flush()
-                if self.step % cfg.checkpoint_every == 0 or self.step == self.total:
+                if self.step % cfg.checkpoint_every == 0 or last:
+                    self.finished = last
                     self.history.append(rec)
                     self.save_checkpoint()
                     if self.on_checkpoint:
                         self.on_checkpoint(self.step, rec)
-                if self.step >= self.total:
+                if last:
                     break
             else:
+                if not trained and self.batch_in_epoch == 0:
+                    raise RuntimeError(f"epoch {self.epoch} has no batch to train on")
                 self.epoch += 1
                 self.batch_in_epoch = 0
+                if self.epoch == 1 and not self.cfg.steps:     # an estimate while extracting: the lengths are known now
+                    self.total = bar.total = max(self.step, self.planned_steps())
                 continue
             break
+        if self.step > start_step and not self.finished:    # the budget ran out between two epochs
+            self.finished = True
+            metrics = {**rec, **self.evaluate()}
+            self.history.append(metrics)
+            self.save_checkpoint()
+            if self.on_checkpoint:
+                self.on_checkpoint(self.step, metrics)
         bar.close()
         log.close()
-        return {**metrics, "train_tokens_seen": tokens, "wall_s": time.time() - t0}
+        return {**metrics, "train_tokens_seen": tokens, "wall_s": time.monotonic() - t0}

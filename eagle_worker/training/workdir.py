@@ -62,6 +62,8 @@ def check_stamp(work: Path, stamp: dict, opt: str) -> None:
         if "samples" in differ and old.get("data") == stamp["data"] and {"drop_responses", "heldout", "seed"} & {*differ}:
             differ.remove("samples")     # the same files: the samples differ because of those options
         was = f" (built from --data {' '.join(map(str, old['data']))})" if isinstance(old.get("data"), list) else ""
+        if differ == ["samples"] and old.get("data") == stamp["data"]:     # split_samples changed: it groups prompts
+            was += " (the same files: edited since, or split into held-out and train by an earlier train-head)"
         raise ValueError(f"{opt} {work}: holds examples built from other data or settings{was}; differing: "
                          f"{', '.join(dict.fromkeys(_OPTION[k] for k in differ))}; use a fresh --work-dir")
 

@@ -161,6 +161,41 @@ def test_self_distill_batches_and_time_budget(sharp_model, tmp_path):
     assert self_distill(llm, prompts, ["s"] * 5, 6, batch=2, progress=False, seconds=0) == []
 
 
+def test_a_distillation_file_cut_mid_line_resumes(sharp_model, tmp_path):
+    """A kill during the append leaves a last line without its newline: it is dropped (from the
+    file too) and its prompt distilled again; a broken line elsewhere is named with its file."""
+    from eagle_worker.llm import LLM
+    from eagle_worker.training.distill import self_distill
+
+    llm = LLM(model=str(sharp_model))
+    prompts = [llm.tokenizer.encode(p) for p in PROMPTS[:5]]
+    whole = self_distill(llm, prompts, ["s"] * 5, 6, batch=2, progress=False)
+    partial = tmp_path / "distill_train.partial.jsonl"
+    self_distill(llm, prompts[:3], ["s"] * 3, 6, batch=3, progress=False, partial=partial)
+    text = partial.read_text()
+    partial.write_text(text[:len(text) - len(text.split("\n")[-2]) // 2 - 1])     # the third record cut
+    assert self_distill(llm, prompts, ["s"] * 5, 6, batch=2, progress=False, partial=partial) == whole
+    lines = partial.read_text().split("\n")
+    assert len(lines) == 6 and lines[-1] == "" and all(json.loads(x)["example"] for x in lines[:-1])
+    partial.write_text(text.replace("\n", "\nnot json\n", 1))
+    with pytest.raises(ValueError, match=f"{partial}: line 2: not a self-distillation record"):
+        self_distill(llm, prompts, ["s"] * 5, 6, batch=2, progress=False, partial=partial)
+
+
+def test_no_progress_reaches_self_distillation(sharp_model, data_file, tmp_path, monkeypatch):
+    from eagle_worker.training import pipeline
+
+    seen = []
+    distill = pipeline.self_distill
+    monkeypatch.setattr(pipeline, "self_distill", lambda *a, **k: seen.append(k.get("progress", True)) or distill(*a, **k))
+    args = ["--target", str(sharp_model), "--data", str(data_file), "--out", str(tmp_path / "h"), "--prompt-format",
+            "{prompt}", "--draft-vocab-size", "64", "--self-distill", "8", "--distill-tokens", "4", "--max-tokens", "32",
+            "--steps", "1", "--heldout", "2", "--eval-prompts", "0", "--no-progress"]
+    r = CliRunner().invoke(train_head, args, catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    assert seen == [False, False]        # the training and the held-out prompts
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
 def test_train_head_on_a_missing_gpu_says_so(sharp_model, data_file, tmp_path):
     args = ["--target", str(sharp_model), "--data", str(data_file), "--out", str(tmp_path / "h"),
@@ -168,19 +203,3 @@ def test_train_head_on_a_missing_gpu_says_so(sharp_model, data_file, tmp_path):
     r = CliRunner().invoke(train_head, args)
     assert r.exit_code == 2 and "'cuda'" in r.output and "CUDA is not available" in r.output
     assert not (tmp_path / "h" / "model.safetensors").exists()
-
-
-def test_a_time_budget_cuts_the_plan_to_the_measured_pace():
-    from types import SimpleNamespace
-
-    from eagle_worker.training.trainer import TrainConfig, Trainer
-
-    def cut(seconds, elapsed, done, total=1000, step=20):
-        t = SimpleNamespace(cfg=TrainConfig(seconds=seconds), total=total, step=step)
-        Trainer._fit_budget(t, elapsed, done)
-        return t.total
-
-    assert cut(10.0, 2.0, 20) == 90          # 0.1 s a step, 7 s left of 90% of 10 s: 70 more steps
-    assert cut(10.0, 9.5, 20) == 20          # past the budget: stop at once
-    assert cut(1e6, 2.0, 20) == 1000         # a budget larger than the plan changes nothing
-    assert cut(None, 2.0, 20) == 1000 and cut(10.0, 2.0, 5) == 1000   # no budget; pace not yet measured
