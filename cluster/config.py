@@ -66,7 +66,7 @@ from cluster.config_sections import (
     SpeculationConfig,
 )
 from cluster.config_yaml import read_yaml
-from eagle_worker.engine_api import draft_rules
+from eagle_worker.engine_api import draft_rules, is_builtin  # noqa: F401  (is_builtin: the KubeRay renderer's)
 
 
 class ServeConfig(StrictModel):

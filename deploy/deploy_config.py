@@ -19,12 +19,11 @@ from pydantic import (
     model_validator,
 )
 
-from cluster.config import DEPLOY_SECTIONS, ServeConfig
+from cluster.config import DEPLOY_SECTIONS, ServeConfig, is_builtin
 from cluster.config_base import ConfigError, StrictModel, format_validation_error
 from cluster.config_sections import PlacementStrategy
 from cluster.config_yaml import YamlDoc, read_yaml
 from cluster.openai_requests import MAX_SEED
-from eagle_worker.default_models import is_builtin
 from jobs.job_config import OWN_REPLICA_FLAGS, SUBMIT_JOB_FLAGS, same_place
 
 RAY_VERSION = "2.60.0"          # must equal the Ray in the image (deploy/Dockerfile.* ARG RAY_VERSION)
