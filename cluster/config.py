@@ -128,7 +128,7 @@ class ServeConfig(StrictModel):
             raise ValueError("device: cpu must not reserve GPUs (resources_per_rank.gpu: 0)")
         try:     # refuses what is no module name before importing it (eagle_worker/engine_api.py)
             choose, resolve = draft_rules(self.engine)
-        except Exception as e:      # whatever the import raised: a config error naming the field
+        except ImportError as e:    # whatever the import raised (draft_rules): a config error naming the field
             raise ValueError(f"engine: {self.engine!r} is not an engine module (LLMEngine, EngineConfig, "
                              f"SamplingParams): {e}") from None
         if self.speculation is not None and not self.speculation.lookup and str(self.draft).lower() == "none":

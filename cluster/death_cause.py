@@ -10,7 +10,7 @@ counts.
 """
 from __future__ import annotations
 
-from ray.exceptions import RayActorError
+from ray.exceptions import ActorUnavailableError, RayActorError
 
 from cluster.replica_errors import EngineDiedError
 
@@ -41,6 +41,12 @@ def _node_losses(error: BaseException) -> list[str]:
 def lost_with_node(error: BaseException) -> bool:
     """The replica's actor, or one of its TP ranks, died because the cluster took its node away."""
     return bool(_node_losses(error))
+
+
+def free_loss(error: BaseException) -> bool:
+    """No request's doing: lost with a node taken away, or unreachable for now (a network or GCS blip:
+    Ray has not called the actor dead). Callers allow FREE_NODE_LOSSES of them a request."""
+    return lost_with_node(error) or isinstance(error, ActorUnavailableError)
 
 
 def loss_reason(error: BaseException) -> str:

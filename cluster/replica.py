@@ -229,8 +229,8 @@ class EngineReplica:
                 self.tp.check_health()
             except Exception as e:  # a rank is gone: its requests are retried elsewhere, free if with its node
                 node_loss = self.tp.node_loss(wait_s=2.0)   # its loop ended, so Ray knows why already
-                self._give_up(e, EngineDiedError(f"replica {self.replica_id}: a tensor-parallel rank failed: "
-                                                 f"{e!r}" + _node_loss_note(node_loss), node_loss=node_loss))
+                self._give_up(e, EngineDiedError(f"replica {self.replica_id}: a tensor-parallel rank failed: {e!r}",
+                                                 node_loss=node_loss))
                 raise
 
     def shutdown(self) -> None:
@@ -284,8 +284,7 @@ class EngineReplica:
         except BaseException as e:  # the engine is unusable: fail everyone, let Serve replace us
             logger.exception("replica %s: engine loop crashed", self.replica_id)
             node_loss = self.tp.node_loss() if self.tp is not None else None   # a rank's collective failed?
-            self._give_up(e, EngineDiedError(f"replica {self.replica_id}: engine failed: {e!r}"
-                                             + _node_loss_note(node_loss), node_loss=node_loss))
+            self._give_up(e, EngineDiedError(f"replica {self.replica_id}: engine failed: {e!r}", node_loss=node_loss))
 
     def _give_up(self, cause: BaseException, err: EngineDiedError, step: float | None = None) -> bool:
         """The engine is unusable (crashed, or the step that started at `step` hung): every request
@@ -404,11 +403,6 @@ def _app_name() -> str | None:
         return serve.get_replica_context().app_name
     except Exception:  # plain Ray actor or plain object
         return None
-
-
-def _node_loss_note(node_loss: str | None) -> str:
-    return f" (a tensor-parallel rank's node was {'preempted' if node_loss == 'preempted' else 'taken away'})" \
-        if node_loss else ""
 
 
 def _replica_id() -> str:

@@ -36,6 +36,8 @@ class EngineDiedError(RuntimeError):
     away (cluster/death_cause.py), which counts as no death of the requests; set by this code only."""
 
     def __init__(self, message: str = "", node_loss: str | None = None):
+        if node_loss:      # (unpickled: the message has it already, node_loss comes back with the state)
+            message += f" (a tensor-parallel rank's node was {'preempted' if node_loss == 'preempted' else 'taken away'})"
         super().__init__(message)
         self.node_loss = node_loss
 

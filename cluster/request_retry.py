@@ -26,7 +26,7 @@ from ray.serve.exceptions import BackPressureError
 from cluster import router_state as state
 from cluster.admission import OverloadedError
 from cluster.caller_watch import this_caller
-from cluster.death_cause import FREE_NODE_LOSSES, lost_with_node
+from cluster.death_cause import FREE_NODE_LOSSES, free_loss
 from cluster.replica_errors import EngineDiedError, Failed, Rejected
 
 logger = logging.getLogger(__name__)
@@ -128,8 +128,7 @@ async def _attempts(handle, request_id, prompt, params, priority, messages, max_
             # lost with a node the cluster took away (a spot VM taken back, a node drained and shut
             # down), or unreachable for now (a network or GCS blip: Ray has not called it dead): no
             # request's doing, so no death of this one's and no suspect, FREE_NODE_LOSSES times
-            node_lost = (lost_with_node(e) or isinstance(e, ray.exceptions.ActorUnavailableError)) \
-                and node_losses < FREE_NODE_LOSSES
+            node_lost = free_loss(e) and node_losses < FREE_NODE_LOSSES
             if node_lost:
                 node_losses += 1
             elif replica is None:                # not routed by a LoadAwareRouter here: count every death

@@ -121,7 +121,6 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         self, candidate_replicas: List[RunningReplica], pending_request: Optional[PendingRequest] = None
     ) -> List[List[RunningReplica]]:
         """Replicas in preference order, one per rank; Serve skips the ones that are full."""
-        self._forget_gone()
         candidates = [r for r in candidate_replicas if not state.seen_dead(r.replica_id)]
         if state.is_suspect(pending_request):  # one suspect per replica (see _fulfill_next_pending_request)
             hosts = state.suspect_hosts()
@@ -151,9 +150,14 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
             ranked = [r for r in roomy if self.has_headroom(r)] + [r for r in roomy if not self.has_headroom(r)]
         return [[r] for r in ranked]
 
+    def update_replicas(self, replicas: List[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        self._forget_gone()
+
     def _forget_gone(self) -> None:
         """Drop what is kept per replica for replicas Serve no longer has (scaled down, replaced after
-        a failed health check: `on_replica_actor_died` sees only deaths this caller saw)."""
+        a failed health check: `on_replica_actor_died` sees only deaths this caller saw); run when Serve
+        updates the replica set."""
         live = getattr(self, "curr_replicas", None)
         if live is None:
             return

@@ -128,7 +128,7 @@ def import_engine_module(path: str) -> Any:
     while the config is validated, so what is no engine module is refused before anything runs it: a
     name that is not a dotted Python module name (`.x`, `a b`), a standard-library module (importing
     `this` prints, `antigravity` opens a browser), and a module whose import raises anything."""
-    parts = path.split(".") if isinstance(path, str) else [""]
+    parts = path.split(".")
     if not all(p.isidentifier() and not keyword.iskeyword(p) for p in parts):
         raise ImportError(f"{path!r} is not a dotted Python module name (e.g. eagle_worker, my_package.engine)")
     if parts[0] in sys.stdlib_module_names:

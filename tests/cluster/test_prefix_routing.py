@@ -172,7 +172,10 @@ def test_memory_is_bounded_by_the_replica_kv_cache_and_keeps_prefixes_longest():
     assert m.match("x", [1, 2, 3, 4]) == 3 and m.size("x") == 3
 
 
-def test_a_dead_replica_is_forgotten_and_memories_follow_the_replica_set():
+def test_a_dead_replica_is_forgotten_and_memories_follow_the_replica_set(monkeypatch):
+    from tests.cluster.test_router import serve_sets_replicas
+
+    serve_sets_replicas(monkeypatch)
     r = _router()
     r._replicas, r._replica_id_set, r._queue_len_gauge_last_update = {}, set(), {}   # Serve's own sets
     reps = [_replica("a"), _replica("b")]
@@ -180,8 +183,7 @@ def test_a_dead_replica_is_forgotten_and_memories_follow_the_replica_set():
         r._prefix.record(rep.replica_id, block_hashes(SYSTEM, 16))
     r.on_replica_actor_died("a")
     assert r._prefix.replicas() == ["b"]
-    r._replicas = {"c": _replica("c")}          # Serve replaced b by c: b's memory goes at the next choice
-    _choose(r, [_replica("c")], _pending("x", SYSTEM))
+    r.update_replicas([_replica("c")])           # Serve replaced b by c: b's memory goes
     assert r._prefix.replicas() == []
 
 

@@ -128,7 +128,15 @@ def test_the_stats_less_only_what_they_counted_and_that_ended_since(monkeypatch)
     assert r.ongoing(rep, fresh=True) == 7 and r.offline_room(rep, "row-2")
 
 
-def test_what_is_kept_per_replica_follows_the_live_replicas():
+def serve_sets_replicas(monkeypatch) -> None:
+    """Serve's own `update_replicas` needs a live router: here it only sets the replica set."""
+    from ray.serve._private.request_router.request_router import RequestRouter
+
+    monkeypatch.setattr(RequestRouter, "update_replicas",
+                        lambda self, reps: setattr(self, "_replicas", {x.replica_id: x for x in reps}))
+
+
+def test_what_is_kept_per_replica_follows_the_live_replicas(monkeypatch):
     """A replica scaled down or replaced after a failed health check is no death this caller saw
     (`on_replica_actor_died` is not called): what the router keeps for it goes when Serve drops it."""
     r = _router()
@@ -136,8 +144,8 @@ def test_what_is_kept_per_replica_follows_the_live_replicas():
         r.on_request_routed(_call(f"c-{rid}"), rid, None)
         r.on_request_completed(rid, f"c-{rid}")
         r._prefix_capacity[router_state.replica_key(rid)] = 64
-    r._replicas = {"b": _replica("b")}                  # Serve's curr_replicas: a is gone
-    _rank(r, [_replica("b")])
+    serve_sets_replicas(monkeypatch)
+    r.update_replicas([_replica("b")])                  # Serve drops a
     assert set(r._completed) == {"b"} and set(r._prefix_capacity) == {router_state.replica_key("b")}
 
 
