@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from eagle_worker.engine_api import RESPONSE_MESSAGE_FIELDS
+from eagle_worker.engine_api import echoed_empty, join_text_parts
 
 MAX_LOGPROBS = 20      # vLLM's default max_logprobs
 MAX_N = 16             # parallel samples per request (each is an engine request)
@@ -188,7 +188,7 @@ class ChatMessage(BaseModel):
         `tool_calls: []`): those are dropped; one that says something, or any other field, stays and
         is refused."""
         if isinstance(data, dict):
-            data = {k: v for k, v in data.items() if k not in RESPONSE_MESSAGE_FIELDS or v not in (None, [], {}, "")}
+            data = {k: v for k, v in data.items() if not echoed_empty(k, v)}
         return data
 
     @model_validator(mode="after")
@@ -210,7 +210,7 @@ class ChatMessage(BaseModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "\n".join(p["text"] for p in self.content)   # vLLM's join of text parts
+        return join_text_parts(self.content)
 
 
 class ChatCompletionRequest(_SamplingRequest):

@@ -55,8 +55,7 @@ def normalize_messages(messages) -> list[dict]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not m["role"].strip():
             raise ValueError(f"messages[{i}] must be an object with a string `role` and `content`, got {_kind(m)}")
-        extra = sorted(k for k, v in m.items() if k not in MESSAGE_FIELDS
-                       and (k not in RESPONSE_MESSAGE_FIELDS or v not in (None, [], {}, "")))
+        extra = sorted(k for k, v in m.items() if k not in MESSAGE_FIELDS and not echoed_empty(k, v))
         if extra:      # a field the template never sees is refused, not dropped (a response's empty ones pass)
             raise ValueError(f"messages[{i}]: unsupported field(s) {', '.join(map(repr, extra))}; "
                              f"a message has {', '.join(MESSAGE_FIELDS)}")
@@ -68,7 +67,7 @@ def normalize_messages(messages) -> list[dict]:
                    or set(p) - {"type", "text"} for p in content):
                 raise ValueError(f"messages[{i}].content: only text parts ({{\"type\": \"text\", \"text\": ...}}, "
                                  "nothing else) are supported")
-            content = "\n".join(p["text"] for p in content)     # vLLM's join of text parts
+            content = join_text_parts(content)
         elif content is None:
             content = ""
         elif not isinstance(content, str):
@@ -81,6 +80,16 @@ MESSAGE_FIELDS = ("role", "content", "name")     # `name` goes to a template tha
 # a response's message fields beyond those (OpenAI's ChatCompletionMessage): a client that sends the
 # message back carries them empty (`refusal: null`, `tool_calls: []`), which is dropped; anything else is refused
 RESPONSE_MESSAGE_FIELDS = frozenset({"refusal", "tool_calls", "function_call", "audio", "annotations"})
+
+
+def echoed_empty(key: str, value) -> bool:
+    """A response message's own field, empty, as a client sends the message back: dropped, not refused."""
+    return key in RESPONSE_MESSAGE_FIELDS and value in (None, [], {}, "")
+
+
+def join_text_parts(parts: list[dict]) -> str:
+    """A message's text parts as one text: joined by a line break, as vLLM joins them."""
+    return "\n".join(p["text"] for p in parts)
 
 
 def _kind(x) -> str:

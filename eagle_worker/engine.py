@@ -129,7 +129,7 @@ class LLMEngine:
         if not batch:
             return outputs
         self._last_step = {"batch_size": len(batch), "num_tokens": sum(b.num_tokens for b in batch)}
-        work = [(item.num_tokens, item.completes) for item in batch]   # (the step commits: after it, none completes)
+        work = self.scheduler.planned_work(batch)
         started = time.perf_counter()
         try:
             new_tokens = self.worker.execute(batch)

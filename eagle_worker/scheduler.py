@@ -102,10 +102,16 @@ class Scheduler:
             self._reserve_lookahead(batch)
         return batch
 
-    def observe(self, work: list[tuple[int, bool]], seconds: float) -> None:
-        """A step's measured time, for the cost model the offline cap prices steps with. `work`: each
-        item's (tokens, completes), taken before the step ran (it commits them)."""
-        if self.step_cost is not None and self.config.offline_slowdown is not None:
+    def planned_work(self, batch: list[ScheduledSeq]) -> list[tuple[int, bool]] | None:
+        """Each item's (tokens, completes) for the cost model the offline cap prices steps with, taken
+        before the step runs (it commits them: after it, no item completes); None without the cap."""
+        if self.step_cost is None or self.config.offline_slowdown is None:
+            return None
+        return [(item.num_tokens, item.completes) for item in batch]
+
+    def observe(self, work: list[tuple[int, bool]] | None, seconds: float) -> None:
+        """A step's measured time and its `planned_work`, for the cost model."""
+        if work is not None:
             self.step_cost.observe(step_work(work), seconds)
 
     def _background_cap(self) -> BackgroundCap | None:

@@ -51,7 +51,17 @@ def _glob_match(parts: list[str], pattern: list[str]) -> bool:
     return bool(parts) and fnmatch.fnmatchcase(parts[0], pattern[0]) and _glob_match(parts[1:], pattern[1:])
 
 
-def _printable(path: str) -> str:
+def encodable(text: str) -> bool:
+    """Whether `text` can be written as UTF-8 (a lone surrogate from a JSON escape or a file name's
+    undecodable bytes cannot: no output could hold it)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _path_text(path: str) -> str:
     """A local path as text that can be printed: the bytes of a name that is not UTF-8 as `\\xNN`."""
     try:
         return os.fsencode(path).decode("utf-8", "backslashreplace")
@@ -143,10 +153,8 @@ def _resolve_local(spec: str, exclude: str | None) -> tuple[list[str], str]:
     else:
         raise InputError(f"{spec}: no such file or folder")
     for p in files:        # its derived ids and the output could not be written (UnicodeEncodeError)
-        try:
-            str(p).encode("utf-8")
-        except UnicodeError:
-            raise InputError(f"{_printable(str(p))}: the file name is not valid UTF-8; rename the file") from None
+        if not encodable(str(p)):
+            raise InputError(f"{_path_text(str(p))}: the file name is not valid UTF-8; rename the file")
     return [str(p) for p in files], str(root)
 
 

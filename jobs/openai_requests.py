@@ -18,7 +18,7 @@ from cluster.openai_body import loads_strict
 from cluster.openai_errors import validation_error
 from cluster.openai_requests import ChatCompletionRequest, CompletionRequest
 from jobs.id_set import IdSet
-from jobs.input_files import InputError
+from jobs.input_files import InputError, encodable
 from jobs.input_reader import CHAT_URL, COMPLETIONS_URL, InputFile, InputPlan, Row
 
 
@@ -45,7 +45,7 @@ def check_jsonl(f: InputFile, plan: InputPlan, seen: IdSet) -> int:
                 cid = rec.get("custom_id")
                 if not isinstance(cid, str) or not cid:
                     raise InputError(f"{where}: `custom_id` must be a non-empty string")
-                if not _encodable(cid):    # a lone surrogate (`"\\ud800"`): valid JSON, but no output could hold it
+                if not encodable(cid):    # a lone surrogate (`"\\ud800"`): valid JSON, but no output could hold it
                     raise InputError(f"{where}: `custom_id` {ascii(cid)} is not valid Unicode text (a lone "
                                      "surrogate escape); give the request an id of UTF-8 text")
                 unknown = sorted(set(rec) - _LINE_FIELDS)
@@ -80,14 +80,6 @@ def _parse(line: str, where: str):
         raise InputError(f"{where}: not valid JSON ({e})") from None
     except RecursionError:    # (also here when the run reads the line a few stack frames deeper than the check)
         raise InputError(f"{where}: JSON nested too deeply to read") from None
-
-
-def _encodable(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def jsonl_rows(f: InputFile, plan: InputPlan) -> Iterator[Row]:
