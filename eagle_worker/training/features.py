@@ -22,6 +22,7 @@ import torch
 
 from eagle_worker.attention import attention_context, causal_context
 from eagle_worker.training.render import Example
+from eagle_worker.training.workdir import write_json
 
 MANIFEST = "manifest.json"
 
@@ -90,12 +91,6 @@ def _batches(examples: list[Example], start: int, batch_tokens: int):
         i = j
 
 
-def _write_json(path: Path, obj) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
-
-
 class Extractor:
     """Writes shards for `examples` into `out_dir` one at a time (`next_shard()`), resuming a
     previous run over the same examples; training can consume shards as they appear."""
@@ -119,7 +114,7 @@ class Extractor:
             "num_examples": len(examples), "num_tokens": sum(len(e.ids) for e in examples),
             "shards": [], "complete": False}
         if not m:
-            _write_json(self.mpath, self.manifest)
+            write_json(self.mpath, self.manifest)
         self.progress = progress
         self._bar = None
 
@@ -137,7 +132,7 @@ class Extractor:
         if first >= len(self.examples):
             if not m["complete"]:
                 m["complete"] = True
-                _write_json(self.mpath, m)
+                write_json(self.mpath, m)
             return False
         if self._bar is None:
             self._bar = tqdm(total=m["num_tokens"], initial=sum(s["tokens"] for s in m["shards"]), desc="features",
@@ -160,7 +155,7 @@ class Extractor:
         os.replace(self.out / (name + ".tmp"), self.out / name)
         m["shards"].append({"file": name, "examples": [first, end], "tokens": int(shard["tokens"].numel())})
         m["complete"] = end >= len(self.examples)
-        _write_json(self.mpath, m)
+        write_json(self.mpath, m)
         if m["complete"]:
             self._bar.close()
         return True

@@ -28,7 +28,7 @@ from eagle_worker.training.preflight import check_folder, check_init_head, check
 from eagle_worker.training.render import Example, prompt_ids, render
 from eagle_worker.training.trainer import TrainConfig, Trainer
 from eagle_worker.training.vocab import coverage, draft_vocab, token_counts
-from eagle_worker.training.workdir import check_stamp, examples_stamp, write_stamp
+from eagle_worker.training.workdir import check_stamp, examples_stamp, write_json, write_stamp
 
 
 @dataclass
@@ -196,12 +196,6 @@ def build_examples(cfg: PipelineConfig, llm, work: Path, held_s: list[Sample], t
     return train, held, held_prompts
 
 
-def _write_record(path: Path, record: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(record, indent=1, default=str) + "\n")
-    os.replace(tmp, path)
-
-
 def _export(head, out: Path, record: dict) -> None:
     """The head as trained, with its own config (an --init-head's aux layers, rope, sizes), in bf16
     (halves the file), plus the record. Each file is written whole in a staging folder and renamed
@@ -215,7 +209,7 @@ def _export(head, out: Path, record: dict) -> None:
     stage = out / ".export.tmp"
     shutil.rmtree(stage, ignore_errors=True)
     save_draft_head(pub, stage)
-    _write_record(stage / "training_record.json", record)
+    write_json(stage / "training_record.json", record)
     for name in ("model.safetensors", "training_record.json", "config.json"):
         os.replace(stage / name, out / name)
     shutil.rmtree(stage)
@@ -268,7 +262,7 @@ def run(cfg: PipelineConfig, progress: bool = True) -> dict:
                                       depth=max(2, cfg.train.ttt_steps + 1), device=cfg.device)
         _log(f"engine tau on {len(prompts)} held-out prompts: {record['engine']['engine_tau']:.3f}")
     record["wall_s"] = time.time() - t_start
-    _write_record(out / "training_record.json", record)
+    write_json(out / "training_record.json", record)
     return record
 
 

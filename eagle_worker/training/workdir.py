@@ -74,6 +74,11 @@ def write_stamp(work: Path, stamp: dict) -> None:
     if path.exists():
         return
     work.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(stamp, indent=1) + "\n")
+    write_json(path, stamp)
+
+
+def write_json(path: Path, obj) -> None:
+    """`obj` as JSON at `path`, whole or not at all (a temp file renamed): a kill never leaves half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1, default=str) + "\n")
     os.replace(tmp, path)

@@ -11,22 +11,18 @@ from click.testing import CliRunner
 
 from eagle_worker.training.data import load_samples
 from eaglectl.train import train_head
-
-ROWS = [{"prompt": f"question {i} about things", "response": f"answer number {i} is here and long"} for i in range(40)]
+from tests.eagle_worker.training.train_cli import ROWS, train, write_rows
 
 
 @pytest.fixture
 def good(tmp_path):
-    p = tmp_path / "good.jsonl"
-    p.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
-    return p
+    return write_rows(tmp_path / "good.jsonl")
 
 
 def _train(tmp_path, *args, target=None):
     out = tmp_path / "out"
-    base = ["--target", str(target or tmp_path / "no-such-model"), "--out", str(out), "--no-progress",
-            "--prompt-format", "Q: {prompt}\\nA:", "--eval-prompts", "0", "--steps", "1"]
-    return CliRunner().invoke(train_head, [*base, *args]), out
+    return train("--target", target or tmp_path / "no-such-model", "--out", out, "--eval-prompts", "0", "--steps", "1",
+                 *args), out
 
 
 @pytest.mark.parametrize("option,value", [

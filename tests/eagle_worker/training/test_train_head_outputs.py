@@ -9,23 +9,16 @@ import weakref
 
 import pytest
 import torch
-from click.testing import CliRunner
 
-from eaglectl.train import train_head
-
-ROWS = [{"prompt": f"question {i} about things", "response": f"answer number {i} is here and long"} for i in range(40)]
+from tests.eagle_worker.training.train_cli import ROWS, train, write_rows
 
 
 def _data(tmp_path, rows=ROWS):
-    p = tmp_path / "d.jsonl"
-    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return p
+    return write_rows(tmp_path / "d.jsonl", rows)
 
 
 def _train(target, data, out, *args):
-    base = ["--target", str(target), "--data", str(data), "--out", str(out), "--no-progress", "--prompt-format",
-            "Q: {prompt}\\nA:", "--max-tokens", "32", "--steps", "1"]
-    return CliRunner().invoke(train_head, [*base, *args])
+    return train("--target", target, "--data", data, "--out", out, "--max-tokens", "32", "--steps", "1", *args)
 
 
 @pytest.fixture(scope="module")

@@ -7,18 +7,13 @@ import json
 from types import SimpleNamespace
 
 import torch
-from click.testing import CliRunner
 
-from eaglectl.train import train_head
-
-ROWS = [{"prompt": f"question {i} about things", "response": f"answer number {i} is here and long"} for i in range(40)]
+from tests.eagle_worker.training.train_cli import train, write_rows
 
 
 def _train(target, data, out, *args):
-    base = ["--target", str(target), "--data", str(data), "--out", str(out), "--no-progress", "--prompt-format",
-            "Q: {prompt}\\nA:", "--eval-prompts", "0", "--draft-vocab-size", "64", "--max-tokens", "32",
-            "--batch-tokens", "128"]
-    return CliRunner().invoke(train_head, [*base, *args])
+    return train("--target", target, "--data", data, "--out", out, "--eval-prompts", "0", "--draft-vocab-size", "64",
+                 "--max-tokens", "32", "--batch-tokens", "128", *args)
 
 
 def _log(out):
@@ -26,9 +21,7 @@ def _log(out):
 
 
 def _data(tmp_path):
-    p = tmp_path / "d.jsonl"
-    p.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
-    return p
+    return write_rows(tmp_path / "d.jsonl")
 
 
 def test_a_budget_cut_run_ends_low_and_a_rerun_trains_no_more(tiny_model_dir, tmp_path, monkeypatch):

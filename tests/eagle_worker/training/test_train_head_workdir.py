@@ -7,23 +7,14 @@ import json
 import logging
 
 import pytest
-from click.testing import CliRunner
 
 from eagle_worker.speculative.head_loader import warn_if_unfinished
-from eaglectl.train import train_head
-
-ROWS = [{"prompt": f"question {i} about things", "response": f"answer number {i} is here and long"} for i in range(40)]
-
-
-def _write(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+from tests.eagle_worker.training.train_cli import ROWS, train, write_rows
 
 
 def _train(target, data, out, *args):
-    base = ["--target", str(target), "--data", str(data), "--out", str(out), "--no-progress", "--prompt-format",
-            "Q: {prompt}\\nA:", "--eval-prompts", "0", "--steps", "1", "--draft-vocab-size", "64", "--max-tokens", "32"]
-    return CliRunner().invoke(train_head, [*base, *args])
+    return train("--target", target, "--data", data, "--out", out, "--eval-prompts", "0", "--steps", "1",
+                 "--draft-vocab-size", "64", "--max-tokens", "32", *args)
 
 
 def _snapshot(folder):
@@ -35,7 +26,7 @@ def trained(tiny_model_dir, tmp_path_factory):
     """One finished run: (target, data file, its out folder)."""
     target = tiny_model_dir("llama")
     tmp = tmp_path_factory.mktemp("workdir")
-    data, out = _write(tmp / "good.jsonl", ROWS), tmp / "base"
+    data, out = write_rows(tmp / "good.jsonl", ROWS), tmp / "base"
     r = _train(target, data, out)
     assert r.exit_code == 0, r.output
     return target, data, out
@@ -45,8 +36,8 @@ def test_a_work_folder_of_other_examples_is_refused_and_left_as_it_was(trained, 
     target, data, base = trained
     work = base / "work"
     before = _snapshot(work)
-    other = _write(tmp_path / "good2.jsonl", [{**r, "response": r["response"] + " indeed"} for r in ROWS])
-    edited = _write(tmp_path / "good.jsonl", ROWS[:-1])       # same file name, other content
+    other = write_rows(tmp_path / "good2.jsonl", [{**r, "response": r["response"] + " indeed"} for r in ROWS])
+    edited = write_rows(tmp_path / "good.jsonl", ROWS[:-1])       # same file name, other content
     for d, extra, says in ((other, [], "--data"), (edited, [], "--data"), (data, ["--max-tokens", "48"], "--max-tokens"),
                            (data, ["--prompt-format", "{prompt}"], "--prompt-format"), (data, ["--seed", "1"], "--seed"),
                            (data, ["--drop-responses"], "--drop-responses"), (data, ["--fixed-text", "5"], "--fixed-text")):
@@ -67,14 +58,14 @@ def test_examples_of_a_run_that_recorded_nothing_are_not_reused(tmp_path):
     work = tmp_path / "out" / "work"
     work.mkdir(parents=True)
     (work / "train_examples.jsonl").write_text(json.dumps({"ids": [1] * 2000, "loss_start": 1, "source": "x"}) + "\n")
-    r = _train(tmp_path / "no-such-model", _write(tmp_path / "d.jsonl", ROWS), tmp_path / "out")
+    r = _train(tmp_path / "no-such-model", write_rows(tmp_path / "d.jsonl", ROWS), tmp_path / "out")
     assert r.exit_code == 2 and f"work folder {work}: holds examples of an earlier run" in r.output, r.output
 
 
 def test_an_interrupted_run_leaves_a_head_marked_unfinished(tiny_model_dir, tmp_path, monkeypatch, caplog):
     from eagle_worker.training import pipeline
 
-    target, data, out = tiny_model_dir("llama"), _write(tmp_path / "d.jsonl", ROWS), tmp_path / "h"
+    target, data, out = tiny_model_dir("llama"), write_rows(tmp_path / "d.jsonl", ROWS), tmp_path / "h"
     export = pipeline._export
 
     def export_then_interrupt(*a):
