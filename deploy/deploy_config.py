@@ -455,17 +455,18 @@ OWN_JOB_FLAGS = ("--model", "--draft", "--dtype", "--device", "--max-model-len",
 APP_OWNED_FLAGS = (*(f for flags in OWN_REPLICA_FLAGS.values() for f in flags.split("/") if f.startswith("--")), "--job-id")
 
 
-def _flag_names(args: list[str]) -> list[str]:
-    """The options in a submit-job argument list (their values skipped)."""
-    names, i = [], 0
+def flag_values(args: list[str]) -> list[tuple[str, str | None]]:
+    """The options in a submit-job argument list with their values (None: a switch, or a value missing)."""
+    found, i = [], 0
     while i < len(args) and args[i] != "--":
         a = args[i]
         i += 1
         if a.startswith("-") and a != "-":
-            name, eq, _ = a.partition("=") if a.startswith("--") else (a[:2], "", "")
-            names.append(name)
-            i += bool(SUBMIT_JOB_FLAGS.get(name) and not eq and a == name)
-    return names
+            name, eq, value = a.partition("=") if a.startswith("--") else (a[:2], "", a[2:])
+            if SUBMIT_JOB_FLAGS.get(name) and not eq and a == name:     # `--flag VALUE`
+                value, i = (args[i] if i < len(args) else None), i + 1
+            found.append((name, value if value or eq else None))
+    return found
 
 
 def reachable(input: str, output: str, data: "RayJobConfig | JobData | None", volume_key: str, store_key: str) -> None:
@@ -523,7 +524,7 @@ class RayJobConfig(StrictModel):
     @model_validator(mode="after")
     def _reachable(self) -> "RayJobConfig":
         owned = (*RENDERER_FLAGS, *(APP_OWNED_FLAGS if self.serve_app else OWN_JOB_FLAGS))
-        taken = sorted(set(_flag_names(self.extra_args)) & set(owned))
+        taken = sorted({name for name, _ in flag_values(self.extra_args)} & set(owned))
         if taken:
             raise ValueError(f"extra_args: {', '.join(taken)}: the renderer sets these (from job.yaml's fields, the "
                              f"{'serving app' if self.serve_app else 'serve section'}, where to submit): drop them "

@@ -29,6 +29,7 @@ from deploy.deploy_config import (
     JobData,
     PodResources,
     RayJobConfig,
+    flag_values,
     quantity_value,
     weights_error,
 )
@@ -304,7 +305,7 @@ def _job_nodes(cfg: DeployConfig, job: RayJobConfig) -> int:
         if gpus < tp or gpus % tp:
             raise ConfigError(f"job tp_size ({tp}) must divide kubernetes.workers.gpus_per_node ({gpus})")
         nodes, ranks = math.ceil(replicas / (gpus // tp)), min(replicas, gpus // tp) * tp
-    per_rank = _flag_value(job.extra_args, "--cpus-per-replica")
+    per_rank = next((v for name, v in reversed(flag_values(job.extra_args)) if name == "--cpus-per-replica"), None)
     try:
         per_rank = 1.0 if per_rank is None else float(per_rank)    # a bad value: submit-job's own check says so
     except ValueError:
@@ -316,18 +317,6 @@ def _job_nodes(cfg: DeployConfig, job: RayJobConfig) -> int:
                           "CPUs (kubernetes.workers.resources.cpu): no replica could ever be placed; lower the job's "
                           "tp_size or give the workers more CPUs")
     return nodes
-
-
-def _flag_value(args: list[str], flag: str) -> str | None:
-    """The last value of `flag` in a submit-job argument list (`--flag V` or `--flag=V`), None if not given."""
-    value, i = None, 0
-    while i < len(args) and args[i] != "--":
-        name, eq, rest = args[i].partition("=")
-        if name == flag:
-            value = rest if eq else (args[i + 1] if i + 1 < len(args) else None)
-            i += 0 if eq else 1
-        i += 1
-    return value
 
 
 def _check_job(cfg: DeployConfig, job: RayJobConfig, own_cluster: bool) -> None:
