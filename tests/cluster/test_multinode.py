@@ -187,7 +187,8 @@ def test_a_replica_lost_with_a_preempted_node_is_retried_as_no_death(two_nodes, 
     after = _retries_by_reason(url)
     new = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     print(f"preempted {worker}; it served {served} requests after the notice; retries by reason {new}")
-    assert served > 0, "the drained replica was given no request: the kill hit nothing"
+    # (`served` counts requests it finished after the notice: it may be 0 when its batch was still running
+    # its first ones at the kill, as a CI run saw with 6 of them retried; the retries show the kill hit)
     assert new.get("preempted", 0) >= 1, new                      # the preemption hit requests in flight...
     assert all(n == 0 for k, n in new.items() if k != "preempted"), new   # ...and was seen as one
 
