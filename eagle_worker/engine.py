@@ -212,7 +212,9 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str, flush: bool = True) -> None:
         """Mark `seq` finished; its caller retires it (`_retire`) once its step's outputs are made."""
         if flush and reason not in ("abort", "error"):
-            finalize_text(self.tokenizer, seq)
+            flushed = finalize_text(self.tokenizer, seq)
+            if flushed and seq.params.stop and self._hit_stop_string(seq, len(flushed)):
+                reason = "stop"               # the held-back end completed a stop string
         seq.finish_reason = reason
         seq.status = SequenceStatus.FINISHED
         seq.metrics.finished_time = time.monotonic()

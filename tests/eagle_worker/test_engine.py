@@ -139,6 +139,21 @@ def test_new_text_is_cut_at_the_stop_string_it_completes_first(stop, include, ke
     assert seq.text == (kept if kept is not None else "xabcd")
 
 
+@pytest.mark.parametrize("stop, reason, text", [(["b\ufffd"], "stop", "xa"), (["zz"], "length", "xab\ufffd")])
+def test_text_flushed_when_a_request_ends_is_checked_against_stop_strings(stop, reason, text):
+    """Text held back for a partial character is flushed at the end; a stop string it completes
+    cuts it and makes the reason "stop", as if the text had come a character at a time."""
+    from types import SimpleNamespace
+
+    tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens=True: "xab\ufffd")
+    seq = SimpleNamespace(text="xa", output_token_ids=[1, 2, 3], metrics=SimpleNamespace(),
+                          params=SimpleNamespace(stop=stop, include_stop_str_in_output=False))
+    engine = SimpleNamespace(tokenizer=tokenizer)
+    engine._hit_stop_string = lambda s, n: LLMEngine._hit_stop_string(engine, s, n)
+    LLMEngine._finish(engine, seq, "length")
+    assert (seq.finish_reason, seq.text) == (reason, text)
+
+
 def _streamed(engine: LLMEngine, prompt: str, params: SamplingParams) -> tuple[list[str], object]:
     engine.add_request("r", prompt, params)
     deltas, last = [], None
