@@ -6,12 +6,13 @@ several tables, and a freed block that holds a registered prefix stays cached, e
 order; blocks that hold nothing reusable are handed out first. A sequence writes only past its
 committed tokens, so only into blocks of its own.
 Speculative decoding appends a draft tree's tokens *uncommitted* after the committed ones and
-then keeps only the accepted subset: `keep_subset` says which slots must be copied where, so the
-kept tokens end up contiguous, and returns the blocks no longer needed.
+then keeps only the accepted subset: `keep_subset` copies the kept tokens' KV so they end up
+contiguous, then frees the blocks no longer needed.
 """
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from typing import Callable
 
 import torch
 
@@ -112,12 +113,13 @@ class BlockManager:
         seq.num_computed_tokens += num_tokens
         self.trim(seq)
 
-    def keep_subset(self, seq: Sequence, keep: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def keep_subset(self, seq: Sequence, keep: list[int],
+                    copy_kv: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
         """Keep uncommitted tokens at offsets `keep` (ascending), drop the rest.
 
-        Returns (src_slots, dst_slots) whose KV must be copied so the kept tokens sit at
-        positions num_computed .. num_computed+len(keep)-1; then commits them and frees the
-        blocks past the new end.
+        `copy_kv(src_slots, dst_slots)` moves the kept tokens' KV to positions num_computed ..
+        num_computed+len(keep)-1 while their blocks are still this sequence's; then the tokens are
+        committed and the blocks past the new end freed.
         """
         base = seq.num_computed_tokens
         if any(b <= a for a, b in zip(keep, keep[1:])):
@@ -128,9 +130,9 @@ class BlockManager:
         src = self.slots(seq, base, end)[torch.tensor(keep, dtype=torch.long)] if keep else torch.empty(0, dtype=torch.long)
         dst = self.slots(seq, base, base + len(keep))
         moved = src != dst
+        copy_kv(src[moved], dst[moved])
         seq.num_computed_tokens = base + len(keep)
         self.trim(seq)
-        return src[moved], dst[moved]
 
     def trim(self, seq: Sequence) -> None:
         """Free blocks beyond those the committed tokens occupy."""

@@ -100,8 +100,7 @@ class VerifyStep:
                      result: ForwardResult, features: torch.Tensor | None) -> list[tuple[int, TokenLogprob | None]]:
         """Keep the accepted path's KV and features, drop the rest; the raw target logprobs of
         each kept position when asked."""
-        src, dst = self.block_manager.keep_subset(seq, acc.path)
-        self.runner.copy_kv(src, dst)
+        self.block_manager.keep_subset(seq, acc.path, self.runner.copy_kv)
         rs = self.states[seq.request_id]
         if features is not None:
             rs.draft.add(features[offset + torch.tensor(acc.path)], acc.tokens)

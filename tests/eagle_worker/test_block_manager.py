@@ -43,13 +43,17 @@ def test_keep_subset_moves_kept_tokens_and_frees_tail_blocks():
     bm.commit(s, 6)
     tree_slots = bm.append_slots(s, 7)              # positions 6..12 uncommitted (draft tree)
     assert len(s.block_table) == 4 and s.num_computed_tokens == 6
-    src, dst = bm.keep_subset(s, [0, 3, 5])
+    copies = []
+
+    def copy_kv(src, dst):   # the source blocks are still the sequence's while their KV is copied
+        copies.append((src.tolist(), dst.tolist(), len(s.block_table), bm.num_free_blocks))
+
+    bm.keep_subset(s, [0, 3, 5], copy_kv)
     # kept offsets 3 and 5 move to positions 7 and 8; offset 0 stays in place
-    assert src.tolist() == [tree_slots[3].item(), tree_slots[5].item()]
-    assert dst.tolist() == [tree_slots[1].item(), tree_slots[2].item()]
+    assert copies == [([tree_slots[3].item(), tree_slots[5].item()], [tree_slots[1].item(), tree_slots[2].item()], 4, 6)]
     assert s.num_computed_tokens == 9 and len(s.block_table) == 3 and bm.num_free_blocks == 7
-    src, dst = bm.keep_subset(s, [])                 # nothing appended and nothing kept
-    assert len(src) == 0 and s.num_computed_tokens == 9
+    bm.keep_subset(s, [], copy_kv)                 # nothing appended and nothing kept
+    assert copies[-1][:2] == ([], []) and s.num_computed_tokens == 9
 
 
 def test_keep_subset_rejects_bad_offsets():
@@ -57,7 +61,7 @@ def test_keep_subset_rejects_bad_offsets():
     s = make_seq("a", 2)
     bm.append_slots(s, 3)
     with pytest.raises(ValueError):
-        bm.keep_subset(s, [2, 1])
+        bm.keep_subset(s, [2, 1], lambda src, dst: None)
 
 
 def test_scheduler_chunks_prefill_and_decodes_first():
