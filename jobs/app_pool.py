@@ -205,7 +205,8 @@ class AppPool:
     # ---- collecting --------------------------------------------------------------------------
     def poll(self, timeout: float) -> tuple[list[tuple[Row, dict]], list[tuple[Row, bool]]]:
         """(finished rows with results, rows to send again, each counting against its
-        `max_row_retries`: the app's own retries already went past replicas lost with their node)."""
+        `max_row_retries`: the app's own retries (cluster/request_retry.py) already went past replicas lost
+        with their node or unreachable for now, `death_cause.free_loss`; Ray's actor errors never get here)."""
         if not self.calls:
             time.sleep(min(timeout, 0.05))
             return [], []

@@ -92,6 +92,12 @@ def _in_folder(paths: list[str], root: str, spec: str) -> list[str]:
     return parquet or jsonl
 
 
+def is_bucket_glob(fs: pafs.FileSystem, path: str) -> bool:
+    """A pattern in a bucket: wildcards (`*`, `?`, `[`) and no object or folder of that very name (as
+    `is_local_glob` on disk). The one rule for reading such an input and for naming its default output."""
+    return glob.has_magic(path) and fs.get_file_info(path).type == pafs.FileType.NotFound
+
+
 def resolve_files(spec: str, exclude: str | None = None) -> tuple[pafs.FileSystem, list[str], str]:
     """(filesystem, files, root) for a file, a folder (its *.parquet or *.jsonl files) or a glob."""
     try:
@@ -106,8 +112,7 @@ def resolve_files(spec: str, exclude: str | None = None) -> tuple[pafs.FileSyste
         return not (ex and (p == ex or p.startswith(ex + "/")))
 
     try:
-        info = fs.get_file_info(path)
-        if glob.has_magic(path) and info.type == pafs.FileType.NotFound:   # an existing name is itself
+        if is_bucket_glob(fs, path):
             root = str(glob_base(path))
             pattern = path[len(root):].strip("/").split("/")
             infos = fs.get_file_info(pafs.FileSelector(root, recursive=True, allow_not_found=True))
@@ -116,7 +121,7 @@ def resolve_files(spec: str, exclude: str | None = None) -> tuple[pafs.FileSyste
                            and _glob_match(rel.split("/"), pattern))
             if not files:
                 raise InputError(f"{spec}: the pattern matches no files")
-        elif info.type == pafs.FileType.File:
+        elif (info := fs.get_file_info(path)).type == pafs.FileType.File:
             root, files = path.rsplit("/", 1)[0], [path]
         elif info.type == pafs.FileType.Directory:
             root = path.rstrip("/")

@@ -62,7 +62,8 @@ class Row:
     chat: bool = False                           # OpenAI output: chat.completion vs text_completion
     model: str | None = None                     # OpenAI body.model, echoed back
     attempts: int = 0                            # sends lost to a dying replica so far
-    lost_with_node: int = 0                      # sends lost with a node taken away (free up to FREE_NODE_LOSSES)
+    free_losses: int = 0                         # sends lost with a node taken away or to an unreachable
+                                                 # replica (death_cause.free_loss; free up to FREE_NODE_LOSSES)
     strict_max_tokens: bool = False              # OpenAI request: prompt + max_tokens over the context is a 400
 
 

@@ -303,13 +303,14 @@ def same_place(a: str, b: str) -> bool:
 def default_output(input_path: str) -> str:
     """Beside the input, never inside what it reads: `data/prompts.parquet` -> `data/prompts.out`;
     a folder `data/x/` -> `data/x.out`; a glob `data/x/*.parquet` -> `data/x.glob-<hash of the pattern>.out`
-    (two globs over one folder get two outputs). Same rules for `s3://`/`gs://` URIs."""
+    (two globs over one folder get two outputs); a name with wildcards that exists is that file or folder.
+    Same rules for `s3://`/`gs://` URIs."""
     if "://" in input_path:
         scheme, rest = input_path.split("://", 1)
         rest = rest.rstrip("/")
         if "/" not in rest:
             raise ValueError(f"{input_path}: a whole bucket as input needs --output")
-        if _is_glob(rest):
+        if _is_glob(rest) and _bucket_glob(input_path):
             base = str(glob_base(rest))
             if "/" not in base:
                 raise ValueError(f"{input_path}: a glob at the top of a bucket needs --output")
@@ -324,6 +325,18 @@ def default_output(input_path: str) -> str:
     if p.is_dir():
         return str(p.parent / f"{p.name}.out")
     return str(p.parent / f"{p.stem}.out")
+
+
+def _bucket_glob(uri: str) -> bool:
+    """`input_files.is_bucket_glob`, asked of the store; a store this machine cannot ask (the cluster
+    has the credentials) names the output as for a pattern."""
+    from jobs.input_files import filesystem, is_bucket_glob  # here only: the config is plain data
+    from jobs.storage import StorageError
+
+    try:
+        return is_bucket_glob(*filesystem(uri))
+    except (StorageError, OSError):
+        return True
 
 
 def _pattern_hash(pattern: str) -> str:

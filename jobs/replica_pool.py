@@ -17,7 +17,11 @@ them again: nothing was written for them, so nothing is lost or duplicated. A ro
 keep dying is written as an error row after `max_row_retries` re-runs. A serving replica lost with
 a node the cluster took away (preempted after a drain, or shut down: cluster/death_cause.py) is
 nobody's doing: it is replaced without using a restart, and its rows' re-runs count against no row
-(up to FREE_NODE_LOSSES each).
+(up to FREE_NODE_LOSSES each). A replica Ray calls unreachable for now (`ActorUnavailableError`: a
+network or GCS blip; it has not called the actor dead) is no death either: its failed rows go again as
+free losses (`death_cause.free_loss`), it takes no new rows and is probed every UNREACHABLE_PROBE_S
+until it answers (then it serves again), Ray calls it dead (replaced as above) or UNREACHABLE_LIMIT_S
+pass (hung or gone for good: replaced with a restart).
 """
 from __future__ import annotations
 
@@ -33,7 +37,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from cluster.config import ServeConfig
 from cluster.config_sections import Limits, RankResources
 from cluster.cpu_threads import engine_env
-from cluster.death_cause import lost_with_node
+from cluster.death_cause import free_loss, lost_with_node
 from cluster.openai_errors import context_error
 from cluster.replica import EngineReplica, engine_config
 from cluster.replica_errors import EngineDiedError, Failed, Rejected, ReplicaConfigError
@@ -44,6 +48,8 @@ from jobs.openai_batch import SERVER_ERROR, openai_logprobs
 logger = logging.getLogger(__name__)
 OFFLINE_PRIORITY = 1
 HEALTH_EVERY_S = 5.0
+UNREACHABLE_PROBE_S = 1.0      # an unreachable replica is asked this often whether it is back
+UNREACHABLE_LIMIT_S = 60.0     # longer than Ray takes to call a vanished node's actors dead
 
 
 def row_result(last) -> dict:
@@ -151,10 +157,15 @@ class _Replica:
     health_ref: Any = None           # a check_health call in flight
     health_at: float = 0.0
     spawned_at: float = field(default_factory=time.monotonic)
+    unreachable_since: float | None = None   # set while Ray says it is unavailable (no new rows meanwhile)
+
+    @property
+    def started(self) -> bool:
+        return self.ready_ref is None and not self.dead
 
     @property
     def ready(self) -> bool:
-        return self.ready_ref is None and not self.dead
+        return self.started and self.unreachable_since is None
 
 
 @dataclass
@@ -237,7 +248,7 @@ class ReplicaPool:
 
     def submit(self, row: Row, params: dict) -> None:
         r = min((r for r in self.replicas if r.ready), key=lambda r: r.in_flight)
-        sends = row.attempts + row.lost_with_node
+        sends = row.attempts + row.free_losses
         rid = str(row.id) if not sends else f"{row.id}#retry{sends}"
         ref = r.actor.generate.remote(rid, row.prompt, params, messages=row.messages, priority=OFFLINE_PRIORITY,
                                       check_context=row.strict_max_tokens and "max_tokens" in row.params)
@@ -251,16 +262,17 @@ class ReplicaPool:
     # ---- collecting --------------------------------------------------------------------------
     def poll(self, timeout: float) -> tuple[list[tuple[Row, dict]], list[tuple[Row, bool]]]:
         """(finished rows with results, rows to send again because their replica died, each with
-        whether that counts against the row's `max_row_retries`: not for a node lost)."""
+        whether that counts against the row's `max_row_retries`: not for a free loss)."""
         starting = {r.ready_ref: r for r in self.replicas if r.ready_ref is not None and not r.dead}
         waitable = list(self.calls) + list(starting)
-        if not waitable:
+        ready = []
+        if not waitable:     # still probe below: replicas all unreachable hold no calls, yet may come back
             time.sleep(min(timeout, 0.05))
-            return [], []
-        ready, rest = ray.wait(waitable, num_returns=1, timeout=timeout)
-        if ready and rest:
-            more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
-            ready += more
+        else:
+            ready, rest = ray.wait(waitable, num_returns=1, timeout=timeout)
+            if ready and rest:
+                more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
+                ready += more
         done, retry = [], []
         for ref in ready:
             if ref in starting:
@@ -273,8 +285,8 @@ class ReplicaPool:
                 node = call.replica.info.get("node_id", "?")
                 self.rows_by_node[node] = self.rows_by_node.get(node, 0) + 1
             except (RayActorError, ActorUnavailableError, EngineDiedError) as e:
-                self._on_death(call.replica, e)
-                retry.append((call.row, not lost_with_node(e)))
+                self._on_lost(call.replica, e)
+                retry.append((call.row, not free_loss(e)))
             except Exception as e:  # a bug on one row: report it on that row, keep going
                 done.append((call.row, {"error": f"internal error: {type(e).__name__}: {_first_line(e)}", **SERVER_ERROR}))
         self._check_health()
@@ -284,9 +296,13 @@ class ReplicaPool:
     def _check_health(self) -> None:
         """Every HEALTH_EVERY_S, each ready replica is asked for its health: a step hung past
         `step_timeout_s` makes it give up (cluster/replica.py), failing its rows as a crash does, so
-        they come back through the death path above; the answer itself is only read for errors."""
+        they come back through the death path above; the answer itself is only read for errors.
+        The same call probes an unreachable replica, every UNREACHABLE_PROBE_S."""
         now = time.monotonic()
         for r in self.replicas:
+            if r.unreachable_since is not None and now - r.unreachable_since > UNREACHABLE_LIMIT_S:
+                self._on_death(r, TimeoutError(f"unreachable for over {UNREACHABLE_LIMIT_S:.0f}s"))
+                continue
             if r.health_ref is not None:
                 if not ray.wait([r.health_ref], timeout=0)[0]:
                     continue
@@ -294,9 +310,13 @@ class ReplicaPool:
                 try:
                     ray.get(ref)
                 except Exception as e:  # noqa: BLE001 - hung, or dead: either way replaced
-                    self._on_death(r, e)
+                    self._on_lost(r, e)
                     continue
-            if r.ready and now - r.health_at >= HEALTH_EVERY_S:
+                if r.unreachable_since is not None:
+                    logger.warning("replica %d is reachable again after %.1fs", r.index, now - r.unreachable_since)
+                    r.unreachable_since = None
+            every = HEALTH_EVERY_S if r.unreachable_since is None else UNREACHABLE_PROBE_S
+            if r.started and now - r.health_at >= every:
                 r.health_ref, r.health_at = r.actor.check_health.remote(), now
 
     def _on_started(self, r: _Replica, ref) -> None:
@@ -316,6 +336,16 @@ class ReplicaPool:
             self.last_error = f"replica {r.index} failed to start: {_first_line(e)}"
             logger.error("%s", self.last_error)
             self._on_death(r, e)
+
+    def _on_lost(self, r: _Replica, err: BaseException) -> None:
+        """A call to a serving replica failed. Unreachable for now is no death: Ray has not called it dead,
+        so it is kept (without new rows) and probed (`_check_health`) instead of using a restart."""
+        if not isinstance(err, ActorUnavailableError):
+            self._on_death(r, err)
+        elif r.unreachable_since is None and not r.dead:
+            r.unreachable_since, r.health_at = time.monotonic(), 0.0   # probe at once
+            logger.warning("replica %d is unreachable (%s); it takes no rows until it answers again", r.index,
+                           _first_line(err))
 
     def _on_death(self, r: _Replica, err: BaseException) -> None:
         if r.dead:
@@ -342,7 +372,7 @@ class ReplicaPool:
                             "run the same command again to resume")
         # measured from the latest start: a replacement mid-job gets the same time as the first replicas
         waiting = time.monotonic() - max(r.spawned_at for r in alive)
-        if not any(r.ready for r in alive) and waiting > self.cfg.startup_timeout_s:
+        if not any(r.started for r in alive) and waiting > self.cfg.startup_timeout_s:
             have = ray.cluster_resources()
             gpus = f"{self.cfg.tp_size} GPU(s) (--device cuda) and " if self.cfg.device == "cuda" else ""
             raise JobFailed(f"no replica became ready within {self.cfg.startup_timeout_s:.0f}s; each needs {gpus}"

@@ -191,13 +191,13 @@ class JobRunner:
                 for row, res in done:
                     self._emit(row, res)
                 for row, counts in reversed(lost):
-                    if not counts and row.lost_with_node < FREE_NODE_LOSSES:   # no row's doing
-                        row.lost_with_node += 1
+                    if not counts and row.free_losses < FREE_NODE_LOSSES:   # no row's doing
+                        row.free_losses += 1
                         queue.appendleft(row)
                         continue
                     row.attempts += 1
                     if row.attempts > cfg.max_row_retries:
-                        lost = f" (and was lost with its node {row.lost_with_node} times)" if row.lost_with_node else ""
+                        lost = f" (and was lost with its node or unreachable {row.free_losses} times)" if row.free_losses else ""
                         self._emit(row, {"error": f"the replica running this row died {row.attempts} times{lost}",
                                          **SERVER_ERROR})
                     else:

@@ -223,6 +223,30 @@ def test_an_existing_path_with_wildcard_characters_is_that_file_or_folder(tmp_pa
     assert default_output(str(tmp_path / "run[s]*")).startswith(f"{tmp_path}.glob-")   # no such name: a glob
 
 
+def test_an_existing_bucket_object_with_wildcard_characters_gets_a_literal_files_output(tmp_path, monkeypatch):
+    """As on local disk: read as that object or folder, and named as one (not `<folder>.glob-<hash>.out`)."""
+    import pyarrow.fs as pafs
+
+    import jobs.input_files as input_files
+    from jobs.storage import StorageError
+
+    write_parquet(tmp_path / "bkt/data/my data [v2].parquet", prompt=["p"])
+    write_parquet(tmp_path / "bkt/data/my data 2.parquet", prompt=["other"])
+    write_parquet(tmp_path / "bkt/runs*?/a.parquet", prompt=["q"])
+    bucket = input_files.filesystem        # s3://bkt/... -> the same tree through pyarrow's LocalFileSystem
+    monkeypatch.setattr(input_files, "filesystem", lambda uri: (pafs.LocalFileSystem(), f"{tmp_path}/{uri.split('://')[1]}")
+                        if "://" in uri else bucket(uri))
+    obj = "s3://bkt/data/my data [v2].parquet"
+    assert [f.rsplit("/", 1)[1] for f in input_files.resolve_files(obj)[1]] == ["my data [v2].parquet"]
+    assert default_output(obj) == "s3://bkt/data/my data [v2].out"
+    assert default_output("s3://bkt/runs*?/") == "s3://bkt/runs*?.out"
+    assert default_output("s3://bkt/data/my data [2].parquet").startswith("s3://bkt/data.glob-")   # no such name
+    def unreachable(uri):
+        raise StorageError(f"{uri}: cannot open (no credentials)")
+    monkeypatch.setattr(input_files, "filesystem", unreachable)
+    assert default_output(obj).startswith("s3://bkt/data.glob-")   # a store it cannot ask: named as a pattern
+
+
 def test_cli_malformed_file_fails_before_generation(tmp_path):
     p = write_parquet(tmp_path / "bad.parquet", question=["what?"], max_tokens=[1])
     res = CliRunner().invoke(submit_job, [str(p), "--model", "/does/not/matter"], env={"RAY_ADDRESS": ""})

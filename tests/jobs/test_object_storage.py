@@ -159,3 +159,17 @@ def test_a_driver_whose_lease_another_took_over_writes_nothing_more(s3_env):
     assert records == ["part-run1-00000.parquet"]
     assert json.loads(out.folder.read_bytes(LEASE))["token"] == "theirs"
     assert out.folder.read_bytes("_manifest.json") is None
+
+
+def test_an_object_named_with_a_wildcard_is_that_object_and_its_output_named_for_it(s3_env):
+    """`s3://b/in/part*.parquet` that exists is read as that object (not also `part1.parquet`) and its
+    default output is `part*.out` beside it, as a local file's; no such object: a glob's name."""
+    from jobs.input_files import resolve_files
+    from jobs.job_config import default_output
+
+    fs = _bucket("wild")
+    for name in ("part*", "part1"):
+        pq.write_table(pa.table({"prompt": [name]}), f"wild/in/{name}.parquet", filesystem=fs)
+    assert resolve_files("s3://wild/in/part*.parquet")[1] == ["wild/in/part*.parquet"]
+    assert default_output("s3://wild/in/part*.parquet") == "s3://wild/in/part*.out"
+    assert default_output("s3://wild/in/p*.parquet").startswith("s3://wild/in.glob-")

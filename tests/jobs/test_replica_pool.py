@@ -4,12 +4,14 @@ test_job_tiny.py and, to a preempted node on a real cluster, in test_job_cluster
 from __future__ import annotations
 
 import itertools
+import types
 
 import pytest
 import ray.exceptions
 
 from cluster.death_cause import FREE_NODE_LOSSES
 from jobs import replica_pool
+from jobs.input_reader import Row
 from jobs.job_config import JobConfig
 from jobs.replica_pool import JobFailed, ReplicaPool, _Replica
 from tests.cluster.test_router import node_lost_error
@@ -118,5 +120,92 @@ def test_a_row_lost_with_nodes_over_and_over_ends_as_an_error_row(tmp_path, monk
     assert pool.sent.count("in.parquet:1") == FREE_NODE_LOSSES + 2   # 3 free, then 1 + max_row_retries
     rows = {r["id"]: r for r in read_rows(tmp_path / "in.out")}
     assert rows["in.parquet:0"]["error"] is None
-    assert "died 2 times (and was lost with its node 3 times)" in rows["in.parquet:1"]["error"]
+    assert "died 2 times (and was lost with its node or unreachable 3 times)" in rows["in.parquet:1"]["error"]
     assert m["error_rows"] == 1
+
+
+class _Ref:
+    """A finished call (its value, or the error it raises), or with `pending` one that never answers."""
+
+    def __init__(self, value=None, pending=False):
+        self.value, self.pending = value, pending
+
+
+class _Actor:
+    """A replica whose health checks answer `probes` in turn (then: healthy)."""
+
+    def __init__(self, *probes):
+        self.probes = list(probes)
+        self.check_health = types.SimpleNamespace(remote=lambda: self.probes.pop(0) if self.probes else _Ref())
+
+
+@pytest.fixture
+def fake_ray(pool, monkeypatch):
+    """Ray's wait/get over `_Ref`s (a replacement's start never ends), and a clock the test moves."""
+    now = [1000.0]
+    monkeypatch.setattr(replica_pool.time, "monotonic", lambda: now[0])
+
+    def get(ref):
+        if isinstance(ref.value, BaseException):
+            raise ref.value
+        return ref.value
+
+    def wait(refs, num_returns=1, timeout=None):
+        pending = [r for r in refs if getattr(r, "pending", True)]
+        return [r for r in refs if r not in pending], pending
+    monkeypatch.setattr(replica_pool.ray, "wait", wait)
+    monkeypatch.setattr(replica_pool.ray, "get", get)
+    for r in pool.replicas:
+        r.actor, r.spawned_at = _Actor(), 0.0
+    return now
+
+
+def _blip() -> ray.exceptions.ActorUnavailableError:
+    return ray.exceptions.ActorUnavailableError("a network blip", None)
+
+
+def _lose_row_to_a_blip(pool, replica) -> Row:
+    """One row in flight on `replica` whose call fails as unreachable; polled."""
+    row = Row(id="r")
+    pool.calls[_Ref(_blip())] = replica_pool._Call(row, replica, 0.0)
+    replica.in_flight += 1
+    assert pool.poll(0.01) == ([], [(row, False)])     # sent again as a free loss, not one of max_row_retries
+    return row
+
+
+def test_an_unreachable_replica_is_probed_not_replaced_and_serves_again(pool, fake_ray):
+    """ActorUnavailableError (a network or GCS blip: Ray has not called the actor dead) is no death:
+    the replica keeps its process and the job its restarts; it takes no rows until a probe answers."""
+    r0 = pool.replicas[0]
+    r0.actor = _Actor(_Ref(_blip()), _Ref())           # the first probe: still unreachable; the second: back
+    _lose_row_to_a_blip(pool, r0)
+    assert pool.replicas[0] is r0 and not r0.dead and pool.restarts_left == 1 and pool.replicas_lost_with_node == 0
+    assert not r0.ready and pool.free_slots() == pool.cfg.in_flight_per_replica   # r1's slots only
+    pool.cfg.startup_timeout_s, pool.replicas[1].unreachable_since = 10, fake_ray[0]   # r1 too (a GCS blip)
+    fake_ray[0] += 11
+    pool.poll(0.01)                                    # the first probe's answer: still unreachable
+    assert not r0.ready and not r0.dead                # and no replica ready is no start timing out
+    pool.poll(0.01)                                    # probed again,
+    assert not r0.ready
+    pool.poll(0.01)                                    # and it answers
+    assert r0.ready and pool.replicas[0] is r0 and pool.restarts_left == 1
+
+
+@pytest.mark.parametrize("probe", ["hung", "unreachable", "node lost", "dead"])
+def test_an_unreachable_replica_that_does_not_come_back_is_replaced(pool, fake_ray, probe):
+    """Probed until UNREACHABLE_LIMIT_S (a hung replica never answers): then replaced with a restart.
+    Ray calling it dead meanwhile replaces it at once, without a restart when its node was taken away."""
+    answer = {"hung": _Ref(pending=True), "unreachable": _Ref(_blip()), "node lost": _Ref(node_lost_error("preempted")),
+              "dead": _Ref(ray.exceptions.ActorDiedError())}[probe]
+    r0 = pool.replicas[0]
+    r0.actor = _Actor(*[answer] * 100)
+    _lose_row_to_a_blip(pool, r0)
+    for _ in range(int(replica_pool.UNREACHABLE_LIMIT_S) - 1):
+        fake_ray[0] += 1
+        pool.poll(0.01)
+    if probe in ("hung", "unreachable"):
+        assert pool.replicas[0] is r0 and not r0.dead       # within the limit: kept
+        fake_ray[0] += 2
+        pool.poll(0.01)
+    assert r0.dead and pool.replicas[0].actor == "actor-2"   # replaced, once
+    assert (pool.restarts_left, pool.replicas_lost_with_node) == ((1, 1) if probe == "node lost" else (0, 0))
