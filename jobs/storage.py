@@ -55,14 +55,20 @@ def check_uri(path: str) -> None:
 
 
 def filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
-    """(pyarrow filesystem, path inside it) for a URI; credentials from the environment."""
+    """(pyarrow filesystem, path inside it) for a URI; credentials from the environment. The key is
+    taken as written, as the AWS and gcloud CLIs do (spaces, `[`, `?`, `%20` are part of the name):
+    only `scheme://bucket` goes through pyarrow's URI parser."""
     check_uri(uri)
     if not is_uri(uri):
         return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(uri))
+    scheme, _, rest = uri.partition("://")
+    bucket, _, key = rest.partition("/")
     try:
-        return pafs.FileSystem.from_uri(uri)
+        fs, root = pafs.FileSystem.from_uri(f"{scheme}://{bucket}")
     except Exception as e:  # pyarrow raises ArrowInvalid/OSError with the provider's message
         raise StorageError(f"{uri}: cannot open ({_first_line(e)})") from None
+    key = key.rstrip("/")
+    return fs, f"{root}/{key}" if key else root
 
 
 def join(base: str, *names: str) -> str:

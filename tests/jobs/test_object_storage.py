@@ -173,3 +173,23 @@ def test_an_object_named_with_a_wildcard_is_that_object_and_its_output_named_for
     assert resolve_files("s3://wild/in/part*.parquet")[1] == ["wild/in/part*.parquet"]
     assert default_output("s3://wild/in/part*.parquet") == "s3://wild/in/part*.out"
     assert default_output("s3://wild/in/p*.parquet").startswith("s3://wild/in.glob-")
+
+
+def test_keys_with_spaces_brackets_and_question_marks_are_read_and_written_as_written(s3_env):
+    """The key after `s3://bucket/` is taken as written, as the AWS CLI does: pyarrow's URI parser
+    refused spaces and `[` and took `?` for a query; a glob over such names still matches them."""
+    from jobs.input_files import resolve_files
+    from jobs.storage import Folder, filesystem
+
+    fs = _bucket("odd")
+    names = ["my prompts.parquet", "x[1].parquet", "q?.parquet", "a%20b.parquet"]
+    for name in names:
+        pq.write_table(pa.table({"prompt": [name]}), f"odd/in/{name}", filesystem=fs)
+    for name in names:
+        got_fs, path = filesystem(f"s3://odd/in/{name}")
+        assert path == f"odd/in/{name}" and pq.read_table(path, filesystem=got_fs)["prompt"].to_pylist() == [name]
+        assert resolve_files(f"s3://odd/in/{name}")[1] == [f"odd/in/{name}"]
+    assert sorted(resolve_files("s3://odd/in/*.parquet")[1]) == sorted(f"odd/in/{n}" for n in names)
+    out = Folder("s3://odd/out dir/run [1]")
+    out.write_bytes_atomic("_manifest.json", b"{}")
+    assert out.read_bytes("_manifest.json") == b"{}" and fs.get_file_info("odd/out dir/run [1]/_manifest.json").size == 2
