@@ -144,7 +144,7 @@ class ModelRunner:
         return num_blocks
 
     def _max_model_len(self) -> int:
-        native = getattr(self.hf_config, "max_position_embeddings", 8192)
+        native = getattr(self.hf_config.get_text_config(), "max_position_embeddings", 8192)   # multimodal: the text part's
         limit = self.config.max_model_len or min(native, 8192)
         if limit > native:
             raise ValueError(f"max_model_len={limit} exceeds the model's context of {native} tokens")

@@ -21,13 +21,20 @@ def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
 def sliding_window_of(config, layer_idx: int) -> int | None:
-    """Window of one layer: per `layer_types` when present (Qwen2/3, Gemma 3), else global (Mistral)."""
+    """Window of one layer: per `layer_types` when present (Qwen2/3, Gemma 3), else global for Mistral
+    only (transformers' Llama ignores a `sliding_window` key and attends to everything)."""
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:
+        if layer_types[layer_idx] not in LAYER_TYPES:
+            raise ValueError(f"layer_types[{layer_idx}] = {layer_types[layer_idx]!r} is not supported "
+                             f"(supported: {', '.join(LAYER_TYPES)})")
         return window if layer_types[layer_idx] == "sliding_attention" else None
-    return window
+    return window if getattr(config, "model_type", None) == "mistral" else None
 
 
 def max_position_of(config) -> int:

@@ -248,3 +248,48 @@ def test_linear_matches_f_linear_at_every_kernel_choice(rows, bias):
         got = linear(x[:, None], w, b)                    # a leading batch shape is kept
     assert got.shape == (rows, 1, 96)
     torch.testing.assert_close(got[:, 0], torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_a_llama_config_with_a_sliding_window_key_attends_to_everything_as_transformers_does(tmp_path):
+    """Only Mistral applies a global `sliding_window`; transformers' Llama ignores the key, so a Llama
+    checkpoint that carries one must not get windowed attention (it did, on every layer)."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**COMMON, sliding_window=4, architectures=["LlamaForCausalLM"])
+    config._attn_implementation = "eager"
+    ref = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
+    _randomize(ref, gemma=False)
+    ref.save_pretrained(tmp_path, safe_serialization=True)
+    ours = model_class_for(config)(config).float().eval()
+    load_weights(ours, tmp_path)
+    assert {m.sliding_window for m in ours.modules() if hasattr(m, "sliding_window")} == {None}
+    tokens = torch.randint(0, VOCAB, (20,), generator=torch.Generator().manual_seed(2)).tolist()
+    with torch.no_grad(), attention_context(causal_context([len(tokens)], torch.device("cpu"))):
+        logits = ours.compute_logits(ours(torch.tensor(tokens), torch.arange(len(tokens))))
+    assert rel_err(logits, _ref_logits(ref, tokens)) <= 1e-4
+    mistral = tiny_config("mistral")
+    assert {m.sliding_window for m in model_class_for(mistral)(mistral).modules() if hasattr(m, "sliding_window")} == {5}
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_an_unknown_layer_type_is_refused_not_run_as_full_attention(family):
+    config = tiny_config(family)
+    config.layer_types = ["full_attention", "chunked_attention", *config.layer_types[2:]]
+    with pytest.raises(ValueError, match=r"layer_types\[1\] = 'chunked_attention' is not supported"):
+        model_class_for(config)(config)
+
+
+def test_a_multimodal_gemma3_checkpoint_takes_its_context_from_the_text_config():
+    """Gemma3ForConditionalGeneration keeps `max_position_embeddings` in `text_config`; the top level
+    has none, so the limit read 8192 and a longer context than the rope table was accepted."""
+    from types import SimpleNamespace
+
+    from eagle_worker.model_runner import ModelRunner
+
+    text = tiny_config("gemma3").to_dict()
+    hf_config = transformers.Gemma3Config(text_config=text, vision_config={"hidden_size": 32, "intermediate_size": 64,
+                                          "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 28, "patch_size": 14})
+    runner = SimpleNamespace(hf_config=hf_config, num_kv_blocks=1000, config=SimpleNamespace(max_model_len=None, block_size=4))
+    assert ModelRunner._max_model_len(runner) == 128
+    runner.config.max_model_len = 1000
+    with pytest.raises(ValueError, match="exceeds the model's context of 128 tokens"):
+        ModelRunner._max_model_len(runner)
