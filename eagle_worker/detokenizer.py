@@ -24,9 +24,11 @@ def detokenize_incrementally(tokenizer, seq: Sequence) -> str:
     return ""
 
 
-def finalize_text(tokenizer, seq: Sequence) -> str:
-    """Flush text held back at the end (a dangling partial character) when the sequence ends."""
-    rest = tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+def finalize_text(tokenizer, seq: Sequence, drop_last: bool = False) -> str:
+    """Flush text held back at the end (a dangling partial character) when the sequence ends;
+    `drop_last`: the last token's text is not part of the output (a stop token id)."""
+    ids = seq.output_token_ids
+    rest = tokenizer.decode(ids[:-1] if drop_last else ids, skip_special_tokens=True)
     if rest.startswith(seq.text) and len(rest) > len(seq.text):
         extra = rest[len(seq.text):]
         seq.text = rest

@@ -174,9 +174,10 @@ class LLMEngine:
             self.totals["generated_tokens"] += 1
             if seq.metrics.first_token_time is None:
                 seq.metrics.first_token_time = time.monotonic()
-            new_text = detokenize_incrementally(self.tokenizer, seq)
+            hidden = token in p.stop_token_ids and not p.include_stop_str_in_output   # vLLM: its text is not output
+            new_text = "" if hidden else detokenize_incrementally(self.tokenizer, seq)
             if (token in self.runner.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
-                return self._finish(seq, "stop")
+                return self._finish(seq, "stop", drop_last=hidden)
             if p.stop and new_text and self._hit_stop_string(seq, len(new_text)):
                 return self._finish(seq, "stop", flush=False)
             if seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_model_len:
@@ -209,10 +210,11 @@ class LLMEngine:
         self.totals["failed_steps"] += 1
         return outputs
 
-    def _finish(self, seq: Sequence, reason: str, flush: bool = True) -> None:
-        """Mark `seq` finished; its caller retires it (`_retire`) once its step's outputs are made."""
+    def _finish(self, seq: Sequence, reason: str, flush: bool = True, drop_last: bool = False) -> None:
+        """Mark `seq` finished; its caller retires it (`_retire`) once its step's outputs are made.
+        `drop_last`: the last token's text stays out of the output (a stop token id)."""
         if flush and reason not in ("abort", "error"):
-            flushed = finalize_text(self.tokenizer, seq)
+            flushed = finalize_text(self.tokenizer, seq, drop_last)
             if flushed and seq.params.stop and self._hit_stop_string(seq, len(flushed)):
                 reason = "stop"               # the held-back end completed a stop string
         seq.finish_reason = reason

@@ -168,7 +168,7 @@ def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         drop = torch.zeros_like(probs, dtype=torch.bool)
         if params.top_p < 1.0:
             sorted_p, idx = probs.sort(dim=-1, descending=True)
-            drop.scatter_(-1, idx, sorted_p.cumsum(-1) - sorted_p > params.top_p)   # keep the smallest set reaching top_p
+            drop.scatter_(-1, idx, sorted_p.cumsum(-1) - sorted_p >= params.top_p)   # keep the smallest set reaching top_p
         if params.min_p > 0.0:
             drop |= probs < params.min_p * probs.amax(-1, keepdim=True)
         z = z.masked_fill(drop, float("-inf"))

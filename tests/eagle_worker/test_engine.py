@@ -114,6 +114,12 @@ def test_stop_token_ids_stop_strings_and_logprobs(tiny_model_dir):
     first = base.token_ids.index(stop_id)
     out = llm.generate(PROMPTS[1], SamplingParams(max_tokens=16, temperature=0.0, stop_token_ids=[stop_id], ignore_eos=True))[0]
     assert out.finish_reason == "stop" and out.token_ids == base.token_ids[: first + 1]
+    # the stop token's own text is not output (vLLM), unless include_stop_str_in_output
+    tok = llm.tokenizer
+    assert out.text == tok.decode(base.token_ids[:first], skip_special_tokens=True)
+    kept = llm.generate(PROMPTS[1], SamplingParams(max_tokens=16, temperature=0.0, stop_token_ids=[stop_id],
+                                                   ignore_eos=True, include_stop_str_in_output=True))[0]
+    assert kept.text == tok.decode(base.token_ids[: first + 1], skip_special_tokens=True) != out.text
     # stop string: the first two characters from the middle on that are not all whitespace
     mid = len(base.text) // 2
     stop_str = next(base.text[i: i + 2] for i in range(mid, len(base.text) - 1) if base.text[i: i + 2].strip())

@@ -176,3 +176,13 @@ def test_no_accepted_input_makes_nan_or_fails_to_draw(params, kind):
         if not rows[0].params.greedy:
             probs = filtered_probs(x, rows[0].params)
             assert torch.isfinite(probs).all() and float(probs.sum()) == pytest.approx(1.0, abs=1e-4)
+
+
+def test_top_p_keeps_the_smallest_set_whose_mass_reaches_it():
+    """vLLM's and HF's rule: a token goes when the mass before it already reaches top_p, so with
+    probabilities [0.5, 0.25, 0.25] and top_p 0.5 only the first is kept (not the first two)."""
+    from eagle_worker.sampler import filtered_logits
+
+    logits = torch.tensor([math.log(0.5), math.log(0.25), math.log(0.125), math.log(0.125)])
+    kept = lambda p: torch.isfinite(filtered_logits(logits, SamplingParams(top_p=p))).nonzero().flatten().tolist()  # noqa: E731
+    assert kept(0.5) == [0] and kept(0.6) == [0, 1] and kept(0.75) == [0, 1] and len(kept(0.76)) == 3
