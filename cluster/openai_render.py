@@ -9,6 +9,7 @@ Token texts come from the ingress's prompt tokenizer (the engine sends ids); per
 from __future__ import annotations
 
 import asyncio
+import codecs
 from typing import Any, AsyncIterator
 
 from cluster.openai_responses import (
@@ -63,21 +64,26 @@ class CompletionRender(_Render):
     def __init__(self, model: str, prompts, req, prompt_text: str, prompt_ids: list[int]):
         super().__init__(model, prompts, req)
         self.prompt_text, self.prompt_ids = prompt_text, prompt_ids
-        self._offsets: dict[int, int] = {}   # choice -> text offset of its next streamed token
+        self._offsets: dict[int, tuple[int, bytes]] = {}   # choice -> (text offset, bytes of a partial character)
         # a BOS the tokenizer added is an echoed token that the echoed text does not hold: no width
         bos = getattr(prompts, "bos_token", None)
         self._unseen_bos = bool(bos and prompt_ids and prompts.token_text(prompt_ids[0]) == bos
                                 and not prompt_text.startswith(bos))
 
-    def logprobs(self, entries: list, token_ids: list[int], offset: int,
-                 echoed: bool = False) -> tuple[dict[str, Any], int]:
-        """`echoed`: the first entries are the echoed prompt's (offsets within the echoed text)."""
+    def logprobs(self, entries: list, token_ids: list[int], offset: int, echoed: bool = False,
+                 pending: bytes = b"") -> tuple[dict[str, Any], int, bytes]:
+        """`echoed`: the first entries are the echoed prompt's (offsets within the echoed text).
+        A token advances the offset by the characters its bytes complete (`pending`: the bytes of a
+        character begun by earlier tokens), so a character split over tokens counts once."""
         tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
         for k, (e, tid) in enumerate(zip(entries, token_ids)):
             text = self.prompts.token_text(tid)
             tokens.append(text)
             offsets.append(offset)
-            offset += 0 if (echoed and k == 0 and self._unseen_bos) else len(text)
+            if not (echoed and k == 0 and self._unseen_bos):
+                decoder = codecs.getincrementaldecoder("utf-8")("replace")
+                offset += len(decoder.decode(pending + bytes(self.prompts.token_bytes(tid))))
+                pending = decoder.getstate()[0]
             got = _entry(e)
             if got is None:          # the first prompt token has no logprob
                 token_logprobs.append(None)
@@ -88,7 +94,7 @@ class CompletionRender(_Render):
             alternatives = {self.prompts.token_text(t): _lp(v) for t, v in top}
             alternatives.setdefault(text, _lp(lp))
             top_logprobs.append(alternatives)
-        return dict(tokens=tokens, token_logprobs=token_logprobs, top_logprobs=top_logprobs, text_offset=offsets), offset
+        return dict(tokens=tokens, token_logprobs=token_logprobs, top_logprobs=top_logprobs, text_offset=offsets), offset, pending
 
     def _echoed(self, prompt_lps: list | None) -> tuple[list, list[int]]:
         """The prompt's share of an echoed choice's logprobs."""
@@ -103,7 +109,7 @@ class CompletionRender(_Render):
             if self.want_logprobs:
                 entries, ids = self._echoed(prompt_lps)
                 gen, gen_ids = ([], []) if self.score_only else (list(out.logprobs or []), list(out.token_ids))
-                logprobs, _ = self.logprobs(entries + gen, ids + gen_ids, 0, echoed=bool(ids))
+                logprobs = self.logprobs(entries + gen, ids + gen_ids, 0, echoed=bool(ids))[0]
             text = (self.prompt_text if self.req.echo else "") + ("" if self.score_only else out.text)
             choices.append(CompletionChoice(index=i, text=text, logprobs=logprobs,
                                                finish_reason=finish_reason(out.finish_reason)))
@@ -122,9 +128,10 @@ class CompletionRender(_Render):
             entries, ids = self._echoed(getattr(out, "prompt_logprobs", None)) if first else ([], [])
             if not self.score_only:
                 entries, ids = entries + list(getattr(out, "new_logprobs", None) or []), ids + list(out.new_token_ids)
-            logprobs, self._offsets[i] = self.logprobs(entries, ids, self._offsets.get(i, 0), echoed=first and self.req.echo)
+            offset, pending = self._offsets.get(i, (0, b""))
+            logprobs, *self._offsets[i] = self.logprobs(entries, ids, offset, echoed=first and self.req.echo, pending=pending)
         else:
-            self._offsets[i] = 0
+            self._offsets[i] = (0, b"")
         choice = CompletionChoice(index=i, text=text, logprobs=logprobs,
                                      finish_reason=finish_reason(out.finish_reason))
         return CompletionResponse(id=rid, model=self.model, choices=[choice])

@@ -62,3 +62,24 @@ def test_job_logprobs_carry_each_tokens_own_bytes():
     content = openai_logprobs([TokenLogprob(t, -0.5, [(t, -0.5)]) for t in ids], ids, prompts, chat=True)["content"]
     assert b"".join(bytes(c["bytes"]) for c in content) == TEXT.encode()
     assert all(c["top_logprobs"][0]["bytes"] == c["bytes"] for c in content)
+
+
+def test_generated_offsets_count_a_character_split_over_tokens_once():
+    """A token that holds part of a character reads as U+FFFD alone; each token advances the offset by
+    the characters its bytes complete, also when the pieces of a character come in different chunks,
+    so every offset indexes the choice's text (they ran 7 characters past a 10-character text)."""
+    prompts = PromptTokenizer(make_tokenizer(), None, "tiny")
+    text = " ça 你好🫨 ok"
+    gen = prompts.tokenize(text)[1:]
+    assert any("\ufffd" in prompts.token_text(t) for t in gen)
+    req = CompletionRequest.model_validate({"model": "m", "prompt": "x", "logprobs": 0, "max_tokens": 20})
+    lps = [TokenLogprob(t, -0.5, []) for t in gen]
+    out = RequestOutput("r", [1], gen, text, gen, text, True, "length", logprobs=lps)
+    full = CompletionRender("m", prompts, req, "x", [1]).full("id", [out], None).choices[0].logprobs["text_offset"]
+    chars = [len(prompts.decode(gen[:k]).rstrip("\ufffd")) for k in range(len(gen))]
+    assert full == chars and full[-1] < len(text)
+    render, streamed = CompletionRender("m", prompts, req, "x", [1]), []
+    for k, t in enumerate(gen):       # one token a chunk
+        step = RequestOutput("r", [1], gen[:k + 1], "", [t], "", k == len(gen) - 1, None, new_logprobs=[lps[k]])
+        streamed += render.chunk("id", 0, step).choices[0].logprobs["text_offset"]
+    assert streamed == full
