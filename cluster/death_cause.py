@@ -1,4 +1,4 @@
-"""Why a replica was lost: with a node the cluster took away, or otherwise.
+"""Why a replica was lost: with a node the cluster took away, stopped by Serve, or otherwise.
 
 A node the cluster took away on purpose (a spot VM taken back after its preemption notice drained it;
 a node drained and shut down by the autoscaler or KubeRay, its pod deleted) is no request's doing, so
@@ -6,13 +6,15 @@ losing a replica with it (or one of its tensor-parallel ranks) counts as no deat
 job rows that were on it (cluster/request_retry.py, jobs/replica_pool.py), up to FREE_NODE_LOSSES
 times each. A replica process that died, or a node that failed unexpectedly (an out-of-memory kill
 of the whole pod, a VM gone without notice), may have been brought down by what it ran: that one
-counts.
+counts. So is a healthy replica Serve stops (scale-down, a rolling update) whose requests outlast its
+graceful shutdown: the replica ends them with `ReplicaStoppedError` (cluster/replica_stop.py) before
+Serve kills it, where the kill would be an ActorDiedError like any crash's.
 """
 from __future__ import annotations
 
 from ray.exceptions import ActorUnavailableError, RayActorError
 
-from cluster.replica_errors import EngineDiedError
+from cluster.replica_errors import EngineDiedError, ReplicaStoppedError
 
 # Ray's GCS words for an actor whose node went on purpose: "The actor died because its node has died.
 # ... the actor's node was preempted: ..." or "... was terminated expectedly: received SIGTERM" (a
@@ -43,14 +45,23 @@ def lost_with_node(error: BaseException) -> bool:
     return bool(_node_losses(error))
 
 
+def stopped_by_serve(error: BaseException) -> bool:
+    """The replica ended the request because Serve was stopping it (by type, itself or the cause a
+    RayTaskError wraps: no text a request could put words into)."""
+    return any(isinstance(e, ReplicaStoppedError) for e in (error, getattr(error, "cause", None)))
+
+
 def free_loss(error: BaseException) -> bool:
-    """No request's doing: lost with a node taken away, or unreachable for now (a network or GCS blip:
-    Ray has not called the actor dead). Callers allow FREE_NODE_LOSSES of them a request."""
-    return lost_with_node(error) or isinstance(error, ActorUnavailableError)
+    """No request's doing: lost with a node taken away, stopped by Serve, or unreachable for now (a
+    network or GCS blip: Ray has not called the actor dead). Callers allow FREE_NODE_LOSSES of them
+    a request."""
+    return lost_with_node(error) or stopped_by_serve(error) or isinstance(error, ActorUnavailableError)
 
 
 def loss_reason(error: BaseException) -> str:
-    """A label for a replica loss: `preempted`, `node_lost`, or the error's type."""
+    """A label for a replica loss: `preempted`, `node_lost`, `replica_stopped`, or the error's type."""
+    if stopped_by_serve(error):
+        return "replica_stopped"
     losses = _node_losses(error)
     if "preempted" in losses:
         return "preempted"

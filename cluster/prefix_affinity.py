@@ -92,17 +92,18 @@ class PrefixMemory:
 
 
 def prefer_prefix(ranked: list, hashes: Sequence[int], memory: PrefixMemory, load: Callable[[Any], float],
-                  key: Callable[[Any], Hashable], load_slack: float, match_threshold: float) -> list:
+                  key: Callable[[Any], Hashable], load_slack: float, match_threshold: float) -> tuple[list, Any]:
     """`ranked` (least loaded first) with the replica that should serve this prefix moved first
-    (the module docstring's rule); the rest keep their order."""
+    (the module docstring's rule), the rest in their order; and that replica, or None where the
+    load order stands (the router then gives that replica to this request, not an older one)."""
     if not ranked:
-        return ranked
+        return ranked, None
     loads = {id(r): load(r) for r in ranked}
     least = min(loads.values())
     # equal loads: the replica remembering fewer blocks first (spreads new prefixes); stable otherwise
     ranked = sorted(ranked, key=lambda r: (loads[id(r)], memory.size(key(r))))
     if not hashes:
-        return ranked
+        return ranked, None
     need = max(1, math.ceil(match_threshold * len(hashes) - 1e-9))
     best, best_n = None, 0
     for r in ranked:
@@ -112,5 +113,5 @@ def prefer_prefix(ranked: list, hashes: Sequence[int], memory: PrefixMemory, loa
         if n > best_n:
             best, best_n = r, n
     if best is None or best_n < need:
-        return ranked
-    return [best] + [r for r in ranked if r is not best]
+        return ranked, None
+    return [best] + [r for r in ranked if r is not best], best

@@ -12,7 +12,9 @@ the consumer lags, consecutive outputs are merged (deltas concatenated) so a slo
 one item, not one per step. A request the engine refuses yields a single `Rejected` (HTTP 400)
 instead of raising, so the caller gets the engine's message without a Ray traceback around it.
 If the engine loop crashes, in-flight requests fail with EngineDiedError and the process exits
-shortly after, so Serve replaces the replica at once. The final output of a request carries
+shortly after, so Serve replaces the replica at once. Requests still running when Serve is about to
+kill a replica it stops end with ReplicaStoppedError, a free loss for callers (cluster/replica_stop.py).
+The final output of a request carries
 `metrics["replica_id"]` and `metrics["replica_stats"]`, which the HTTP layer turns into per-replica
 gauges. The engine is reached only through the engine contract (eagle_worker/engine_api.py), from
 the module `ServeConfig.engine` names.
@@ -36,7 +38,8 @@ from cluster.caller_watch import GONE, CallerWatch, this_caller
 from cluster.config import ServeConfig
 from cluster.output_stream import OutputStream, merge_outputs, put_all
 from cluster.priority_stats import PriorityStats
-from cluster.replica_errors import EngineDiedError, Failed, Rejected, ReplicaConfigError, guess_param
+from cluster.replica_errors import EngineDiedError, Failed, Rejected, ReplicaConfigError, ReplicaStoppedError, guess_param
+from cluster.replica_stop import StopWatch
 from eagle_worker.engine_api import Engine, EngineModule, load_engine_module
 
 logger = logging.getLogger(__name__)
@@ -71,6 +74,7 @@ class EngineReplica:
         self._step_started: float | None = None   # monotonic start of the step running now
         self._life = threading.Lock()     # giving up on a hung step vs that step returning: one wins
         self._stopping = False
+        self._stop_watch = StopWatch(self._end_streams, alive=lambda: self._dead is None)   # Serve stopping us
         built: concurrent.futures.Future = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._run_loop, args=(backend, built), name="engine-loop", daemon=True)
         self._thread.start()
@@ -82,6 +86,7 @@ class EngineReplica:
             if isinstance(e, ValueError):
                 raise ReplicaConfigError(f"the engine refused this replica's settings: {e}") from e
             raise
+        self._stop_watch.start(self.replica_id)
         logger.info("replica %s ready (model=%s tp=%d)", self.replica_id, self.config.model, self.config.tp_size)
 
     # ---- public API (async actor methods) --------------------------------------------------
@@ -104,6 +109,8 @@ class EngineReplica:
         `caller`: the calling actor's (namespace, name), so its requests end if it dies (caller_watch.py)."""
         if self._dead is not None:
             raise EngineDiedError(f"replica {self.replica_id}: engine is dead: {self._dead!r}")
+        if self._stop_watch.stopped is not None:   # about to be killed: retried elsewhere
+            raise ReplicaStoppedError(str(self._stop_watch.stopped))
         if request_id in self._streams:
             yield Rejected(f"duplicate request id {request_id!r}")
             return
@@ -232,10 +239,12 @@ class EngineReplica:
                 self._give_up(e, EngineDiedError(f"replica {self.replica_id}: a tensor-parallel rank failed: {e!r}",
                                                  node_loss=node_loss))
                 raise
+        self._stop_watch.passed_health_check()
 
     def shutdown(self) -> None:
         """Stop the loop; the engine thread itself releases the TP ranks (collectives stay on it)."""
         self._stopping = True
+        self._stop_watch.close()
         self._cmds.put(("wake",))
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=30)
@@ -297,13 +306,17 @@ class EngineReplica:
                 return False
             self._dead = cause
         self._stats = {**self._stats, "engine_alive": False}
+        self._end_streams(err)
+        if _inside_ray_actor():
+            threading.Timer(EXIT_GRACE_S, os._exit, args=(1,)).start()
+        return True
+
+    def _end_streams(self, err: BaseException) -> None:
+        """Every request's held outputs, then `err` (its generator then aborts it), from any thread."""
         for rid in list(self._streams):
             stream = self._streams.get(rid)
             if stream is not None:
                 stream.loop.call_soon_threadsafe(put_all, [(stream.queue, [*stream.held, err])])
-        if _inside_ray_actor():
-            threading.Timer(EXIT_GRACE_S, os._exit, args=(1,)).start()
-        return True
 
     def _drain_commands(self, block: bool) -> None:
         try:

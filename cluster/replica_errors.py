@@ -42,6 +42,12 @@ class EngineDiedError(RuntimeError):
         self.node_loss = node_loss
 
 
+class ReplicaStoppedError(EngineDiedError):
+    """Serve stopped the replica (scale-down, a rolling update, its node drained) while the request ran,
+    just before it would kill it: no request's doing, so callers count it as a free loss
+    (cluster/death_cause.py). Raised only by the replica itself (cluster/replica_stop.py)."""
+
+
 class ReplicaConfigError(ValueError):
     """The engine refused the replica's settings (a model or head that is not there or does not
     fit, a TP size the model cannot split into): a restart cannot fix it, so callers fail the

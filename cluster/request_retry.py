@@ -10,8 +10,8 @@ Poison requests: a request under which two *different* replicas died is not resu
 request count: the router records which replica each attempt was routed to (cluster/router.py), so
 the same death seen twice and a replica already seen dead before this attempt was sent do not
 count. That bookkeeping lives in cluster/router_state.py, which the router shares with this module.
-A replica lost with a node the cluster took away (cluster/death_cause.py) counts as no death
-(FREE_NODE_LOSSES times a request).
+A replica lost with a node the cluster took away, or stopped by Serve under a request that outlasted
+its graceful shutdown (cluster/death_cause.py), counts as no death (FREE_NODE_LOSSES times a request).
 """
 from __future__ import annotations
 
@@ -126,8 +126,9 @@ async def _attempts(handle, request_id, prompt, params, priority, messages, max_
             last = e
             replica = state.routed.get(rid)
             # lost with a node the cluster took away (a spot VM taken back, a node drained and shut
-            # down), or unreachable for now (a network or GCS blip: Ray has not called it dead): no
-            # request's doing, so no death of this one's and no suspect, FREE_NODE_LOSSES times
+            # down), stopped by Serve (scale-down, rolling update), or unreachable for now (a network
+            # or GCS blip: Ray has not called it dead): no request's doing, so no death of this one's
+            # and no suspect, FREE_NODE_LOSSES times
             node_lost = free_loss(e) and node_losses < FREE_NODE_LOSSES
             if node_lost:
                 node_losses += 1

@@ -24,11 +24,12 @@ online request before any offline one; inside a replica the engine schedules by 
 
 Replica death and poison requests are `stream_outputs`'s (cluster/request_retry.py); the router
 records where each attempt went (`on_request_routed`) and skips a replica a request saw die until
-Serve replaces it. Retries of requests a replica died under ("suspects") run one per replica
-(`choose_replicas` and `_fulfill_next_pending_request` keep a second suspect off a replica that has
-one): were one of them the poison, the other would otherwise follow it onto the only replica left
-and die a second time. That bookkeeping lives in cluster/router_state.py, which the router and
-`stream_outputs` share: Serve pickles this module's router class by value, with copies of its globals.
+Serve replaces it. Retries of requests a replica died under ("suspects") run one request per replica
+(`choose_replicas` and `_fulfill_next_pending_request` keep another request's suspect off a replica
+that has one; the n samples of one request are one suspect and stay together): were one of them the
+poison, the other would otherwise follow it onto the only replica left and die a second time.
+That bookkeeping lives in cluster/router_state.py, which the router and `stream_outputs` share:
+Serve pickles this module's router class by value, with copies of its globals.
 Admission (how many requests the ingress lets in) is cluster/admission.py.
 """
 from __future__ import annotations
@@ -73,6 +74,7 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         self._prefix = PrefixMemory(prefix_memory_blocks)
         self._prefix_capacity: dict[str, int] = {}    # replica key -> KV blocks it reported (bounds its memory)
         self._hashes: dict[str, list[int]] = {}       # request id -> its prompt's hashes, until it is routed
+        self._affinity: dict[str, str] = {}           # request id -> replica its prefix or group chose, until routed
         state.routers.add(self)  # live_replica_stats reads the replica set
 
     def ongoing(self, replica: RunningReplica, fresh: bool = False) -> int:
@@ -122,8 +124,9 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
     ) -> List[List[RunningReplica]]:
         """Replicas in preference order, one per rank; Serve skips the ones that are full."""
         candidates = [r for r in candidate_replicas if not state.seen_dead(r.replica_id)]
+        rid = state.request_id(pending_request)
         if state.is_suspect(pending_request):  # one suspect per replica (see _fulfill_next_pending_request)
-            hosts = state.suspect_hosts()
+            hosts = state.suspect_hosts(rid)
             candidates = [r for r in candidates if state.replica_key(r.replica_id) not in hosts]
         if candidate_replicas and not candidates:
             # every replica died under some request (or hosts a suspect): wait for Serve to replace
@@ -133,13 +136,18 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         alive = [r for r in candidates if (r.routing_stats or {}).get("engine_alive", True)]
         replicas = alive or candidates  # a crashed engine waits for Serve to replace it
         random.shuffle(replicas)  # break ties randomly so equal replicas share the load
-        ranked = sorted(replicas, key=self.load)
+        ranked, holder = sorted(replicas, key=self.load), None
         if self.prefix_aware:
-            ranked = self._prefer_prefix(ranked, pending_request)
-        home = state.group_replica(state.request_id(pending_request), ranked[0].replica_id if ranked else None)
+            ranked, holder = self._prefer_prefix(ranked, pending_request)
+        home = state.group_replica(rid, ranked[0].replica_id if ranked else None)
         ranked.sort(key=lambda r: state.replica_key(r.replica_id) != home)   # stable: the rest keep their order
+        affinity = home if home is not None else holder and state.replica_key(holder.replica_id)
+        if rid is not None and affinity:   # that replica serves this request (_fulfill_next_pending_request)
+            self._affinity.pop(rid, None)
+            while len(self._affinity) >= 4096:   # requests cancelled before routing: oldest go first
+                self._affinity.pop(next(iter(self._affinity)))
+            self._affinity[rid] = affinity
         if request_priority(pending_request) > 0:
-            rid = state.request_id(pending_request)
             roomy = [r for r in ranked if self.offline_room(r, rid)]
             if ranked and not roomy:   # every engine batch is full: the row waits here, online goes first
                 state.note_deferred(rid)
@@ -172,9 +180,9 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         return any(request_priority(pr) == 0 and not pr.future.done()
                    for pr in list(getattr(self, "_pending_requests_to_fulfill", ())))
 
-    def _prefer_prefix(self, ranked: list, pending_request: Optional[PendingRequest]) -> list:
+    def _prefer_prefix(self, ranked: list, pending_request: Optional[PendingRequest]) -> tuple[list, Any]:
         """`ranked` with the replica holding the request's prompt prefix first, when its load allows
-        (cluster/prefix_affinity.py has the rule)."""
+        (cluster/prefix_affinity.py has the rule), and that replica (None: the load order stands)."""
         for r in ranked:
             total = int((r.routing_stats or {}).get("num_total_blocks") or 0)
             if total:
@@ -199,26 +207,26 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         return hashes
 
     def _fulfill_next_pending_request(self, replica: RunningReplica, request_metadata: Any = None) -> None:
-        """A free replica slot goes to the oldest waiting *online* request, else the oldest offline one
-        (if the replica's engine batch has room for offline work, see `offline_room`).
+        """A free replica slot goes to the request whose routing task ranked it first for its prefix or
+        group (`request_metadata` names that request, as Serve's own RequestRouter matches it;
+        FIFOMixin gave it to the oldest, so the holder served an unrelated request and the prefix's
+        request went elsewhere), an offline one only while no online request waits. Otherwise to
+        the oldest waiting online request, else the oldest offline one whose batch has room
+        (`offline_room`): FIFOMixin's strict arrival order would let queued batch work delay
+        interactive users. Same bookkeeping as FIFOMixin, whose private queue this reorders.
 
-        Serve's FIFOMixin serves its caller-side queue strictly in arrival order; when the system is
-        saturated that would let queued batch work delay interactive users. Same bookkeeping as
-        FIFOMixin (whose private queue this reorders), only the pick differs.
-
-        A suspect (a retry of a request a replica died under) never joins another suspect on a
-        replica: were one of them a poison request, the other would die with it a second time.
+        A suspect (a retry of a request a replica died under) never joins another request's suspect
+        on a replica: were one of them a poison request, the other would die with it a second time.
         """
         queue = self._pending_requests_to_fulfill
-        pick = None
         replica_id = getattr(replica, "replica_id", replica)
-        hosts_suspect = state.replica_key(replica_id) in state.suspect_hosts()
-        for pr in queue:
-            if pr.future.done() or (hosts_suspect and state.is_suspect(pr)):
-                continue
-            offline_ok = not hasattr(replica, "routing_stats") or self.offline_room(replica, state.request_id(pr))
-            if request_priority(pr) > 0 and not offline_ok:   # that replica's batch is full: online only
-                state.note_deferred(state.request_id(pr))
+        key = state.replica_key(replica_id)
+        pick = self._affinity_request(request_metadata, key)
+        if pick is not None and (not self._may_take(pick, replica, key)
+                                 or request_priority(pick) > 0 and self._online_waiting()):
+            pick = None
+        for pr in () if pick is not None else queue:
+            if pr.future.done() or not self._may_take(pr, replica, key):
                 continue
             if request_priority(pr) == 0:
                 if pick is not None:     # an older offline request waits: the online one goes first
@@ -231,7 +239,8 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
             if all(pr.future.done() for pr in queue):
                 queue.clear()  # only finished/cancelled entries were left
             return
-        queue.remove(pick)
+        if pick in queue:
+            queue.remove(pick)
         if request_priority(pick) > 0 and state.request_id(pick) is not None:   # counts until on_request_routed
             self._promised[state.request_id(pick)] = (replica_id, time.monotonic())
         if state.is_suspect(pick):  # claim the replica now; on_request_routed confirms it
@@ -240,6 +249,25 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         self._record_queue_wait_time(pick)
         pick.future.set_result(replica)
         self._remove_pending_request_from_indices(pick)
+
+    def _affinity_request(self, request_metadata: Any, key: str) -> Optional[PendingRequest]:
+        """The waiting request whose routing task chose this replica (`request_metadata`), if its
+        prefix or group chose it (Serve's own index of pending requests by id)."""
+        if request_metadata is None:
+            return None
+        pr = self._get_pending_request_matching_internal_request_id(request_metadata)
+        rid = state.request_id(pr)
+        return pr if rid is not None and self._affinity.get(rid) == key else None
+
+    def _may_take(self, pr: PendingRequest, replica: RunningReplica, key: str) -> bool:
+        """The suspect rule, and offline work only into a batch with room (else counted deferred)."""
+        rid = state.request_id(pr)
+        if state.is_suspect(pr) and key in state.suspect_hosts(rid):
+            return False
+        if request_priority(pr) > 0 and hasattr(replica, "routing_stats") and not self.offline_room(replica, rid):
+            state.note_deferred(rid)    # that replica's batch is full: online only
+            return False
+        return True
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         metadata = pending_request.metadata
@@ -257,6 +285,7 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
             self._inflight[replica_id][call_id] = now
         rid = state.request_id(pending_request)
         self._promised.pop(rid, None)
+        self._affinity.pop(rid, None)
         if self.prefix_aware and rid is not None:    # that replica computes (and caches) this prompt now
             key = state.replica_key(replica_id)
             hashes = self._hashes.pop(rid, None)

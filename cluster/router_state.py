@@ -33,19 +33,25 @@ def is_suspect(pending_request: Any) -> bool:
     return request_id(pending_request) in suspects
 
 
-def suspect_hosts() -> set[str]:
-    """Replicas running (or just given) a suspect request: a second suspect waits for another one,
-    so a poison request cannot take an innocent suspect down with it a second time."""
-    return {replica_key(r) for rid, r in list(routed.items()) if rid in suspects}
+def suspect_hosts(rid: str | None = None) -> set[str]:
+    """Replicas running (or just given) a suspect request other than `rid`'s group: a second suspect
+    waits for another one, so a poison request cannot take an innocent suspect down with it a second
+    time. The n samples of one request (a group) are one suspect: one prompt, poison or not for all
+    of them, so they share a replica (and go to one, as groups do)."""
+    group = groups.get(rid) if rid else None
+    return {replica_key(r) for s, r in list(routed.items())
+            if s in suspects and (group is None or groups.get(s) != group)}
 
 
 def group_replica(rid: str | None, first_choice: Any) -> str | None:
     """The replica (key) `rid`'s group goes to: the first choice of the group's first request to be
-    ranked (siblings are ranked before any is routed, so routing records would come too late)."""
+    ranked (siblings are ranked before any is routed, so routing records would come too late), or of
+    the first ranked after that replica was seen dying (the samples' retries stay together)."""
     group = groups.get(rid) if rid else None
     if group is None:
         return None
-    if group not in group_replicas and first_choice is not None:
+    home = group_replicas.get(group)
+    if first_choice is not None and (home is None or seen_dead(home)):
         group_replicas[group] = replica_key(first_choice)
     return group_replicas.get(group)
 

@@ -31,6 +31,7 @@ CALLED = {
     "_cancel_routing_task_for_pending_request": ["pending_request"],
     "_record_queue_wait_time": ["pending_request"],
     "_remove_pending_request_from_indices": ["pending_request"],
+    "_get_pending_request_matching_internal_request_id": ["request_metadata"],
 }
 
 
