@@ -132,6 +132,8 @@ def from_speculators(raw: dict, sd: dict[str, torch.Tensor], path: Path) -> tupl
         flat["norm_before_residual"] = bool(raw.get("norm_before_residual", True))   # vLLM's default
         if raw.get("eagle_aux_hidden_state_layer_ids"):   # vLLM's (input-of-layer) convention
             flat["eagle_aux_hidden_state_layer_ids"] = list(raw["eagle_aux_hidden_state_layer_ids"])
+        if "norm_output" in raw:
+            flat["norm_output"] = raw["norm_output"]      # refused by the loader when true
     else:
         flat["architectures"] = ["LlamaForCausalLM"]
         flat["bias"] = bool(raw.get("fusion_bias", False)) or "fc.bias" in sd
@@ -176,11 +178,11 @@ def detect_kind(raw: dict, sd: dict[str, torch.Tensor]) -> str:
 def _aux_layers(raw: dict, num_target_layers: int) -> tuple[int, ...]:
     """Input-of-layer ids. vLLM's top-level field is already that; SGLang's nested
     eagle_config field names layer outputs (+1)."""
-    if raw.get("eagle_aux_hidden_state_layer_ids"):
-        return tuple(int(i) for i in raw["eagle_aux_hidden_state_layer_ids"])
+    if raw.get("eagle_aux_hidden_state_layer_ids"):   # fused in layer order, as vLLM and SGLang collect them
+        return tuple(sorted(int(i) for i in raw["eagle_aux_hidden_state_layer_ids"]))
     nested = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     if nested:
-        return tuple(int(i) + 1 for i in nested)
+        return tuple(sorted(int(i) + 1 for i in nested))
     L = num_target_layers
     return (2, L // 2, L - 3)
 

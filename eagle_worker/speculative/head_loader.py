@@ -76,7 +76,8 @@ def _check(cfg: HeadConfig, sd: dict[str, torch.Tensor], path: Path, target_desc
            for n in want if n in sd and tuple(sd[n].shape) != want[n]]
     if bad:
         raise ValueError(f"draft head {path} does not fit the target ({target_desc}): " + "; ".join(bad))
-    missing = [n for n in want if n not in sd and not (n in _OPTIONAL and cfg.draft_vocab_size == cfg.vocab_size)]
+    # t2d is never read (vLLM and SGLang skip it too); d2t and the table only with the full vocabulary
+    missing = [n for n in want if n not in sd and not (n == "t2d" or n in _OPTIONAL and cfg.draft_vocab_size == cfg.vocab_size)]
     if missing:
         raise ValueError(f"draft head {path} ({cfg.kind}) is missing tensor(s): {missing}")
     if cfg.kind == "eagle3" and "d2t" in sd:
@@ -152,6 +153,9 @@ def load_draft_head(path: str | Path, target_model: nn.Module, target_hf_config,
             sd = drop_target_lm_head(sd, target_model, vocab, path)
     refuse_multilayer(raw, sd, f"draft head {path}")
     refuse_yarn(raw, path)
+    if raw.get("norm_output"):
+        raise ValueError(f"draft head {path}: norm_output (vLLM's EAGLE-3 option: the head's normed output is "
+                         "its next step's input) is not supported: our heads feed back the output before the norm")
     if detect_kind(raw, sd) == "eagle3":
         sd = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in sd.items()}
     if raw.get("hidden_act", "silu") not in ("silu", "swish"):

@@ -270,6 +270,21 @@ def test_aux_layer_conventions(tmp_path):
     sglang = {**cfg_eagle3_llama31_8b(), "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 2, 5]}}
     assert load_draft_head(write_head(tmp_path / "a", vllm, sd, "st"), target, tcfg).aux_layers == (1, 3, 6)
     assert load_draft_head(write_head(tmp_path / "b", sglang, sd, "st"), target, tcfg).aux_layers == (1, 3, 6)
+    # listed out of order: fused in layer order all the same (vLLM and SGLang collect them layer by layer)
+    unsorted = {**cfg_eagle3_llama31_8b(), "eagle_aux_hidden_state_layer_ids": [6, 1, 3]}
+    assert load_draft_head(write_head(tmp_path / "c", unsorted, sd, "st"), target, tcfg).aux_layers == (1, 3, 6)
+
+
+def test_eagle3_head_without_t2d_loads_and_norm_output_is_refused(tmp_path):
+    """`t2d` is never read (vLLM and SGLang skip it): a head without it loads. `norm_output` (vLLM:
+    the normed output is the next step's input) would draft wrongly from the second step: refused."""
+    target, tcfg = make_target()
+    sd = eagle3_state(cfg_eagle3_llama31_8b(), torch.float32)
+    sd.pop("t2d")
+    head = load_draft_head(write_head(tmp_path / "a", cfg_eagle3_llama31_8b(), sd, "st"), target, tcfg)
+    assert head.kind == "eagle3" and head.config.draft_vocab_size < head.config.vocab_size
+    with pytest.raises(ValueError, match="norm_output .* is not supported"):
+        load_draft_head(write_head(tmp_path / "b", {**cfg_eagle3_llama31_8b(), "norm_output": True}, sd, "st"), target, tcfg)
 
 
 def test_head_runs_on_a_paged_kv_cache(tmp_path):

@@ -299,6 +299,9 @@ def test_other_unsupported_speculators_heads_are_refused(eagle3_spec, plain_llms
         load(llm, rewrite(spec, lambda c: c.update(target_hidden_size=128)))
     rewrite(spec, lambda c: c.update(target_hidden_size=h))
     load(llm, spec)                                              # equal sizes are fine
+    with pytest.raises(ValueError, match="norm_output .* is not supported"):
+        load(llm, rewrite(spec, lambda c: c.update(norm_output=True)))
+    load(llm, rewrite(spec, lambda c: c.update(norm_output=False)))
     with pytest.raises(ValueError, match="q_norm/k_norm .* is not supported"):
         load(llm, rewrite(spec, sd_fn=lambda sd: sd.update({"layers.0.self_attn.q_norm.weight": torch.ones(16)})))
     # EAGLE-1 with its own lm_head: our EAGLE-1 head logits through the target's
