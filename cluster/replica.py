@@ -44,6 +44,7 @@ from eagle_worker.engine_api import Engine, EngineModule, load_engine_module
 
 logger = logging.getLogger(__name__)
 EXIT_GRACE_S = 1.0  # after an engine crash: time to send the errors out before the process exits
+TP_KEEPALIVE_S = 60.0  # an idle TP engine's ranks hear from rank 0 this often (their wait times out at 300 s)
 
 
 class EngineReplica:
@@ -274,10 +275,15 @@ class EngineReplica:
             return
         built.set_result(self.engine)
         try:
+            busy_at = time.monotonic()
             while not self._stopping and self._dead is None:     # (a hung step given up on may return)
                 self._drain_commands(block=not self.engine.has_unfinished_requests())
                 if not self.engine.has_unfinished_requests():
+                    if self.tp is not None and time.monotonic() - busy_at > TP_KEEPALIVE_S:
+                        self.engine.keep_alive()
+                        busy_at = time.monotonic()
                     continue
+                busy_at = time.monotonic()
                 t0 = time.perf_counter()
                 self._step_started = time.monotonic()   # check_health: a step that never returns
                 outs = self.engine.step()

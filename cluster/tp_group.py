@@ -37,6 +37,8 @@ from cluster.death_cause import loss_reason, lost_with_node
 from eagle_worker.engine_api import load_engine_module
 
 logger = logging.getLogger(__name__)
+# joining the group, and any one collective, incl. ranks 1..n-1 waiting for rank 0's next command
+# (an idle replica's engine loop sends them a no-op every replica.TP_KEEPALIVE_S)
 RENDEZVOUS_TIMEOUT_S = 300
 # after rank 0's step failed: how long a rank Ray cannot reach may take to be known dead with its node
 # (a drained node's SIGKILLed raylet is noticed by the GCS's health checks)

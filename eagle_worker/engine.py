@@ -264,6 +264,10 @@ class LLMEngine:
         """Release the other tensor-parallel ranks (a no-op with tp_size=1)."""
         self.runner.shutdown()
 
+    def keep_alive(self) -> None:
+        """Keep idle tensor-parallel ranks from timing out in their wait (a no-op with tp_size=1)."""
+        self.runner.keep_alive()
+
     # ---- introspection ----------------------------------------------------------------------
     def stats(self) -> dict:
         total = self.block_manager.num_blocks

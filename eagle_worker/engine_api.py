@@ -55,6 +55,10 @@ class Engine(Protocol):
     def shutdown(self) -> None:
         """Release what the engine holds (with tp_size > 1: tell ranks 1..n-1 to stop)."""
 
+    def keep_alive(self) -> None:
+        """With tp_size > 1, called every TP_KEEPALIVE_S (cluster/replica.py) while the engine has no
+        work: ranks 1..n-1 wait for rank 0 in a collective that times out with the process group."""
+
 
 class EngineModule(Protocol):
     """The names an engine module provides (checked by `load_engine_module`)."""

@@ -241,3 +241,8 @@ class ModelRunner:
 
     def shutdown(self) -> None:
         self._drive("stop")
+
+    def keep_alive(self) -> None:
+        """Ranks 1..n-1 wait for the next command in a collective, which times out with the process
+        group (cluster/tp_group.py): rank 0 sends an idle group a no-op now and then."""
+        self._drive("noop")

@@ -22,7 +22,7 @@ def run_tp_worker(config: EngineConfig) -> ModelRunner:
         raise RuntimeError("run_tp_worker runs on ranks 1..n-1; rank 0 runs the LLMEngine")
     runner = ModelRunner(config)
     local = {"forward": runner.forward_local, "copy_kv": runner.copy_kv_local,
-             "gather_vocab": runner.gather_vocab_local}
+             "gather_vocab": runner.gather_vocab_local, "noop": lambda: None}
     while True:
         command = broadcast_from_rank0()
         if command[0] == "stop":

@@ -337,6 +337,11 @@ class LLMEngine:
     def shutdown(self) -> None:
         pass
 
+    def keep_alive(self) -> None:
+        self.keep_alives = getattr(self, "keep_alives", 0) + 1
+        if self.has_unfinished_requests():
+            self.keep_alives_while_busy = getattr(self, "keep_alives_while_busy", 0) + 1
+
     def stats(self) -> dict:
         total = 1024
         used = sum(len(s.prompt) + len(s.out) for s in self.running) // 16

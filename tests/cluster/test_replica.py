@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -226,5 +227,27 @@ def test_a_step_running_past_step_timeout_fails_the_health_check(tmp_path):
         with pytest.raises(EngineDiedError):
             _collect(r, "late", "hi", {"max_tokens": 2})
         assert r.record_routing_stats()["engine_alive"] is False
+    finally:
+        r.shutdown()
+
+
+def test_an_idle_tensor_parallel_engine_is_kept_alive(monkeypatch):
+    """Ranks 1..n-1 of a TP replica wait for rank 0 in a collective that times out with the process
+    group (300 s): the engine loop calls `keep_alive` every TP_KEEPALIVE_S while it has no work (a
+    TP replica with no traffic for 5 minutes lost its ranks and was replaced), never while it has."""
+    from types import SimpleNamespace
+
+    import cluster.replica as replica_module
+
+    monkeypatch.setattr(replica_module, "TP_KEEPALIVE_S", 0.2)
+    r = EngineReplica(ServeConfig(engine=FAKE, limits={"max_model_len": 256, "max_tokens": 64, "max_num_seqs": 2}))
+    try:
+        time.sleep(1.5)
+        assert getattr(r.engine, "keep_alives", 0) == 0        # tp_size 1: nothing to keep alive
+        r.tp = SimpleNamespace(shutdown=lambda: None, check_health=lambda: None, node_loss=lambda **kw: None)
+        time.sleep(2.0)
+        assert r.engine.keep_alives >= 2
+        outs = _collect(r, "busy", "[slow:0.1] hello", {"max_tokens": 10, "temperature": 0})
+        assert outs[-1].finished and getattr(r.engine, "keep_alives_while_busy", 0) == 0
     finally:
         r.shutdown()

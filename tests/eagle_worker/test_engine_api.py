@@ -21,7 +21,7 @@ MODULES = ["eagle_worker", "tests.cluster.fake_engine"]
 
 def test_contract_lists_what_the_fleet_calls():
     assert set(ENGINE_METHODS) == {"add_request", "abort", "step", "has_unfinished_requests", "stats",
-                                   "apply_chat_template", "shutdown"}
+                                   "apply_chat_template", "shutdown", "keep_alive"}
     assert ENGINE_ATTRS == ("max_model_len",)
     assert set(MODULE_NAMES) == {"LLMEngine", "EngineConfig", "SamplingParams", "SpecConfig", "choose_draft",
                                  "resolve_draft", "init_tensor_parallel", "run_tp_worker", "load_prompt_tokenizer"}
