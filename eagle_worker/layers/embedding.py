@@ -23,6 +23,9 @@ class VocabParallelEmbedding(nn.Module):
         self.shard_size = -(-num_embeddings // self.tp_size)
         self.vocab_start = self.tp_rank * self.shard_size
         self.vocab_end = min(self.vocab_start + self.shard_size, num_embeddings)
+        if self.vocab_end <= self.vocab_start:   # a toy vocabulary: the last ranks would hold no token
+            raise ValueError(f"a vocabulary of {num_embeddings} tokens cannot be split over {self.tp_size} ranks "
+                             f"(shards of {self.shard_size} leave rank {self.tp_rank} none)")
         # Loaded (or initialised) before use: only the last shard's padding rows need a value. Not
         # zeros: writing a 262K-row table costs an engine's start about 1 s a copy on a CPU.
         self.weight = nn.Parameter(torch.empty(self.shard_size, embedding_dim), requires_grad=False)

@@ -96,8 +96,11 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(input_size, sum(output_sizes), bias)
 
     def weight_loader(self, param, loaded_weight, shard_id=None):
-        if shard_id is None:  # already packed in the checkpoint
-            return super().weight_loader(param, loaded_weight)
+        if shard_id is None:  # packed in the checkpoint: each projection is split across the ranks on its own
+            check_shape(loaded_weight, (self.output_size, *param.shape[1:]))
+            for i, part in enumerate(loaded_weight.split(self.output_sizes, dim=0)):
+                self.weight_loader(param, part, i)
+            return
         full = self.output_sizes[shard_id]
         check_shape(loaded_weight, (full, *param.shape[1:]))
         size = full // self.tp_size

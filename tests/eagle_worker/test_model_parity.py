@@ -293,3 +293,38 @@ def test_a_multimodal_gemma3_checkpoint_takes_its_context_from_the_text_config()
     runner.config.max_model_len = 1000
     with pytest.raises(ValueError, match="exceeds the model's context of 128 tokens"):
         ModelRunner._max_model_len(runner)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_packed_gate_up_checkpoint_is_split_per_projection_on_every_rank(monkeypatch, bias):
+    """`mlp.gate_up_proj` stored packed as [gate; up]: each rank takes its slice of gate and of up (as
+    from separate gate_proj / up_proj tensors), not rows r*n..(r+1)*n of the pack (at tp 2 rank 0 got
+    all of gate and rank 1 all of up: silently wrong outputs)."""
+    import eagle_worker.layers.linear as linear_mod
+
+    g = torch.Generator().manual_seed(0)
+    gate, up = torch.randn(6, 4, generator=g), torch.randn(6, 4, generator=g)
+    gate_b, up_b = torch.randn(6, generator=g), torch.randn(6, generator=g)
+    for rank in (0, 1):
+        monkeypatch.setattr(linear_mod, "tp_size", lambda: 2)
+        monkeypatch.setattr(linear_mod, "tp_rank", lambda r=rank: r)
+        packed = linear_mod.MergedColumnParallelLinear(4, [6, 6], bias=bias)
+        separate = linear_mod.MergedColumnParallelLinear(4, [6, 6], bias=bias)
+        packed.weight_loader(packed.weight, torch.cat([gate, up]))
+        separate.weight_loader(separate.weight, gate, 0)
+        separate.weight_loader(separate.weight, up, 1)
+        assert torch.equal(packed.weight, separate.weight)
+        assert torch.equal(packed.weight, torch.cat([gate[3 * rank:3 * rank + 3], up[3 * rank:3 * rank + 3]]))
+        if bias:
+            packed.weight_loader(packed.bias, torch.cat([gate_b, up_b]))
+            assert torch.equal(packed.bias, torch.cat([gate_b[3 * rank:3 * rank + 3], up_b[3 * rank:3 * rank + 3]]))
+
+
+def test_a_vocabulary_too_small_to_split_over_the_ranks_is_refused(monkeypatch):
+    import eagle_worker.layers.embedding as embedding_mod
+
+    monkeypatch.setattr(embedding_mod, "tp_size", lambda: 4)
+    monkeypatch.setattr(embedding_mod, "tp_rank", lambda: 3)
+    with pytest.raises(ValueError, match="a vocabulary of 6 tokens cannot be split over 4 ranks"):
+        embedding_mod.VocabParallelEmbedding(6, 8)
+    assert embedding_mod.VocabParallelEmbedding(7, 8).vocab_end == 7    # shards of 2: rank 3 holds token 6
