@@ -12,15 +12,7 @@ import pytest
 from cluster import router_state
 from cluster.router import LoadAwareRouter
 from eagle_worker.engine_api import block_hashes
-
-SYSTEM = list(range(1000, 1512))            # a 512-token system prompt: 32 blocks of 16
-
-
-@pytest.fixture(autouse=True)
-def _fresh_router_state():
-    router_state.clear()
-    yield
-    router_state.clear()
+from tests.cluster.test_prefix_routing import SYSTEM, _Cache, _fresh_router_state  # noqa: F401 - autouse fixture
 
 
 @pytest.fixture
@@ -28,11 +20,6 @@ def loop():
     loop = asyncio.new_event_loop()
     yield loop
     loop.close()
-
-
-class _Cache:
-    def get(self, k):
-        return None
 
 
 def _router() -> LoadAwareRouter:
