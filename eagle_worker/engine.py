@@ -174,9 +174,10 @@ class LLMEngine:
             self.totals["generated_tokens"] += 1
             if seq.metrics.first_token_time is None:
                 seq.metrics.first_token_time = time.monotonic()
-            hidden = token in p.stop_token_ids and not p.include_stop_str_in_output   # vLLM: its text is not output
+            stop_id = token in p.stop_token_ids
+            hidden = stop_id and not p.include_stop_str_in_output   # vLLM: a stop token's text is not output
             new_text = "" if hidden else detokenize_incrementally(self.tokenizer, seq)
-            if (token in self.runner.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            if (token in self.runner.eos_token_ids and not p.ignore_eos) or stop_id:
                 return self._finish(seq, "stop", drop_last=hidden)
             if p.stop and new_text and self._hit_stop_string(seq, len(new_text)):
                 return self._finish(seq, "stop", flush=False)
