@@ -18,6 +18,7 @@ from starlette.requests import ClientDisconnect
 
 from cluster.admission import Admission, OverloadedError
 from cluster.config import ServeConfig
+from cluster.engine_settings import engine_config
 from cluster.ingress_prompts import IngressPrompts
 from cluster.metrics import CLIENT_CLOSED, ServeMetrics, StatusCounter, note_status, set_active
 from cluster.openai_body import read_json_object
@@ -25,7 +26,6 @@ from cluster.openai_errors import APIError, context_error, validation_error
 from cluster.openai_render import ChatRender, CompletionRender, all_or_none, merge_streams
 from cluster.openai_requests import ChatCompletionRequest, CompletionRequest
 from cluster.openai_responses import ModelCard, ModelList, new_id, sse
-from cluster.replica import engine_config
 from cluster.replica_errors import Failed, Rejected
 from cluster.request_retry import PoisonRequestError, ReplicaLostError, stream_outputs
 from cluster.router_state import live_replica_stats
@@ -151,11 +151,10 @@ class OpenAIIngress:
             raise APIError(404, f"model {shown} does not exist; this server serves {self.config.model_name!r}",
                            param="model", code="model_not_found")
 
-    def _max_tokens(self, requested: int | None, default: int) -> int:
+    def _max_tokens(self, requested: int | None, default: int, field: str = "max_tokens") -> int:
         limit = self.config.limits.max_tokens
         if requested is not None and requested > limit:
-            raise APIError(400, f"max_tokens: {requested} exceeds this server's limit of {limit}",
-                              param="max_tokens")
+            raise APIError(400, f"{field}: {requested} exceeds this server's limit of {limit}", param=field)
         return requested if requested is not None else min(default, limit)
 
     async def _first(self, it: AsyncIterator[Any]) -> Any:
@@ -227,7 +226,7 @@ class OpenAIIngress:
             release = Release(lambda: self._release(req, its))
             return ReleasingStream(self._sse(its, firsts, rid, req, render, t0, ttft, when, release), release,
                                    media_type="text/event-stream",
-                                   headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
+                                   headers={"Cache-Control": "no-cache"})
         except APIError as e:
             status = e.status
             raise
@@ -245,12 +244,12 @@ class OpenAIIngress:
     async def _sse(self, its: list, firsts: list, rid: str, req, render, t0: float, ttft: float,
                    when: float | None, release: Release) -> AsyncIterator[str]:
         lasts = list(firsts)
-        outputs = merge_streams(its, firsts)
         timeout = self.config.limits.request_timeout_s
+        outputs = merge_streams(its, firsts, within=None if when is None else lambda aw: _within(when, timeout, aw))
         try:
             for chunk in render.head(rid):
                 yield sse(chunk)
-            while (item := await _within(when, timeout, anext(outputs, None))) is not None:
+            while (item := await anext(outputs, None)) is not None:
                 i, out = item
                 lasts[i] = out = _accepted(out)      # a later choice's first output may be a refusal
                 self.metrics.tokens(len(out.new_token_ids))
@@ -297,17 +296,17 @@ class OpenAIIngress:
             messages = req.template_messages()
         except ValueError as e:
             raise APIError(400, f"messages: {e}", param="messages") from None
-        max_tokens = self._max_tokens(req.requested_max_tokens, default=self.config.limits.max_tokens)
+        max_tokens = self._max_tokens(req.requested_max_tokens, self.config.limits.max_tokens, req.max_tokens_field)
         ids = await self.prompts.chat(messages, self._context())
-        self._fits_context(len(ids), req.requested_max_tokens)
+        self._fits_context(len(ids), req.requested_max_tokens, req.max_tokens_field)
         return await self._run("chat", req, ids, max_tokens, ChatRender(self.config.model_name, self.prompts, req))
 
-    def _fits_context(self, prompt_tokens: int, requested: int | None) -> None:
+    def _fits_context(self, prompt_tokens: int, requested: int | None, field: str = "max_tokens") -> None:
         """A max_tokens the client asked for that cannot fit beside the prompt is a 400, as OpenAI and
         vLLM answer it (without one, generation stops at the context with finish_reason length)."""
         context = self._context()
         if requested and context and prompt_tokens + requested > context:
-            raise APIError(400, context_error(prompt_tokens, requested, context), param="max_tokens",
+            raise APIError(400, context_error(prompt_tokens, requested, context), param=field,
                               code="context_length_exceeded")
 
     def _context(self) -> int | None:

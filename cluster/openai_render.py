@@ -174,11 +174,14 @@ class ChatRender(_Render):
             ChatChunkChoice(index=i, delta=delta, logprobs=logprobs, finish_reason=finish_reason(out.finish_reason))])
 
 
-async def merge_streams(its: list, firsts: list) -> AsyncIterator[tuple[int, Any]]:
+async def merge_streams(its: list, firsts: list, within=None) -> AsyncIterator[tuple[int, Any]]:
     """(choice index, output) of n engine streams as they come, each one's `first` output first
     (None: that stream has not started yet; its outputs come as it does). Each stream is read by
     its own task up to its finished (or failed) output; closing this generator stops the readers,
-    so the streams can then be closed (and their requests aborted)."""
+    so the streams can then be closed (and their requests aborted). `within(awaitable)` bounds each
+    wait for the next output (the request's deadline): applied here, to the queue, because a
+    deadline wrapped around the generator's `anext` runs it in another task, and a client that
+    disconnects then closes the generator while that task is still inside it."""
     queue: asyncio.Queue = asyncio.Queue()
 
     async def read(i: int, it, out) -> None:
@@ -200,7 +203,7 @@ async def merge_streams(its: list, firsts: list) -> AsyncIterator[tuple[int, Any
     try:
         remaining = len(readers)
         while remaining:
-            i, item = await queue.get()
+            i, item = await (queue.get() if within is None else within(queue.get()))
             if item is None:
                 remaining -= 1
             elif isinstance(item, BaseException):

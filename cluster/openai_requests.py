@@ -18,6 +18,9 @@ from eagle_worker.engine_api import echoed_empty, join_text_parts
 MAX_LOGPROBS = 20      # vLLM's default max_logprobs
 MAX_N = 16             # parallel samples per request (each is an engine request)
 MAX_SEED = 2**63       # seeds are in [0, 2**63)
+# Entries in logit_bias / stop_token_ids: the engine works each request's lists into every step it
+# runs, so one request with a million entries would slow everyone's (a 2 MiB body holds ~400k ids).
+MAX_TOKEN_LIST = 1024
 # Fields OpenAI clients send that change nothing here, accepted as vLLM accepts them.
 HARMLESS = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
             "safety_identifier")
@@ -60,13 +63,15 @@ class _SamplingRequest(BaseModel):
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_TOKEN_LIST)
     priority: int = Field(0, ge=0, le=1)
 
     @field_validator("logit_bias")
     @classmethod
     def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         seen: dict[int, str] = {}
+        if v and len(v) > MAX_TOKEN_LIST:
+            raise ValueError(f"at most {MAX_TOKEN_LIST} token ids may be biased, got {len(v)}")
         for key, bias in (v or {}).items():
             if not re.fullmatch(r"\s*[0-9]+\s*", key):      # ASCII digits: "²".isdigit() too
                 raise ValueError(f"keys must be token ids as strings (e.g. \"50256\"), got {key!r}")
@@ -262,6 +267,11 @@ class ChatCompletionRequest(_SamplingRequest):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def max_tokens_field(self) -> str:
+        """The field the limit came from, for errors that name it."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     def template_messages(self) -> list[dict[str, str]]:
         """Messages as plain dicts for the chat template ('developer' is OpenAI's new 'system'; a

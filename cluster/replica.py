@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import inspect
 import logging
 import os
 import queue
@@ -36,6 +35,7 @@ from typing import Any, AsyncIterator
 from cluster.autoscale import BACKLOG_METRIC
 from cluster.caller_watch import GONE, CallerWatch, this_caller
 from cluster.config import ServeConfig
+from cluster.engine_settings import engine_config
 from cluster.output_stream import OutputStream, merge_outputs, put_all
 from cluster.priority_stats import PriorityStats
 from cluster.replica_errors import EngineDiedError, Failed, Rejected, ReplicaConfigError, ReplicaStoppedError, guess_param
@@ -372,38 +372,6 @@ class EngineReplica:
                   **self._priority_stats.snapshot())
         st.setdefault("max_num_seqs", self.config.limits.max_num_seqs)   # the router's offline share
         return st
-
-
-def engine_config(config: ServeConfig) -> Any:
-    """The engine's EngineConfig for `config`: without `speculation` the engine's default for `draft`
-    (default_spec); with it, its SpecConfig with the draft the engine resolved (`auto` -> the
-    model's built-in head, or none)."""
-    backend = load_engine_module(config.engine)
-    kw = config.engine_kwargs()
-    spec = kw.pop("spec", None)
-    fields = _config_fields(backend.EngineConfig)
-    if "enable_prefix_caching" not in fields:   # an engine without the feature
-        if not kw.pop("enable_prefix_caching"):
-            logger.warning("enable_prefix_caching: false ignored: engine %s has no prefix caching", config.engine)
-    if "offline_slowdown" not in fields and kw.pop("offline_slowdown") is not None \
-            and "offline_slowdown" in config.model_fields_set:        # asked for, not just the default
-        logger.warning("offline_slowdown ignored: engine %s has no offline cap (offline rows are only "
-                       "admitted and preempted by priority)", config.engine)
-    ec = backend.EngineConfig(**kw)
-    if isinstance(spec, dict):
-        spec["draft"] = ec.draft
-        if spec["draft"] is None and not spec.get("lookup"):
-            logger.warning("speculation off: model %s has no draft head and speculation.lookup is false", config.model)
-            ec.spec = None
-            return ec
-        ec.spec = backend.SpecConfig(**spec)
-    return ec
-
-
-def _config_fields(cls) -> set[str]:
-    if dataclasses.is_dataclass(cls):
-        return {f.name for f in dataclasses.fields(cls)}
-    return set(inspect.signature(cls).parameters)
 
 
 def _inside_ray_actor() -> bool:

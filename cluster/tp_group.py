@@ -97,7 +97,7 @@ class TPRankWorker:
         return _all_reduce_rank(self.rank)
 
     def run(self) -> None:
-        from cluster.replica import engine_config
+        from cluster.engine_settings import engine_config
 
         self.engine_module.run_tp_worker(engine_config(self.config))
 

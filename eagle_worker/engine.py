@@ -174,7 +174,7 @@ class LLMEngine:
             self.totals["generated_tokens"] += 1
             if seq.metrics.first_token_time is None:
                 seq.metrics.first_token_time = time.monotonic()
-            stop_id = token in p.stop_token_ids
+            stop_id = token in p.stop_id_set
             hidden = stop_id and not p.include_stop_str_in_output   # vLLM: a stop token's text is not output
             new_text = "" if hidden else detokenize_incrementally(self.tokenizer, seq)
             if (token in self.runner.eos_token_ids and not p.ignore_eos) or stop_id:

@@ -142,8 +142,8 @@ def processed_logits(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
         return x
     x, dev = x.clone(), x.device
     if p.logit_bias:
-        x.index_add_(0, torch.tensor(list(p.logit_bias), device=dev),
-                     torch.tensor(list(p.logit_bias.values()), dtype=x.dtype, device=dev))
+        ids, biases = p.logit_bias_rows()
+        x.index_add_(0, ids.to(dev), biases.to(device=dev, dtype=x.dtype))
     if p.repetition_penalty != 1.0:
         seen = torch.tensor(list(row.prompt) + list(row.output), dtype=torch.long, device=dev).unique()
         v = x[seen]

@@ -51,6 +51,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0      # tokens in prompt or output: positive logits / r, negative * r
     logit_bias: dict[int, float] | None = None   # token id -> added to its raw logit
     include_stop_str_in_output: bool = False
+    # derived, not set by callers: what the engine reads per token, built once per request
+    stop_id_set: frozenset = field(default=frozenset(), init=False, repr=False, compare=False)
+    _bias_rows: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -61,7 +64,7 @@ class SamplingParams:
         if stop_ok:
             self.stop = list(self.stop or [])
         if ids_ok:
-            self.stop_token_ids = list(self.stop_token_ids or [])
+            self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids or []))   # each id once
         if self.logit_bias is not None and isinstance(self.logit_bias, dict):
             self.logit_bias = {_int_key(k): v for k, v in self.logit_bias.items()} or None
         bias = self.logit_bias or {}
@@ -100,6 +103,18 @@ class SamplingParams:
         for ok, name, why in checks:
             if not ok:
                 raise ValueError(f"SamplingParams.{name} {why}")
+        self.stop_id_set = frozenset(self.stop_token_ids)
+        self._bias_rows = None
+
+    def logit_bias_rows(self):
+        """logit_bias as (token ids, biases) tensors on the CPU, built once: the sampler adds them to
+        every row this request samples."""
+        if self._bias_rows is None and self.logit_bias:
+            import torch
+
+            self._bias_rows = (torch.tensor(list(self.logit_bias), dtype=torch.long),
+                               torch.tensor(list(self.logit_bias.values()), dtype=torch.float32))
+        return self._bias_rows
 
     @property
     def greedy(self) -> bool:

@@ -38,8 +38,9 @@ from cluster.config import ServeConfig
 from cluster.config_sections import Limits, RankResources
 from cluster.cpu_threads import engine_env
 from cluster.death_cause import free_loss, lost_with_node
+from cluster.engine_settings import engine_config
 from cluster.openai_errors import context_error
-from cluster.replica import EngineReplica, engine_config
+from cluster.replica import EngineReplica
 from cluster.replica_errors import EngineDiedError, Failed, Rejected, ReplicaConfigError
 from jobs.input_reader import Row
 from jobs.job_config import JobConfig

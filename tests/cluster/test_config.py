@@ -152,7 +152,7 @@ def test_speculation_settings():
 
 
 def test_engine_config_from_serve_config():
-    from cluster.replica import engine_config
+    from cluster.engine_settings import engine_config
 
     ec = engine_config(ServeConfig(draft="default", speculation={"tree": "static", "adaptive": False,
                                                                  "head_dtype": "float32"}))
@@ -162,17 +162,17 @@ def test_engine_config_from_serve_config():
 
 
 def test_offline_slowdown_reaches_the_engine_config_and_a_custom_engine_without_it_is_still_served(caplog):
-    from cluster import replica
+    from cluster import engine_settings
 
-    assert replica.engine_config(ServeConfig(draft=None)).offline_slowdown == 0.25
-    assert replica.engine_config(ServeConfig(draft=None, offline_slowdown=None)).offline_slowdown is None
-    assert replica.engine_config(ServeConfig(draft=None, offline_slowdown=2)).offline_slowdown == 2
+    assert engine_settings.engine_config(ServeConfig(draft=None)).offline_slowdown == 0.25
+    assert engine_settings.engine_config(ServeConfig(draft=None, offline_slowdown=None)).offline_slowdown is None
+    assert engine_settings.engine_config(ServeConfig(draft=None, offline_slowdown=2)).offline_slowdown == 2
     fake = dict(engine="tests.cluster.fake_engine", model="fake", draft=None)
     with caplog.at_level("WARNING"):
-        assert not hasattr(replica.engine_config(ServeConfig(**fake, offline_slowdown=None)), "offline_slowdown")
-        replica.engine_config(ServeConfig(**fake))          # the default: nothing to say
+        assert not hasattr(engine_settings.engine_config(ServeConfig(**fake, offline_slowdown=None)), "offline_slowdown")
+        engine_settings.engine_config(ServeConfig(**fake))          # the default: nothing to say
         assert "offline_slowdown" not in caplog.text
-        replica.engine_config(ServeConfig(**fake, offline_slowdown=0.5))
+        engine_settings.engine_config(ServeConfig(**fake, offline_slowdown=0.5))
     assert "offline_slowdown ignored: engine tests.cluster.fake_engine has no offline cap" in caplog.text
 
 
@@ -182,16 +182,16 @@ def test_prefix_caching_reaches_the_engine_config(caplog, monkeypatch):
     import dataclasses
     from types import SimpleNamespace
 
-    from cluster import replica
+    from cluster import engine_settings
     from eagle_worker.config import EngineConfig
     from tests.cluster import fake_engine
 
     assert ServeConfig.from_dict({"enable_prefix_caching": False}).engine_kwargs()["enable_prefix_caching"] is False
     if "enable_prefix_caching" in {f.name for f in dataclasses.fields(EngineConfig)}:
-        assert replica.engine_config(ServeConfig(draft=None, enable_prefix_caching=False)).enable_prefix_caching is False
-        assert replica.engine_config(ServeConfig(draft=None)).enable_prefix_caching is True
+        assert engine_settings.engine_config(ServeConfig(draft=None, enable_prefix_caching=False)).enable_prefix_caching is False
+        assert engine_settings.engine_config(ServeConfig(draft=None)).enable_prefix_caching is True
     fake = dict(engine="tests.cluster.fake_engine", model="fake", draft=None)
-    assert replica.engine_config(ServeConfig(**fake, enable_prefix_caching=False)).enable_prefix_caching is False
+    assert engine_settings.engine_config(ServeConfig(**fake, enable_prefix_caching=False)).enable_prefix_caching is False
 
     @dataclasses.dataclass
     class OldConfig:   # an engine module from before prefix caching
@@ -203,11 +203,11 @@ def test_prefix_caching_reaches_the_engine_config(caplog, monkeypatch):
         max_num_seqs: int = 64
         max_model_len: int = 512
 
-    monkeypatch.setattr(replica, "load_engine_module", lambda path: SimpleNamespace(
+    monkeypatch.setattr(engine_settings, "load_engine_module", lambda path: SimpleNamespace(
         EngineConfig=OldConfig, SpecConfig=fake_engine.SpecConfig))
-    assert replica.engine_config(ServeConfig(**fake)).model == "fake"
+    assert engine_settings.engine_config(ServeConfig(**fake)).model == "fake"
     assert "ignored" not in caplog.text
-    replica.engine_config(ServeConfig(**fake, enable_prefix_caching=False))
+    engine_settings.engine_config(ServeConfig(**fake, enable_prefix_caching=False))
     assert "enable_prefix_caching: false ignored" in caplog.text
     with pytest.raises(ConfigError, match="enable_prefix_caching"):
         ServeConfig.from_dict({"enable_prefix_caching": "sometimes"})
@@ -227,7 +227,7 @@ def test_example_config_loads():
 
 
 def test_speculation_with_auto_draft_on_a_model_without_head(tiny_model_dir):
-    from cluster.replica import engine_config
+    from cluster.engine_settings import engine_config
 
     ec = engine_config(ServeConfig(model=str(tiny_model_dir("llama")), speculation={"depth": 2}))
     assert ec.draft is None and ec.spec.lookup and ec.spec.depth == 2   # no head: prompt lookup alone

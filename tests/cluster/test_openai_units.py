@@ -54,6 +54,9 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     ({"temperature": "0.5"}, "temperature", "valid number"), ({"stream": "true"}, "stream", "valid boolean"),
     ({"stop": ["a", 1]}, "stop", "valid string"), ({"logprobs": 1}, "logprobs", "valid boolean"),
     ({"logit_bias": {"²": 5}}, "logit_bias", "token ids"), ({"logit_bias": {"١٢": 5}}, "logit_bias", "token ids"),
+    # one request's lists are worked into every step: bounded
+    ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias", "at most 1024"),
+    ({"stop_token_ids": [3] * 1025}, "stop_token_ids", "at most 1024"),
 ])
 def test_chat_fields_refused_by_name(extra, param, needle):
     err = _refusal(ChatCompletionRequest, CHAT | extra)
@@ -280,3 +283,66 @@ def test_max_tokens_and_max_completion_tokens_that_agree_are_one_limit():
     ok = ChatCompletionRequest.model_validate(CHAT | {"messages": [{"role": "assistant", "content": None},
                                                                    {"role": "user", "content": "go on"}]})
     assert ok.template_messages()[0] == {"role": "assistant", "content": ""}
+
+
+def test_a_stream_with_a_deadline_cancelled_twice_ends_cleanly():
+    """limits.request_timeout_s set and the client gone: Serve cancels the stream's task, and anyio's
+    cancel scope cancels it again while the first cancellation is being handled. The stream ends by
+    cancellation with its engine stream closed, not with "aclose(): asynchronous generator is already
+    running" (counted a 500, with a traceback in the replica's log)."""
+    from types import SimpleNamespace
+
+    from cluster.ingress import OpenAIIngress
+    from cluster.stream_response import Release
+
+    closed = []
+
+    async def engine_stream():
+        try:
+            while True:
+                await asyncio.sleep(0.005)
+                yield _out(new=b"d", text="d")
+        finally:
+            closed.append("engine stream")
+
+    class Render:
+        def head(self, rid):
+            return []
+
+        def chunk(self, rid, i, out):
+            return {"choice": i}
+
+    ingress = SimpleNamespace(config=SimpleNamespace(limits=SimpleNamespace(request_timeout_s=60.0)),
+                              metrics=SimpleNamespace(tokens=lambda n: None))
+
+    async def run():
+        it = engine_stream()
+        first = await it.__anext__()
+
+        async def release():
+            closed.append("released")
+            await it.aclose()
+
+        when = asyncio.get_running_loop().time() + 60.0
+        body = OpenAIIngress._sse(ingress, [it], [first], "rid", SimpleNamespace(include_usage=False), Render(),
+                                  0.0, 0.0, when, Release(release))
+        got = []
+
+        async def consume():
+            try:
+                async for event in body:
+                    got.append(event)
+            finally:
+                await body.aclose()
+
+        task = asyncio.create_task(consume())
+        while len(got) < 3:
+            await asyncio.sleep(0.001)
+        task.cancel()
+        await asyncio.sleep(0)      # the first cancellation is being handled inside the stream
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(run())
+    assert sorted(closed) == ["engine stream", "released"]

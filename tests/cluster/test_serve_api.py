@@ -66,6 +66,18 @@ def test_completion_stream_matches_non_stream(app):
     assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
 
 
+def test_a_stream_has_one_request_id_header(app):
+    """Serve's own x-request-id only (the client's, echoed back): a second one of the ingress's made
+    clients read both joined as "cmpl-..., <id>"."""
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 3, "stream": True}
+    for headers in ({}, {"X-Request-Id": "mine-1"}):
+        with requests.post(f"{app.url}/v1/completions", json=body, headers=headers, stream=True, timeout=60) as r:
+            assert r.status_code == 200 and r.content.endswith(b"data: [DONE]\n\n")
+            ids = r.raw.headers.getlist("x-request-id")
+            assert len(ids) == 1 and "," not in ids[0], ids
+            assert not headers or ids == ["mine-1"], ids
+
+
 def test_streamed_chunks_carry_stream_interval_tokens(app):
     """ingress.stream_interval 3: the first token at once, then chunks of 3 or more tokens, the last
     with what is left; the same tokens and log-probabilities as the whole response."""
@@ -148,6 +160,16 @@ def test_a_prompt_near_the_context_without_max_tokens_stops_at_the_context(app):
         app.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello " * 70}],
                                            max_tokens=30)
     assert _err(ei)["code"] == "context_length_exceeded" and _err(ei)["param"] == "max_tokens", _err(ei)
+    # errors name the field the client sent
+    with pytest.raises(openai.BadRequestError) as ei:
+        app.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello " * 70}],
+                                           max_completion_tokens=30)
+    assert _err(ei)["code"] == "context_length_exceeded" and _err(ei)["param"] == "max_completion_tokens", _err(ei)
+    with pytest.raises(openai.BadRequestError) as ei:
+        app.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                           max_completion_tokens=10_000)
+    assert _err(ei)["param"] == "max_completion_tokens" and "max_completion_tokens: 10000 exceeds" in \
+        _err(ei)["message"], _err(ei)
 
 
 def test_bad_chat_requests(app):

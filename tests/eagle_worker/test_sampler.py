@@ -124,6 +124,22 @@ def test_logit_bias_and_penalties_follow_vllm():
     assert processed_logits(x, row()) is not None and torch.equal(processed_logits(x, row()), x)
 
 
+def test_the_per_token_lookups_follow_the_params_they_were_built_from():
+    """stop ids as a set and logit_bias as tensors are built once per request, not per token/step;
+    a copy with other values (the engine's validated copy) gets its own."""
+    import dataclasses
+
+    p = SamplingParams(stop_token_ids=[5, 3, 5, 3], logit_bias={"2": 1.0, 0: -1.0})
+    assert p.stop_token_ids == [5, 3] and p.stop_id_set == {3, 5}
+    ids, biases = p.logit_bias_rows()
+    assert p.logit_bias_rows() is p.logit_bias_rows() and ids.tolist() == [2, 0] and biases.tolist() == [1.0, -1.0]
+    q = dataclasses.replace(p, stop_token_ids=[7], logit_bias={1: 4.0})
+    assert q.stop_id_set == {7} and q.logit_bias_rows()[0].tolist() == [1]
+    x = torch.zeros(4)
+    assert processed_logits(x, row(logit_bias={1: 4.0})).tolist() == [0.0, 4.0, 0.0, 0.0]
+    assert SamplingParams().stop_id_set == frozenset() and SamplingParams().logit_bias_rows() is None
+
+
 def test_greedy_is_the_argmax_of_the_processed_logits():
     x = torch.tensor([[5.0, 4.0, 1.0]])
     assert draw_tokens(x, [row(temperature=0.0)]) == [0]

@@ -56,7 +56,7 @@ def test_generate_door(monkeypatch):
 
 
 def test_serve_door():
-    from cluster.replica import engine_config
+    from cluster.engine_settings import engine_config
 
     assert engine_config(ServeConfig()).spec == HYBRID
     assert engine_config(ServeConfig(draft=None)).spec is None
@@ -67,7 +67,7 @@ def test_serve_door():
 
 @pytest.mark.parametrize("draft, want", [("auto", HYBRID), ("none", None)])
 def test_submit_job_door(draft, want):
-    from cluster.replica import engine_config
+    from cluster.engine_settings import engine_config
     from jobs.job_config import JobConfig
     from jobs.replica_pool import serve_config
 
