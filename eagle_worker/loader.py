@@ -41,8 +41,10 @@ def resolve_model_path(name_or_path: str) -> str:
             name_or_path, local_files_only=not allow,
             ignore_patterns=["original/*", "consolidated*", "*.pth", "*.pt", "*.msgpack", "*.h5", "*.onnx*", "*.gguf"])
     except Exception as e:  # not cached, bad id, offline, ...
-        hint = "" if allow else " (set EAGLE_ALLOW_DOWNLOAD=1 to download it from the Hugging Face Hub)"
-        raise ValueError(f"model {name_or_path!r} not found locally{hint}: {e}") from e
+        if allow:    # the hub's own reason (no such repo, gated, offline) is the one to read
+            raise ValueError(f"model {name_or_path!r} could not be downloaded: {e}") from e
+        raise ValueError(f"model {name_or_path!r} is not a folder here nor in the Hugging Face cache (set "
+                         "EAGLE_ALLOW_DOWNLOAD=1 to download it from the Hugging Face Hub)") from e
 
 
 def _index_files(folder: Path, index_name: str) -> list[Path] | None:

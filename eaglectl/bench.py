@@ -128,7 +128,7 @@ def bench_decode(model, dtypes, batch_sizes, max_tokens, json_out, threads, roun
               help="Node budget of the dynamic tree, the hybrid and lookup [default: SpecConfig's].")
 @click.option("--depth", default=None, type=POSITIVE, help="Dynamic tree / hybrid draft levels [default: SpecConfig's].")
 @click.option("--top-k", default=None, type=POSITIVE, help="Dynamic tree / hybrid expansion width [default: SpecConfig's].")
-@click.option("--rounds", default=None, type=POSITIVE,
+@click.option("--rounds", default=1, show_default=True, type=POSITIVE,
               help="Passes over the prompts; each prompt's (with --batch-sizes each batch's) median time counts.")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N (every method runs there).")
 @click.option("--warmup", default=4, show_default=True, type=click.IntRange(min=0),
@@ -181,7 +181,7 @@ def bench_spec(model, prompts_file, per_category, max_tokens, dtype, draft, meth
         from bench.spec_tp import run as run_tp
 
         run_tp(model=model, prompts_file=prompts_file, per_category=per_category, max_tokens=max_tokens,
-               dtype=dtype, batch_sizes=sizes, json_out=json_out, rounds=rounds or 1)
+               dtype=dtype, batch_sizes=sizes, json_out=json_out, rounds=rounds)
         return
     allowed = SPEC_METHODS if sizes is None else BATCH_METHODS
     chosen = methods or allowed
@@ -205,14 +205,14 @@ def bench_spec(model, prompts_file, per_category, max_tokens, dtype, draft, meth
 
         run_batch(model=model, prompts_file=prompts_file, per_category=per_category,
                   max_tokens=max_tokens, dtype=dtype, draft=draft, methods=chosen, batch_sizes=sizes,
-                  rounds=rounds or 1, temperature=temperature, device=device, threads=threads,
+                  rounds=rounds, temperature=temperature, device=device, threads=threads,
                   json_out=json_out, head_dtype=head_dtype)
         return
     from bench.spec import run
 
     run(model=model, prompts_file=prompts_file, per_category=per_category, max_tokens=max_tokens, dtype=dtype,
         draft=draft, methods=chosen, json_out=json_out, threads=threads, temperature=temperature, tree=tree,
-        rounds=rounds or 1, device=device, warmup=warmup)
+        rounds=rounds, device=device, warmup=warmup)
 
 
 @bench.command("job")

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import click
 
+from eaglectl.common import fail
+
 
 @click.group("deploy")
 def deploy() -> None:
@@ -32,8 +34,8 @@ def render_cmd(config, job, out, check) -> None:
 
     try:   # the RayJob's entrypoint is checked by submit-job itself: parsed and validated, not run
         files = render_files(config, job, check_job_args=submit_job_refusal)
-    except ConfigError as e:
-        raise click.ClickException(str(e)) from None
+    except ConfigError as e:     # exit 2, as bad input everywhere: --check's 1 means "not up to date"
+        fail(str(e))
     out = Path(out)
     if check:
         try:

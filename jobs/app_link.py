@@ -50,7 +50,8 @@ class AppLink:
         if not ray.is_initialized():
             address = "auto" if ray_address in (None, "local") else ray_address
             try:
-                ray.init(address=address, namespace=SERVE_NAMESPACE, logging_level=logging.WARNING)
+                ray.init(address=address, namespace=SERVE_NAMESPACE, logging_level=logging.WARNING,
+                         log_to_driver=False)   # the app's replicas log to Serve, not one line per row here
             except (ConnectionError, RuntimeError, ValueError) as e:
                 first = (str(e).strip().splitlines() or [type(e).__name__])[0]
                 raise JobConfigError(f"--serve-app {cfg.serve_app}: no Ray cluster to join here ({first}); pass "

@@ -64,7 +64,7 @@ def test_cli_reports_bad_config_with_dotted_paths(tmp_path):
         kubernetes: {workers: {gpus_per_nod: 2}}
         """)
     r = CliRunner().invoke(deploy, ["render", "--config", str(cfg), "--out", str(tmp_path / "out")])
-    assert r.exit_code == 1
+    assert r.exit_code == 2      # bad input; 1 is --check's "not up to date"
     assert "serve.tp_size" in r.output and "kubernetes.workers.gpus_per_nod: unknown field" in r.output
     assert not (tmp_path / "out").exists()
 

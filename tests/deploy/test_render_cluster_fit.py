@@ -142,7 +142,7 @@ def test_submit_jobs_default_max_tokens_counts_too(tmp_path):
 ])
 def test_extra_args_submit_job_would_refuse_are_refused_by_deploy_render(tmp_path, extra, needle):
     r = _cli(tmp_path, {}, {**JOB, "extra_args": extra})
-    assert r.exit_code == 1, r.output
+    assert r.exit_code == 2, r.output
     assert "submit-job would refuse" in r.output and needle in r.output, r.output
     assert not (tmp_path / "out").exists()
 
@@ -151,7 +151,7 @@ def test_a_fleet_jobs_extra_args_are_checked_the_same_way(tmp_path):
     serve = {"kubernetes": {"ray_auth_secret": "tok", "job_data": {"data_volume": VOL}}}
     job = {"input": "/data/in.parquet", "output": "/data/out", "serve_app": True}
     r = _cli(tmp_path, serve, {**job, "extra_args": ["--top-k", "-5"]})
-    assert r.exit_code == 1 and "top_k" in r.output, r.output
+    assert r.exit_code == 2 and "top_k" in r.output, r.output
     assert _cli(tmp_path, serve, {**job, "extra_args": ["--top-k", "5"]}).exit_code == 0
 
 

@@ -209,8 +209,9 @@ def test_resolve_model_path(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.delenv("EAGLE_ALLOW_DOWNLOAD", raising=False)
-    with pytest.raises(ValueError, match="no-such-org/no-such-model.*EAGLE_ALLOW_DOWNLOAD"):
+    with pytest.raises(ValueError, match="no-such-org/no-such-model.*EAGLE_ALLOW_DOWNLOAD") as ei:
         resolve_model_path("no-such-org/no-such-model")
+    assert "local_files_only" not in str(ei.value)     # the hub's advice, which a user here cannot follow
     with pytest.raises(ValueError, match="does-not-exist"):
         resolve_model_path(str(tmp_path / "does-not-exist"))
 

@@ -106,6 +106,28 @@ def test_an_app_being_deleted_is_not_listed_as_running(monkeypatch):
         pool._check_app()
 
 
+def test_joining_the_apps_cluster_does_not_stream_its_replica_logs_into_the_job(monkeypatch):
+    """Serve's replicas log a line per call: a job of a million rows through the app must not print them."""
+    import ray
+
+    from jobs.app_link import AppLink
+
+    seen = {}
+
+    class Joined(Exception):
+        pass
+
+    def fake_init(**kw):
+        seen.update(kw)
+        raise Joined
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", fake_init)
+    with pytest.raises(Joined):
+        AppLink.connect(JobConfig(input="x.parquet", serve_app="tiny"), None)
+    assert seen["address"] == "auto" and seen["log_to_driver"] is False
+
+
 def test_bare_serve_app_means_the_app_eaglectl_serve_deploys():
     from click.testing import CliRunner
 
