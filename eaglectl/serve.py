@@ -27,8 +27,11 @@ def serve(config_path, host, port, address):
             cfg = ServeConfig.from_dict({**cfg.model_dump(exclude_unset=True), **overrides}, source="--host/--port")
         address = address or os.environ.get("RAY_ADDRESS")
         if not address:              # the replicas (and the ingress) run on this machine: head and keys are here
-            cfg.check_draft_here()
-            cfg.resolve_api_keys()   # a missing, empty or unreadable key source fails now, not in the ingress
+            try:
+                cfg.check_draft_here()
+                cfg.resolve_api_keys()   # a missing, empty or unreadable key source fails now, not in the ingress
+            except ValueError as e:
+                raise ValueError(f"{config_path}: {e}" if config_path else str(e)) from None
     except ValueError as e:
         fail(str(e))
     from cluster.config_base import ConfigError

@@ -94,6 +94,20 @@ def test_serve_cli_accepts_every_api_key_form(tmp_path, monkeypatch, form):
     assert served[0].resolve_api_keys() == expected and served[0].port == 8123
 
 
+def test_serve_cli_names_the_config_file_of_a_missing_key_file(tmp_path, monkeypatch):
+    """Checked before Ray starts; the error names the file and the field, as the config's other errors do."""
+    from click.testing import CliRunner
+
+    from eaglectl.serve import serve
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(_BASE_YAML + f"api_keys_file: {tmp_path / 'nowhere'}\n")
+    r = CliRunner().invoke(serve, ["--config", str(cfg)])
+    assert r.exit_code == 2, r.output
+    assert f"{cfg}: api_keys_file: {tmp_path / 'nowhere'} does not exist" in r.output, r.output
+
+
 @pytest.mark.slow  # `eaglectl serve` in a subprocess: its own Ray and Serve app
 def test_serve_cli_with_every_api_key_form_authenticates_each_key(tmp_path):
     port = _free_port()
