@@ -9,6 +9,7 @@ to online requests).
 from __future__ import annotations
 
 import re
+import secrets
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
@@ -100,10 +101,14 @@ class _SamplingRequest(BaseModel):
 
     def sampling_params(self, max_tokens: int, sample: int = 0) -> dict[str, Any]:
         """Keyword arguments for the engine's SamplingParams (built on the replica) of sample
-        `sample` of n: with a seed, sample i uses seed + i (vLLM's rule for n > 1). Fields left at
-        their defaults are not sent."""
+        `sample` of n: sample i uses seed + i (vLLM's rule for n > 1). Fields left at their defaults
+        are not sent, but the seed always is: without one the request gets a random seed here, once.
+        Each replica's engine seeds unseeded requests from one sequence (EngineConfig.seed, 0 as in
+        vLLM), so every replica's k-th unseeded request would draw the same "random" text."""
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
-        seed = None if self.seed is None else (self.seed + sample) % MAX_SEED
+        if self._seed is None:
+            self._seed = self.seed if self.seed is not None else secrets.randbelow(MAX_SEED)
+        seed = (self._seed + sample) % MAX_SEED
         params = dict(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                       min_p=self.min_p, seed=seed, stop=stop or None, stop_token_ids=self.stop_token_ids or [],
                       ignore_eos=self.ignore_eos)
@@ -115,6 +120,7 @@ class _SamplingRequest(BaseModel):
         return params
 
     _num_logprobs: int | None = PrivateAttr(None)          # per endpoint: the top-k alternatives wanted
+    _seed: int | None = PrivateAttr(None)                  # the request's seed, or one drawn for it
     _num_prompt_logprobs: int | None = PrivateAttr(None)   # completions with echo and logprobs
 
     @property

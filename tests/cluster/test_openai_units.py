@@ -346,3 +346,16 @@ def test_a_stream_with_a_deadline_cancelled_twice_ends_cleanly():
 
     asyncio.run(run())
     assert sorted(closed) == ["engine stream", "released"]
+
+
+def test_a_request_without_a_seed_gets_its_own_random_one():
+    """Every replica's engine seeds unseeded requests from the same sequence (EngineConfig.seed 0), so
+    the k-th on each replica would draw the same text: the ingress draws each request's seed instead,
+    once (a retry and the n samples use it), and a seed the client gives is kept."""
+    a, b = (CompletionRequest.model_validate({"model": "m", "prompt": "hi", "n": 3}) for _ in range(2))
+    seeds = [a.sampling_params(4, i)["seed"] for i in range(3)]
+    assert seeds == [(seeds[0] + i) % 2**63 for i in range(3)] and a.sampling_params(4, 0)["seed"] == seeds[0]
+    assert b.sampling_params(4, 0)["seed"] != seeds[0] and 0 <= seeds[0] < 2**63
+    chat = ChatCompletionRequest.model_validate(CHAT | {"seed": 7, "n": 2})
+    assert [chat.sampling_params(4, i)["seed"] for i in range(2)] == [7, 8]
+

@@ -275,3 +275,18 @@ def test_jsonl_in_a_folder_or_glob_gets_openai_batch_output_and_parquet_output_r
     assert rows["a"]["error"].startswith("logprobs: the Parquet output has no logprobs") and rows["b"]["error"] is None
     cfg = JobConfig(input=str(d), output=str(tmp_path / "kept"), keep_columns=True, model="no-model-needed")
     assert drive(cfg, "local") == 2 and not (tmp_path / "kept").exists()   # as for one .jsonl file
+
+
+def test_a_batch_line_without_a_seed_samples_with_its_rows_stable_seed():
+    """The HTTP request models draw a random seed for an unseeded request; a Batch line goes through
+    them but keeps the job's seed by row id (a resume samples the row the same), or the one it gives."""
+    from jobs.openai_requests import openai_row
+    from jobs.runner import row_seed
+
+    cfg = JobConfig(input="x.jsonl")
+    line = {"custom_id": "r1", "method": "POST", "url": "/v1/completions",
+            "body": {"model": "m", "prompt": "hi", "temperature": 1.0}}
+    row = openai_row(line)
+    assert row.error is None and row_params(cfg, row)["seed"] == row_seed("r1")
+    seeded = openai_row({**line, "body": {**line["body"], "seed": 11}})
+    assert row_params(cfg, seeded)["seed"] == 11
