@@ -18,7 +18,7 @@ import torch
 import transformers
 
 from bench.prompts import load_questions, render
-from bench.report_file import write_json
+from bench.report_file import run_meta, write_json
 
 
 def _hf_generate(model, tok, prompts: list[str], max_tokens: int) -> int:
@@ -57,7 +57,7 @@ def run(model: str = "gemma-3-270m", dtypes: list[str] = ("float32", "bfloat16")
         tdtype = getattr(torch, dtype)
         tok = AutoTokenizer.from_pretrained(path, padding_side="left")
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=tdtype).eval()
-        llm = LLM(model=model, dtype=dtype, draft=None)
+        llm = LLM(model=model, dtype=dtype, draft=None, enable_prefix_caching=False)
         with torch.inference_mode():
             _hf_generate(hf, tok, prompts[:1], 4)                      # warm-up
         llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0))
@@ -108,7 +108,7 @@ def run(model: str = "gemma-3-270m", dtypes: list[str] = ("float32", "bfloat16")
     if json_out:
         meta = {"model": model, "max_tokens": max_tokens, "threads": torch.get_num_threads(),
                 "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
-                "transformers": transformers.__version__, "rounds": rounds}
+                "transformers": transformers.__version__, "rounds": rounds, "prefix_caching": False, **run_meta()}
         write_json(json_out, {"meta": meta, "rows": rows})
     return rows
 

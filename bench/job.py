@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from bench.prompts import load_questions, render
-from bench.report_file import write_json
+from bench.report_file import run_meta, write_json
 
 
 def available_rows() -> int:
@@ -119,7 +119,7 @@ def run(model: str = "gemma-3-270m", rows: int = 200, max_tokens: int = 64, json
 
         meta = {"model": model, "rows": rows, "max_tokens": max_tokens, "replicas": replicas,
                 "max_num_seqs": max_num_seqs, "temperature": 0.0, "note": note, "threads": torch.get_num_threads(),
-                "machine": platform.processor() or platform.machine(), "torch": torch.__version__}
+                "machine": platform.processor() or platform.machine(), "torch": torch.__version__, **run_meta()}
         write_json(json_out, {"meta": meta, "rows": results})
     return results
 

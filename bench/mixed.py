@@ -31,7 +31,7 @@ import requests
 
 from bench.job import completed_run, write_input
 from bench.prompts import load_questions, render
-from bench.report_file import write_json
+from bench.report_file import run_meta, write_json
 from bench.serve import (
     _RAY,
     _fmt,
@@ -160,7 +160,8 @@ def run(model: str = "gemma-3-270m", rows: int = 200, online_requests: int = 16,
                            "concurrency": concurrency, "max_tokens": max_tokens, "max_num_seqs": max_num_seqs,
                            "threads": threads, "ingress": ingress_label(colocate), "offline_slowdown": offline_slowdown,
                            "cpus": os.cpu_count(), "machine": platform.machine(),
-                           "job_path": "jobs.runner with serve_app (eaglectl submit-job --serve-app)", "notes": notes},
+                           "job_path": "jobs.runner with serve_app (eaglectl submit-job --serve-app)", "notes": notes,
+                           "prefix_caching": False, **run_meta()},
                   "summary": summary, "counters_during_mixed": counters,
                   "online_alone": alone, "online_with_job": with_job, "job_alone": job_alone, "job_with_online": job_mixed}
         print(markdown(summary), flush=True)

@@ -41,7 +41,7 @@ from typing import Any
 from bench.job import completed_run
 from bench.methods import PREFIX_SCENARIOS as SCENARIOS
 from bench.prompts import load_questions
-from bench.report_file import write_json
+from bench.report_file import run_meta, write_json
 
 
 @dataclasses.dataclass
@@ -324,4 +324,4 @@ def _meta(model, dtype, head, rounds, sizes, c_runner, notes) -> dict[str, Any]:
             "temperature": 0.0, "c_runner": c_runner, "notes": notes,
             "measure": "a, b: all requests of a burst submitted at once through LLM.generate (b: one burst per turn)",
             "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
-            "torch": torch.__version__}
+            "torch": torch.__version__, **run_meta()}

@@ -37,3 +37,36 @@ def write_json(path: str | Path, report) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def run_meta() -> dict:
+    """What a report needs to be reproduced and placed: the command, the commit, the CPU and the
+    versions (a result means little without the machine and the code that made it)."""
+    import platform
+    import subprocess
+    import sys
+
+    def version(name: str) -> str | None:
+        try:
+            from importlib.metadata import version as v
+
+            return v(name)
+        except Exception:  # noqa: BLE001 - not installed
+            return None
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                                cwd=Path(__file__).resolve().parent).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    cpu = None
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"command": sys.argv, "commit": commit, "cpu": cpu or platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(), "python": platform.python_version(),
+            "versions": {n: version(n) for n in ("torch", "transformers", "ray")}}

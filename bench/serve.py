@@ -38,7 +38,7 @@ from pathlib import Path
 import requests
 
 from bench.prompts import load_questions, render
-from bench.report_file import write_json
+from bench.report_file import run_meta, write_json
 from cluster.local_ray import StartedRay
 
 STAT_KEYS = ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")
@@ -167,10 +167,12 @@ def local_config(model: str, draft: str | None, name: str, port: int, max_num_se
                  dtype: str, threads: int, stream_interval: int = 1, direct_ingress: bool = False,
                  colocate: bool | None = None, offline_slowdown: float | None = 0.25):
     """The app this benchmark starts: one replica computing on `threads` torch threads (with the
-    ingress in its process unless `colocate` is False)."""
+    ingress in its process unless `colocate` is False), without prefix caching (what the benchmarks
+    compare is decoding and serving; `bench prefix` measures caching)."""
     from cluster.config import ServeConfig
 
     return ServeConfig(model=model, draft=draft, dtype=dtype, app_name=name, port=port, num_replicas=1,
+                       enable_prefix_caching=False,   # rounds and phases repeat prompts: no cache hits between them
                        resources_per_rank={"cpu": 1, "threads": threads}, offline_slowdown=offline_slowdown,
                        ingress={"stream_interval": stream_interval, "direct": direct_ingress, "colocate": colocate},
                        limits={"max_num_seqs": max_num_seqs, "max_queued_requests": max_num_seqs,
@@ -374,7 +376,8 @@ def run(url: str | None = None, model: str = "gemma-3-270m", concurrencies: tupl
                        "ingress": ingress_label(colocate),
                        "rounds": rounds, "cpus": os.cpu_count(), "machine": platform.machine(), "notes": notes,
                        "method": "streamed /v1/completions, greedy, ignore_eos, closed loop at each concurrency; "
-                                 "engine: LLM.generate of the same prompts, concurrency at a time, same threads"},
+                                 "engine: LLM.generate of the same prompts, concurrency at a time, same threads",
+                       "prefix_caching": False, **run_meta()},
               "results": results}
     table = markdown(results)
     ratios = {c: [r["vs_engine"] for r in results if r.get("vs_engine") and r["concurrency"] == c] for c in concurrencies}

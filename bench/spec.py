@@ -24,7 +24,7 @@ import transformers
 from bench.methods import SPEC_METHODS as METHODS
 from bench.methods import check_methods
 from bench.prompts import PROMPT_FORMAT, SPEC_BENCH, load_questions, render
-from bench.report_file import write_json
+from bench.report_file import run_meta, write_json
 
 OURS = ("vanilla", "lookup", "chain", "static", "dynamic", "hybrid")
 
@@ -167,7 +167,7 @@ def run(model: str = "gemma-3-270m", prompts_file: str | Path = SPEC_BENCH, per_
                        "torch": torch.__version__, "transformers": transformers.__version__,
                        "temperature": temperature, "tree": tree or {}, "rounds": rounds, "warmup": warmup,
                        "prompts": str(prompts_file), "per_category": per_category, "draft": draft,
-                       "threads": torch.get_num_threads()},
+                       "threads": torch.get_num_threads(), "prefix_caching": False, **run_meta()},
               "results": results, "summary": summary, "paired": paired}
     if json_out:
         write_json(json_out, report)
@@ -194,7 +194,8 @@ def _runners(model: str, dtype: str, draft: str, methods, tree: dict | None, max
     from eagle_worker import LLM
     from eagle_worker.model_runner import resolve_model
 
-    vanilla = LLM(model=model, dtype=dtype, device=device, draft=None, kv_cache_gb=0.25)
+    vanilla = LLM(model=model, dtype=dtype, device=device, draft=None, kv_cache_gb=0.25,
+                  enable_prefix_caching=False)     # rounds repeat the prompts: no cache hits between them
     if draft == "random":
         draft = _random_head(vanilla, Path(tempfile.mkdtemp(prefix="bench-head-")))
     runners, engines = {}, {}
@@ -211,7 +212,8 @@ def _runners(model: str, dtype: str, draft: str, methods, tree: dict | None, max
             runners[method](warm_prompts[:1])
         else:
             llm = engines[method] = vanilla if method == "vanilla" else LLM(     # batch 1: little KV
-                model=model, dtype=dtype, device=device, spec=_spec_config(method, draft, tree), kv_cache_gb=0.25)
+                model=model, dtype=dtype, device=device, spec=_spec_config(method, draft, tree), kv_cache_gb=0.25,
+                enable_prefix_caching=False)
             runners[method] = lambda ps, shares=None, llm=llm: _run_ours(llm, ps, max_tokens, shares, temperature)  # noqa: E731
             runners[method](warm_prompts)
     return runners, engines

@@ -9,8 +9,11 @@ round-robin over the categories) are cycled to fill batches: each batch size run
 cycled), every request makes `max_tokens` tokens (ignore_eos, so every method does the same work).
 One engine per method serves every batch size, as a server would, after a warm-up batch. The
 methods take turns batch by batch, the order rotating each batch and round; a batch counts with
-its median time over rounds. Each method's ratio over vanilla is the median over batches of the
-paired ratio (the same batch back to back), with the range of those pairs. For the default it
+its median time over rounds. Each method's ratio over vanilla is a throughput ratio, paired by round:
+in each round, vanilla's seconds over the method's summed over the round's batches (each batch back
+to back); the median of the rounds, with their range. (A median of per-batch ratios would weigh a
+short batch like a long one: at batch 1 that is each prompt's own speedup, which overstates the
+throughput.) Prefix caching is off: the rounds repeat the batches. For the default it
 reports where the policy's choices went: draft nodes per sequence and step, and steps by source.
 The report is rewritten after each batch size, so a run cut short keeps what it measured.
 """
@@ -28,7 +31,7 @@ import transformers
 from bench.methods import BATCH_METHODS as METHODS
 from bench.methods import check_methods
 from bench.prompts import PROMPT_FORMAT, SPEC_BENCH, load_questions, render
-from bench.report_file import write_json
+from bench.report_file import run_meta, write_json
 
 
 def spec_for(method: str, model: str, draft: str, head_dtype: str = "target"):
@@ -92,7 +95,7 @@ def run(model: str = "gemma-3-270m", prompts_file: str | Path = SPEC_BENCH, per_
     prompts = [p for group in itertools.zip_longest(*by_cat.values()) for p in group if p is not None]
     kv_gb = max(1.0, 36e3 * max(batch_sizes) * (max_tokens + 400) / 2**30 * (1 if dtype == "float32" else 0.5) * 1.5)
     engines = {m: LLM(model=model, dtype=dtype, device=device, spec=spec_for(m, model, draft, head_dtype), kv_cache_gb=kv_gb,
-                      max_num_seqs=max(batch_sizes)) for m in methods}
+                      max_num_seqs=max(batch_sizes), enable_prefix_caching=False) for m in methods}
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True,
                             seed=0 if temperature else None)
     warm = (prompts * 8)[:8]
@@ -105,7 +108,7 @@ def run(model: str = "gemma-3-270m", prompts_file: str | Path = SPEC_BENCH, per_
                        "head_dtype": head_dtype,
                        "methods": list(methods),
                        "torch": torch.__version__, "transformers": transformers.__version__,
-                       "threads": torch.get_num_threads()},
+                       "threads": torch.get_num_threads(), "prefix_caching": False, **run_meta()},
               "batches": []}
     for bs in batch_sizes:
         n = max(bs, -(-min_prompts // bs) * bs)
@@ -129,14 +132,21 @@ def run(model: str = "gemma-3-270m", prompts_file: str | Path = SPEC_BENCH, per_
     return report
 
 
+def round_ratios(method: list[list[dict]], vanilla: list[list[dict]]) -> list[float]:
+    """Per round: vanilla's seconds over the method's, each summed over the round's batches (the same
+    work: every request makes max_tokens tokens)."""
+    rounds = len(vanilla[0])
+    return [sum(b[r]["seconds"] for b in vanilla) / sum(m[r]["seconds"] for m in method) for r in range(rounds)]
+
+
 def _summarise(bs: int, runs: dict[str, list[list[dict]]]) -> dict:
-    """Per method: tokens over the batches' median seconds, and the paired ratio over vanilla
-    (the same batch in the same round, back to back), its median and range over those pairs."""
+    """Per method: tokens over the batches' median seconds, and the throughput ratio over vanilla
+    paired by round (round_ratios), its median and range over the rounds; every pass's seconds."""
     row = {"batch": bs, "batches": len(runs["vanilla"]), "methods": {}}
     base = runs["vanilla"]
     for m, per_batch in runs.items():
         flat = [r for rs in per_batch for r in rs]
-        ratios = [b["seconds"] / r["seconds"] for rs, bs_ in zip(per_batch, base) for r, b in zip(rs, bs_)]
+        ratios = round_ratios(per_batch, base)
         steps: dict[str, int] = {}
         for r in flat:
             for mode, n in r["steps_by_source"].items():
@@ -145,7 +155,8 @@ def _summarise(bs: int, runs: dict[str, list[list[dict]]]) -> dict:
         tokens = sum(rs[0]["tokens"] for rs in per_batch)
         row["methods"][m] = {
             "tok_s": tokens / sum(statistics.median(r["seconds"] for r in rs) for rs in per_batch),
-            "ratio": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)], "pairs": len(ratios),
+            "ratio": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)], "rounds": len(ratios),
+            "seconds": [[r["seconds"] for r in rs] for rs in per_batch],      # per batch, per round
             "tau": statistics.mean(r["tau"] for r in flat),
             "nodes_per_seq_step": statistics.mean(r["nodes_per_seq_step"] for r in flat),
             "draft_share": statistics.mean(r["draft_share"] for r in flat),

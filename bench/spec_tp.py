@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from bench.prompts import PROMPT_FORMAT, SPEC_BENCH, load_questions, render
-from bench.report_file import write_json
+from bench.report_file import run_meta, write_json
 
 # name -> (tp size, rank-0 torch threads, speculation: None | "head" | "hybrid")
 METHODS = {"vanilla-tp1": (1, 1, None), "vanilla-tp1-2t": (1, 2, None), "vanilla-tp2": (2, 1, None),
@@ -137,7 +137,7 @@ def run(model: str = "gemma-3-270m", prompts_file: str | Path = SPEC_BENCH, per_
                        "backend": "gloo", "device": "cpu", "cpu_cores": torch.multiprocessing.cpu_count(),
                        "threads": {m: {"rank0": METHODS[m][1], "ranks": METHODS[m][0]} for m in methods},
                        "spec": "draft=default, tree=dynamic (SpecConfig defaults), adaptive=False; hybrid adds lookup=True",
-                       "greedy": True},
+                       "greedy": True, **run_meta()},
               "rows": rows, "identical_to_tp1": not mismatches, "mismatches": mismatches}
     print(table(rows))
     print("\nTP 2 outputs token-identical to vanilla TP 1: " + ("yes" if not mismatches else f"NO {mismatches}"))

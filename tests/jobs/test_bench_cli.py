@@ -97,6 +97,37 @@ def test_bench_spec_rotates_the_order_and_takes_each_prompts_median_time(monkeyp
     assert rep["paired"]["hybrid/vanilla"]["overall"]["ratio"] == 2.0
 
 
+def test_the_batch_sweeps_ratio_is_throughput_paired_by_round():
+    """Batch 1's "batches" are single prompts of different lengths and speedups: the ratio is the
+    summed time of a round over the summed time, not the median prompt's own speedup."""
+    from bench.spec_batch import _summarise, round_ratios
+
+    def passes(*secs_per_batch):      # per batch: the seconds of each round
+        return [[{"seconds": s, "tokens": 10, "tau": 1.0, "nodes_per_seq_step": 0.0, "draft_share": 0.0,
+                  "steps_by_source": {}} for s in rounds] for rounds in secs_per_batch]
+
+    vanilla = passes([10, 10], [1, 1], [1, 1])         # one long prompt, two short ones, two rounds
+    method = passes([5, 5], [0.25, 0.25], [0.25, 0.25])  # 2x on the long one, 4x on the short ones
+    assert round_ratios(method, vanilla) == [12 / 5.5, 12 / 5.5]   # not the median prompt's 4x
+    row = _summarise(1, {"vanilla": vanilla, "default": method})
+    d = row["methods"]["default"]
+    assert d["ratio"] == pytest.approx(12 / 5.5) and d["rounds"] == 2 and d["seconds"][0] == [5, 5]
+    slow = passes([5, 50], [0.25, 0.25], [0.25, 0.25])   # one slow spell in round 2
+    d = _summarise(1, {"vanilla": vanilla, "default": slow})["methods"]["default"]
+    assert d["ratio_range"] == [pytest.approx(12 / 50.5), pytest.approx(12 / 5.5)]
+
+
+def test_reports_record_the_command_commit_cpu_and_versions():
+    import sys
+
+    from bench.report_file import run_meta
+
+    meta = run_meta()
+    assert meta["command"] == sys.argv and meta["cpus"] and meta["cpu"]
+    assert meta["versions"]["torch"] and meta["versions"]["ray"] and meta["versions"]["transformers"]
+    assert meta["commit"] is None or len(meta["commit"]) == 40
+
+
 @pytest.mark.slow  # the whole GPU check end to end on CPU: engines, a head training, decode benches
 def test_cuda_check_dry_runs_on_cpu(tmp_path):
     """The prepared GPU check (`python -m bench.cuda_check`) runs end to end with --device cpu, so it
