@@ -222,8 +222,10 @@ def bench_spec(model, prompts_file, per_category, max_tokens, dtype, draft, meth
 @click.option("--draft", default="auto", show_default=True,
               help="The speculative run's draft: auto (the default speculation), default, a head folder, or none.")
 @click.option("--replicas", default=1, show_default=True, type=POSITIVE)
+@click.option("--rounds", default=1, show_default=True, type=POSITIVE,
+              help="Both jobs this many times, taking turns to go first; the speedup is the median round's.")
 @click.option("--json", "json_out", default="bench/results/job.json", show_default=True)
-def bench_job(model, rows, max_tokens, draft, replicas, json_out):
+def bench_job(model, rows, max_tokens, draft, replicas, rounds, json_out):
     """An offline job over Spec-Bench prompts, with and without speculation."""
     _preflight(json_out, model=model, draft=draft)
     from bench.job import run
@@ -231,7 +233,8 @@ def bench_job(model, rows, max_tokens, draft, replicas, json_out):
 
     try:
         with _job_failures():
-            run(model=model, rows=rows, max_tokens=max_tokens, json_out=json_out, draft=draft, replicas=replicas)
+            run(model=model, rows=rows, max_tokens=max_tokens, json_out=json_out, draft=draft, replicas=replicas,
+                rounds=rounds)
     except JobConfigError as e:
         raise click.UsageError(str(e)) from None
 

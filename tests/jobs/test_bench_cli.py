@@ -396,6 +396,31 @@ def test_bench_job_checks_its_job_settings_before_anything_runs(monkeypatch, tmp
         assert said in res.output, res.output
 
 
+def test_bench_job_rounds_take_turns_and_report_the_median_rounds_ratio(monkeypatch, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    import bench.job
+
+    order, speeds = [], {"none": iter([100.0, 90.0, 110.0]), "default": iter([130.0, 180.0, 99.0])}
+
+    def fake_variant(name, draft, inp, out, *rest):
+        order.append(name)
+        pq.write_table(pa.table({"id": ["a"], "text": ["same"]}), out)
+        tok_s = next(speeds[name])
+        return {"variant": name, "rows": 1, "output_tokens_per_s": tok_s, "rows_per_s": tok_s / 10, "tau": 1.0}
+
+    monkeypatch.setattr(bench.job, "_variant", fake_variant)
+    monkeypatch.setattr("bench.preflight.check_model", lambda model: None)
+    monkeypatch.setattr("bench.preflight.check_draft", lambda draft, model: "head")
+    rows = bench.job.run(rows=3, json_out=None, rounds=3)
+    assert order == ["none", "default", "default", "none", "none", "default"]      # turns to go first
+    none, default = rows
+    assert default["speedup"] == pytest.approx(1.3) and default["speedup_range"] == [pytest.approx(0.9), 2.0]
+    assert default["rounds_tok_s"] == [130.0, 180.0, 99.0] and default["output_tokens_per_s"] == 130.0
+    assert none["speedup"] == 1.0 and default["same_text_as_baseline"] == 1.0
+
+
 def test_bench_spec_refuses_unknown_methods_before_loading(monkeypatch):
     import bench.spec as bs
 
