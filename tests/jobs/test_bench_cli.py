@@ -97,6 +97,20 @@ def test_bench_spec_rotates_the_order_and_takes_each_prompts_median_time(monkeyp
     assert rep["paired"]["hybrid/vanilla"]["overall"]["ratio"] == 2.0
 
 
+def test_bench_specs_overall_tau_is_pooled_like_its_tok_s():
+    """All tokens over all target forwards: an average of the categories' τ weighs a category that
+    took 10 forwards like one that took 100."""
+    from bench.spec import _summarise
+
+    def cat(tokens, seconds, forwards):
+        return {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds, "tau": tokens / forwards}
+
+    results = {"vanilla": {"a": cat(100, 10, 100), "b": cat(100, 10, 100)},
+               "lookup": {"a": cat(100, 1, 10), "b": cat(100, 5, 100)}}
+    overall = _summarise(results)["lookup"]["overall"]
+    assert overall["tau"] == pytest.approx(200 / 110) and overall["speedup"] == pytest.approx(200 / 6 / 10)
+
+
 def test_the_batch_sweeps_ratio_is_throughput_paired_by_round():
     """Batch 1's "batches" are single prompts of different lengths and speedups: the ratio is the
     summed time of a round over the summed time, not the median prompt's own speedup."""
