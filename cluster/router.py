@@ -37,7 +37,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections import defaultdict, deque
+from collections import Counter, defaultdict, deque
 from typing import Any, List, Optional
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -47,6 +47,7 @@ from cluster.prefix_affinity import PrefixMemory, prefer_prefix, prompt_hashes
 
 WAIT_S = 0.1   # how often a request with no replica it may use looks again
 PROMISE_TTL_S = 10.0   # an offline request ranked but never routed stops counting against a replica
+INFLIGHT_TTL_S = 3600.0   # an engine request counted this long without ending stops counting (see _sent)
 
 
 class LoadAwareRouter(FIFOMixin, RequestRouter):
@@ -60,11 +61,13 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         match must cover, and how much busier than the least-loaded replica a prefix's holder may be)."""
         self.offline_kv_threshold = offline_kv_threshold
         self.kv_weight = kv_weight
-        # engine requests (`submit`) sent: call id -> wall time routed
-        self._inflight: dict[ReplicaID, dict[str, float]] = defaultdict(dict)
-        self._control_ids: set[str] = set()   # other calls in flight (stats, engine_info): they take no engine slot
-        # (replica, call id) of calls that ended there unrouted, oldest first: see on_request_completed
-        self._ended_unrouted: dict[tuple[ReplicaID, str], None] = {}
+        # engine requests (`submit`) sent: call id -> wall times routed. Counted per id, not one per id:
+        # Serve gives every call made while it serves one HTTP request that request's id, so the n
+        # samples of a request (and a retry on the same replica) are calls under one id
+        self._inflight: dict[ReplicaID, dict[str, list[float]]] = defaultdict(dict)
+        self._control_ids: Counter[str] = Counter()   # other calls in flight (stats, engine_info): no engine slot
+        # (replica, call id) -> calls that ended there unrouted, oldest first: see on_request_completed
+        self._ended_unrouted: dict[tuple[ReplicaID, str], int] = {}
         self._promised: dict[str, tuple[Any, float]] = {}   # offline request id -> (replica given, when)
         # engine requests that ended, as (wall time routed, wall time ended): see `ongoing`
         self._completed: dict[ReplicaID, deque] = defaultdict(lambda: deque(maxlen=256))
@@ -93,7 +96,23 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
             taken = float(stats["updated_at"])
             queued -= sum(1 for routed, ended in done if routed <= taken < ended)
         cached = 0 if fresh else self.replica_queue_len_cache.get(replica.replica_id) or 0
-        return max(len(self._inflight.get(replica.replica_id, ())), queued, cached)
+        return max(self._sent(replica.replica_id), queued, cached)
+
+    def _sent(self, replica_id: ReplicaID) -> int:
+        """Engine requests this caller has in flight on the replica. Entries older than INFLIGHT_TTL_S
+        go (a backstop: a count that leaked kept offline rows off the replica for good; one that
+        really runs that long is still in the replica's stats)."""
+        calls = self._inflight.get(replica_id)
+        if not calls:
+            return 0
+        old = time.time() - INFLIGHT_TTL_S
+        for cid in [c for c, times in calls.items() if times[0] < old]:
+            calls[cid] = [t for t in calls[cid] if t >= old]
+            if not calls[cid]:
+                del calls[cid]
+        if not calls:
+            self._inflight.pop(replica_id, None)
+        return sum(len(times) for times in calls.values())
 
     def load(self, replica: RunningReplica) -> float:
         """Lower is better: fraction of capacity in use plus weighted KV usage."""
@@ -150,7 +169,8 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         if request_priority(pending_request) > 0:
             roomy = [r for r in ranked if self.offline_room(r, rid)]
             if ranked and not roomy:   # every engine batch is full: the row waits here, online goes first
-                state.note_deferred(rid)
+                if not (pending_request is not None and pending_request.future.done()):   # not after its
+                    state.note_deferred(rid)        # caller cleaned up (it would stay for good)
                 if self._online_waiting():   # this routing task finds a slot, which goes to online work
                     return [[r] for r in ranked]
                 await asyncio.sleep(WAIT_S)
@@ -201,7 +221,9 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
             args = pending_request.args
             hashes = prompt_hashes(args[1] if len(args) > 1 else None, self.prefix_block_size, self.prefix_max_blocks)
             if keep:
-                while len(self._hashes) >= 4096:     # requests cancelled before routing: oldest go first
+                # requests cancelled before routing: oldest go first (up to prefix_max_blocks ints
+                # each; one dropped is computed again if asked)
+                while len(self._hashes) >= 1024:
                     self._hashes.pop(next(iter(self._hashes)))
                 self._hashes[rid] = hashes
         return hashes
@@ -255,7 +277,7 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         prefix or group chose it (Serve's own index of pending requests by id)."""
         if request_metadata is None:
             return None
-        pr = self._get_pending_request_matching_internal_request_id(request_metadata)
+        pr = self._get_pending_request_matching_internal_request_id(request_metadata)   # (None once done)
         rid = state.request_id(pr)
         return pr if rid is not None and self._affinity.get(rid) == key else None
 
@@ -272,17 +294,18 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         metadata = pending_request.metadata
         call_id = metadata.internal_request_id
-        ended = (replica_id, call_id) in self._ended_unrouted     # it ended there before this ran
-        self._ended_unrouted.pop((replica_id, call_id), None)
+        ended = self._ended_unrouted.pop((replica_id, call_id), 0)     # a call under this id ended there first
+        if ended > 1:
+            self._ended_unrouted[(replica_id, call_id)] = ended - 1
         if metadata.call_method != "submit":   # no engine request: not counted
             if not ended:
-                self._control_ids.add(call_id)
+                self._control_ids[call_id] += 1
             return
         now = time.time()
         if ended:
             self._completed[replica_id].append((now, now))
         else:
-            self._inflight[replica_id][call_id] = now
+            self._inflight[replica_id].setdefault(call_id, []).append(now)
         rid = state.request_id(pending_request)
         self._promised.pop(rid, None)
         self._affinity.pop(rid, None)
@@ -301,18 +324,25 @@ class LoadAwareRouter(FIFOMixin, RequestRouter):
         from another thread). Counted by id, so neither leaks a slot (a leaked one kept offline rows
         off the replica for good); an id not seen yet is remembered, with the replica, for
         `on_request_routed`: Serve routes a rejected call again under the same id, and the rejection
-        must not make it look ended on the replica that then runs it."""
-        if internal_request_id in self._control_ids:
-            self._control_ids.discard(internal_request_id)
-            return
+        must not make it look ended on the replica that then runs it. Several calls may share an id
+        (the n samples of one HTTP request): each completion ends one of them."""
         calls = self._inflight.get(replica_id)
         if calls is not None and internal_request_id in calls:
-            routed = calls.pop(internal_request_id)
+            times = calls[internal_request_id]
+            routed = times.pop(0)
+            if not times:
+                del calls[internal_request_id]
             if not calls:
                 self._inflight.pop(replica_id, None)
             self._completed[replica_id].append((routed, time.time()))
             return
-        self._ended_unrouted[(replica_id, internal_request_id)] = None
+        if self._control_ids[internal_request_id] > 0:
+            self._control_ids[internal_request_id] -= 1
+            if not self._control_ids[internal_request_id]:
+                del self._control_ids[internal_request_id]
+            return
+        key = (replica_id, internal_request_id)
+        self._ended_unrouted[key] = self._ended_unrouted.pop(key, 0) + 1
         while len(self._ended_unrouted) > 4096:     # rejected calls are never routed: oldest go first
             self._ended_unrouted.pop(next(iter(self._ended_unrouted)))
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -50,7 +51,8 @@ def _call(call_id, method="submit", args=(), priority=0):
 
 
 def _rank(router, replicas, priority=0, rid=None):
-    pending = SimpleNamespace(kwargs={"priority": priority}, args=[rid] if rid else [])
+    pending = SimpleNamespace(kwargs={"priority": priority}, args=[rid] if rid else [],
+                              future=SimpleNamespace(done=lambda: False))
     return [rank[0].replica_id for rank in asyncio.run(router.choose_replicas(replicas, pending))]
 
 
@@ -90,6 +92,43 @@ def test_calls_ending_before_they_are_seen_routed_or_rejected_leak_no_slot():
     assert not r.offline_room(rep, "row-2")
     r.on_request_completed("a", "running")
     assert r.offline_room(rep, "row-3")
+
+
+@pytest.mark.parametrize("events", [
+    "done done done routed routed routed",        # orders seen in the ingress for one n=3 request
+    "routed done done done routed routed",
+    "routed routed routed done done done",
+])
+def test_the_n_samples_of_one_request_share_a_call_id_and_leak_no_slot(events):
+    """Serve stamps every call made while serving one HTTP request with that request's id: the n
+    samples' `submit` calls share it. Counted one per id, the last routing outlived its completions,
+    and after max_num_seqs such requests a replica never took an offline row again."""
+    r = _router()
+    rep = _batch_replica("a", running=0, max_num_seqs=1)
+    for e in events.split():
+        if e == "routed":
+            r.on_request_routed(_call("http-1"), "a", None)
+        else:
+            r.on_request_completed("a", "http-1")
+    assert r._inflight == {} and not r._ended_unrouted and r.offline_room(rep, "row-1")
+    for _ in range(3):                                  # three in flight under one id count three
+        r.on_request_routed(_call("http-2"), "a", None)
+    assert r.ongoing(_replica("a")) == 3
+    for _ in range(3):
+        r.on_request_completed("a", "http-2")
+    assert r._inflight == {} and r.offline_room(rep, "row-2")
+
+
+def test_a_count_that_outlives_the_ttl_stops_holding_the_replica(monkeypatch):
+    from cluster import router as router_module
+
+    r = _router()
+    rep = _batch_replica("a", running=0, max_num_seqs=1)
+    r.on_request_routed(_call("lost"), "a", None)
+    assert not r.offline_room(rep, "row-1")
+    now = time.time()
+    monkeypatch.setattr(router_module.time, "time", lambda: now + router_module.INFLIGHT_TTL_S + 1)
+    assert r.offline_room(rep, "row-1") and r._inflight == {}
 
 
 def test_a_call_one_replica_rejected_counts_where_it_then_runs():
@@ -535,7 +574,7 @@ def test_calls_that_are_not_engine_requests_do_not_fill_the_batch_offline_rows_s
     assert r._inflight == {} and r.offline_room(rep, "row-2")
     for i in range(3):
         r.on_request_completed("b", f"s{i}")
-    assert r._control_ids == set() and "b" not in r._completed   # its end frees no engine slot
+    assert not r._control_ids and "b" not in r._completed   # its end frees no engine slot
     for i in range(3):
         r.on_request_routed(_call(f"r{i}", args=[f"row-{i}"], priority=1), "b", None)
     assert len(r._inflight["b"]) == 3 and r.offline_room(rep, "row-4")

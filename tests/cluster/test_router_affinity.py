@@ -102,3 +102,16 @@ def test_a_group_home_serves_its_sample_and_online_work_still_goes_first(loop):
     assert _choose(r, [home, other], row)[0] == "home"
     r._fulfill_next_pending_request(home, row.metadata)
     assert chat.future.result() is home and not row.future.done()   # online first, affinity or not
+
+
+
+def test_a_row_whose_caller_gave_up_is_not_counted_deferred_after_its_cleanup(loop):
+    """Serve's routing task may rank a request once more after its caller cancelled it and cleaned
+    up (`request_retry` drops its id from `deferred`): an id added then stayed for good."""
+    r = _router()
+    full = _replica("full", running=16)
+    (row,) = _queue(r, loop, ("row-0", "p", 1))
+    row.future.cancel()
+    assert _choose(r, [full], row) == [] and "row-0" not in router_state.deferred
+    (live,) = _queue(r, loop, ("row-1", "p", 1))
+    assert _choose(r, [full], live) == [] and "row-1" in router_state.deferred    # a live one still counts
