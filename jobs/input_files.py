@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 
-from jobs.job_config import JSONL_SUFFIXES, glob_base, is_local_glob
+from jobs.job_config import JSONL_SUFFIXES, encodable, glob_base, is_local_glob
 from jobs.storage import StorageError, filesystem, is_uri
 
 DIGEST_SPAN = 64 * 1024
@@ -49,16 +49,6 @@ def _glob_match(parts: list[str], pattern: list[str]) -> bool:
     if pattern[0] == "**":
         return any(_glob_match(parts[i:], pattern[1:]) for i in range(len(parts) + 1))
     return bool(parts) and fnmatch.fnmatchcase(parts[0], pattern[0]) and _glob_match(parts[1:], pattern[1:])
-
-
-def encodable(text: str) -> bool:
-    """Whether `text` can be written as UTF-8 (a lone surrogate from a JSON escape or a file name's
-    undecodable bytes cannot: no output could hold it)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _path_text(path: str) -> str:

@@ -164,6 +164,10 @@ def _check_parquet(f: InputFile, plan: InputPlan, keep_columns: bool) -> int:
         raise InputError(f"{path}: not a readable Parquet file ({e})") from None
     check_chunks(path, meta, plan.fs.get_file_info(f.path).size)
     names = schema.names
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:       # which of the two would a row's prompt (or id) be?
+        raise InputError(f"{path}: column name(s) {', '.join(f'`{n}`' for n in twice)} appear more than once; "
+                         "a Parquet job needs each column once")
     if "prompt" not in names and "messages" not in names:
         raise InputError(f"{path}: needs a `prompt` column (string) or a `messages` column "
                          f"(list<struct<role: string, content: string>>); its columns are: {', '.join(names) or 'none'}")

@@ -22,6 +22,18 @@ from cluster.openai_requests import MAX_SEED
 from eagle_worker.engine_api import draft_rules
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
+
+
+def encodable(text: str) -> bool:
+    """Whether `text` can be written as UTF-8 (a lone surrogate from a JSON escape or a file name's
+    undecodable bytes cannot: no output could hold it)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 # A count or size beyond a 32-bit int is a typo, and would overflow where it meets arrays (the output's
 # int32 token counts, the engine's tensors): refused with the field's name instead of failing every row.
 Count = Annotated[int, Field(le=MAX_COUNT)]
@@ -101,6 +113,9 @@ class JobConfig(BaseModel):
     def _location(cls, v):
         if v is not None and "://" in v and v.split("://", 1)[0].lower() not in ("s3", "gs", "gcs"):
             raise ValueError(f"{v}: only local paths and s3://, gs:// URIs are supported")
+        if v is not None and not encodable(v):   # a shell's undecodable bytes: no file system call could take it
+            raise ValueError(f"{v.encode('utf-8', 'backslashreplace').decode()}: not valid UTF-8; name the "
+                             "folder in UTF-8")
         return v
 
     @field_validator("stop", mode="before")

@@ -18,8 +18,9 @@ from cluster.openai_body import loads_strict
 from cluster.openai_errors import validation_error
 from cluster.openai_requests import ChatCompletionRequest, CompletionRequest
 from jobs.id_set import IdSet
-from jobs.input_files import InputError, encodable
+from jobs.input_files import InputError
 from jobs.input_reader import CHAT_URL, COMPLETIONS_URL, InputFile, InputPlan, Row
+from jobs.job_config import encodable
 
 
 def _lines(f: InputFile, plan: InputPlan) -> io.TextIOWrapper:

@@ -66,7 +66,30 @@ def read_manifest(out_dir: str | Path) -> dict | None:
     if not isinstance(manifest, dict):
         raise OutputError(f"{folder.uri(MANIFEST)} is not a job manifest (a JSON {type(manifest).__name__}); "
                           "pass --overwrite to start over")
+    wrong = _misshapen(manifest)
+    if wrong:       # valid JSON edited by hand: refused here, not a traceback wherever the field is read
+        raise OutputError(f"{folder.uri(MANIFEST)} is damaged ({wrong}); pass --overwrite to start over")
     return manifest
+
+
+def _misshapen(manifest: dict) -> str | None:
+    """The first field a driver or `job status` reads whose JSON type is not what a driver writes."""
+    def kind(v) -> str:
+        return "null" if v is None else {dict: "object", list: "array", str: "string"}.get(type(v), type(v).__name__)
+
+    for key in ("fingerprint", "input_identity", "prefix_cache", "prefix_cache_by_part", "config"):
+        if key in manifest and not isinstance(manifest[key], dict):
+            return f"`{key}` is a JSON {kind(manifest[key])}, not an object"
+    runs = manifest.get("runs", [])
+    if not isinstance(runs, list) or not all(isinstance(r, dict) for r in runs):
+        return "`runs` is not a list of objects"
+    files = manifest.get("input_identity", {}).get("files", [])
+    if not isinstance(files, list) or not all(isinstance(f, list) for f in files):
+        return "`input_identity.files` is not a list of [path, size, digest]"
+    counts = manifest.get("prefix_cache_by_part", {}).values()
+    if not all(isinstance(c, list) and len(c) == 2 and all(isinstance(n, (int, float)) for n in c) for c in counts):
+        return "`prefix_cache_by_part` does not map parts to [prompt tokens, cached tokens]"
+    return None
 
 
 def is_locked(out_dir: str | Path) -> bool:
@@ -209,6 +232,18 @@ class OutputDir:
                 counts.add(rec)
         return ids, counts
 
+    def _foreign_columns(self, schema: pa.Schema) -> str | None:
+        """Why a part's columns are not a part this job could have written (a missing column is
+        silently not read; ids of another type would count as rows no input row matches)."""
+        missing = [c for c in ("id", "error", "prompt_tokens", "completion_tokens") if c not in schema.names]
+        if missing:
+            return f"no column {', '.join(f'`{c}`' for c in missing)}"
+        want = (self.manifest or {}).get("input_identity", {}).get("id_type")
+        have = schema.field("id").type
+        if want and pa.types.is_integer(have) != want.startswith(("int", "uint")):
+            return f"its ids are {have}, the job's are {want}"
+        return None
+
     def _damaged(self, name: str, e: Exception) -> OutputError:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         return OutputError(f"{self.folder.uri(name)}: a committed part file is damaged ({first}); delete it to "
@@ -225,6 +260,9 @@ class OutputDir:
         try:
             if self.fmt == "parquet":
                 f = pq.ParquetFile(self.folder.path(name), filesystem=self.folder.fs)
+                wrong = self._foreign_columns(f.schema_arrow)
+                if wrong:
+                    raise self._damaged(name, ValueError(wrong))
                 yield from f.read(columns=["id", "error", "prompt_tokens", "completion_tokens"]).to_pylist()
                 return
             rows = []

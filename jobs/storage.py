@@ -137,11 +137,15 @@ class Folder:
                 f.write(data)
             return
         tmp = self.path(f".{name}.{uuid.uuid4().hex[:8]}.tmp")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path(name))
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path(name))
+        except BaseException:    # e.g. the disk is full: no half-written temp file left behind
+            Path(tmp).unlink(missing_ok=True)
+            raise
 
     def delete(self, name: str) -> None:
         try:
@@ -262,12 +266,12 @@ class Folder:
     def is_locked(self) -> bool:
         if self.remote:
             return self.lease_holder() is not None
-        try:
-            fd = os.open(self.path(LOCK), os.O_RDWR)
-        except FileNotFoundError:
+        try:     # read-only: `job status` works on a read-only mount or snapshot of the output too
+            fd = os.open(self.path(LOCK), os.O_RDONLY)
+        except OSError:       # none there (or unreadable: nothing shows a driver)
             return False
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        try:     # shared: two status probes do not contend with each other
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
             fcntl.flock(fd, fcntl.LOCK_UN)
             return False
         except BlockingIOError:

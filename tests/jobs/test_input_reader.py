@@ -66,6 +66,16 @@ def test_schema_errors_name_file_column_and_type(tmp_path, columns, needle):
     assert str(p) in str(e.value) and needle in str(e.value)
 
 
+def test_a_column_name_given_twice_is_refused_naming_it(tmp_path):
+    for name in ("prompt", "id"):
+        p = tmp_path / f"twice-{name}.parquet"
+        pq.write_table(pa.Table.from_arrays([pa.array(["a"]), pa.array(["b"]), pa.array(["c"])],
+                                            names=["prompt", name, name if name == "id" else "other"]), p)
+        with pytest.raises(InputError, match=f"`{name}` appear more than once") as e:
+            open_input(str(p))
+        assert str(p) in str(e.value)
+
+
 def test_not_parquet_and_missing(tmp_path):
     bad = tmp_path / "x.parquet"
     bad.write_text("not parquet")

@@ -90,3 +90,10 @@ def test_an_output_that_is_the_input_is_refused_at_config_time(inp, out):
     with pytest.raises(JobConfigError, match="is the input itself"):
         JobConfig.from_options(input=inp, output=out)
     assert JobConfig.from_options(input=inp, output=out + ".out").output == out + ".out"
+
+
+def test_an_output_name_that_is_not_utf8_is_refused_at_config_time():
+    """A shell passes undecodable bytes as surrogates: pyarrow's file system failed on them with a
+    UnicodeEncodeError traceback once the job had started."""
+    with pytest.raises(JobConfigError, match=r"outbad\\udcff: not valid UTF-8"):
+        JobConfig.from_options(input="x.parquet", output="outbad\udcff")

@@ -167,6 +167,45 @@ def test_job_status_of_a_local_output_folder(tmp_path):
     assert res.exit_code == 2 and "needs --address or RAY_ADDRESS" in res.output
 
 
+def test_job_status_reads_the_lock_of_a_read_only_output(tmp_path, monkeypatch):
+    """A killed job's output on a read-only mount: opening `.lock` for writing was an OSError traceback."""
+    import errno
+
+    from jobs.output_writer import is_locked
+
+    out = OutputDir(tmp_path / "o", "parquet")
+    out.open(FP)                                         # a driver holds the lock
+    real_open = os.open
+
+    def read_only(path, flags, *a):
+        if flags & (os.O_WRONLY | os.O_RDWR):
+            raise OSError(errno.EROFS, "Read-only file system", path)
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(os, "open", read_only)
+    assert is_locked(out.path) is True
+    monkeypatch.setattr(os, "open", real_open)
+    out.close()
+    monkeypatch.setattr(os, "open", read_only)
+    assert is_locked(out.path) is False
+
+
+def test_a_manifest_write_that_fails_leaves_no_temp_file(tmp_path, monkeypatch):
+    import errno
+
+    out = OutputDir(tmp_path / "o", "parquet")
+    out.open(FP)
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError, match="No space"):
+        out.write_manifest(MANIFEST)
+    assert [n for n in os.listdir(out.path) if n.endswith(".tmp")] == []
+    out.close()
+
+
 def _committed(tmp_path, fmt="parquet", rows=4, per_file=2) -> OutputDir:
     out = OutputDir(tmp_path / "o", fmt)
     out.open(FP)
@@ -190,6 +229,50 @@ def test_a_damaged_manifest_is_refused_clearly_and_overwrite_starts_over(tmp_pat
     ids, _ = again.open(FP, overwrite=True)
     assert len(ids) == 0 and visible(again.path) == []
     again.close()
+
+
+@pytest.mark.parametrize("edit, said", [
+    ({"runs": 5}, "`runs` is not a list of objects"), ({"runs": ["x"]}, "`runs` is not a list of objects"),
+    ({"fingerprint": []}, "`fingerprint` is a JSON array, not an object"),
+    ({"input_identity": "x"}, "`input_identity` is a JSON string, not an object"),
+    ({"input_identity": {"files": 3}}, "`input_identity.files` is not a list"),
+    ({"prefix_cache_by_part": "x"}, "`prefix_cache_by_part` is a JSON string"),
+    ({"prefix_cache_by_part": {"part-1": 5}}, "`prefix_cache_by_part` does not map parts"),
+])
+def test_a_manifest_edited_into_another_shape_is_refused_not_a_traceback(tmp_path, edit, said):
+    """Valid JSON of the wrong shape was a TypeError/AttributeError wherever the field was read (the
+    driver, `job status`): it is refused as damaged, like a truncated one."""
+    from click.testing import CliRunner
+
+    from eaglectl.jobs import job
+
+    out = _committed(tmp_path)
+    (out.path / "_manifest.json").write_text(json.dumps({**MANIFEST, "status": "running", **edit}))
+    with pytest.raises(OutputError, match=rf"_manifest.json is damaged \({re.escape(said)}.*pass --overwrite"):
+        OutputDir(out.path, "parquet").open(FP)
+    res = CliRunner().invoke(job, ["status", str(out.path)], env={"RAY_ADDRESS": ""})
+    assert res.exit_code == 2 and said in res.output and "Traceback" not in res.output, res.output
+
+
+@pytest.mark.parametrize("columns, said", [(["text", "error"], "no column `id`"), (None, "its ids are int64")])
+def test_a_part_with_other_columns_or_ids_is_refused_as_damaged(tmp_path, columns, said):
+    """A part without an `id` column was a KeyError; one with integer ids in a job of string ids
+    counted as done rows no input row matches ("43/40 rows")."""
+    import pyarrow as pa
+
+    out = _committed(tmp_path)
+    manifest = json.loads((out.path / "_manifest.json").read_text())
+    manifest["input_identity"] = {"id_type": "string", "files": []}
+    (out.path / "_manifest.json").write_text(json.dumps(manifest))
+    part = sorted(out.path.glob("part-*"))[0]
+    table = pq.read_table(part)
+    if columns:
+        table = table.select(columns)
+    else:
+        table = table.set_column(table.schema.get_field_index("id"), "id", pa.array([1, 2], pa.int64()))
+    pq.write_table(table, part)
+    with pytest.raises(OutputError, match=rf"{re.escape(part.name)}: a committed part file is damaged \({said}"):
+        OutputDir(out.path, "parquet").open(FP)
 
 
 @pytest.mark.parametrize("fmt", ["parquet", "openai-batch"])
