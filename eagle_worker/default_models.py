@@ -98,6 +98,20 @@ def model_dir(name: str) -> Path:
     return cache_root() / name
 
 
+def local_context(model: str) -> int | None:
+    """The context length in the config.json of a model at hand on this machine (a folder, or a
+    built-in model already materialised), for checks made before any replica loads it; None where
+    the config is not here (a hub id, a .gguf file, a built-in model not built yet)."""
+    folder = model_dir(model) if is_builtin(model) else Path(model).expanduser()
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config  # multimodal
+    n = text.get("max_position_embeddings")
+    return n if isinstance(n, int) and n > 0 else None
+
+
 def _spec(name: str) -> _GGUFModel:
     try:
         return _BUILTINS[name]

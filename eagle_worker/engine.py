@@ -14,13 +14,13 @@ import random
 import time
 
 from eagle_worker.block_manager import BlockManager
-from eagle_worker.chat_template import check_template, render_chat, resolve_chat_template
+from eagle_worker.chat_template import check_template, resolve_chat_template
 from eagle_worker.config import EngineConfig
 from eagle_worker.decode_worker import DecodeWorker
 from eagle_worker.detokenizer import detokenize_incrementally, finalize_text
 from eagle_worker.model_runner import ModelRunner
 from eagle_worker.outputs import RequestOutput, TokenLogprob
-from eagle_worker.prompt_tokenizer import encode_prompt
+from eagle_worker.prompt_tokenizer import PromptTokenizer
 from eagle_worker.sampling_params import SamplingParams, is_token_id
 from eagle_worker.scheduler import Scheduler
 from eagle_worker.sequence import Sequence, SequenceStatus
@@ -46,6 +46,7 @@ class LLMEngine:
             self.worker.queue_depth = self.scheduler.num_waiting   # no closure over the engine: no cycle
         self.chat_template = resolve_chat_template(self.tokenizer, self.runner.hf_config, config.chat_template)
         check_template(self.chat_template)
+        self.prompts = PromptTokenizer(self.tokenizer, self.chat_template, config.model)  # as the ingress has it
         self.requests: dict[str, Sequence] = {}
         self._aborted: list[RequestOutput] = []
         self._seed_source = random.Random(config.seed)    # the seed of each request that brings none
@@ -62,10 +63,10 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
-        return encode_prompt(self.tokenizer, prompt)   # the ingress tokenizes the same way (prompt_tokenizer.py)
+        return self.prompts.tokenize(prompt)
 
     def apply_chat_template(self, messages: list[dict]) -> str:
-        return render_chat(self.tokenizer, self.chat_template, messages, self.config.model)
+        return self.prompts.apply_chat_template(messages)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     priority: int = 0) -> None:
@@ -81,6 +82,10 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise ValueError("prompt is empty")
+            limit = self.max_model_len * self.prompts.max_chars_per_token
+            if len(prompt) > limit:     # a 50 MB row is refused without tokenizing it on the engine thread
+                raise ValueError(f"prompt has {len(prompt)} characters; the maximum context of {self.max_model_len} "
+                                 f"tokens holds at most {limit}")
             token_ids = self.tokenize(prompt)
         elif isinstance(prompt, (list, tuple)):
             odd = next(((i, t) for i, t in enumerate(prompt) if not is_token_id(t)), None)

@@ -233,6 +233,13 @@ class JobRunner:
         model = self.cfg.model
         if model.startswith(("/", "./", "../", "~")) and not os.path.exists(os.path.expanduser(model)):
             raise JobConfigError(f"--model {model}: no such file or folder")
+        if self.cfg.max_model_len is not None and self.cfg.engine == "eagle_worker":
+            from eagle_worker.default_models import local_context
+
+            context = local_context(model)
+            if context is not None and self.cfg.max_model_len > context:
+                raise JobConfigError(f"--max-model-len {self.cfg.max_model_len}: more than the model's context "
+                                     f"of {context} tokens ({model})")
         if self.cfg.device == "cuda":
             import torch
 

@@ -315,6 +315,23 @@ def test_bad_requests_are_refused_and_engine_keeps_serving(tiny_model_dir):
     assert_no_leaks(engine)
 
 
+def test_a_prompt_longer_in_characters_than_the_context_holds_is_refused_untokenized(tiny_model_dir, monkeypatch):
+    """No token has more characters than its longest vocabulary piece: a longer text cannot fit, and
+    tokenizing 50 MB on the engine thread would stall every running request first."""
+    from cluster.replica_errors import guess_param
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir("llama")), block_size=4, num_kv_blocks=64, max_model_len=64))
+    limit = 64 * engine.prompts.max_chars_per_token
+    tokenized = []
+    monkeypatch.setattr(engine.prompts, "tokenize", lambda text: tokenized.append(len(text)) or [5, 6])
+    with pytest.raises(ValueError) as e:
+        engine.add_request("long", "x" * (limit + 1), SamplingParams())
+    assert str(e.value) == f"prompt has {limit + 1} characters; the maximum context of 64 tokens holds at most {limit}"
+    assert tokenized == [] and guess_param(str(e.value)) == "prompt"
+    engine.add_request("fits", "x" * limit, SamplingParams(max_tokens=1))    # at the bound: tokenized, then counted
+    assert tokenized == [limit]
+
+
 def test_generation_stops_at_max_model_len(tiny_model_dir):
     llm = LLM(model=str(tiny_model_dir("llama")), block_size=4, num_kv_blocks=64, max_model_len=20)
     out = llm.generate("The quick brown fox", SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True))[0]

@@ -166,6 +166,23 @@ def test_a_model_path_that_does_not_exist_is_refused_up_front(tmp_path, model, n
     assert not (tmp_path / "in.out").exists()
 
 
+def test_a_max_model_len_beyond_the_models_context_is_refused_up_front(tmp_path, tiny_model, no_ray, monkeypatch):
+    """The tiny model's config says 512 positions: a replica would refuse 1024 only once Ray and it started."""
+    p = write_parquet(tmp_path / "in.parquet", prompt=["a"])
+    res = CliRunner().invoke(submit_job, [str(p), "--model", tiny_model, "--max-model-len", "1024"], env=ENV)
+    assert res.exit_code == 2, res.output
+    assert f"--max-model-len 1024: more than the model's context of 512 tokens ({tiny_model})" in res.output
+    assert not (tmp_path / "in.out").exists()
+    JobRunner(JobConfig(input=str(p), model=tiny_model, max_model_len=512), "local")._check_this_machine()
+    # the built-in model: its config once materialised (here a stand-in cache), nothing to check before
+    monkeypatch.setenv("EAGLE_CACHE_DIR", str(tmp_path / "cache"))
+    JobRunner(JobConfig(input=str(p), max_model_len=10**6), "local")._check_this_machine()
+    (tmp_path / "cache" / "gemma-3-270m").mkdir(parents=True)
+    (tmp_path / "cache" / "gemma-3-270m" / "config.json").write_text('{"max_position_embeddings": 32768}')
+    with pytest.raises(JobConfigError, match="more than the model's context of 32768 tokens"):
+        JobRunner(JobConfig(input=str(p), max_model_len=40000), "local")._check_this_machine()
+
+
 def test_model_names_that_are_not_paths_are_left_to_the_engine(tmp_path):
     p = write_parquet(tmp_path / "in.parquet", prompt=["a"])
     for model in ("gemma-3-270m", "some-org/some-model"):
