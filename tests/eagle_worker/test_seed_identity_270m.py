@@ -27,9 +27,10 @@ def test_same_seed_same_tokens_with_every_method_on_the_default_model(default_mo
         assert len({tuple(t) for t in expected}) == len(PROMPTS)
         for name, llm in llms.items():
             assert [o.token_ids for o in llm.generate(PROMPTS, params)] == expected, (name, kw, "batch 8")
-        for name in ("plain", "head"):      # alone too (half the prompts: a batch of 1 costs as much as one of 8)
-            alone = [llms[name].generate(p, q)[0].token_ids for p, q in zip(PROMPTS[:4], params[:4])]
-            assert alone == expected[:4], (name, kw, "batch 1")
+        if kw:                              # alone too, once (a batch of 1 costs as much as one of 8)
+            for name in ("plain", "head"):
+                alone = [llms[name].generate(p, q)[0].token_ids for p, q in zip(PROMPTS[:3], params[:3])]
+                assert alone == expected[:3], (name, kw, "batch 1")
     same = llms["head"].generate([PROMPTS[0]] * 6, [_params(0)] * 6)     # the six requests
     assert len({tuple(o.token_ids) for o in same}) == 1
     assert llms["head"].engine.stats()["acceptance_rate_per_depth"][0] > 0.2
