@@ -234,7 +234,7 @@ class JobRunner:
         if model.startswith(("/", "./", "../", "~")) and not os.path.exists(os.path.expanduser(model)):
             raise JobConfigError(f"--model {model}: no such file or folder")
         if self.cfg.max_model_len is not None and self.cfg.engine == "eagle_worker":
-            from eagle_worker.default_models import local_context
+            from eagle_worker.engine_api import local_context
 
             context = local_context(model)
             if context is not None and self.cfg.max_model_len > context:
