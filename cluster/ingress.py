@@ -22,7 +22,7 @@ from cluster.engine_settings import engine_config
 from cluster.ingress_prompts import IngressPrompts
 from cluster.metrics import CLIENT_CLOSED, ServeMetrics, StatusCounter, note_status, set_active
 from cluster.openai_body import read_json_object
-from cluster.openai_errors import APIError, context_error, validation_error
+from cluster.openai_errors import APIError, context_error, prompt_context_error, validation_error
 from cluster.openai_render import ChatRender, CompletionRender, all_or_none, merge_streams
 from cluster.openai_requests import ChatCompletionRequest, CompletionRequest
 from cluster.openai_responses import ModelCard, ModelList, new_id, sse
@@ -91,7 +91,7 @@ async def _within(when: float | None, limit: float | None, aw):
 def _accepted(out: Any) -> Any:
     """A request's first output, or the 400 of one the engine refused (bad input)."""
     if isinstance(out, Rejected):
-        raise APIError(400, out.message, param=out.param)
+        raise APIError(400, out.message, param=out.param, code=out.code)
     return _unless_failed(out)
 
 
@@ -285,7 +285,7 @@ class OpenAIIngress:
         req = await self._parse(request, CompletionRequest)
         max_tokens = 1 if req.score_only else self._max_tokens(req.max_tokens, default=16)
         ids, text = await self.prompts.completion(req.prompt, self._context(), need_text=req.echo)
-        self._fits_context(len(ids), None if req.score_only else req.max_tokens)
+        self._fits_context(len(ids), None if req.score_only else req.max_tokens, prompt_field="prompt")
         render = CompletionRender(self.config.model_name, self.prompts, req, text, ids)
         return await self._run("completions", req, ids, max_tokens, render)
 
@@ -298,13 +298,18 @@ class OpenAIIngress:
             raise APIError(400, f"messages: {e}", param="messages") from None
         max_tokens = self._max_tokens(req.requested_max_tokens, self.config.limits.max_tokens, req.max_tokens_field)
         ids = await self.prompts.chat(messages, self._context())
-        self._fits_context(len(ids), req.requested_max_tokens, req.max_tokens_field)
+        self._fits_context(len(ids), req.requested_max_tokens, req.max_tokens_field, prompt_field="messages")
         return await self._run("chat", req, ids, max_tokens, ChatRender(self.config.model_name, self.prompts, req))
 
-    def _fits_context(self, prompt_tokens: int, requested: int | None, field: str = "max_tokens") -> None:
+    def _fits_context(self, prompt_tokens: int, requested: int | None, field: str = "max_tokens",
+                      prompt_field: str = "prompt") -> None:
         """A max_tokens the client asked for that cannot fit beside the prompt is a 400, as OpenAI and
-        vLLM answer it (without one, generation stops at the context with finish_reason length)."""
+        vLLM answer it (without one, generation stops at the context with finish_reason length);
+        so is a prompt that leaves no room for one token, naming the field that holds it."""
         context = self._context()
+        if context and prompt_tokens >= context:
+            raise APIError(400, prompt_context_error(prompt_tokens, context), param=prompt_field,
+                           code="context_length_exceeded")
         if requested and context and prompt_tokens + requested > context:
             raise APIError(400, context_error(prompt_tokens, requested, context), param=field,
                               code="context_length_exceeded")

@@ -36,8 +36,9 @@ class IngressPrompts:
         context = max_model_len or CONTEXT_BOUND
         limit = context * max(1, self.prompts.max_chars_per_token)
         if chars > limit:
-            raise APIError(400, f"{param}: {chars} characters cannot fit the maximum context of {context} tokens "
-                           f"(at most {limit} characters); shorten the prompt", param=param)
+            raise APIError(400, f"This model's maximum context length is {context} tokens. However, your {param} "
+                           f"({chars} characters) cannot fit in that many tokens (at most {limit} characters). "
+                           "Please reduce the length of the input messages.", param=param, code="context_length_exceeded")
 
     async def completion(self, prompt: str | list[int], max_model_len: int | None,
                          need_text: bool) -> tuple[list[int], str]:

@@ -18,6 +18,12 @@ def context_error(prompt_tokens: int, max_tokens: int, max_model_len: int) -> st
             "Please reduce the length of the messages or completion.")
 
 
+def prompt_context_error(prompt_tokens: int, max_model_len: int) -> str:
+    """vLLM's 400 message for a prompt that leaves no room for a generated token."""
+    return (f"This model's maximum context length is {max_model_len} tokens. However, your request has "
+            f"{prompt_tokens} input tokens. Please reduce the length of the input messages.")
+
+
 class APIError(Exception):
     """An error to send as `{"error": {...}}` with an HTTP status."""
 

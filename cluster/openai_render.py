@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import time
 from typing import Any, AsyncIterator
 
 from cluster.openai_responses import (
@@ -50,11 +51,13 @@ def _total_usage(outs: list, generated: bool = True) -> Usage:
 class _Render:
     def __init__(self, model: str, prompts, req):
         self.model, self.prompts, self.req = model, prompts, req
+        self.created = int(time.time())      # one timestamp for every chunk of the request (OpenAI's rule)
         self.want_logprobs = req.num_logprobs is not None
         self.score_only = getattr(req, "score_only", False)   # the one generated token is not shown
 
     def usage_chunk(self, rid: str, outs: list):
-        return self.response_cls(id=rid, model=self.model, choices=[], usage=_total_usage(outs, not self.score_only))
+        return self.response_cls(id=rid, created=self.created, model=self.model, choices=[],
+                                 usage=_total_usage(outs, not self.score_only))
 
 
 class CompletionRender(_Render):
@@ -113,7 +116,7 @@ class CompletionRender(_Render):
             text = (self.prompt_text if self.req.echo else "") + ("" if self.score_only else out.text)
             choices.append(CompletionChoice(index=i, text=text, logprobs=logprobs,
                                                finish_reason=finish_reason(out.finish_reason)))
-        return CompletionResponse(id=rid, model=self.model, choices=choices,
+        return CompletionResponse(id=rid, created=self.created, model=self.model, choices=choices,
                                      usage=_total_usage(outs, not self.score_only))
 
     def head(self, rid: str) -> list:
@@ -134,7 +137,7 @@ class CompletionRender(_Render):
             self._offsets[i] = (0, b"")
         choice = CompletionChoice(index=i, text=text, logprobs=logprobs,
                                      finish_reason=finish_reason(out.finish_reason))
-        return CompletionResponse(id=rid, model=self.model, choices=[choice])
+        return CompletionResponse(id=rid, created=self.created, model=self.model, choices=[choice])
 
 
 class ChatRender(_Render):
@@ -160,17 +163,17 @@ class ChatRender(_Render):
                                  logprobs=self.logprobs(out.logprobs or [], out.token_ids) if self.want_logprobs else None,
                                  finish_reason=finish_reason(out.finish_reason))
                    for i, out in enumerate(outs)]
-        return ChatCompletionResponse(id=rid, model=self.model, choices=choices, usage=_total_usage(outs))
+        return ChatCompletionResponse(id=rid, created=self.created, model=self.model, choices=choices, usage=_total_usage(outs))
 
     def head(self, rid: str) -> list:
-        return [ChatCompletionChunk(id=rid, model=self.model, choices=[
+        return [ChatCompletionChunk(id=rid, created=self.created, model=self.model, choices=[
             ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
             for i in range(self.req.n)]
 
     def chunk(self, rid: str, i: int, out) -> ChatCompletionChunk:
         delta = DeltaMessage(content=out.delta_text if out.delta_text or not out.finished else None)
         logprobs = self.logprobs(getattr(out, "new_logprobs", None) or [], out.new_token_ids) if self.want_logprobs else None
-        return ChatCompletionChunk(id=rid, model=self.model, choices=[
+        return ChatCompletionChunk(id=rid, created=self.created, model=self.model, choices=[
             ChatChunkChoice(index=i, delta=delta, logprobs=logprobs, finish_reason=finish_reason(out.finish_reason))])
 
 

@@ -25,6 +25,8 @@ MAX_TOKEN_LIST = 1024
 # Fields OpenAI clients send that change nothing here, accepted as vLLM accepts them.
 HARMLESS = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
             "safety_identifier")
+# OpenAI fields this server does not serve, taken when null (they then ask for nothing); any value is a 400.
+UNSERVED_NULLABLE = ("audio", "modalities", "prediction", "reasoning_effort", "verbosity", "web_search_options")
 
 
 class StreamOptions(BaseModel):
@@ -66,6 +68,17 @@ class _SamplingRequest(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_TOKEN_LIST)
     priority: int = Field(0, ge=0, le=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_not_given(cls, data: Any) -> Any:
+        """OpenAI's optional fields are nullable: an explicit null (the official client sends one for a
+        None argument) means "not given", so the field keeps its default, as OpenAI and vLLM read it."""
+        if isinstance(data, dict):
+            fields = cls.model_fields
+            data = {k: v for k, v in data.items()     # a required field's null, an unknown field's: still refused
+                    if v is not None or (fields[k].is_required() if k in fields else k not in UNSERVED_NULLABLE)}
+        return data
 
     @field_validator("logit_bias")
     @classmethod
@@ -151,7 +164,7 @@ class CompletionRequest(_SamplingRequest):
             if len(v) != 1:
                 raise ValueError("batched prompts are not supported; send one prompt per request")
             v = v[0]
-        if isinstance(v, str) and not v.strip():
+        if isinstance(v, str) and not v:        # whitespace is a prompt, as OpenAI and vLLM take it
             raise ValueError("prompt must not be empty")
         if isinstance(v, list) and not v:
             raise ValueError("prompt must not be empty")

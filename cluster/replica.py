@@ -137,7 +137,7 @@ class EngineReplica:
                 await self._admitted(added)
             except ValueError as e:
                 finished = True
-                yield Rejected(str(e), guess_param(str(e)))
+                yield Rejected(str(e), guess_param(str(e)), getattr(e, "code", None))   # context_length_exceeded
                 return
             while True:
                 items = [await stream.queue.get()]

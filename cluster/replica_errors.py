@@ -20,6 +20,7 @@ class Rejected:
 
     message: str
     param: str | None = None
+    code: str | None = None     # OpenAI's error code, where the engine's error carries one
 
 
 @dataclass

@@ -30,6 +30,16 @@ from eagle_worker.speculative.step_cost import StepCost
 logger = logging.getLogger(__name__)
 
 
+CONTEXT_LENGTH = "This model's maximum context length is"     # OpenAI's and vLLM's words
+
+
+class ContextLengthError(ValueError):
+    """A prompt with no room left for one generated token: OpenAI's `context_length_exceeded`,
+    the code callers (clients that trim and retry) look for."""
+
+    code = "context_length_exceeded"
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -80,12 +90,13 @@ class LLMEngine:
             raise ValueError(f"priority must be an integer >= 0 (0 online, 1 and above offline), got {priority!r}"[:200])
         priority = int(priority)
         if isinstance(prompt, str):
-            if not prompt.strip():
+            if not prompt:          # whitespace is a prompt (OpenAI and vLLM take it): its tokens
                 raise ValueError("prompt is empty")
             limit = self.max_model_len * self.prompts.max_chars_per_token
             if len(prompt) > limit:     # a 50 MB row is refused without tokenizing it on the engine thread
-                raise ValueError(f"prompt has {len(prompt)} characters; the maximum context of {self.max_model_len} "
-                                 f"tokens holds at most {limit}")
+                raise ContextLengthError(f"{CONTEXT_LENGTH} {self.max_model_len} tokens. However, your prompt has "
+                                         f"{len(prompt)} characters, more than that many tokens hold (at most "
+                                         f"{limit}). Please reduce the length of the prompt.")
             token_ids = self.tokenize(prompt)
         elif isinstance(prompt, (list, tuple)):
             odd = next(((i, t) for i, t in enumerate(prompt) if not is_token_id(t)), None)
@@ -106,8 +117,9 @@ class LLMEngine:
             if bad:
                 raise ValueError(f"{name} token ids out of range [0, {vocab}): {bad[:5]}")
         if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens; the maximum context is {self.max_model_len} "
-                             f"tokens including at least one generated token")
+            raise ContextLengthError(f"{CONTEXT_LENGTH} {self.max_model_len} tokens. However, your prompt has "
+                                     f"{len(token_ids)} tokens, and at least one token is generated. Please reduce "
+                                     "the length of the prompt.")
         seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
         seq = Sequence(request_id, token_ids, params, priority, seed)
         self.scheduler.add(seq)

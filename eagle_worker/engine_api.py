@@ -19,8 +19,7 @@ from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 from eagle_worker.chat_template import echoed_empty, join_text_parts, normalize_messages  # noqa: F401  (chat as the engine renders it)
-from eagle_worker.default_models import is_builtin  # noqa: F401  (configs tell built-in model names from paths, hub ids)
-from eagle_worker.default_models import local_context  # noqa: F401  (a job checks --max-model-len before Ray starts)
+from eagle_worker.default_models import is_builtin, local_context  # noqa: F401  (built-in names; a job's context check)
 from eagle_worker.malloc_tuning import GLIBC_TUNABLES  # noqa: F401  (the env of the engine processes the fleet starts)
 from eagle_worker.prefix_hash import block_hashes  # noqa: F401  (the fleet's prefix-aware routing hashes as engines cache)
 from eagle_worker.speculative.config import SPEC_LIMITS  # noqa: F401  (the configs' bounds on tree sizes)

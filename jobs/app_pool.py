@@ -170,7 +170,7 @@ class AppPool:
                                                       messages=messages)) as outs:
                 async for out in outs:
                     if isinstance(out, Rejected):
-                        return {"error": out.message, "error_param": out.param}
+                        return {"error": out.message, "error_param": out.param, **({"error_code": out.code} if out.code else {})}
                     if isinstance(out, Failed):
                         return {"error": out.message, **SERVER_ERROR}
                     if last is None and check_context and max_len:

@@ -366,7 +366,7 @@ def _parquet_row(rec: dict, derived_id: str | None, plan: InputPlan) -> Row:
         row.error = "both `prompt` and `messages` are set; give a row one of them"
     elif prompt is not None:
         row.prompt = prompt
-        if not prompt.strip():
+        if not prompt:                      # whitespace is a prompt (the engine's and OpenAI's rule)
             row.error = "prompt is empty"
     elif messages is not None:
         row.messages, row.error = normalize_messages(messages)

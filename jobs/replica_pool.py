@@ -88,7 +88,7 @@ class JobReplica(EngineReplica):
         async for out in self.submit(request_id, prompt, params, priority=priority, messages=messages,
                                      stream_interval=0):   # the first output (its prompt) and the result
             if isinstance(out, Rejected):
-                return {"error": out.message, "error_param": out.param}
+                return {"error": out.message, "error_param": out.param, **({"error_code": out.code} if out.code else {})}
             if isinstance(out, Failed):
                 return {"error": out.message, **SERVER_ERROR}
             if last is None and check_context:

@@ -93,6 +93,31 @@ def test_accepted_fields_and_engine_params():
         CompletionRequest.model_validate({"model": "m", "prompt": "x", "num_logprobs": 3})  # not a field
 
 
+def test_null_means_not_given_as_the_openai_client_sends_it():
+    """`create(temperature=None, ...)` sends `"temperature": null`: each optional field keeps its
+    default; an unserved OpenAI field that is null asks for nothing; a null required field, an unknown
+    field, or an unserved field with a value is still a 400."""
+    nulls = dict.fromkeys(("temperature", "top_p", "n", "stream", "presence_penalty", "frequency_penalty", "seed",
+                           "max_tokens", "stop", "top_k", "min_p", "repetition_penalty", "ignore_eos", "priority"))
+    comp = CompletionRequest.model_validate({"model": "m", "prompt": "x", "echo": None, "logprobs": None, **nulls})
+    assert comp.sampling_params(4) | {"seed": 0} == CompletionRequest.model_validate(
+        {"model": "m", "prompt": "x"}).sampling_params(4) | {"seed": 0}
+    assert (comp.temperature, comp.n, comp.stream, comp.echo) == (1.0, 1, False, False)
+    chat = ChatCompletionRequest.model_validate(CHAT | nulls | {"logprobs": None, "audio": None, "modalities": None,
+                                                                "reasoning_effort": None, "max_completion_tokens": None})
+    assert chat.logprobs is False and chat.num_logprobs is None and chat.requested_max_tokens is None
+    for bad in ({"model": None}, {"messages": None}, {"temprature": None}, {"modalities": ["text", "audio"]}):
+        with pytest.raises(ValidationError):
+            ChatCompletionRequest.model_validate(CHAT | bad)
+
+
+def test_whitespace_is_a_prompt_and_only_nothing_is_empty():
+    assert CompletionRequest.model_validate({"model": "m", "prompt": "\n "}).prompt == "\n "
+    for empty in ("", [], [""]):
+        with pytest.raises(ValidationError, match="must not be empty"):
+            CompletionRequest.model_validate({"model": "m", "prompt": empty})
+
+
 class _Request:
     def __init__(self, body: bytes, headers: dict | None = None, chunk: int = 4096):
         self.headers, self._body, self._chunk = {"content-type": "application/json"} | (headers or {}), body, chunk
@@ -184,6 +209,20 @@ def test_completion_render_n_echo_logprobs():
     assert nxt["text"] == "e" and nxt["logprobs"]["text_offset"] == [4] and nxt["finish_reason"] == "length"
 
 
+def test_every_chunk_of_a_request_carries_one_created_time(monkeypatch):
+    import time
+
+    clock = iter(range(1_000, 2_000, 7))
+    monkeypatch.setattr(time, "time", lambda: next(clock))
+    render = ChatRender("m", PromptTokenizer(), ChatCompletionRequest.model_validate(CHAT | {"n": 2}))
+    chunks = render.head("id") + [render.chunk("id", i % 2, _out(new=b"d", text="d")) for i in range(4)]
+    chunks.append(render.usage_chunk("id", [_out(finished=True)] * 2))
+    assert {c.created for c in chunks} == {render.created}
+    req = CompletionRequest.model_validate({"model": "m", "prompt": "abc"})
+    render = CompletionRender("m", PromptTokenizer(), req, "abc", list(b"abc"))
+    assert {render.chunk("id", 0, _out(new=b"d", text="d")).created for _ in range(3)} == {render.created}
+
+
 def test_chat_render_logprobs_and_heads():
     req = ChatCompletionRequest.model_validate(CHAT | {"logprobs": True, "top_logprobs": 1, "n": 2})
     render = ChatRender("m", PromptTokenizer(), req)
@@ -208,7 +247,8 @@ def test_prompt_length_checked_in_characters_before_tokenizing():
     prompts = IngressPrompts(Counting())
     with pytest.raises(APIError) as ei:
         asyncio.run(prompts.completion("x" * 101, max_model_len=100, need_text=False))
-    assert ei.value.param == "prompt" and Counting.calls == 0
+    assert ei.value.param == "prompt" and Counting.calls == 0 and ei.value.code == "context_length_exceeded"
+    assert ei.value.message.startswith("This model's maximum context length is 100 tokens. However, your prompt")
     with pytest.raises(APIError) as ei:
         asyncio.run(prompts.chat([{"role": "user", "content": "x" * 101}], max_model_len=100))
     assert ei.value.param == "messages" and Counting.calls == 0

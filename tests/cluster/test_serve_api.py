@@ -110,6 +110,30 @@ def test_chat_and_stream(app):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_the_clients_nulls_a_whitespace_prompt_and_one_created_time_per_stream(app):
+    """The official client sends null for an argument given as None: the field's default, as OpenAI
+    and vLLM read it. Whitespace is a prompt. Every chunk of a stream carries the request's time."""
+    nulls = dict(temperature=None, top_p=None, n=None, presence_penalty=None, frequency_penalty=None, seed=None)
+    r = app.client.completions.create(model=MODEL, prompt=" \n", max_tokens=3, echo=None, extra_body=NO_EOS, **nulls)
+    assert r.usage.completion_tokens == 3 and r.usage.prompt_tokens >= 2 and len(r.choices) == 1
+    chunks = list(app.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                     max_tokens=24, logprobs=None, stream=True, extra_body=NO_EOS,
+                                                     **nulls))
+    assert len(chunks) > 3 and len({c.created for c in chunks}) == 1 and len({c.id for c in chunks}) == 1
+    # a prompt with no room for one token: OpenAI's code, naming the field that holds it
+    with pytest.raises(openai.BadRequestError) as ei:
+        app.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello " * 130}])
+    err = _err(ei)
+    assert err["code"] == "context_length_exceeded" and err["param"] == "messages", err
+    assert err["message"].startswith("This model's maximum context length is 128 tokens. However, your messages")
+    with pytest.raises(openai.BadRequestError) as ei:       # longer in tokens, not yet in characters
+        app.client.completions.create(model=MODEL, prompt=list(range(5, 140)))
+    err = _err(ei)
+    assert err["code"] == "context_length_exceeded" and err["param"] == "prompt", err
+    assert err["message"].startswith("This model's maximum context length is 128 tokens. However, your request has "
+                                     "135 input tokens"), err
+
+
 def test_stop_sequence_and_seed(app):
     kw = dict(model=MODEL, prompt="def add(a, b):", max_tokens=16, temperature=1.0, seed=7, extra_body=NO_EOS)
     a, b = app.client.completions.create(**kw), app.client.completions.create(**kw)
@@ -157,12 +181,12 @@ def test_a_prompt_near_the_context_without_max_tokens_stops_at_the_context(app):
     r = app.client.completions.create(model=MODEL, prompt=list(range(5, 120)), temperature=0, extra_body=NO_EOS)
     assert r.choices[0].finish_reason == "length" and r.usage.total_tokens == 128
     with pytest.raises(openai.BadRequestError) as ei:
-        app.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello " * 70}],
+        app.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello " * 13}],
                                            max_tokens=30)
     assert _err(ei)["code"] == "context_length_exceeded" and _err(ei)["param"] == "max_tokens", _err(ei)
     # errors name the field the client sent
     with pytest.raises(openai.BadRequestError) as ei:
-        app.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello " * 70}],
+        app.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello " * 13}],
                                            max_completion_tokens=30)
     assert _err(ei)["code"] == "context_length_exceeded" and _err(ei)["param"] == "max_completion_tokens", _err(ei)
     with pytest.raises(openai.BadRequestError) as ei:

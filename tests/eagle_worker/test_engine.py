@@ -326,8 +326,13 @@ def test_a_prompt_longer_in_characters_than_the_context_holds_is_refused_untoken
     monkeypatch.setattr(engine.prompts, "tokenize", lambda text: tokenized.append(len(text)) or [5, 6])
     with pytest.raises(ValueError) as e:
         engine.add_request("long", "x" * (limit + 1), SamplingParams())
-    assert str(e.value) == f"prompt has {limit + 1} characters; the maximum context of 64 tokens holds at most {limit}"
-    assert tokenized == [] and guess_param(str(e.value)) == "prompt"
+    assert str(e.value) == (f"This model's maximum context length is 64 tokens. However, your prompt has {limit + 1} "
+                            f"characters, more than that many tokens hold (at most {limit}). Please reduce the length "
+                            "of the prompt.")
+    assert tokenized == [] and guess_param(str(e.value)) == "prompt" and e.value.code == "context_length_exceeded"
+    with pytest.raises(ValueError, match="However, your prompt has 64 tokens, and at least one token") as e:
+        engine.add_request("full", [5] * 64, SamplingParams())      # counted in tokens too
+    assert e.value.code == "context_length_exceeded"
     engine.add_request("fits", "x" * limit, SamplingParams(max_tokens=1))    # at the bound: tokenized, then counted
     assert tokenized == [limit]
 

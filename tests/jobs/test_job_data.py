@@ -242,7 +242,7 @@ def test_retry_errors_accepts_fixed_input_files_but_not_other_files(tmp_path):
     cfg = bad_rows_job(tmp_path, "in.parquet", ["a", "b"])
     m = run_job(cfg)
     assert m["error_rows"] == 2
-    write_parquet(tmp_path / "in.parquet", id=["a", "b"], prompt=[" ", "  "])      # "fixed" (still bad here)
+    write_parquet(tmp_path / "in.parquet", id=["a", "b"], prompt=["", ""], max_tokens=[4, 4])   # "fixed" (still bad)
     with pytest.raises(OutputError, match="or --retry-errors after fixing rows in place"):
         run_job(cfg)
     m = run_job(cfg.model_copy(update={"retry_errors": True}))

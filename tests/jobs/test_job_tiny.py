@@ -37,7 +37,7 @@ def test_job_matches_llm_generate_with_overrides_and_bad_rows(tmp_path, tiny_mod
     temperature = [None] * (n + 1)
     top_p = [None] * (n + 1)
     prompts[4] = None                                              # null prompt
-    prompts[5] = "   "                                             # empty prompt
+    prompts[5] = ""                                                # empty prompt
     prompts[6] = " ".join(["speculative decoding"] * 60)           # longer than max_model_len
     temperature[7] = -1.0                                          # invalid per-row parameter
     top_p[8] = 2.0
@@ -61,7 +61,7 @@ def test_job_matches_llm_generate_with_overrides_and_bad_rows(tmp_path, tiny_mod
     assert m["rows"] == n and m["error_rows"] == 6, [r for r in rows.values() if r["error"]]
     assert len(list((tmp_path / "in.out").glob("part-*.parquet"))) >= 4
     assert rows["q4"]["error"] == "prompt is null" and rows["q5"]["error"] == "prompt is empty"
-    assert "maximum context is 64" in rows["q6"]["error"] and "temperature" in rows["q7"]["error"]
+    assert "maximum context length is 64 tokens" in rows["q6"]["error"] and "temperature" in rows["q7"]["error"]
     assert "top_p" in rows["q8"]["error"] and "min_p must be in [0, 1]" in rows["q12"]["error"]
     for bad in ("q4", "q5", "q6", "q7", "q8", "q12"):
         assert rows[bad]["text"] is None and rows[bad]["completion_tokens"] is None
