@@ -183,26 +183,32 @@ class OpenAIIngress:
             raise _unavailable(e) from None
         return last, prompt_lps
 
-    async def _run(self, endpoint: str, req, prompt_ids: list[int], max_tokens: int, render):
-        """Shared body of both endpoints: `n` engine requests (`<id>-<i>`, seed + i) for one prompt of
-        token ids; `render` builds the endpoint's responses/chunks."""
+    def _check_count(self, req, num_prompts: int) -> None:
+        """Each choice (n per prompt) is admitted as a request: more than fit at once would wait forever."""
+        limit = self.admission.offline_limit if req.priority > 0 else self.admission.limit
+        if num_prompts * req.n > limit:
+            what = f"{num_prompts} prompts x n {req.n}" if num_prompts > 1 else f"{req.n} samples"
+            raise APIError(400, f"{'prompt' if num_prompts > 1 else 'n'}: {what} are more requests than this "
+                           f"server admits at once ({limit})", param="prompt" if num_prompts > 1 else "n")
+
+    async def _run(self, endpoint: str, req, prompts: list[list[int]], max_tokens: int, render):
+        """Shared body of both endpoints: `n` engine requests per prompt of token ids (choice i =
+        prompt * n + sample is `<id>-<i>`, with seed + sample); `render` builds the responses/chunks."""
         t0 = time.monotonic()
         timeout = self.config.limits.request_timeout_s
         when = None if timeout is None else asyncio.get_running_loop().time() + timeout
-        limit = self.admission.offline_limit if req.priority > 0 else self.admission.limit
-        if req.n > limit:       # each sample is admitted as a request: more than fit at once would wait forever
-            raise APIError(400, f"n: {req.n} samples are more requests than this server admits at once "
-                              f"({limit})", param="n")
+        self._check_count(req, len(prompts))
+        count = len(prompts) * req.n
         rid = new_id(render.prefix)
-        sub_ids = [rid] if req.n == 1 else [f"{rid}-{i}" for i in range(req.n)]
-        its = [stream_outputs(self.engine, sub, prompt_ids, req.sampling_params(max_tokens, i), req.priority,
-                              restartable=not req.stream, on_retry=self.metrics.retried,
+        sub_ids = [rid] if count == 1 else [f"{rid}-{i}" for i in range(count)]
+        its = [stream_outputs(self.engine, sub, prompts[i // req.n], req.sampling_params(max_tokens, i % req.n),
+                              req.priority, restartable=not req.stream, on_retry=self.metrics.retried,
                               max_attempts=self.engine_attempts,
-                              group=rid if req.n > 1 else None,
+                              group=f"{rid}/{i // req.n}" if req.n > 1 else None,   # one prompt's samples
                               stream_interval=self.config.ingress.stream_interval if req.stream else 0)
                for i, sub in enumerate(sub_ids)]
-        try:        # every sample now or none: a stream's later samples start after its headers went out
-            self.admission.enter(req.priority, req.n)
+        try:        # every choice now or none: a stream's later choices start after its headers went out
+            self.admission.enter(req.priority, count)
         except OverloadedError as e:
             raise _unavailable(e) from None
         self.metrics.inflight.labels(self.config.model_name).inc()
@@ -220,7 +226,7 @@ class OpenAIIngress:
                 for last, _ in done:
                     self._finish(last, t0, ttft)
                 status = 200
-                body = render.full(rid, [last for last, _ in done], done[0][1])
+                body = render.full(rid, [last for last, _ in done], [lps for _, lps in done])
                 return JSONResponse(body.model_dump(mode="json"))
             status = 200
             release = Release(lambda: self._release(req, its))
@@ -237,7 +243,7 @@ class OpenAIIngress:
     async def _release(self, req, its: list) -> None:
         """What an admitted request holds: its admission slot, the in-flight gauge, its engine streams."""
         self.metrics.inflight.labels(self.config.model_name).dec()
-        self.admission.leave(req.priority, req.n)
+        self.admission.leave(req.priority, len(its))
         for it in its:
             await it.aclose()
 
@@ -284,9 +290,14 @@ class OpenAIIngress:
     async def completions(self, request: Request):
         req = await self._parse(request, CompletionRequest)
         max_tokens = 1 if req.score_only else self._max_tokens(req.max_tokens, default=16)
-        ids, text = await self.prompts.completion(req.prompt, self._context(), need_text=req.echo)
-        self._fits_context(len(ids), None if req.score_only else req.max_tokens, prompt_field="prompt")
-        render = CompletionRender(self.config.model_name, self.prompts, req, text, ids)
+        self._check_count(req, len(req.prompts))      # before tokenizing a batch that cannot run
+        ids, texts = [], []
+        for prompt in req.prompts:
+            prompt_ids, text = await self.prompts.completion(prompt, self._context(), need_text=req.echo)
+            self._fits_context(len(prompt_ids), None if req.score_only else req.max_tokens, prompt_field="prompt")
+            ids.append(prompt_ids)
+            texts.append(text)
+        render = CompletionRender(self.config.model_name, self.prompts, req, texts, ids)
         return await self._run("completions", req, ids, max_tokens, render)
 
     @api.post("/v1/chat/completions")
@@ -299,7 +310,7 @@ class OpenAIIngress:
         max_tokens = self._max_tokens(req.requested_max_tokens, self.config.limits.max_tokens, req.max_tokens_field)
         ids = await self.prompts.chat(messages, self._context())
         self._fits_context(len(ids), req.requested_max_tokens, req.max_tokens_field, prompt_field="messages")
-        return await self._run("chat", req, ids, max_tokens, ChatRender(self.config.model_name, self.prompts, req))
+        return await self._run("chat", req, [ids], max_tokens, ChatRender(self.config.model_name, self.prompts, req))
 
     def _fits_context(self, prompt_tokens: int, requested: int | None, field: str = "max_tokens",
                       prompt_field: str = "prompt") -> None:

@@ -44,8 +44,9 @@ def _entry(e: Any) -> tuple[float, list[tuple[int, float]]] | None:
     return e.logprob, list(e.top)
 
 
-def _total_usage(outs: list, generated: bool = True) -> Usage:
-    return usage(len(outs[0].prompt_token_ids), sum(len(o.token_ids) for o in outs) if generated else 0)
+def _total_usage(outs: list, n: int, generated: bool = True) -> Usage:
+    """Each prompt counted once (choices p*n .. p*n+n-1 share prompt p), every completion summed."""
+    return usage(sum(len(o.prompt_token_ids) for o in outs[::n]), sum(len(o.token_ids) for o in outs) if generated else 0)
 
 
 class _Render:
@@ -57,24 +58,25 @@ class _Render:
 
     def usage_chunk(self, rid: str, outs: list):
         return self.response_cls(id=rid, created=self.created, model=self.model, choices=[],
-                                 usage=_total_usage(outs, not self.score_only))
+                                 usage=_total_usage(outs, self.req.n, not self.score_only))
 
 
 class CompletionRender(_Render):
     prefix = "cmpl"
     response_cls = CompletionResponse
 
-    def __init__(self, model: str, prompts, req, prompt_text: str, prompt_ids: list[int]):
+    def __init__(self, model: str, prompts, req, prompt_texts: list[str], prompt_ids: list[list[int]]):
+        """`prompt_texts` / `prompt_ids`: each prompt of the request; choice i answers prompt i // n."""
         super().__init__(model, prompts, req)
-        self.prompt_text, self.prompt_ids = prompt_text, prompt_ids
+        self.prompt_texts, self.prompt_ids = prompt_texts, prompt_ids
         self._offsets: dict[int, tuple[int, bytes]] = {}   # choice -> (text offset, bytes of a partial character)
         # a BOS the tokenizer added is an echoed token that the echoed text does not hold: no width
         bos = getattr(prompts, "bos_token", None)
-        self._unseen_bos = bool(bos and prompt_ids and prompts.token_text(prompt_ids[0]) == bos
-                                and not prompt_text.startswith(bos))
+        self._unseen_bos = [bool(bos and ids and prompts.token_text(ids[0]) == bos and not text.startswith(bos))
+                            for text, ids in zip(prompt_texts, prompt_ids)]
 
     def logprobs(self, entries: list, token_ids: list[int], offset: int, echoed: bool = False,
-                 pending: bytes = b"") -> tuple[dict[str, Any], int, bytes]:
+                 pending: bytes = b"", unseen_bos: bool = False) -> tuple[dict[str, Any], int, bytes]:
         """`echoed`: the first entries are the echoed prompt's (offsets within the echoed text).
         A token advances the offset by the characters its bytes complete (`pending`: the bytes of a
         character begun by earlier tokens), so a character split over tokens counts once."""
@@ -83,7 +85,7 @@ class CompletionRender(_Render):
             text = self.prompts.token_text(tid)
             tokens.append(text)
             offsets.append(offset)
-            if not (echoed and k == 0 and self._unseen_bos):
+            if not (echoed and k == 0 and unseen_bos):
                 decoder = codecs.getincrementaldecoder("utf-8")("replace")
                 offset += len(decoder.decode(pending + bytes(self.prompts.token_bytes(tid))))
                 pending = decoder.getstate()[0]
@@ -99,40 +101,43 @@ class CompletionRender(_Render):
             top_logprobs.append(alternatives)
         return dict(tokens=tokens, token_logprobs=token_logprobs, top_logprobs=top_logprobs, text_offset=offsets), offset, pending
 
-    def _echoed(self, prompt_lps: list | None) -> tuple[list, list[int]]:
-        """The prompt's share of an echoed choice's logprobs."""
+    def _echoed(self, p: int, prompt_lps: list | None) -> tuple[list, list[int]]:
+        """Prompt p's share of an echoed choice's logprobs."""
         if not (self.req.echo and self.want_logprobs):
             return [], []
-        return list(prompt_lps or [None] * len(self.prompt_ids)), list(self.prompt_ids)
+        return list(prompt_lps or [None] * len(self.prompt_ids[p])), list(self.prompt_ids[p])
 
-    def full(self, rid: str, outs: list, prompt_lps: list | None) -> CompletionResponse:
+    def full(self, rid: str, outs: list, prompt_lps: list[list | None]) -> CompletionResponse:
+        """`prompt_lps`: each choice's prompt logprobs (with echo and logprobs)."""
         choices = []
-        for i, out in enumerate(outs):
-            logprobs = None
+        for i, (out, lps) in enumerate(zip(outs, prompt_lps)):
+            p, logprobs = i // self.req.n, None
             if self.want_logprobs:
-                entries, ids = self._echoed(prompt_lps)
+                entries, ids = self._echoed(p, lps)
                 gen, gen_ids = ([], []) if self.score_only else (list(out.logprobs or []), list(out.token_ids))
-                logprobs = self.logprobs(entries + gen, ids + gen_ids, 0, echoed=bool(ids))[0]
-            text = (self.prompt_text if self.req.echo else "") + ("" if self.score_only else out.text)
+                logprobs = self.logprobs(entries + gen, ids + gen_ids, 0, echoed=bool(ids),
+                                         unseen_bos=self._unseen_bos[p])[0]
+            text = (self.prompt_texts[p] if self.req.echo else "") + ("" if self.score_only else out.text)
             choices.append(CompletionChoice(index=i, text=text, logprobs=logprobs,
                                                finish_reason=finish_reason(out.finish_reason)))
         return CompletionResponse(id=rid, created=self.created, model=self.model, choices=choices,
-                                     usage=_total_usage(outs, not self.score_only))
+                                     usage=_total_usage(outs, self.req.n, not self.score_only))
 
     def head(self, rid: str) -> list:
         return []
 
     def chunk(self, rid: str, i: int, out) -> CompletionResponse:
-        first = i not in self._offsets
+        first, p = i not in self._offsets, i // self.req.n
         text, logprobs = ("" if self.score_only else out.delta_text), None
         if first and self.req.echo:
-            text = self.prompt_text + text
+            text = self.prompt_texts[p] + text
         if self.want_logprobs:
-            entries, ids = self._echoed(getattr(out, "prompt_logprobs", None)) if first else ([], [])
+            entries, ids = self._echoed(p, getattr(out, "prompt_logprobs", None)) if first else ([], [])
             if not self.score_only:
                 entries, ids = entries + list(getattr(out, "new_logprobs", None) or []), ids + list(out.new_token_ids)
             offset, pending = self._offsets.get(i, (0, b""))
-            logprobs, *self._offsets[i] = self.logprobs(entries, ids, offset, echoed=first and self.req.echo, pending=pending)
+            logprobs, *self._offsets[i] = self.logprobs(entries, ids, offset, echoed=first and self.req.echo,
+                                                        pending=pending, unseen_bos=self._unseen_bos[p])
         else:
             self._offsets[i] = (0, b"")
         choice = CompletionChoice(index=i, text=text, logprobs=logprobs,
@@ -159,11 +164,13 @@ class ChatRender(_Render):
         return {"token": text, "logprob": _lp(logprob), "bytes": self.prompts.token_bytes(token_id)}
 
     def full(self, rid: str, outs: list, prompt_lps: list | None = None) -> ChatCompletionResponse:
+        """`prompt_lps`: unused (chat has no echo)."""
         choices = [ChatChoice(index=i, message=ChatCompletionMessage(content=out.text),
                                  logprobs=self.logprobs(out.logprobs or [], out.token_ids) if self.want_logprobs else None,
                                  finish_reason=finish_reason(out.finish_reason))
                    for i, out in enumerate(outs)]
-        return ChatCompletionResponse(id=rid, created=self.created, model=self.model, choices=choices, usage=_total_usage(outs))
+        return ChatCompletionResponse(id=rid, created=self.created, model=self.model, choices=choices,
+                                      usage=_total_usage(outs, self.req.n))
 
     def head(self, rid: str) -> list:
         return [ChatCompletionChunk(id=rid, created=self.created, model=self.model, choices=[

@@ -159,16 +159,19 @@ class CompletionRequest(_SamplingRequest):
 
     @field_validator("prompt")
     @classmethod
-    def _single_prompt(cls, v):
-        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
-            if len(v) != 1:
-                raise ValueError("batched prompts are not supported; send one prompt per request")
-            v = v[0]
-        if isinstance(v, str) and not v:        # whitespace is a prompt, as OpenAI and vLLM take it
-            raise ValueError("prompt must not be empty")
-        if isinstance(v, list) and not v:
-            raise ValueError("prompt must not be empty")
+    def _prompts(cls, v):
+        batch = v if isinstance(v, list) and v and isinstance(v[0], (str, list)) else [v]
+        for i, p in enumerate(batch):
+            if not p:                           # whitespace is a prompt, as OpenAI and vLLM take it
+                raise ValueError("prompt must not be empty" if len(batch) == 1 else f"prompt {i} must not be empty")
         return v
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one, or a batch (a list of strings or of token-id lists), each
+        answered by `n` choices, indexed prompt by prompt as vLLM indexes them (prompt * n + sample)."""
+        v = self.prompt
+        return list(v) if isinstance(v, list) and v and isinstance(v[0], (str, list)) else [v]
 
     @field_validator("suffix")
     @classmethod

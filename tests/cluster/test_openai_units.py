@@ -194,9 +194,9 @@ def _out(rid="r", new=b"de", text="de", finished=False, prompt=b"abc", prompt_lp
 
 def test_completion_render_n_echo_logprobs():
     req = CompletionRequest.model_validate({"model": "m", "prompt": "abc", "echo": True, "logprobs": 1, "n": 2})
-    render = CompletionRender("m", PromptTokenizer(), req, "abc", list(b"abc"))
+    render = CompletionRender("m", PromptTokenizer(), req, ["abc"], [list(b"abc")])
     prompt_lps = [None, _lp(ord("b")), _lp(ord("c"))]
-    body = render.full("id", [_out(finished=True), _out(finished=True)], prompt_lps).model_dump()
+    body = render.full("id", [_out(finished=True), _out(finished=True)], [prompt_lps] * 2).model_dump()
     assert [c["index"] for c in body["choices"]] == [0, 1] and body["usage"]["completion_tokens"] == 4
     lp = body["choices"][1]["logprobs"]
     assert body["choices"][1]["text"] == "abcde" and lp["tokens"] == list("abcde")
@@ -209,6 +209,25 @@ def test_completion_render_n_echo_logprobs():
     assert nxt["text"] == "e" and nxt["logprobs"]["text_offset"] == [4] and nxt["finish_reason"] == "length"
 
 
+def test_a_batch_of_prompts_is_n_choices_per_prompt_indexed_prompt_by_prompt():
+    """vLLM's layout: choice p*n + j is sample j of prompt p; usage counts each prompt once."""
+    req = CompletionRequest.model_validate({"model": "m", "prompt": ["abc", "xy"], "echo": True, "logprobs": 0,
+                                            "n": 2})
+    assert req.prompts == ["abc", "xy"] and req.sampling_params(4, 1)["seed"] == req.sampling_params(4, 0)["seed"] + 1
+    render = CompletionRender("m", PromptTokenizer(), req, ["abc", "xy"], [list(b"abc"), list(b"xy")])
+    outs = [_out(finished=True), _out(finished=True), _out(finished=True, prompt=b"xy"), _out(finished=True, prompt=b"xy")]
+    body = render.full("id", outs, [None] * 4).model_dump()
+    assert [(c["index"], c["text"]) for c in body["choices"]] == [(0, "abcde"), (1, "abcde"), (2, "xyde"), (3, "xyde")]
+    assert body["choices"][3]["logprobs"]["tokens"] == list("xyde")
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 8, "total_tokens": 13}
+    assert render.chunk("id", 2, _out(new=b"d", text="d", prompt=b"xy")).choices[0].text == "xyd"   # echo: its own prompt
+    for batch in (["a", ""], [[5], []]):
+        with pytest.raises(ValidationError, match="prompt 1 must not be empty"):
+            CompletionRequest.model_validate({"model": "m", "prompt": batch})
+    assert CompletionRequest.model_validate({"model": "m", "prompt": [[5, 6], [7]]}).prompts == [[5, 6], [7]]
+    assert CompletionRequest.model_validate({"model": "m", "prompt": [5, 6]}).prompts == [[5, 6]]
+
+
 def test_every_chunk_of_a_request_carries_one_created_time(monkeypatch):
     import time
 
@@ -219,7 +238,7 @@ def test_every_chunk_of_a_request_carries_one_created_time(monkeypatch):
     chunks.append(render.usage_chunk("id", [_out(finished=True)] * 2))
     assert {c.created for c in chunks} == {render.created}
     req = CompletionRequest.model_validate({"model": "m", "prompt": "abc"})
-    render = CompletionRender("m", PromptTokenizer(), req, "abc", list(b"abc"))
+    render = CompletionRender("m", PromptTokenizer(), req, ["abc"], [list(b"abc")])
     assert {render.chunk("id", 0, _out(new=b"d", text="d")).created for _ in range(3)} == {render.created}
 
 

@@ -134,6 +134,29 @@ def test_the_clients_nulls_a_whitespace_prompt_and_one_created_time_per_stream(a
                                      "135 input tokens"), err
 
 
+def test_a_batch_of_prompts_answers_each_as_its_own_request(app):
+    """A list of prompts (lm-eval's batched completions): choice p*n + j is sample j of prompt p, the
+    text that prompt gets alone; usage counts each prompt once. Streamed too, and with token ids."""
+    prompts = ["The quick brown fox", "Bonjour", "def add(a, b):"]
+    alone = [app.client.completions.create(model=MODEL, prompt=p, max_tokens=5, seed=7, extra_body=NO_EOS)
+             for p in prompts]
+    r = app.client.completions.create(model=MODEL, prompt=prompts, max_tokens=5, n=2, seed=7, extra_body=NO_EOS)
+    assert [c.index for c in r.choices] == list(range(6))
+    assert [c.text for c in r.choices[::2]] == [a.choices[0].text for a in alone]
+    assert r.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone) and r.usage.completion_tokens == 30
+    texts = {}
+    for chunk in app.client.completions.create(model=MODEL, prompt=prompts, max_tokens=5, n=2, seed=7, stream=True,
+                                               extra_body=NO_EOS):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert [texts[i] for i in range(6)] == [c.text for c in r.choices]
+    ids = app.client.completions.create(model=MODEL, prompt=[[5, 6, 7], [8, 9]], max_tokens=2, temperature=0)
+    assert len(ids.choices) == 2 and ids.usage.prompt_tokens == 5
+    with pytest.raises(openai.BadRequestError) as ei:              # more choices than the server admits at once
+        app.client.completions.create(model=MODEL, prompt=["a"] * 500, max_tokens=2)
+    assert _err(ei)["param"] == "prompt" and "500 prompts" in _err(ei)["message"], _err(ei)
+
+
 def test_stop_sequence_and_seed(app):
     kw = dict(model=MODEL, prompt="def add(a, b):", max_tokens=16, temperature=1.0, seed=7, extra_body=NO_EOS)
     a, b = app.client.completions.create(**kw), app.client.completions.create(**kw)
