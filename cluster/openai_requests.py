@@ -3,8 +3,8 @@
 A field we do not serve is refused with a 400 naming it, never silently ignored: unknown fields,
 `response_format` other than text, `tools`; the few that OpenAI clients send and that change nothing
 (`HARMLESS`) are accepted. Extensions beyond OpenAI (vLLM's names): top_k, min_p, repetition_penalty,
-ignore_eos, stop_token_ids and `priority` (0 = online, the default; 1 = offline/batch work that yields
-to online requests).
+ignore_eos, stop_token_ids, include_stop_str_in_output, skip_special_tokens (true only) and `priority`
+(0 = online, the default; 1 = offline/batch work that yields to online requests).
 """
 from __future__ import annotations
 
@@ -67,7 +67,16 @@ class _SamplingRequest(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_TOKEN_LIST)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True       # the engine's text always skips them: false is refused
     priority: int = Field(0, ge=0, le=1)
+
+    @field_validator("skip_special_tokens")
+    @classmethod
+    def _special_tokens_skipped(cls, v: bool) -> bool:
+        if not v:
+            raise ValueError("false is not supported: text never holds special tokens here (logprobs name them)")
+        return v
 
     @model_validator(mode="before")
     @classmethod
@@ -125,6 +134,8 @@ class _SamplingRequest(BaseModel):
         params = dict(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                       min_p=self.min_p, seed=seed, stop=stop or None, stop_token_ids=self.stop_token_ids or [],
                       ignore_eos=self.ignore_eos)
+        if self.include_stop_str_in_output:
+            params["include_stop_str_in_output"] = True
         optional = dict(presence_penalty=(self.presence_penalty, 0.0), frequency_penalty=(self.frequency_penalty, 0.0),
                         repetition_penalty=(self.repetition_penalty, 1.0),
                         logit_bias=({int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None, None),

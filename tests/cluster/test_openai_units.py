@@ -111,6 +111,15 @@ def test_null_means_not_given_as_the_openai_client_sends_it():
             ChatCompletionRequest.model_validate(CHAT | bad)
 
 
+def test_vllms_stop_string_and_special_token_switches():
+    req = CompletionRequest.model_validate({"model": "m", "prompt": "x", "stop": "y", "include_stop_str_in_output": True,
+                                            "skip_special_tokens": True})
+    assert req.sampling_params(4)["include_stop_str_in_output"] is True
+    assert "include_stop_str_in_output" not in CompletionRequest.model_validate({"model": "m", "prompt": "x"}).sampling_params(4)
+    with pytest.raises(ValidationError, match="skip_special_tokens"):
+        ChatCompletionRequest.model_validate(CHAT | {"skip_special_tokens": False})
+
+
 def test_whitespace_is_a_prompt_and_only_nothing_is_empty():
     assert CompletionRequest.model_validate({"model": "m", "prompt": "\n "}).prompt == "\n "
     for empty in ("", [], [""]):

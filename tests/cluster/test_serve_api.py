@@ -166,6 +166,9 @@ def test_stop_sequence_and_seed(app):
         stop = text[2:4]
         c = app.client.completions.create(**kw, stop=[stop])
         assert c.choices[0].finish_reason == "stop" and stop not in c.choices[0].text
+        kept = app.client.completions.create(**(kw | {"extra_body": NO_EOS | {"include_stop_str_in_output": True}}),
+                                             stop=[stop])
+        assert kept.choices[0].text == c.choices[0].text + stop          # vLLM's switch: the stop string kept
 
 
 def _err(exc_info):
