@@ -97,6 +97,8 @@ def resolve_files(spec: str, exclude: str | None = None) -> tuple[pafs.FileSyste
     if not is_uri(spec):
         return (fs, *_resolve_local(path, exclude))
     ex = filesystem(exclude)[1].rstrip("/") if exclude and is_uri(exclude) else None
+    if ex and (str(glob_base(path)) if glob.has_magic(path) else path).startswith(ex + "/"):
+        raise InputError(_inside_output(spec, exclude))
 
     def keep(p: str) -> bool:
         return not (ex and (p == ex or p.startswith(ex + "/")))
@@ -126,8 +128,15 @@ def resolve_files(spec: str, exclude: str | None = None) -> tuple[pafs.FileSyste
     return fs, files, root
 
 
+def _inside_output(spec: str, output: str) -> str:
+    """Every input file would be skipped as one of the output's own: say so, not "no files"."""
+    return f"{spec}: the input lies inside the output folder {output}; choose an --output outside the input"
+
+
 def _resolve_local(spec: str, exclude: str | None) -> tuple[list[str], str]:
     ex = Path(exclude).resolve() if exclude and not is_uri(exclude) else None
+    if ex and ex in Path(glob_base(spec) if is_local_glob(spec) else spec).resolve().parents:
+        raise InputError(_inside_output(spec, exclude))
 
     def keep(p: Path) -> bool:
         return p.is_file() and not _hidden(p.name) and not (ex and (p.resolve() == ex or ex in p.resolve().parents))

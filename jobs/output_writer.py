@@ -246,8 +246,9 @@ class OutputDir:
 
     def _damaged(self, name: str, e: Exception) -> OutputError:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        return OutputError(f"{self.folder.uri(name)}: a committed part file is damaged ({first}); delete it to "
-                           "generate its rows again, or pass --overwrite to start over")
+        record = f" and its commit record {self.folder.uri(f'{COMMITS}/{name}')}" if self.folder.remote else ""
+        return OutputError(f"{self.folder.uri(name)}: a committed part file is damaged ({first}); delete it{record} "
+                           "to generate its rows again, or pass --overwrite to start over")
 
     def write_manifest(self, data: dict) -> None:
         self.manifest = data

@@ -29,6 +29,7 @@ import os
 import socket
 import time
 import uuid
+from datetime import timedelta
 from pathlib import Path
 
 import pyarrow.fs as pafs
@@ -38,6 +39,7 @@ COMMITS = "_commits"
 LEASE = "_lock.json"
 LOCK = ".lock"
 LEASE_S = 120.0
+GCS_RETRY_S = 60.0   # how long a GCS call retries before the job fails with the provider's error (rerun resumes)
 
 
 class StorageError(RuntimeError):
@@ -64,7 +66,10 @@ def filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
     scheme, _, rest = uri.partition("://")
     bucket, _, key = rest.partition("/")
     try:
-        fs, root = pafs.FileSystem.from_uri(f"{scheme}://{bucket}")
+        if scheme in ("gs", "gcs"):    # pyarrow's default retries a call for 15 minutes: without credentials
+            fs, root = pafs.GcsFileSystem(retry_time_limit=timedelta(seconds=GCS_RETRY_S)), bucket   # a silent hang
+        else:
+            fs, root = pafs.FileSystem.from_uri(f"{scheme}://{bucket}")
     except Exception as e:  # pyarrow raises ArrowInvalid/OSError with the provider's message
         raise StorageError(f"{uri}: cannot open ({_first_line(e)})") from None
     key = key.rstrip("/")
@@ -154,8 +159,23 @@ class Folder:
             pass
 
     def mkdir(self) -> bool:
-        """Create the local folder; True when it was not there (a refused job then leaves nothing behind)."""
-        if self.remote or os.path.isdir(self.root):
+        """Create the local folder; True when it was not there (a refused job then leaves nothing behind).
+        A bucket has no folders to make, but an object at the output's key or above it is refused as a
+        file is: the job's files would sit behind an object that readers of that key still get."""
+        if self.remote:
+            key = self.root.rstrip("/")
+            while "/" in key:          # the key and its parents, not the bucket
+                try:
+                    is_object = self.fs.get_file_info(key).type == pafs.FileType.File
+                except OSError as e:
+                    raise StorageError(f"{self.location}: cannot check the output ({_first_line(e)})") from None
+                if is_object:
+                    scheme = self.location.split("://", 1)[0]
+                    raise StorageError(f"{self.location}: the output must be a folder, and {scheme}://{key} is an "
+                                       "existing object; choose another --output")
+                key = key.rsplit("/", 1)[0]
+            return False
+        if os.path.isdir(self.root):
             return False
         try:
             os.makedirs(self.root)
@@ -257,10 +277,9 @@ class Folder:
             return None
         if self._lease is not None and lease.get("token") == self._lease.get("token"):
             return None
-        if lease.get("host") == socket.gethostname():
+        alive = time.time() < float(lease.get("expires_at", 0))   # on every host: a restarted container reuses
+        if alive and lease.get("host") == socket.gethostname():   # pids; here a dead driver is seen at once too
             alive = _pid_alive(int(lease.get("pid", 0)))
-        else:
-            alive = time.time() < float(lease.get("expires_at", 0))
         return f"host {lease.get('host')} pid {lease.get('pid')}" if alive else None
 
     def is_locked(self) -> bool:

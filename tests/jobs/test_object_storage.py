@@ -193,3 +193,97 @@ def test_keys_with_spaces_brackets_and_question_marks_are_read_and_written_as_wr
     out = Folder("s3://odd/out dir/run [1]")
     out.write_bytes_atomic("_manifest.json", b"{}")
     assert out.read_bytes("_manifest.json") == b"{}" and fs.get_file_info("odd/out dir/run [1]/_manifest.json").size == 2
+
+
+def test_an_output_at_an_existing_objects_key_is_refused_before_any_row(s3_env):
+    """`--output s3://b/in/b.parquet` where that object is one of the input's files: the input dropped it
+    as the output's own and the job ran the other files' rows only, exit 0, its files behind the object."""
+    from jobs.job_config import JobConfig
+    from jobs.output_writer import OutputError
+    from jobs.runner import JobRunner
+    from jobs.storage import StorageError
+
+    fs = _bucket("objout")
+    for name, ids in (("a", ["a1", "a2"]), ("b", ["b1", "b2", "b3"])):
+        pq.write_table(pa.table({"id": ids, "prompt": ids}), f"objout/in/{name}.parquet", filesystem=fs)
+    for output in ("s3://objout/in/b.parquet", "s3://objout/in/b.parquet/deeper"):
+        cfg = JobConfig(input="s3://objout/in", output=output, model="no-model-needed", draft="none")
+        with pytest.raises((OutputError, StorageError), match=r"s3://objout/in/b.parquet is an existing object"):
+            JobRunner(cfg).run()
+    assert sorted(i.path for i in fs.get_file_info(pafs.FileSelector("objout", recursive=True))) == \
+        ["objout/in", "objout/in/a.parquet", "objout/in/b.parquet"]        # nothing written
+
+
+def test_an_input_inside_the_output_folder_is_named_as_such(s3_env, tmp_path):
+    from jobs.input_files import InputError, resolve_files
+
+    fs = _bucket("parentout")
+    pq.write_table(pa.table({"prompt": ["x"]}), "parentout/data/in/x.parquet", filesystem=fs)
+    for output in ("s3://parentout/data", "s3://parentout"):
+        with pytest.raises(InputError, match=f"the input lies inside the output folder {output}"):
+            resolve_files("s3://parentout/data/in", exclude=output)
+    (tmp_path / "data" / "in").mkdir(parents=True)
+    pq.write_table(pa.table({"prompt": ["x"]}), tmp_path / "data" / "in" / "x.parquet")
+    with pytest.raises(InputError, match="the input lies inside the output folder"):
+        resolve_files(str(tmp_path / "data" / "in" / "*.parquet"), exclude=str(tmp_path / "data"))
+    assert resolve_files(str(tmp_path / "data" / "in"), exclude=str(tmp_path / "data" / "in.out"))[1]
+
+
+def test_a_same_host_lease_ends_when_it_expires_even_if_its_pid_lives(s3_env):
+    """A restarted container (same host name, pids reused) found its old lease held "by a live pid"
+    forever; now a lease ends when it expires on this host too (a dead pid ends it at once)."""
+    import json
+    import socket
+
+    from jobs.storage import LEASE, Folder
+
+    _bucket("lease")
+    folder = Folder("s3://lease/out")
+    here = {"host": socket.gethostname(), "token": "old"}
+    for lease, held in ((here | {"pid": 1, "expires_at": 0}, False),                         # expired
+                        (here | {"pid": os.getpid(), "expires_at": 0}, False),                # a reused pid
+                        (here | {"pid": os.getpid(), "expires_at": time.time() + 60}, True),   # a live job here
+                        (here | {"pid": 1, "expires_at": time.time() + 60}, True),             # alive, current
+                        (here | {"pid": 2**22 + 12345, "expires_at": time.time() + 60}, False)):   # no such pid
+        folder.write_bytes_atomic(LEASE, json.dumps(lease).encode())
+        assert (folder.lease_holder() is not None) is held, lease
+    folder.write_bytes_atomic(LEASE, json.dumps(here | {"pid": 1, "expires_at": 0}).encode())
+    folder.lock()                                                   # takes the expired lease over
+    assert json.loads(folder.read_bytes(LEASE))["pid"] == os.getpid()
+    folder.unlock()
+
+
+def test_a_damaged_part_in_a_bucket_says_which_two_objects_to_delete(s3_env):
+    from jobs.output_writer import BASE_SCHEMA, OutputDir, OutputError, PartWriter
+    from jobs.storage import COMMITS
+
+    fs = _bucket("damaged")
+    out = OutputDir("s3://damaged/out", "parquet")
+    out.open({"model": "m"})
+    w = PartWriter(out, BASE_SCHEMA, "run1", rows_per_file=1)
+    w.add(_rec(0))
+    w.commit()
+    out.write_manifest({"fingerprint": {"model": "m"}, "runs": [{"run_id": "run1"}]})
+    out.close()
+    part = "part-run1-00000.parquet"
+    with fs.open_output_stream(f"damaged/out/{part}") as f:
+        f.write(b"PAR1 truncated")
+    with pytest.raises(OutputError) as e:
+        OutputDir("s3://damaged/out", "parquet").open({"model": "m"})
+    assert f"delete it and its commit record s3://damaged/out/{COMMITS}/{part}" in str(e.value)
+    fs.delete_file(f"damaged/out/{part}")                           # as the message says: then the rows run again
+    fs.delete_file(f"damaged/out/{COMMITS}/{part}")
+    done, _ = OutputDir("s3://damaged/out", "parquet").open({"model": "m"})
+    assert len(done) == 0
+
+
+def test_gcs_calls_retry_for_a_minute_not_fifteen():
+    """Without credentials or network, pyarrow's default retried the first GCS call for 15 minutes,
+    printing nothing; the job now fails within GCS_RETRY_S with the provider's error."""
+    from datetime import timedelta
+
+    from jobs.storage import GCS_RETRY_S, filesystem
+
+    fs, root = filesystem("gs://some-bucket/prompts/in.parquet")
+    assert root == "some-bucket/prompts/in.parquet" and fs.type_name == "gcs"
+    assert fs.__reduce__()[1][0]["retry_time_limit"] == timedelta(seconds=GCS_RETRY_S)
