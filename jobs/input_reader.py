@@ -28,7 +28,7 @@ from jobs.id_set import IdSet
 from jobs.input_files import MIXED, InputError, file_identity, kind_of, label_of, resolve_files
 from jobs.output_writer import BASE_SCHEMA
 from jobs.parquet_footer import check_chunks, ids_fit_int64, no_null_ids, rows_text
-from jobs.storage import is_uri
+from jobs.storage import StorageError, is_uri
 
 __all__ = ["InputError", "InputPlan", "Row", "iter_rows", "open_input"]
 
@@ -306,8 +306,25 @@ def _row_groups(f: InputFile, plan: InputPlan, pf: pq.ParquetFile, batch_rows: i
         offset += size
 
 
+def _store_unreachable(f: InputFile, plan: InputPlan, err: Exception) -> bool:
+    """A bucket read that failed because the store did not answer, not because the data is bad: the
+    object's own listing fails too. Such rows are not the input's fault (no error rows): the job fails
+    and a plain rerun goes on."""
+    if isinstance(plan.fs, pafs.LocalFileSystem) or not isinstance(err, OSError):
+        return False
+    try:
+        plan.fs.get_file_info(f.path)
+    except OSError:
+        return True
+    return False
+
+
 def _unreadable(f: InputFile, plan: InputPlan, pf, rg: int, start: int, end: int, err: Exception) -> Iterator[Row]:
     where = f"{f.display}: " + (f"row group {rg}" if rg >= 0 else "the file")
+    if _store_unreachable(f, plan, err):
+        first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+        raise StorageError(f"{where} cannot be read: the store does not answer ({first}); committed rows are "
+                           "kept: run the same command again to go on")
     msg = f"{where} cannot be read ({type(err).__name__}: {str(err).strip().splitlines()[0][:200] if str(err).strip() else ''})"
     if not _has_ids(pf.schema_arrow if pf is not None else _schema(f, plan)):
         ids = [f"{f.label}:{i}" for i in range(start, end)]

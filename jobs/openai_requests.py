@@ -120,6 +120,9 @@ def openai_row(rec: dict) -> Row:
         row.error, row.error_param = f"messages: {e}", "messages"
         return row
     row.model = req.model or None
+    if not chat and len(req.prompts) > 1:      # the server answers a batch of prompts; a row is one request
+        row.error, row.error_param = "prompt: a batch line holds one prompt; give each prompt its own line", "prompt"
+        return row
     given = req.model_fields_set
     refused = [f for f, (ok, _) in _BATCH_ONLY.items() if f in given and getattr(req, f) != ok]
     if refused:
@@ -130,5 +133,5 @@ def openai_row(rec: dict) -> Row:
     row.params = {k: v for k, v in params.items() if k in wanted and v is not None}
     if "stop" in given and "stop" not in row.params:
         row.params["stop"] = []          # `stop: []` or null: no stop strings, not the job's
-    row.prompt = None if chat else req.prompt
+    row.prompt = None if chat else req.prompts[0]
     return row

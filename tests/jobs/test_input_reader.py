@@ -110,9 +110,13 @@ def test_openai_batch_rows(tmp_path):
         {"custom_id": "c3", "body": {"messages": [{"role": "user", "content": "x"}], "n": 2}},
         {"custom_id": "c4", "body": {"prompt": ""}},
         {"custom_id": "c5", "body": {"prompt": "x", "stop": []}},      # no stop strings: not the job's
+        {"custom_id": "c6", "body": {"prompt": ["a", "b"]}},           # the server's batch: not a row's
+        {"custom_id": "c7", "body": {"prompt": [[5, 6]], "temperature": None, "max_tokens": None}},
     ])
     rows = rows_of(p)
     assert rows[4].params == {"stop": []}
+    assert rows[5].error_param == "prompt" and "a batch line holds one prompt" in rows[5].error
+    assert rows[6].prompt == [5, 6] and rows[6].params == {} and rows[6].error is None   # null: the job's settings
     assert rows[0].messages == [{"role": "user", "content": "hi"}] and rows[0].chat and rows[0].model == "m"
     assert rows[0].params == {"max_tokens": 5, "temperature": 0.2, "seed": 3}
     assert rows[1].prompt == "once upon" and rows[1].params == {"max_tokens": 4, "stop": ["\n"]} and not rows[1].chat

@@ -287,3 +287,41 @@ def test_gcs_calls_retry_for_a_minute_not_fifteen():
     fs, root = filesystem("gs://some-bucket/prompts/in.parquet")
     assert root == "some-bucket/prompts/in.parquet" and fs.type_name == "gcs"
     assert fs.__reduce__()[1][0]["retry_time_limit"] == timedelta(seconds=GCS_RETRY_S)
+
+
+def test_a_store_that_stops_answering_mid_input_fails_the_job_not_the_rows(s3_env, monkeypatch):
+    """A bucket that went away mid-read made the rest of the input "unreadable" error rows (the
+    advice: fix the input, --retry-errors); the store not answering is no row's fault: the run fails
+    (exit 1) and a plain rerun goes on from the committed rows."""
+    import boto3
+
+    from jobs.input_reader import iter_rows, open_input
+    from jobs.storage import StorageError
+
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+        t0 = time.monotonic()
+        while True:
+            try:
+                boto3.client("s3").create_bucket(Bucket="flaky")
+                break
+            except Exception:
+                assert time.monotonic() - t0 < 30 and proc.poll() is None, "moto server did not start"
+                time.sleep(0.2)
+        fs = pafs.FileSystem.from_uri("s3://flaky")[0]
+        pq.write_table(pa.table({"prompt": [f"p{i}" for i in range(400)]}), "flaky/in.parquet", filesystem=fs,
+                       row_group_size=100)
+        rows = iter_rows(open_input("s3://flaky/in.parquet"), 50)
+        first = [next(rows) for _ in range(50)]
+        assert all(r.error is None for r in first)
+        proc.kill()
+        proc.wait(10)
+        with pytest.raises(StorageError, match="the store does not answer"):
+            for row in rows:
+                assert row.error is None, row.error              # no error rows on the way
+    finally:
+        proc.kill()
+        proc.wait(10)
