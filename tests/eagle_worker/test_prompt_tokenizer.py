@@ -45,7 +45,7 @@ def test_echoed_offsets_index_the_echoed_text(default_model_dir):
         gen = prompts.tokenize(" again")[1:]
         out = RequestOutput("r", ids, gen, prompts.decode(gen), gen, prompts.decode(gen), True, "length",
                             logprobs=[TokenLogprob(t, -0.5, []) for t in gen])
-        choice = CompletionRender("m", prompts, req, prompt, ids).full("id", [out], None).choices[0]
+        choice = CompletionRender("m", prompts, req, [prompt], [ids]).full("id", [out], [None]).choices[0]
         text, lp = choice.text, choice.logprobs
         ends = [*lp["text_offset"][1:], len(text)]
         assert [text[a:b] for a, b in zip(lp["text_offset"], ends)][1:] == lp["tokens"][1:], (text, lp)
@@ -75,10 +75,10 @@ def test_generated_offsets_count_a_character_split_over_tokens_once():
     req = CompletionRequest.model_validate({"model": "m", "prompt": "x", "logprobs": 0, "max_tokens": 20})
     lps = [TokenLogprob(t, -0.5, []) for t in gen]
     out = RequestOutput("r", [1], gen, text, gen, text, True, "length", logprobs=lps)
-    full = CompletionRender("m", prompts, req, "x", [1]).full("id", [out], None).choices[0].logprobs["text_offset"]
+    full = CompletionRender("m", prompts, req, ["x"], [[1]]).full("id", [out], [None]).choices[0].logprobs["text_offset"]
     chars = [len(prompts.decode(gen[:k]).rstrip("\ufffd")) for k in range(len(gen))]
     assert full == chars and full[-1] < len(text)
-    render, streamed = CompletionRender("m", prompts, req, "x", [1]), []
+    render, streamed = CompletionRender("m", prompts, req, ["x"], [[1]]), []
     for k, t in enumerate(gen):       # one token a chunk
         step = RequestOutput("r", [1], gen[:k + 1], "", [t], "", k == len(gen) - 1, None, new_logprobs=[lps[k]])
         streamed += render.chunk("id", 0, step).choices[0].logprobs["text_offset"]
