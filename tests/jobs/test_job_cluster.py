@@ -53,7 +53,7 @@ def test_job_on_a_two_node_cluster_followed_to_completion(tmp_path, tiny_model, 
     assert missing.returncode == 1 and "no-such-job" in missing.stderr
 
     # error rows: the Ray job SUCCEEDS (Ray would call exit 3 a failure), and the client exits 3
-    bad = write_parquet(tmp_path / "bad.parquet", prompt=["", "  "])
+    bad = write_parquet(tmp_path / "bad.parquet", prompt=["", None])
     res = cli("submit-job", bad, "--model", tiny_model, "--draft", "none", "--address", address,
               "--job-id", "error-rows-job", env=env, timeout=300)
     assert res.returncode == 3, res.stdout + res.stderr

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow   # Ray actors
 
 def test_error_rows_fixed_in_place_then_retried_exactly_once(tmp_path, tiny_model, local_ray):
     ids = pa.array([10, 11, 12, 13, 14], pa.int64())
-    inp = write_parquet(tmp_path / "in.parquet", id=ids, prompt=["the fox", None, "lazy dog", "  ", "jumps"])
+    inp = write_parquet(tmp_path / "in.parquet", id=ids, prompt=["the fox", None, "lazy dog", "", "jumps"])
     cfg = JobConfig(input=str(inp), model=tiny_model, draft="none", max_tokens=3, rows_per_file=2)
     m = run_job(cfg)
     assert m["status"] == "completed" and m["rows"] == 5 and m["error_rows"] == 2
