@@ -201,7 +201,8 @@ class OpenAIIngress:
         count = len(prompts) * req.n
         rid = new_id(render.prefix)
         sub_ids = [rid] if count == 1 else [f"{rid}-{i}" for i in range(count)]
-        its = [stream_outputs(self.engine, sub, prompts[i // req.n], req.sampling_params(max_tokens, i % req.n),
+        its = [stream_outputs(self.engine, sub, prompts[i // req.n],
+                              req.sampling_params(max_tokens, i % req.n, i // req.n),
                               req.priority, restartable=not req.stream, on_retry=self.metrics.retried,
                               max_attempts=self.engine_attempts,
                               group=f"{rid}/{i // req.n}" if req.n > 1 else None,   # one prompt's samples
@@ -215,10 +216,13 @@ class OpenAIIngress:
         status = 500
         try:
             # headers wait for the first output of every choice (refusals become HTTP errors), a
-            # stream's only for the first choice: the others join as they start (with n above the
-            # engine's free slots, later choices start as earlier ones finish)
-            started = its[:1] if req.stream else its
-            firsts = await _within(when, timeout, self._firsts(started)) + [None] * (len(its) - len(started))
+            # stream's only for each prompt's first choice (a prompt the engine refuses is a 400
+            # there too): the others join as they start (with n above the engine's free slots,
+            # later choices start as earlier ones finish)
+            started = [i for i in range(len(its)) if not req.stream or i % req.n == 0]
+            firsts = [None] * len(its)
+            for i, out in zip(started, await _within(when, timeout, self._firsts([its[i] for i in started]))):
+                firsts[i] = out
             ttft = time.monotonic() - t0
             self.metrics.first_token(ttft)
             if not req.stream:

@@ -34,6 +34,11 @@ class StreamOptions(BaseModel):
 
     include_usage: bool = False
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_not_given(cls, data: Any) -> Any:
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
 
 class _SamplingRequest(BaseModel):
     # A field we do not know is refused (400 naming it), never silently ignored; see HARMLESS.
@@ -121,16 +126,18 @@ class _SamplingRequest(BaseModel):
             raise ValueError("stop must not hold an empty string (it would match at once; leave stop out for none)")
         return v
 
-    def sampling_params(self, max_tokens: int, sample: int = 0) -> dict[str, Any]:
+    def sampling_params(self, max_tokens: int, sample: int = 0, prompt: int = 0) -> dict[str, Any]:
         """Keyword arguments for the engine's SamplingParams (built on the replica) of sample
-        `sample` of n: sample i uses seed + i (vLLM's rule for n > 1). Fields left at their defaults
-        are not sent, but the seed always is: without one the request gets a random seed here, once.
-        Each replica's engine seeds unseeded requests from one sequence (EngineConfig.seed, 0 as in
-        vLLM), so every replica's k-th unseeded request would draw the same "random" text."""
+        `sample` of n of prompt `prompt` of a batch: sample i uses seed + i (vLLM's rule for n > 1,
+        for every prompt alike). Fields left at their defaults are not sent, but the seed always is:
+        without one the request gets a random seed here, once, and each prompt of a batch its own
+        range of it (the same prompt twice in a batch samples twice). Each replica's engine seeds
+        unseeded requests from one sequence (EngineConfig.seed, 0 as in vLLM), so every replica's
+        k-th unseeded request would draw the same "random" text."""
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         if self._seed is None:
             self._seed = self.seed if self.seed is not None else secrets.randbelow(MAX_SEED)
-        seed = (self._seed + sample) % MAX_SEED
+        seed = (self._seed + sample + (0 if self.seed is not None else prompt * MAX_N)) % MAX_SEED
         params = dict(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                       min_p=self.min_p, seed=seed, stop=stop or None, stop_token_ids=self.stop_token_ids or [],
                       ignore_eos=self.ignore_eos)

@@ -137,7 +137,9 @@ class EngineReplica:
                 await self._admitted(added)
             except ValueError as e:
                 finished = True
-                yield Rejected(str(e), guess_param(str(e)), getattr(e, "code", None))   # context_length_exceeded
+                param = guess_param(str(e))          # a chat row's prompt is its messages
+                yield Rejected(str(e), "messages" if messages is not None and param == "prompt" else param,
+                               getattr(e, "code", None))   # context_length_exceeded
                 return
             while True:
                 items = [await stream.queue.get()]

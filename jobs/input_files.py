@@ -112,7 +112,8 @@ def resolve_files(spec: str, exclude: str | None = None) -> tuple[pafs.FileSyste
                            and not _hidden_below(rel := i.path[len(root):].strip("/"))
                            and _glob_match(rel.split("/"), pattern))
             if not files:
-                raise InputError(f"{spec}: the pattern matches no files")
+                raise InputError(_inside_output(spec, exclude) if ex == root.rstrip("/")
+                                 else f"{spec}: the pattern matches no files")
         elif (info := fs.get_file_info(path)).type == pafs.FileType.File:
             root, files = path.rsplit("/", 1)[0], [path]
         elif info.type == pafs.FileType.Directory:
@@ -120,7 +121,8 @@ def resolve_files(spec: str, exclude: str | None = None) -> tuple[pafs.FileSyste
             infos = fs.get_file_info(pafs.FileSelector(root, recursive=True))
             files = _in_folder([i.path for i in infos if i.type == pafs.FileType.File and keep(i.path)], root, spec)
             if not files:
-                raise InputError(f"{spec}: the folder holds no .parquet or .jsonl files")
+                raise InputError(_inside_output(spec, exclude) if ex == root
+                                 else f"{spec}: the folder holds no .parquet or .jsonl files")
         else:
             raise InputError(f"{spec}: no such file or folder")
     except OSError as e:
@@ -130,12 +132,13 @@ def resolve_files(spec: str, exclude: str | None = None) -> tuple[pafs.FileSyste
 
 def _inside_output(spec: str, output: str) -> str:
     """Every input file would be skipped as one of the output's own: say so, not "no files"."""
-    return f"{spec}: the input lies inside the output folder {output}; choose an --output outside the input"
+    return f"{spec}: the input is the output folder {output} or lies inside it; choose an --output that does not hold it"
 
 
 def _resolve_local(spec: str, exclude: str | None) -> tuple[list[str], str]:
     ex = Path(exclude).resolve() if exclude and not is_uri(exclude) else None
-    if ex and ex in Path(glob_base(spec) if is_local_glob(spec) else spec).resolve().parents:
+    base = Path(glob_base(spec) if is_local_glob(spec) else spec).resolve()
+    if ex and (ex in base.parents or (ex == base and base.is_dir())):
         raise InputError(_inside_output(spec, exclude))
 
     def keep(p: Path) -> bool:

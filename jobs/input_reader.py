@@ -306,12 +306,18 @@ def _row_groups(f: InputFile, plan: InputPlan, pf: pq.ParquetFile, batch_rows: i
         offset += size
 
 
-def _store_unreachable(f: InputFile, plan: InputPlan, err: Exception) -> bool:
-    """A bucket read that failed because the store did not answer, not because the data is bad: the
-    object's own listing fails too. Such rows are not the input's fault (no error rows): the job fails
-    and a plain rerun goes on."""
+# What the object store's own client says when a request failed on the way (not the data's decoder)
+_TRANSPORT = ("AWS Error", "curlCode", "google::cloud", "UNAVAILABLE", "DEADLINE_EXCEEDED")
+
+
+def _store_failed(f: InputFile, plan: InputPlan, err: Exception) -> bool:
+    """A bucket read that failed on the way (the store's client says so, or the object's own listing
+    fails too), not because the data is bad. Such rows are not the input's fault (no error rows):
+    the job fails and a plain rerun goes on."""
     if isinstance(plan.fs, pafs.LocalFileSystem) or not isinstance(err, OSError):
         return False
+    if any(marker in str(err) for marker in _TRANSPORT):
+        return True
     try:
         plan.fs.get_file_info(f.path)
     except OSError:
@@ -321,10 +327,10 @@ def _store_unreachable(f: InputFile, plan: InputPlan, err: Exception) -> bool:
 
 def _unreadable(f: InputFile, plan: InputPlan, pf, rg: int, start: int, end: int, err: Exception) -> Iterator[Row]:
     where = f"{f.display}: " + (f"row group {rg}" if rg >= 0 else "the file")
-    if _store_unreachable(f, plan, err):
+    if _store_failed(f, plan, err):
         first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
-        raise StorageError(f"{where} cannot be read: the store does not answer ({first}); committed rows are "
-                           "kept: run the same command again to go on")
+        raise StorageError(f"{where} cannot be read from the store ({first}); committed rows are kept: run the "
+                           "same command again to go on")
     msg = f"{where} cannot be read ({type(err).__name__}: {str(err).strip().splitlines()[0][:200] if str(err).strip() else ''})"
     if not _has_ids(pf.schema_arrow if pf is not None else _schema(f, plan)):
         ids = [f"{f.label}:{i}" for i in range(start, end)]

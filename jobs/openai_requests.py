@@ -132,6 +132,6 @@ def openai_row(rec: dict) -> Row:
     params = req.sampling_params((req.requested_max_tokens if chat else req.max_tokens) or 1)
     row.params = {k: v for k, v in params.items() if k in wanted and v is not None}
     if "stop" in given and "stop" not in row.params:
-        row.params["stop"] = []          # `stop: []` or null: no stop strings, not the job's
+        row.params["stop"] = []          # `stop: []`: no stop strings, not the job's (null: the job's)
     row.prompt = None if chat else req.prompts[0]
     return row

@@ -10,8 +10,9 @@ differently there (jobs/output_writer.py uses either kind through the same metho
   parts that have none (a driver died between the two) and never reads them.
 * **one writer** — local: `.lock` (flock, released by the kernel when the driver dies). Object
   store: `_lock.json`, a lease (owner host/pid/run, expiry) renewed while the driver runs; a driver
-  refuses a folder whose lease is held by a live driver (same host: its pid is alive; another
-  host: the lease has not expired). Object stores have no compare-and-swap here, so two drivers
+  refuses a folder whose lease is held by a live driver (same host: its process is alive, the pid
+  and that process's start time, as a restarted container reuses pids; another host: the lease has
+  not expired). Object stores have no compare-and-swap here, so two drivers
   started within the same second can both win: one writer per output is the rule, the lease
   catches the usual mistake (the same job submitted twice).
 
@@ -32,6 +33,7 @@ import uuid
 from datetime import timedelta
 from pathlib import Path
 
+import psutil
 import pyarrow.fs as pafs
 
 REMOTE_SCHEMES = ("s3", "gs", "gcs")
@@ -167,8 +169,8 @@ class Folder:
             while "/" in key:          # the key and its parents, not the bucket
                 try:
                     is_object = self.fs.get_file_info(key).type == pafs.FileType.File
-                except OSError as e:
-                    raise StorageError(f"{self.location}: cannot check the output ({_first_line(e)})") from None
+                except OSError:        # e.g. credentials scoped to a prefix: HEAD above it is denied
+                    break
                 if is_object:
                     scheme = self.location.split("://", 1)[0]
                     raise StorageError(f"{self.location}: the output must be a folder, and {scheme}://{key} is an "
@@ -249,7 +251,8 @@ class Folder:
         if held is not None:
             raise StorageError(f"{self.location}: another job is writing to this output ({held}); "
                                f"if that driver is gone, wait for its lease to expire or delete {self.uri(LEASE)}")
-        self._lease = {"host": socket.gethostname(), "pid": os.getpid(), "token": uuid.uuid4().hex}
+        self._lease = {"host": socket.gethostname(), "pid": os.getpid(), "started": _started(os.getpid()),
+                       "token": uuid.uuid4().hex}
         self.renew(force=True)
 
     def renew(self, force: bool = False) -> None:
@@ -277,9 +280,14 @@ class Folder:
             return None
         if self._lease is not None and lease.get("token") == self._lease.get("token"):
             return None
-        alive = time.time() < float(lease.get("expires_at", 0))   # on every host: a restarted container reuses
-        if alive and lease.get("host") == socket.gethostname():   # pids; here a dead driver is seen at once too
-            alive = _pid_alive(int(lease.get("pid", 0)))
+        if lease.get("host") == socket.gethostname():   # here a dead driver is seen at once, a busy one kept
+            pid = int(lease.get("pid", 0))
+            if lease.get("started") is not None:        # a restarted container reuses pids: which process
+                alive = _pid_alive(pid) and _started(pid) == lease["started"]
+            else:
+                alive = _pid_alive(pid) and time.time() < float(lease.get("expires_at", 0))
+        else:
+            alive = time.time() < float(lease.get("expires_at", 0))
         return f"host {lease.get('host')} pid {lease.get('pid')}" if alive else None
 
     def is_locked(self) -> bool:
@@ -314,6 +322,14 @@ class Folder:
             except (OSError, ValueError):
                 pass
             self._lease = None
+
+
+def _started(pid: int) -> float | None:
+    """When process `pid` started (seconds, rounded: it names one process among those that had the pid)."""
+    try:
+        return round(psutil.Process(pid).create_time(), 2)
+    except (psutil.Error, ValueError):
+        return None
 
 
 def _pid_alive(pid: int) -> bool:

@@ -223,6 +223,10 @@ def test_a_batch_of_prompts_is_n_choices_per_prompt_indexed_prompt_by_prompt():
     req = CompletionRequest.model_validate({"model": "m", "prompt": ["abc", "xy"], "echo": True, "logprobs": 0,
                                             "n": 2})
     assert req.prompts == ["abc", "xy"] and req.sampling_params(4, 1)["seed"] == req.sampling_params(4, 0)["seed"] + 1
+    seeds = {req.sampling_params(4, j, p)["seed"] for p in range(2) for j in range(2)}
+    assert len(seeds) == 4                          # no seed given: the same prompt twice samples twice
+    seeded = CompletionRequest.model_validate({"model": "m", "prompt": ["abc", "abc"], "seed": 5})
+    assert [seeded.sampling_params(4, 0, p)["seed"] for p in range(2)] == [5, 5]   # vLLM: each prompt as alone
     render = CompletionRender("m", PromptTokenizer(), req, ["abc", "xy"], [list(b"abc"), list(b"xy")])
     outs = [_out(finished=True), _out(finished=True), _out(finished=True, prompt=b"xy"), _out(finished=True, prompt=b"xy")]
     body = render.full("id", outs, [None] * 4).model_dump()

@@ -152,6 +152,13 @@ def test_a_batch_of_prompts_answers_each_as_its_own_request(app):
     assert [texts[i] for i in range(6)] == [c.text for c in r.choices]
     ids = app.client.completions.create(model=MODEL, prompt=[[5, 6, 7], [8, 9]], max_tokens=2, temperature=0)
     assert len(ids.choices) == 2 and ids.usage.prompt_tokens == 5
+    same = app.client.completions.create(model=MODEL, prompt=["once upon"] * 4, max_tokens=8, temperature=1.5,
+                                         extra_body=NO_EOS)
+    assert len({c.text for c in same.choices}) > 1              # no seed: each copy of a prompt samples anew
+    for stream in (False, True):                               # a later prompt the engine refuses: a 400 either way
+        with pytest.raises(openai.BadRequestError) as ei:
+            app.client.completions.create(model=MODEL, prompt=[[5, 6], [10**6]], max_tokens=2, stream=stream)
+        assert _err(ei)["param"] == "prompt" and "out of range" in _err(ei)["message"], _err(ei)
     with pytest.raises(openai.BadRequestError) as ei:              # more choices than the server admits at once
         app.client.completions.create(model=MODEL, prompt=["a"] * 500, max_tokens=2)
     assert _err(ei)["param"] == "prompt" and "500 prompts" in _err(ei)["message"], _err(ei)

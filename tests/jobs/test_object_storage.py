@@ -215,41 +215,54 @@ def test_an_output_at_an_existing_objects_key_is_refused_before_any_row(s3_env):
 
 
 def test_an_input_inside_the_output_folder_is_named_as_such(s3_env, tmp_path):
+    """Every input file would be skipped as the output's own: the message says why, not "no files"."""
     from jobs.input_files import InputError, resolve_files
 
     fs = _bucket("parentout")
     pq.write_table(pa.table({"prompt": ["x"]}), "parentout/data/in/x.parquet", filesystem=fs)
-    for output in ("s3://parentout/data", "s3://parentout"):
-        with pytest.raises(InputError, match=f"the input lies inside the output folder {output}"):
-            resolve_files("s3://parentout/data/in", exclude=output)
+    for spec, output in (("s3://parentout/data/in", "s3://parentout/data"), ("s3://parentout/data/in", "s3://parentout"),
+                         ("s3://parentout/data/in", "s3://parentout/data/in"),
+                         ("s3://parentout/data/in/*.parquet", "s3://parentout/data/in")):
+        with pytest.raises(InputError, match=f"the input is the output folder {output} or lies inside it"):
+            resolve_files(spec, exclude=output)
     (tmp_path / "data" / "in").mkdir(parents=True)
     pq.write_table(pa.table({"prompt": ["x"]}), tmp_path / "data" / "in" / "x.parquet")
-    with pytest.raises(InputError, match="the input lies inside the output folder"):
-        resolve_files(str(tmp_path / "data" / "in" / "*.parquet"), exclude=str(tmp_path / "data"))
+    for spec, output in ((tmp_path / "data" / "in" / "*.parquet", tmp_path / "data"),
+                         (tmp_path / "data" / "in", tmp_path / "data" / "in"),
+                         (tmp_path / "data" / "in" / "*.parquet", tmp_path / "data" / "in")):
+        with pytest.raises(InputError, match="the input is the output folder .* or lies inside it"):
+            resolve_files(str(spec), exclude=str(output))
     assert resolve_files(str(tmp_path / "data" / "in"), exclude=str(tmp_path / "data" / "in.out"))[1]
 
 
-def test_a_same_host_lease_ends_when_it_expires_even_if_its_pid_lives(s3_env):
+def test_a_same_host_lease_names_its_process_not_just_a_pid(s3_env):
     """A restarted container (same host name, pids reused) found its old lease held "by a live pid"
-    forever; now a lease ends when it expires on this host too (a dead pid ends it at once)."""
+    forever. A lease now names its process (pid and start time): another process with that pid does
+    not hold it, the process itself does however long since it renewed (a long step), and a lease
+    written before start times were recorded ends when it expires."""
     import json
     import socket
+
+    import psutil
 
     from jobs.storage import LEASE, Folder
 
     _bucket("lease")
     folder = Folder("s3://lease/out")
     here = {"host": socket.gethostname(), "token": "old"}
-    for lease, held in ((here | {"pid": 1, "expires_at": 0}, False),                         # expired
-                        (here | {"pid": os.getpid(), "expires_at": 0}, False),                # a reused pid
-                        (here | {"pid": os.getpid(), "expires_at": time.time() + 60}, True),   # a live job here
-                        (here | {"pid": 1, "expires_at": time.time() + 60}, True),             # alive, current
-                        (here | {"pid": 2**22 + 12345, "expires_at": time.time() + 60}, False)):   # no such pid
+    me = round(psutil.Process().create_time(), 2)
+    for lease, held in ((here | {"pid": os.getpid(), "started": me, "expires_at": 0}, True),     # busy, still here
+                        (here | {"pid": os.getpid(), "started": me - 3600, "expires_at": time.time() + 60}, False),
+                        (here | {"pid": 2**22 + 12345, "started": me, "expires_at": time.time() + 60}, False),
+                        (here | {"pid": 1, "expires_at": 0}, False),                # no start time: expired
+                        (here | {"pid": 1, "expires_at": time.time() + 60}, True),
+                        ({"host": "elsewhere", "pid": 1, "token": "x", "expires_at": time.time() + 60}, True),
+                        ({"host": "elsewhere", "pid": 1, "token": "x", "expires_at": 0}, False)):
         folder.write_bytes_atomic(LEASE, json.dumps(lease).encode())
         assert (folder.lease_holder() is not None) is held, lease
-    folder.write_bytes_atomic(LEASE, json.dumps(here | {"pid": 1, "expires_at": 0}).encode())
-    folder.lock()                                                   # takes the expired lease over
-    assert json.loads(folder.read_bytes(LEASE))["pid"] == os.getpid()
+    folder.write_bytes_atomic(LEASE, json.dumps(here | {"pid": 1, "started": 1.0, "expires_at": 0}).encode())
+    folder.lock()                                                   # another process once had pid 1: taken over
+    assert json.loads(folder.read_bytes(LEASE))["started"] == me
     folder.unlock()
 
 
@@ -319,9 +332,24 @@ def test_a_store_that_stops_answering_mid_input_fails_the_job_not_the_rows(s3_en
         assert all(r.error is None for r in first)
         proc.kill()
         proc.wait(10)
-        with pytest.raises(StorageError, match="the store does not answer"):
+        with pytest.raises(StorageError, match="row group 1 cannot be read from the store"):
             for row in rows:
                 assert row.error is None, row.error              # no error rows on the way
     finally:
         proc.kill()
         proc.wait(10)
+
+
+def test_a_read_the_stores_client_failed_is_the_stores_fault_even_when_it_answers_again(s3_env):
+    """A one-off network error (the object's listing answers again at once) is still no row's fault;
+    corrupt data (the decoder's error, the object listed fine) is."""
+    from jobs.input_reader import InputFile, InputPlan, _store_failed
+
+    fs = _bucket("blip")
+    pq.write_table(pa.table({"prompt": ["x"]}), "blip/in.parquet", filesystem=fs)
+    plan, f = InputPlan(kind="parquet", files=[], fs=fs), InputFile(path="blip/in.parquet", label="in.parquet", num_rows=1)
+    assert _store_failed(f, plan, OSError("AWS Error NETWORK_CONNECTION during GetObject operation: curlCode: 56"))
+    assert not _store_failed(f, plan, OSError("ZSTD decompression failed"))
+    assert not _store_failed(f, plan, ValueError("invalid UTF-8"))
+    local = InputPlan(kind="parquet", files=[], fs=pafs.LocalFileSystem())
+    assert not _store_failed(f, local, OSError("AWS Error NETWORK_CONNECTION"))
