@@ -197,8 +197,7 @@ class OpenAIIngress:
         t0 = time.monotonic()
         timeout = self.config.limits.request_timeout_s
         when = None if timeout is None else asyncio.get_running_loop().time() + timeout
-        self._check_count(req, len(prompts))
-        count = len(prompts) * req.n
+        count = len(prompts) * req.n      # checked against what the server admits (_check_count) by the caller
         rid = new_id(render.prefix)
         sub_ids = [rid] if count == 1 else [f"{rid}-{i}" for i in range(count)]
         its = [stream_outputs(self.engine, sub, prompts[i // req.n],
@@ -312,6 +311,7 @@ class OpenAIIngress:
         except ValueError as e:
             raise APIError(400, f"messages: {e}", param="messages") from None
         max_tokens = self._max_tokens(req.requested_max_tokens, self.config.limits.max_tokens, req.max_tokens_field)
+        self._check_count(req, 1)
         ids = await self.prompts.chat(messages, self._context())
         self._fits_context(len(ids), req.requested_max_tokens, req.max_tokens_field, prompt_field="messages")
         return await self._run("chat", req, [ids], max_tokens, ChatRender(self.config.model_name, self.prompts, req))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 
-from cluster.openai_errors import APIError
+from cluster.openai_errors import APIError, chars_context_error
 
 CONTEXT_BOUND = 32768  # tokens assumed for the character check until a replica reports max_model_len
 
@@ -36,9 +36,8 @@ class IngressPrompts:
         context = max_model_len or CONTEXT_BOUND
         limit = context * max(1, self.prompts.max_chars_per_token)
         if chars > limit:
-            raise APIError(400, f"This model's maximum context length is {context} tokens. However, your {param} "
-                           f"({chars} characters) cannot fit in that many tokens (at most {limit} characters). "
-                           "Please reduce the length of the input messages.", param=param, code="context_length_exceeded")
+            raise APIError(400, chars_context_error(chars, limit, context, param), param=param,
+                           code="context_length_exceeded")
 
     async def completion(self, prompt: str | list[int], max_model_len: int | None,
                          need_text: bool) -> tuple[list[int], str]:

@@ -24,6 +24,13 @@ def prompt_context_error(prompt_tokens: int, max_model_len: int) -> str:
             f"{prompt_tokens} input tokens. Please reduce the length of the input messages.")
 
 
+def chars_context_error(chars: int, limit: int, max_model_len: int, field: str) -> str:
+    """The same, for a prompt refused by its length in characters before tokenizing it."""
+    return (f"This model's maximum context length is {max_model_len} tokens. However, your {field} ({chars} "
+            f"characters) cannot fit in that many tokens (at most {limit} characters). Please reduce the length "
+            "of the input messages.")
+
+
 class APIError(Exception):
     """An error to send as `{"error": {...}}` with an HTTP status."""
 

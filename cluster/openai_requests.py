@@ -29,6 +29,22 @@ HARMLESS = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", 
 UNSERVED_NULLABLE = ("audio", "modalities", "prediction", "reasoning_effort", "verbosity", "web_search_options")
 
 
+def _null_is_not_given(model: type[BaseModel], data: Any) -> Any:
+    """OpenAI's optional fields are nullable: an explicit null (the official client sends one for a
+    None argument) means "not given", so the field keeps its default, as OpenAI and vLLM read it. A
+    required field's null, or an unknown field's, is still refused."""
+    if not isinstance(data, dict):
+        return data
+    fields = model.model_fields
+    return {k: v for k, v in data.items()
+            if v is not None or (fields[k].is_required() if k in fields else k not in UNSERVED_NULLABLE)}
+
+
+def _batch(prompt: Any) -> list:
+    """A completions `prompt` as its prompts: one, or a batch (a list of strings or of token-id lists)."""
+    return list(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -36,8 +52,8 @@ class StreamOptions(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _null_is_not_given(cls, data: Any) -> Any:
-        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+    def _nulls(cls, data: Any) -> Any:
+        return _null_is_not_given(cls, data)
 
 
 class _SamplingRequest(BaseModel):
@@ -85,14 +101,8 @@ class _SamplingRequest(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _null_is_not_given(cls, data: Any) -> Any:
-        """OpenAI's optional fields are nullable: an explicit null (the official client sends one for a
-        None argument) means "not given", so the field keeps its default, as OpenAI and vLLM read it."""
-        if isinstance(data, dict):
-            fields = cls.model_fields
-            data = {k: v for k, v in data.items()     # a required field's null, an unknown field's: still refused
-                    if v is not None or (fields[k].is_required() if k in fields else k not in UNSERVED_NULLABLE)}
-        return data
+    def _nulls(cls, data: Any) -> Any:
+        return _null_is_not_given(cls, data)
 
     @field_validator("logit_bias")
     @classmethod
@@ -178,7 +188,7 @@ class CompletionRequest(_SamplingRequest):
     @field_validator("prompt")
     @classmethod
     def _prompts(cls, v):
-        batch = v if isinstance(v, list) and v and isinstance(v[0], (str, list)) else [v]
+        batch = _batch(v)
         for i, p in enumerate(batch):
             if not p:                           # whitespace is a prompt, as OpenAI and vLLM take it
                 raise ValueError("prompt must not be empty" if len(batch) == 1 else f"prompt {i} must not be empty")
@@ -188,8 +198,7 @@ class CompletionRequest(_SamplingRequest):
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts: one, or a batch (a list of strings or of token-id lists), each
         answered by `n` choices, indexed prompt by prompt as vLLM indexes them (prompt * n + sample)."""
-        v = self.prompt
-        return list(v) if isinstance(v, list) and v and isinstance(v[0], (str, list)) else [v]
+        return _batch(self.prompt)
 
     @field_validator("suffix")
     @classmethod

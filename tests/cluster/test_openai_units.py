@@ -106,7 +106,10 @@ def test_null_means_not_given_as_the_openai_client_sends_it():
     chat = ChatCompletionRequest.model_validate(CHAT | nulls | {"logprobs": None, "audio": None, "modalities": None,
                                                                 "reasoning_effort": None, "max_completion_tokens": None})
     assert chat.logprobs is False and chat.num_logprobs is None and chat.requested_max_tokens is None
-    for bad in ({"model": None}, {"messages": None}, {"temprature": None}, {"modalities": ["text", "audio"]}):
+    streamed = ChatCompletionRequest.model_validate(CHAT | {"stream": True, "stream_options": {"include_usage": None}})
+    assert streamed.include_usage is False
+    for bad in ({"model": None}, {"messages": None}, {"temprature": None}, {"modalities": ["text", "audio"]},
+                {"stream": True, "stream_options": {"include_usag": None}}):
         with pytest.raises(ValidationError):
             ChatCompletionRequest.model_validate(CHAT | bad)
 
