@@ -10,9 +10,10 @@ differently there (jobs/output_writer.py uses either kind through the same metho
   parts that have none (a driver died between the two) and never reads them.
 * **one writer** — local: `.lock` (flock, released by the kernel when the driver dies). Object
   store: `_lock.json`, a lease (owner host/pid/run, expiry) renewed while the driver runs; a driver
-  refuses a folder whose lease is held by a live driver (same host: its process is alive, the pid
-  and that process's start time, as a restarted container reuses pids; another host: the lease has
-  not expired). Object stores have no compare-and-swap here, so two drivers
+  refuses a folder whose lease is held by a live driver (same host and the same process space, i.e.
+  kernel boot and pid namespace: its process is alive, the pid and that process's start time, as a
+  restarted container reuses pids; otherwise, as for containers that share a host name but not
+  their pids: the lease has not expired). Object stores have no compare-and-swap here, so two drivers
   started within the same second can both win: one writer per output is the rule, the lease
   catches the usual mistake (the same job submitted twice).
 
@@ -252,7 +253,7 @@ class Folder:
             raise StorageError(f"{self.location}: another job is writing to this output ({held}); "
                                f"if that driver is gone, wait for its lease to expire or delete {self.uri(LEASE)}")
         self._lease = {"host": socket.gethostname(), "pid": os.getpid(), "started": _started(os.getpid()),
-                       "token": uuid.uuid4().hex}
+                       "pid_space": _pid_space(), "token": uuid.uuid4().hex}
         self.renew(force=True)
 
     def renew(self, force: bool = False) -> None:
@@ -280,8 +281,9 @@ class Folder:
             return None
         if self._lease is not None and lease.get("token") == self._lease.get("token"):
             return None
-        if lease.get("host") == socket.gethostname():   # here a dead driver is seen at once, a busy one kept
-            pid = int(lease.get("pid", 0))
+        mine = _pid_space()              # a lease from before pid spaces were recorded: its host decides
+        if lease.get("host") == socket.gethostname() and lease.get("pid_space", mine) == mine:
+            pid = int(lease.get("pid", 0))              # here a dead driver is seen at once, a busy one kept
             if lease.get("started") is not None:        # a restarted container reuses pids: which process
                 alive = _pid_alive(pid) and _started(pid) == lease["started"]
             else:
@@ -322,6 +324,17 @@ class Folder:
             except (OSError, ValueError):
                 pass
             self._lease = None
+
+
+def _pid_space() -> str | None:
+    """Where this process's pids mean something: the kernel's boot and the pid namespace. Two containers
+    with one host name (a pod's sidecars, `--hostname`) differ here, so neither judges the other's
+    lease by a pid it cannot see. None where Linux's /proc does not say."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        return None
 
 
 def _started(pid: int) -> float | None:

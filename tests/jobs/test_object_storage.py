@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -239,7 +240,8 @@ def test_a_same_host_lease_names_its_process_not_just_a_pid(s3_env):
     """A restarted container (same host name, pids reused) found its old lease held "by a live pid"
     forever. A lease now names its process (pid and start time): another process with that pid does
     not hold it, the process itself does however long since it renewed (a long step), and a lease
-    written before start times were recorded ends when it expires."""
+    written before start times were recorded ends when it expires. A container that shares the host
+    name but not the pids (another pid namespace) is judged by the lease's expiry, not by a pid."""
     import json
     import socket
 
@@ -251,18 +253,25 @@ def test_a_same_host_lease_names_its_process_not_just_a_pid(s3_env):
     folder = Folder("s3://lease/out")
     here = {"host": socket.gethostname(), "token": "old"}
     me = round(psutil.Process().create_time(), 2)
+    space = f"{Path('/proc/sys/kernel/random/boot_id').read_text().strip()}/{os.readlink('/proc/self/ns/pid')}"
     for lease, held in ((here | {"pid": os.getpid(), "started": me, "expires_at": 0}, True),     # busy, still here
                         (here | {"pid": os.getpid(), "started": me - 3600, "expires_at": time.time() + 60}, False),
                         (here | {"pid": 2**22 + 12345, "started": me, "expires_at": time.time() + 60}, False),
                         (here | {"pid": 1, "expires_at": 0}, False),                # no start time: expired
                         (here | {"pid": 1, "expires_at": time.time() + 60}, True),
                         ({"host": "elsewhere", "pid": 1, "token": "x", "expires_at": time.time() + 60}, True),
-                        ({"host": "elsewhere", "pid": 1, "token": "x", "expires_at": 0}, False)):
+                        ({"host": "elsewhere", "pid": 1, "token": "x", "expires_at": 0}, False),
+                        # a container with this host name but its own pids: its lease is judged by expiry, as
+                        # its pid means nothing here (here it names no process, or another one)
+                        (here | {"pid": 2**22 + 1, "started": me, "pid_space": "other", "expires_at": time.time() + 60}, True),
+                        (here | {"pid": os.getpid(), "started": me, "pid_space": "other", "expires_at": 0}, False),
+                        (here | {"pid": os.getpid(), "started": me, "pid_space": space, "expires_at": 0}, True)):
         folder.write_bytes_atomic(LEASE, json.dumps(lease).encode())
         assert (folder.lease_holder() is not None) is held, lease
     folder.write_bytes_atomic(LEASE, json.dumps(here | {"pid": 1, "started": 1.0, "expires_at": 0}).encode())
     folder.lock()                                                   # another process once had pid 1: taken over
     assert json.loads(folder.read_bytes(LEASE))["started"] == me
+    assert json.loads(folder.read_bytes(LEASE))["pid_space"] == space
     folder.unlock()
 
 
