@@ -3,7 +3,7 @@
 A field we do not serve is refused with a 400 naming it, never silently ignored: unknown fields,
 `response_format` other than text, `tools`; the few that OpenAI clients send and that change nothing
 (`HARMLESS`) are accepted. Extensions beyond OpenAI (vLLM's names): top_k, min_p, repetition_penalty,
-ignore_eos, stop_token_ids, include_stop_str_in_output, skip_special_tokens (true only) and `priority`
+ignore_eos, min_tokens, stop_token_ids, include_stop_str_in_output, skip_special_tokens (true only) and `priority`
 (0 = online, the default; 1 = offline/batch work that yields to online requests).
 """
 from __future__ import annotations
@@ -87,6 +87,7 @@ class _SamplingRequest(BaseModel):
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
     ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_TOKEN_LIST)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True       # the engine's text always skips them: false is refused
@@ -119,6 +120,16 @@ class _SamplingRequest(BaseModel):
                 raise ValueError(f"keys {seen[int(key)]!r} and {key!r} are the same token id {int(key)}")
             seen[int(key)] = key
         return v
+
+    @model_validator(mode="after")
+    def _min_tokens_fit(self):
+        """An explicit limit below min_tokens (with a default limit, the engine's own check answers)."""
+        limit = getattr(self, "max_completion_tokens", None)
+        field = "max_completion_tokens" if limit is not None else "max_tokens"
+        limit = self.max_tokens if limit is None else limit
+        if limit is not None and self.min_tokens > limit:
+            raise ValueError(f"min_tokens: {self.min_tokens} is more than {field} ({limit})")
+        return self
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
@@ -154,7 +165,7 @@ class _SamplingRequest(BaseModel):
         if self.include_stop_str_in_output:
             params["include_stop_str_in_output"] = True
         optional = dict(presence_penalty=(self.presence_penalty, 0.0), frequency_penalty=(self.frequency_penalty, 0.0),
-                        repetition_penalty=(self.repetition_penalty, 1.0),
+                        repetition_penalty=(self.repetition_penalty, 1.0), min_tokens=(self.min_tokens, 0),
                         logit_bias=({int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None, None),
                         logprobs=(self.num_logprobs, None), prompt_logprobs=(self.num_prompt_logprobs, None))
         params.update({k: v for k, (v, default) in optional.items() if v != default})

@@ -121,7 +121,8 @@ class LLMEngine:
                                      f"{len(token_ids)} tokens, and at least one token is generated. Please reduce "
                                      "the length of the prompt.")
         seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
-        seq = Sequence(request_id, token_ids, params, priority, seed)
+        stop_ids = (set() if params.ignore_eos else set(self.runner.eos_token_ids)) | params.stop_id_set
+        seq = Sequence(request_id, token_ids, params, priority, seed, stop_ids)
         self.scheduler.add(seq)
         self.requests[request_id] = seq       # after the scheduler took it: never a request no step runs
         self.totals["prompt_tokens"] += len(token_ids)
@@ -182,7 +183,8 @@ class LLMEngine:
         return outputs
 
     def _append(self, seq: Sequence, tokens: list[tuple[int, TokenLogprob | None]]) -> None:
-        """Add accepted tokens one at a time so EOS, stop ids, stop strings and limits hold exactly."""
+        """Add accepted tokens one at a time so EOS, stop ids, stop strings and limits hold exactly
+        (none of the stops before `min_tokens`: the sampler keeps the stop tokens out until then)."""
         p = seq.params
         for token, logprob in tokens:
             seq.token_ids.append(token)
@@ -194,9 +196,10 @@ class LLMEngine:
             stop_id = token in p.stop_id_set
             hidden = stop_id and not p.include_stop_str_in_output   # vLLM: a stop token's text is not output
             new_text = "" if hidden else detokenize_incrementally(self.tokenizer, seq)
-            if (token in self.runner.eos_token_ids and not p.ignore_eos) or stop_id:
+            early = seq.num_output_tokens < p.min_tokens
+            if not early and ((token in self.runner.eos_token_ids and not p.ignore_eos) or stop_id):
                 return self._finish(seq, "stop", drop_last=hidden)
-            if p.stop and new_text and self._hit_stop_string(seq, len(new_text)):
+            if p.stop and new_text and not early and self._hit_stop_string(seq, len(new_text)):
                 return self._finish(seq, "stop", flush=False)
             if seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_model_len:
                 return self._finish(seq, "length")
@@ -233,7 +236,8 @@ class LLMEngine:
         `drop_last`: the last token's text stays out of the output (a stop token id)."""
         if flush and reason not in ("abort", "error"):
             flushed = finalize_text(self.tokenizer, seq, drop_last)
-            if flushed and seq.params.stop and self._hit_stop_string(seq, len(flushed)):
+            if flushed and seq.params.stop and seq.num_output_tokens >= seq.params.min_tokens \
+                    and self._hit_stop_string(seq, len(flushed)):
                 reason = "stop"               # the held-back end completed a stop string
         seq.finish_reason = reason
         seq.status = SequenceStatus.FINISHED

@@ -128,6 +128,7 @@ class SampleRow:
     position: int                  # output index of the token this row yields (0 = first generated)
     prompt: Sequence[int] = ()     # prompt ids (repetition penalty)
     output: Sequence[int] = ()     # tokens before this row: the output so far (+ a tree node's ancestors)
+    banned: Sequence[int] = ()     # token ids this row cannot yield (the stop tokens before min_tokens)
 
 
 def argmax_suffices(params: list[SamplingParams]) -> bool:
@@ -136,7 +137,8 @@ def argmax_suffices(params: list[SamplingParams]) -> bool:
 
 
 def processed_logits(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
-    """Raw logits [V] after logit_bias and the penalties (float32; the input is not modified)."""
+    """Raw logits [V] after logit_bias, the penalties and the row's banned tokens (float32; the input
+    is not modified)."""
     p, x = row.params, logits.float()
     if not p.processes_logits:
         return x
@@ -151,6 +153,8 @@ def processed_logits(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
     if p.uses_output_counts and len(row.output):
         ids, counts = torch.tensor(list(row.output), dtype=torch.long, device=dev).unique(return_counts=True)
         x.index_add_(0, ids, -(p.frequency_penalty * counts.to(x.dtype) + p.presence_penalty))
+    if row.banned:
+        x[torch.tensor(list(row.banned), dtype=torch.long, device=dev)] = float("-inf")
     return x
 
 

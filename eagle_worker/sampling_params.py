@@ -51,6 +51,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0      # tokens in prompt or output: positive logits / r, negative * r
     logit_bias: dict[int, float] | None = None   # token id -> added to its raw logit
     include_stop_str_in_output: bool = False
+    min_tokens: int = 0                  # EOS and stop_token_ids cannot come, and stop strings do not stop, before this many
     # derived, not set by callers: what the engine reads per token, built once per request
     stop_id_set: frozenset = field(default=frozenset(), init=False, repr=False, compare=False)
     _bias_rows: tuple | None = field(default=None, init=False, repr=False, compare=False)
@@ -75,6 +76,9 @@ class SamplingParams:
             (ids_ok, "stop_token_ids", f"must be a list of token ids (integers >= 0), got {_short(self.stop_token_ids)}"),
             (is_int(self.max_tokens) and self.max_tokens > 0, "max_tokens",
              f"must be a positive integer, got {self.max_tokens!r}"),
+            (is_int(self.min_tokens) and 0 <= self.min_tokens
+             and (not is_int(self.max_tokens) or self.min_tokens <= self.max_tokens),
+             "min_tokens", f"must be an integer in [0, max_tokens={self.max_tokens!r}], got {self.min_tokens!r}"),
             (_number(self.temperature) and self.temperature >= 0,
              "temperature", f"must be a finite number >= 0, got {self.temperature!r}"),
             (_number(self.top_p) and 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p!r}"),
@@ -127,8 +131,9 @@ class SamplingParams:
 
     @property
     def processes_logits(self) -> bool:
-        """Bias or a penalty changes the raw logits before temperature and the filters."""
-        return bool(self.logit_bias) or self.uses_output_counts or self.repetition_penalty != 1
+        """Bias, a penalty or min_tokens (its first rows forbid the stop tokens) changes the raw logits
+        before temperature and the filters."""
+        return bool(self.logit_bias) or self.uses_output_counts or self.repetition_penalty != 1 or self.min_tokens > 0
 
 
 def _int_key(k):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from eagle_worker.outputs import TokenLogprob
@@ -68,13 +69,16 @@ class Sequence:
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 priority: int, seed: int):
+                 priority: int, seed: int, stop_ids: Iterable[int] = ()):
+        """`stop_ids`: the tokens that would end it (EOS unless ignore_eos, stop_token_ids), which its
+        first `params.min_tokens` tokens cannot be."""
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)
         self.params = params
         self.priority = priority
         self.seed = seed               # every request has one: its text is a function of it
+        self.early_banned = tuple(sorted(set(stop_ids))) if params.min_tokens else ()
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
@@ -113,7 +117,9 @@ class Sequence:
         p = self.params
         output = self.output_token_ids + list(draft) if p.processes_logits else ()
         prompt = self.prompt_token_ids if p.repetition_penalty != 1.0 else ()
-        return SampleRow(p, self.seed, self.num_output_tokens + len(draft), prompt, output)
+        position = self.num_output_tokens + len(draft)
+        banned = self.early_banned if position < p.min_tokens else ()
+        return SampleRow(p, self.seed, position, prompt, output, banned)
 
     @property
     def num_pending_tokens(self) -> int:

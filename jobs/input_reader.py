@@ -36,14 +36,14 @@ __all__ = ["InputError", "InputPlan", "Row", "iter_rows", "open_input"]
 # one is an error row naming it, as the flags' own fields are)
 OVERRIDES = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "min_p", "presence_penalty",
              "frequency_penalty", "repetition_penalty", "stop_token_ids", "logit_bias", "ignore_eos",
-             "include_stop_str_in_output")
+             "include_stop_str_in_output", "min_tokens")
 # sampling settings a Parquet row cannot take: refused up front by name, never read and silently ignored
 NOT_PER_ROW = {"n": "one completion per row", "best_of": "one completion per row",
                "logprobs": "the Parquet output has no logprobs; OpenAI Batch JSONL input returns them",
                "top_logprobs": "the Parquet output has no logprobs; OpenAI Batch JSONL input returns them",
                "prompt_logprobs": "the Parquet output has no logprobs",
                "max_completion_tokens": "the per-row column is `max_tokens`",
-               "min_tokens": "the engine has no such setting", "use_beam_search": "the engine has no beam search",
+               "use_beam_search": "the engine has no beam search",
                "length_penalty": "the engine has no beam search"}
 _READ = ("id", "prompt", "messages", *OVERRIDES)                 # the columns a Parquet job reads
 OUTPUT_COLUMNS = tuple(BASE_SCHEMA.names)
@@ -142,6 +142,7 @@ _EXPECTED = {  # column -> (check, expected type in words)
     "id": (lambda t: _is_str(t) or pa.types.is_integer(t), "string or integer"),
     "max_tokens": (pa.types.is_integer, "integer"),
     "top_k": (pa.types.is_integer, "integer"),
+    "min_tokens": (pa.types.is_integer, "integer"),
     "seed": (pa.types.is_integer, "integer"),
     **{c: (_is_number, "float") for c in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                                           "repetition_penalty")},

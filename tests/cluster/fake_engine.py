@@ -142,6 +142,7 @@ class SamplingParams:
     stop: list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     presence_penalty: float = 0.0

@@ -373,6 +373,23 @@ def test_logit_bias_forces_and_penalties_change_output(app, tokenizer):
     assert _err(ei)["param"] == "stop_token_ids" and "out of range" in _err(ei)["message"]
 
 
+def test_min_tokens_holds_eos_back_over_http(app, tokenizer):
+    """EOS biased to win: without min_tokens the answer is EOS alone, with it EOS comes as token
+    min_tokens + 1; above the default limit (16 for completions) the engine's refusal is a 400."""
+    eos = tokenizer.eos_token_id
+    kw = dict(model=MODEL, prompt="The quick brown fox", max_tokens=12, temperature=0, logit_bias={str(eos): 100})
+    assert app.client.completions.create(**kw).usage.completion_tokens == 1
+    for stream in (False, True):
+        r = app.client.completions.create(**kw, extra_body={"min_tokens": 5}, stream=stream,
+                                          **({"stream_options": {"include_usage": True}} if stream else {}))
+        chunks = list(r) if stream else [r]
+        assert chunks[-1].usage.completion_tokens == 6
+        assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
+    with pytest.raises(openai.BadRequestError) as ei:
+        app.client.completions.create(model=MODEL, prompt="x", extra_body={"min_tokens": 17})
+    assert _err(ei)["param"] == "min_tokens" and "max_tokens=16" in _err(ei)["message"], _err(ei)
+
+
 def test_4mb_body_is_a_413_and_messages_sent_back_are_accepted(app):
     with pytest.raises(openai.APIStatusError) as ei:   # the default cap (2 MiB): refused before it is parsed
         app.client.completions.create(model=MODEL, prompt="a" * 4_000_000, max_tokens=2)

@@ -152,8 +152,8 @@ def test_text_flushed_when_a_request_ends_is_checked_against_stop_strings(stop, 
     from types import SimpleNamespace
 
     tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens=True: "xab\ufffd")
-    seq = SimpleNamespace(text="xa", output_token_ids=[1, 2, 3], metrics=SimpleNamespace(),
-                          params=SimpleNamespace(stop=stop, include_stop_str_in_output=False))
+    seq = SimpleNamespace(text="xa", output_token_ids=[1, 2, 3], num_output_tokens=3, metrics=SimpleNamespace(),
+                          params=SimpleNamespace(stop=stop, include_stop_str_in_output=False, min_tokens=0))
     engine = SimpleNamespace(tokenizer=tokenizer)
     engine._hit_stop_string = lambda s, n: LLMEngine._hit_stop_string(engine, s, n)
     LLMEngine._finish(engine, seq, "length")

@@ -1,0 +1,83 @@
+"""`min_tokens` (vLLM's): before that many output tokens no EOS or stop token can come and no stop
+string ends the output; after it, every stop works as before. The rule is part of the draw at each
+output position, so speculation (head, lookup, hybrid) and seeded sampling give plain decoding's
+tokens."""
+from __future__ import annotations
+
+import pytest
+
+from eagle_worker import LLM, SamplingParams, SpecConfig
+
+EOS = 2                     # the tiny models' eos_token_id (tests/conftest.py)
+KV = dict(block_size=4, num_kv_blocks=512)
+PROMPTS = ["The quick brown fox", "def add(a, b):\n", "Question: what is two plus two?\nAnswer:", "x",
+           "The quick brown fox jumps over the lazy dog. The quick", "Bonjour"]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    return LLM(model=str(tiny_model_dir("llama")), draft=None, **KV)
+
+
+@pytest.mark.parametrize("min_tokens", [0, 1, 5])
+def test_a_forced_eos_comes_right_after_min_tokens(llm, min_tokens):
+    """EOS biased to win every draw: it is the first token without min_tokens, the (min_tokens+1)-th with."""
+    for temperature in (0.0, 1.0):
+        out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=12, temperature=temperature, seed=3,
+                                                      logit_bias={EOS: 100}, min_tokens=min_tokens))[0]
+        assert out.finish_reason == "stop" and out.token_ids[-1] == EOS
+        assert len(out.token_ids) == min_tokens + 1 and EOS not in out.token_ids[:-1], out.token_ids
+
+
+def test_stop_token_ids_wait_for_min_tokens_too(llm):
+    stop = 17
+    kw = dict(max_tokens=12, temperature=0.0, ignore_eos=True, stop_token_ids=[stop], logit_bias={stop: 100})
+    assert llm.generate(PROMPTS[1], SamplingParams(**kw))[0].token_ids == [stop]
+    out = llm.generate(PROMPTS[1], SamplingParams(**kw, min_tokens=4))[0]
+    assert out.finish_reason == "stop" and out.token_ids[-1] == stop and len(out.token_ids) == 5
+    assert stop not in out.token_ids[:-1]
+
+
+def test_ignore_eos_with_min_tokens_leaves_eos_to_the_model(llm):
+    """With ignore_eos, EOS is no stop, so min_tokens does not forbid it: the draw is plain decoding's."""
+    kw = dict(max_tokens=8, temperature=0.0, ignore_eos=True, logit_bias={EOS: 100})
+    assert llm.generate(PROMPTS[0], SamplingParams(**kw, min_tokens=6))[0].token_ids == [EOS] * 8
+
+
+def test_a_stop_string_does_not_end_the_output_before_min_tokens(llm):
+    base = llm.generate(PROMPTS[2], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0]
+    early = llm.engine.tokenizer.decode(base.token_ids[:2]).strip()
+    assert early, "the first two tokens should give some text to stop at"
+    kw = dict(max_tokens=16, temperature=0.0, ignore_eos=True, stop=[early[-1]])
+    cut = llm.generate(PROMPTS[2], SamplingParams(**kw))[0]
+    assert cut.finish_reason == "stop" and len(cut.token_ids) < 5, cut.token_ids
+    out = llm.generate(PROMPTS[2], SamplingParams(**kw, min_tokens=len(cut.token_ids) + 5))[0]
+    assert len(out.token_ids) >= len(cut.token_ids) + 5 and out.token_ids == base.token_ids[:len(out.token_ids)]
+
+
+def test_speculation_gives_plain_decodings_tokens_under_min_tokens(copying_target):
+    """A likely (not certain) EOS: before min_tokens the head and lookup still draft it, and
+    verification must refuse it exactly where plain decoding cannot draw it."""
+    target, head = copying_target
+    params = [SamplingParams(max_tokens=14, temperature=t, seed=100 + i, min_tokens=m, logit_bias={EOS: b})
+              for i, (t, m, b) in enumerate([(0.0, 6, 6.0), (1.0, 6, 4.0), (0.0, 3, 9.0), (1.0, 9, 5.0),
+                                            (0.0, 0, 6.0), (0.7, 5, 5.0)])]
+    fixed = dict(adaptive=False, depth=3, top_k=3, num_draft_tokens=6)
+    runs = {}
+    for name, spec in {"plain": None, "head": SpecConfig(draft=str(head), lookup=False, **fixed),
+                       "lookup": SpecConfig(lookup=True, lookup_ngram=(1, 3), adaptive=False),
+                       "hybrid": SpecConfig(draft=str(head), lookup=True, lookup_ngram=(1, 3), **fixed)}.items():
+        llm = LLM(model=str(target), spec=spec, **KV)
+        runs[name] = [o.token_ids for o in llm.generate(PROMPTS, params)]
+        assert llm.engine.stats()["failed_steps"] == 0
+    assert runs["head"] == runs["plain"] and runs["lookup"] == runs["plain"] and runs["hybrid"] == runs["plain"]
+    for ids, p in zip(runs["plain"], params):
+        assert EOS not in ids[:p.min_tokens], (ids, p.min_tokens)
+    assert any(ids[-1] == EOS and len(ids) < 14 for ids in runs["plain"]), "no run ended on EOS: the test checks nothing"
+
+
+@pytest.mark.parametrize("kwargs", [dict(min_tokens=-1), dict(min_tokens=17), dict(min_tokens=True),
+                                    dict(min_tokens=2.0), dict(min_tokens=None)])
+def test_bad_min_tokens_name_the_field(kwargs):
+    with pytest.raises(ValueError, match=r"SamplingParams\.min_tokens must be an integer in \[0, max_tokens=16\]"):
+        SamplingParams(**kwargs)
