@@ -3,7 +3,8 @@
 A field we do not serve is refused with a 400 naming it, never silently ignored: unknown fields,
 `response_format` other than text, `tools`; the few that OpenAI clients send and that change nothing
 (`HARMLESS`) are accepted. Extensions beyond OpenAI (vLLM's names): top_k, min_p, repetition_penalty,
-ignore_eos, min_tokens, stop_token_ids, include_stop_str_in_output, skip_special_tokens (true only) and `priority`
+ignore_eos, min_tokens, stop_token_ids, allowed_token_ids, include_stop_str_in_output, skip_special_tokens (true
+only) and `priority`
 (0 = online, the default; 1 = offline/batch work that yields to online requests).
 """
 from __future__ import annotations
@@ -89,6 +90,7 @@ class _SamplingRequest(BaseModel):
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_TOKEN_LIST)
+    allowed_token_ids: list[int] | None = Field(None, min_length=1, max_length=MAX_TOKEN_LIST)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True       # the engine's text always skips them: false is refused
     priority: int = Field(0, ge=0, le=1)
@@ -166,6 +168,7 @@ class _SamplingRequest(BaseModel):
             params["include_stop_str_in_output"] = True
         optional = dict(presence_penalty=(self.presence_penalty, 0.0), frequency_penalty=(self.frequency_penalty, 0.0),
                         repetition_penalty=(self.repetition_penalty, 1.0), min_tokens=(self.min_tokens, 0),
+                        allowed_token_ids=(self.allowed_token_ids, None),
                         logit_bias=({int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None, None),
                         logprobs=(self.num_logprobs, None), prompt_logprobs=(self.num_prompt_logprobs, None))
         params.update({k: v for k, (v, default) in optional.items() if v != default})

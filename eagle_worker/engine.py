@@ -112,7 +112,8 @@ class LLMEngine:
         bad = [t for t in token_ids if not 0 <= t < vocab]   # also a text's: a tokenizer may hold more ids than the model
         if bad:
             raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
-        for name, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids)):
+        for name, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids),
+                          ("allowed_token_ids", params.allowed_token_ids or [])):
             bad = [t for t in ids if t >= vocab]
             if bad:
                 raise ValueError(f"{name} token ids out of range [0, {vocab}): {bad[:5]}")
@@ -122,6 +123,9 @@ class LLMEngine:
                                      "the length of the prompt.")
         seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
         stop_ids = (set() if params.ignore_eos else set(self.runner.eos_token_ids)) | params.stop_id_set
+        if params.min_tokens and params.allowed_token_ids and set(params.allowed_token_ids) <= stop_ids:
+            raise ValueError(f"allowed_token_ids: every allowed token ends the output (EOS or a stop id), which "
+                             f"min_tokens={params.min_tokens} forbids for the first tokens")
         seq = Sequence(request_id, token_ids, params, priority, seed, stop_ids)
         self.scheduler.add(seq)
         self.requests[request_id] = seq       # after the scheduler took it: never a request no step runs

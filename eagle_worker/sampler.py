@@ -137,8 +137,8 @@ def argmax_suffices(params: list[SamplingParams]) -> bool:
 
 
 def processed_logits(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
-    """Raw logits [V] after logit_bias, the penalties and the row's banned tokens (float32; the input
-    is not modified)."""
+    """Raw logits [V] after logit_bias, the penalties, allowed_token_ids and the row's banned tokens
+    (float32; the input is not modified)."""
     p, x = row.params, logits.float()
     if not p.processes_logits:
         return x
@@ -153,6 +153,9 @@ def processed_logits(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
     if p.uses_output_counts and len(row.output):
         ids, counts = torch.tensor(list(row.output), dtype=torch.long, device=dev).unique(return_counts=True)
         x.index_add_(0, ids, -(p.frequency_penalty * counts.to(x.dtype) + p.presence_penalty))
+    if p.allowed_token_ids:
+        keep = p.allowed_rows().to(dev)
+        x = torch.full_like(x, float("-inf")).index_copy_(0, keep, x[keep])
     if row.banned:
         x[torch.tensor(list(row.banned), dtype=torch.long, device=dev)] = float("-inf")
     return x

@@ -52,9 +52,11 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None   # token id -> added to its raw logit
     include_stop_str_in_output: bool = False
     min_tokens: int = 0                  # EOS and stop_token_ids cannot come, and stop strings do not stop, before this many
+    allowed_token_ids: list[int] | None = None   # only these tokens can be drawn (vLLM's)
     # derived, not set by callers: what the engine reads per token, built once per request
     stop_id_set: frozenset = field(default=frozenset(), init=False, repr=False, compare=False)
     _bias_rows: tuple | None = field(default=None, init=False, repr=False, compare=False)
+    _allowed_rows: object = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -66,6 +68,11 @@ class SamplingParams:
             self.stop = list(self.stop or [])
         if ids_ok:
             self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids or []))   # each id once
+        allowed_ok = self.allowed_token_ids is None or (
+            isinstance(self.allowed_token_ids, (list, tuple)) and len(self.allowed_token_ids) > 0
+            and all(is_int(t) and t >= 0 for t in self.allowed_token_ids))
+        if allowed_ok and self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(dict.fromkeys(self.allowed_token_ids))
         if self.logit_bias is not None and isinstance(self.logit_bias, dict):
             self.logit_bias = {_int_key(k): v for k, v in self.logit_bias.items()} or None
         bias = self.logit_bias or {}
@@ -74,6 +81,8 @@ class SamplingParams:
             (not stop_ok or all(self.stop), "stop", "must not hold an empty string (it would match at once; "
              "leave stop out for none)"),
             (ids_ok, "stop_token_ids", f"must be a list of token ids (integers >= 0), got {_short(self.stop_token_ids)}"),
+            (allowed_ok, "allowed_token_ids", "must be None or a non-empty list of token ids (integers >= 0), "
+             f"got {_short(self.allowed_token_ids)}"),
             (is_int(self.max_tokens) and self.max_tokens > 0, "max_tokens",
              f"must be a positive integer, got {self.max_tokens!r}"),
             (is_int(self.min_tokens) and 0 <= self.min_tokens
@@ -108,7 +117,7 @@ class SamplingParams:
             if not ok:
                 raise ValueError(f"SamplingParams.{name} {why}")
         self.stop_id_set = frozenset(self.stop_token_ids)
-        self._bias_rows = None
+        self._bias_rows = self._allowed_rows = None
 
     def logit_bias_rows(self):
         """logit_bias as (token ids, biases) tensors on the CPU, built once: the sampler adds them to
@@ -119,6 +128,14 @@ class SamplingParams:
             self._bias_rows = (torch.tensor(list(self.logit_bias), dtype=torch.long),
                                torch.tensor(list(self.logit_bias.values()), dtype=torch.float32))
         return self._bias_rows
+
+    def allowed_rows(self):
+        """allowed_token_ids as a tensor on the CPU, built once."""
+        if self._allowed_rows is None and self.allowed_token_ids:
+            import torch
+
+            self._allowed_rows = torch.tensor(self.allowed_token_ids, dtype=torch.long)
+        return self._allowed_rows
 
     @property
     def greedy(self) -> bool:
@@ -131,9 +148,10 @@ class SamplingParams:
 
     @property
     def processes_logits(self) -> bool:
-        """Bias, a penalty or min_tokens (its first rows forbid the stop tokens) changes the raw logits
-        before temperature and the filters."""
-        return bool(self.logit_bias) or self.uses_output_counts or self.repetition_penalty != 1 or self.min_tokens > 0
+        """Bias, a penalty, min_tokens (its first rows forbid the stop tokens) or allowed_token_ids
+        changes the raw logits before temperature and the filters."""
+        return (bool(self.logit_bias) or self.uses_output_counts or self.repetition_penalty != 1 or self.min_tokens > 0
+                or bool(self.allowed_token_ids))
 
 
 def _int_key(k):

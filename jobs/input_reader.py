@@ -36,7 +36,7 @@ __all__ = ["InputError", "InputPlan", "Row", "iter_rows", "open_input"]
 # one is an error row naming it, as the flags' own fields are)
 OVERRIDES = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "min_p", "presence_penalty",
              "frequency_penalty", "repetition_penalty", "stop_token_ids", "logit_bias", "ignore_eos",
-             "include_stop_str_in_output", "min_tokens")
+             "include_stop_str_in_output", "min_tokens", "allowed_token_ids")
 # sampling settings a Parquet row cannot take: refused up front by name, never read and silently ignored
 NOT_PER_ROW = {"n": "one completion per row", "best_of": "one completion per row",
                "logprobs": "the Parquet output has no logprobs; OpenAI Batch JSONL input returns them",
@@ -148,6 +148,7 @@ _EXPECTED = {  # column -> (check, expected type in words)
                                           "repetition_penalty")},
     "stop": (lambda t: _is_str(t) or (_is_list(t) and _is_str(t.value_type)), "string or list<string>"),
     "stop_token_ids": (lambda t: _is_list(t) and pa.types.is_integer(t.value_type), "list<integer>"),
+    "allowed_token_ids": (lambda t: _is_list(t) and pa.types.is_integer(t.value_type), "list<integer>"),
     "logit_bias": (lambda t: pa.types.is_map(t) and pa.types.is_integer(t.key_type) and _is_number(t.item_type),
                    "map<integer, float> (token id -> bias)"),
     "ignore_eos": (pa.types.is_boolean, "bool"),

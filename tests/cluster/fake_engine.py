@@ -143,6 +143,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
+    allowed_token_ids: list[int] | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     presence_penalty: float = 0.0

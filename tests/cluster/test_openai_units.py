@@ -352,15 +352,20 @@ def test_a_client_that_disconnects_is_logged_as_such_not_as_a_server_error(caplo
     assert res.status_code == 500 and any(r.exc_info for r in caplog.records if r.levelname == "ERROR")
 
 
-def test_min_tokens_is_sent_when_set_and_refused_above_an_explicit_limit():
-    assert CompletionRequest.model_validate({"model": "m", "prompt": "x", "min_tokens": 3}).sampling_params(8)["min_tokens"] == 3
-    assert "min_tokens" not in CompletionRequest.model_validate({"model": "m", "prompt": "x"}).sampling_params(8)
+def test_min_tokens_and_allowed_token_ids_are_sent_when_set_and_checked():
+    given = CompletionRequest.model_validate({"model": "m", "prompt": "x", "min_tokens": 3, "allowed_token_ids": [4, 9]})
+    assert given.sampling_params(8)["min_tokens"] == 3 and given.sampling_params(8)["allowed_token_ids"] == [4, 9]
+    plain = CompletionRequest.model_validate({"model": "m", "prompt": "x"}).sampling_params(8)
+    assert "min_tokens" not in plain and "allowed_token_ids" not in plain
     for model, body, param, needle in [
         (CompletionRequest, {"prompt": "x", "max_tokens": 4, "min_tokens": 5}, "min_tokens", "5 is more than max_tokens (4)"),
         (CompletionRequest, {"prompt": "x", "max_tokens": 0, "echo": True, "min_tokens": 1}, "min_tokens", "max_tokens (0)"),
         (ChatCompletionRequest, CHAT | {"max_completion_tokens": 2, "min_tokens": 3}, "min_tokens",
          "more than max_completion_tokens (2)"),
         (CompletionRequest, {"prompt": "x", "min_tokens": -1}, "min_tokens", "greater than or equal to 0"),
+        (CompletionRequest, {"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids", "at least 1 item"),
+        (ChatCompletionRequest, CHAT | {"allowed_token_ids": list(range(1025))}, "allowed_token_ids", "at most 1024"),
+        (ChatCompletionRequest, CHAT | {"allowed_token_ids": ["a"]}, "allowed_token_ids.0", "valid integer"),
     ]:
         err = _refusal(model, {"model": "m"} | body)
         assert err.param == param and needle in str(err), err

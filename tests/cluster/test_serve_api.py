@@ -390,6 +390,17 @@ def test_min_tokens_holds_eos_back_over_http(app, tokenizer):
     assert _err(ei)["param"] == "min_tokens" and "max_tokens=16" in _err(ei)["message"], _err(ei)
 
 
+def test_allowed_token_ids_over_http(app, tokenizer):
+    labels = [tokenizer.convert_tokens_to_ids(tokenizer.tokenize(w))[-1] for w in (" yes", " no")]
+    kw = dict(model=MODEL, prompt="The quick brown fox", max_tokens=6, extra_body={**NO_EOS, "allowed_token_ids": labels})
+    for temperature in (0, 1):
+        tokens = app.client.completions.create(**kw, temperature=temperature, seed=4, logprobs=0).choices[0].logprobs.tokens
+        assert len(tokens) == 6 and set(tokens) <= {tokenizer.decode([i]) for i in labels}, tokens
+    with pytest.raises(openai.BadRequestError) as ei:
+        app.client.completions.create(**{**kw, "extra_body": {"allowed_token_ids": [99999999]}})
+    assert _err(ei)["param"] == "allowed_token_ids" and "out of range" in _err(ei)["message"], _err(ei)
+
+
 def test_4mb_body_is_a_413_and_messages_sent_back_are_accepted(app):
     with pytest.raises(openai.APIStatusError) as ei:   # the default cap (2 MiB): refused before it is parsed
         app.client.completions.create(model=MODEL, prompt="a" * 4_000_000, max_tokens=2)

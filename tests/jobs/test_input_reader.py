@@ -143,18 +143,20 @@ def test_openai_batch_bodies_are_checked_as_the_http_server_checks_them(tmp_path
         "stream": ({**chat, "stream": False, "stream_options": {"include_usage": True}}, "stream_options"),
         "bias": ({**chat, "logit_bias": {"x": 1}}, "logit_bias"),
         "min-over-max": ({**chat, "max_tokens": 3, "min_tokens": 4}, "min_tokens"),
+        "allowed-none": ({**chat, "allowed_token_ids": []}, "allowed_token_ids"),
     }
     p = _jsonl(tmp_path / "b.jsonl", [{"custom_id": k, "url": "/v1/completions" if "prompt" in b else
                                        "/v1/chat/completions", "body": b} for k, (b, _) in cases.items()]
                + [{"custom_id": "ok", "body": {**chat, "min_p": 0.1, "logit_bias": {"7": -100}, "priority": 1,
-                                               "stop_token_ids": [3], "max_completion_tokens": 9, "min_tokens": 4}}])
+                                               "stop_token_ids": [3], "max_completion_tokens": 9, "min_tokens": 4,
+                                               "allowed_token_ids": [5, 6]}}])
     rows = {r.id: r for r in rows_of(p)}
     for k, (_, param) in cases.items():
         assert rows[k].error and rows[k].error_param == param, (k, rows[k].error, rows[k].error_param)
     assert "strict" not in rows["temp"].error and "less than or equal to 2" in rows["temp"].error
     ok = rows["ok"]
     assert ok.error is None and ok.params == {"min_p": 0.1, "logit_bias": {7: -100}, "stop_token_ids": [3],
-                                              "max_tokens": 9, "min_tokens": 4}
+                                              "max_tokens": 9, "min_tokens": 4, "allowed_token_ids": [5, 6]}
 
 
 @pytest.mark.parametrize("line, needle", [

@@ -62,15 +62,16 @@ def test_engine_sampling_columns_are_per_row_settings(tmp_path):
                       presence_penalty=[0.5, None, None], frequency_penalty=pa.array([1, None, None], pa.int32()),
                       repetition_penalty=[1.2, None, None], stop_token_ids=[[3, 4], None, None], logit_bias=bias,
                       ignore_eos=[True, None, None], include_stop_str_in_output=[False, None, None],
-                      min_tokens=[2, None, None], category=["x", "y", "z"])
+                      min_tokens=[2, None, None], allowed_token_ids=[[3, 4, 9], None, None], category=["x", "y", "z"])
     a, b, c = rows_of(p)
     assert a.params == {"min_p": 0.1, "presence_penalty": 0.5, "frequency_penalty": 1, "repetition_penalty": 1.2,
                         "stop_token_ids": [3, 4], "logit_bias": {5: 1.5}, "ignore_eos": True,
-                        "include_stop_str_in_output": False, "min_tokens": 2} and a.error is None and a.extra == {}
+                        "include_stop_str_in_output": False, "min_tokens": 2, "allowed_token_ids": [3, 4, 9]} \
+        and a.error is None and a.extra == {}
     cfg = JobConfig(input=str(p), max_tokens=4)
     sp = SamplingParams(**row_params(cfg, a))          # what the replica builds from a row's params
     assert sp.min_p == 0.1 and sp.logit_bias == {5: 1.5} and sp.stop_token_ids == [3, 4] and sp.ignore_eos
-    assert sp.min_tokens == 2
+    assert sp.min_tokens == 2 and sp.allowed_token_ids == [3, 4, 9]
     with pytest.raises(ValueError, match=r"SamplingParams\.min_p must be in \[0, 1\], got 2.0"):
         SamplingParams(**row_params(cfg, b))           # the replica's Rejected: an error row naming the field
     assert c.error == "logit_bias: a token id appears more than once"

@@ -1,7 +1,7 @@
-"""`min_tokens` (vLLM's): before that many output tokens no EOS or stop token can come and no stop
-string ends the output; after it, every stop works as before. The rule is part of the draw at each
-output position, so speculation (head, lookup, hybrid) and seeded sampling give plain decoding's
-tokens."""
+"""vLLM's token restrictions. `min_tokens`: before that many output tokens no EOS or stop token can
+come and no stop string ends the output; after it, every stop works as before. `allowed_token_ids`:
+only those tokens can be drawn. Both are part of the draw at each output position, so speculation
+(head, lookup, hybrid) and seeded sampling give plain decoding's tokens."""
 from __future__ import annotations
 
 import pytest
@@ -62,17 +62,21 @@ def test_speculation_gives_plain_decodings_tokens_under_min_tokens(copying_targe
     params = [SamplingParams(max_tokens=14, temperature=t, seed=100 + i, min_tokens=m, logit_bias={EOS: b})
               for i, (t, m, b) in enumerate([(0.0, 6, 6.0), (1.0, 6, 4.0), (0.0, 3, 9.0), (1.0, 9, 5.0),
                                             (0.0, 0, 6.0), (0.7, 5, 5.0)])]
+    allowed = [EOS, 30, 31, 40, 41, 50, 77]
+    params += [SamplingParams(max_tokens=14, temperature=t, seed=200 + i, allowed_token_ids=allowed, min_tokens=m)
+               for i, (t, m) in enumerate([(0.0, 0), (1.0, 4)])]
     fixed = dict(adaptive=False, depth=3, top_k=3, num_draft_tokens=6)
     runs = {}
     for name, spec in {"plain": None, "head": SpecConfig(draft=str(head), lookup=False, **fixed),
                        "lookup": SpecConfig(lookup=True, lookup_ngram=(1, 3), adaptive=False),
                        "hybrid": SpecConfig(draft=str(head), lookup=True, lookup_ngram=(1, 3), **fixed)}.items():
         llm = LLM(model=str(target), spec=spec, **KV)
-        runs[name] = [o.token_ids for o in llm.generate(PROMPTS, params)]
+        runs[name] = [o.token_ids for o in llm.generate(PROMPTS + PROMPTS[:2], params)]
         assert llm.engine.stats()["failed_steps"] == 0
     assert runs["head"] == runs["plain"] and runs["lookup"] == runs["plain"] and runs["hybrid"] == runs["plain"]
     for ids, p in zip(runs["plain"], params):
         assert EOS not in ids[:p.min_tokens], (ids, p.min_tokens)
+        assert not p.allowed_token_ids or set(ids) <= set(p.allowed_token_ids), ids
     assert any(ids[-1] == EOS and len(ids) < 14 for ids in runs["plain"]), "no run ended on EOS: the test checks nothing"
 
 
@@ -81,3 +85,35 @@ def test_speculation_gives_plain_decodings_tokens_under_min_tokens(copying_targe
 def test_bad_min_tokens_name_the_field(kwargs):
     with pytest.raises(ValueError, match=r"SamplingParams\.min_tokens must be an integer in \[0, max_tokens=16\]"):
         SamplingParams(**kwargs)
+
+
+def test_only_allowed_tokens_are_drawn_greedy_or_sampled(llm):
+    base = llm.generate(PROMPTS[0], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))[0].token_ids
+    allowed = [t for t in range(3, 200, 7) if t not in base][:6]
+    for t in (0.0, 1.0, 1.5):
+        out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=10, temperature=t, seed=9, ignore_eos=True,
+                                                      allowed_token_ids=allowed))[0]
+        assert len(out.token_ids) == 10 and set(out.token_ids) <= set(allowed), out.token_ids
+    one = llm.generate(PROMPTS[0], SamplingParams(max_tokens=4, temperature=1.0, seed=1, allowed_token_ids=[allowed[2]],
+                                                  logit_bias={allowed[0]: 100}, ignore_eos=True))[0]
+    assert one.token_ids == [allowed[2]] * 4          # the bias cannot bring back a token that is not allowed
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(allowed_token_ids=[]), "allowed_token_ids must be None or a non-empty list"),
+    (dict(allowed_token_ids=[-1]), "allowed_token_ids must be None or a non-empty list"),
+    (dict(allowed_token_ids=[True]), "allowed_token_ids must be None or a non-empty list"),
+    (dict(allowed_token_ids="12"), "allowed_token_ids must be None or a non-empty list"),
+])
+def test_bad_allowed_token_ids_name_the_field(kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        SamplingParams(**kwargs)
+
+
+def test_allowed_token_ids_the_engine_cannot_honour_are_refused(llm):
+    with pytest.raises(ValueError, match=r"allowed_token_ids token ids out of range"):
+        llm.engine.add_request("far", "x", SamplingParams(allowed_token_ids=[5, 10**6]))
+    with pytest.raises(ValueError, match="allowed_token_ids: every allowed token ends the output"):
+        llm.engine.add_request("eos-only", "x", SamplingParams(allowed_token_ids=[EOS], min_tokens=2))
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.generate("x", SamplingParams(allowed_token_ids=[EOS], max_tokens=3))[0].token_ids == [EOS]
