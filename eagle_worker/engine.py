@@ -122,7 +122,8 @@ class LLMEngine:
                                      f"{len(token_ids)} tokens, and at least one token is generated. Please reduce "
                                      "the length of the prompt.")
         seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
-        stop_ids = (set() if params.ignore_eos else set(self.runner.eos_token_ids)) | params.stop_id_set
+        eos = set() if params.ignore_eos else {t for t in self.runner.eos_token_ids if t < vocab}
+        stop_ids = eos | params.stop_id_set
         if params.min_tokens and params.allowed_token_ids and set(params.allowed_token_ids) <= stop_ids:
             raise ValueError(f"allowed_token_ids: every allowed token ends the output (EOS or a stop id), which "
                              f"min_tokens={params.min_tokens} forbids for the first tokens")
@@ -187,8 +188,9 @@ class LLMEngine:
         return outputs
 
     def _append(self, seq: Sequence, tokens: list[tuple[int, TokenLogprob | None]]) -> None:
-        """Add accepted tokens one at a time so EOS, stop ids, stop strings and limits hold exactly
-        (none of the stops before `min_tokens`: the sampler keeps the stop tokens out until then)."""
+        """Add accepted tokens one at a time so EOS, stop ids, stop strings and limits hold exactly.
+        Nothing stops a request within its first `min_tokens` tokens (the sampler keeps the stop
+        tokens out of them; a stop string must end in text after them, as in vLLM)."""
         p = seq.params
         for token, logprob in tokens:
             seq.token_ids.append(token)
@@ -200,7 +202,7 @@ class LLMEngine:
             stop_id = token in p.stop_id_set
             hidden = stop_id and not p.include_stop_str_in_output   # vLLM: a stop token's text is not output
             new_text = "" if hidden else detokenize_incrementally(self.tokenizer, seq)
-            early = seq.num_output_tokens < p.min_tokens
+            early = seq.num_output_tokens <= p.min_tokens
             if not early and ((token in self.runner.eos_token_ids and not p.ignore_eos) or stop_id):
                 return self._finish(seq, "stop", drop_last=hidden)
             if p.stop and new_text and not early and self._hit_stop_string(seq, len(new_text)):
@@ -211,9 +213,8 @@ class LLMEngine:
     def _hit_stop_string(self, seq: Sequence, new_chars: int) -> bool:
         """Whether the new text completes a stop string; the text is cut at the one it completes first
         (as if it had come a character at a time), whatever the order of the `stop` list."""
-        longest = max(len(s) for s in seq.params.stop)
-        window_start = max(0, len(seq.text) - new_chars - longest + 1)
-        hits = [(at + len(s), at) for s in seq.params.stop if (at := seq.text.find(s, window_start)) >= 0]
+        start = len(seq.text) - new_chars + 1       # each string may begin before the new text, and must end in it
+        hits = [(at + len(s), at) for s in seq.params.stop if (at := seq.text.find(s, max(0, start - len(s)))) >= 0]
         if not hits:
             return False
         end, at = min(hits)
@@ -240,7 +241,7 @@ class LLMEngine:
         `drop_last`: the last token's text stays out of the output (a stop token id)."""
         if flush and reason not in ("abort", "error"):
             flushed = finalize_text(self.tokenizer, seq, drop_last)
-            if flushed and seq.params.stop and seq.num_output_tokens >= seq.params.min_tokens \
+            if flushed and seq.params.stop and seq.num_output_tokens > seq.params.min_tokens \
                     and self._hit_stop_string(seq, len(flushed)):
                 reason = "stop"               # the held-back end completed a stop string
         seq.finish_reason = reason

@@ -8,10 +8,11 @@ preemption or on which replica runs it. Speculative acceptance (speculative/acce
 the same `draw_tokens` for each tree node it visits.
 
 Processing order (vLLM's): logit_bias, repetition penalty (prompt + output), frequency and presence
-penalties (output), then temperature, top-k, top-p, min-p. Greedy is the argmax of the processed
-logits. Reported logprobs are always the raw target distribution's (`token_logprobs`).
+penalties (output), allowed_token_ids and min_tokens (the tokens they exclude at that row: -inf),
+then temperature, top-k, top-p, min-p. Greedy is the argmax of the processed logits. Reported
+logprobs are always the raw target distribution's (`token_logprobs`).
 Whatever the input, a token is drawn: a distribution with no finite mass falls back to the argmax
-of the raw logits (never NaN probabilities, never an exception from the draw).
+of the processed logits (never NaN probabilities, never an exception from the draw).
 """
 from __future__ import annotations
 
@@ -206,8 +207,8 @@ def draw_tokens(logits: torch.Tensor, rows: list[SampleRow]) -> list[int]:
             tok = int(torch.nan_to_num(x, nan=float("-inf")).argmax())
         else:
             tok = int(keyed_gumbel_argmax(filtered_logits(x, row.params)[None], [row.seed], [row.position])[0])
-            if tok < 0:    # no finite mass (non-finite logits): the raw argmax still answers
-                tok = int(torch.nan_to_num(raw.float(), nan=float("-inf")).argmax())
+            if tok < 0:    # no finite mass (non-finite logits): the processed argmax still answers
+                tok = int(torch.nan_to_num(x, nan=float("-inf")).argmax())
         out.append(tok)
     return out
 

@@ -51,7 +51,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0      # tokens in prompt or output: positive logits / r, negative * r
     logit_bias: dict[int, float] | None = None   # token id -> added to its raw logit
     include_stop_str_in_output: bool = False
-    min_tokens: int = 0                  # EOS and stop_token_ids cannot come, and stop strings do not stop, before this many
+    min_tokens: int = 0                  # no EOS / stop id within the first this many, and stop strings must end after them
     allowed_token_ids: list[int] | None = None   # only these tokens can be drawn (vLLM's)
     # derived, not set by callers: what the engine reads per token, built once per request
     stop_id_set: frozenset = field(default=frozenset(), init=False, repr=False, compare=False)

@@ -44,15 +44,34 @@ def test_ignore_eos_with_min_tokens_leaves_eos_to_the_model(llm):
     assert llm.generate(PROMPTS[0], SamplingParams(**kw, min_tokens=6))[0].token_ids == [EOS] * 8
 
 
-def test_a_stop_string_does_not_end_the_output_before_min_tokens(llm):
+def test_a_stop_string_must_end_after_the_first_min_tokens_tokens(llm):
+    """As vLLM's detokenizer: stop strings are looked for only in the text after the first min_tokens
+    tokens (one may begin before it), so min_tokens equal to the stopped length already moves the stop."""
     base = llm.generate(PROMPTS[2], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0]
     early = llm.engine.tokenizer.decode(base.token_ids[:2]).strip()
     assert early, "the first two tokens should give some text to stop at"
-    kw = dict(max_tokens=16, temperature=0.0, ignore_eos=True, stop=[early[-1]])
-    cut = llm.generate(PROMPTS[2], SamplingParams(**kw))[0]
-    assert cut.finish_reason == "stop" and len(cut.token_ids) < 5, cut.token_ids
-    out = llm.generate(PROMPTS[2], SamplingParams(**kw, min_tokens=len(cut.token_ids) + 5))[0]
-    assert len(out.token_ids) >= len(cut.token_ids) + 5 and out.token_ids == base.token_ids[:len(out.token_ids)]
+    for stop in ([early[-1]], [early[-1], "a stop string far longer than anything here"]):
+        kw = dict(max_tokens=16, temperature=0.0, ignore_eos=True, stop=stop)
+        cut = llm.generate(PROMPTS[2], SamplingParams(**kw))[0]
+        assert cut.finish_reason == "stop" and len(cut.token_ids) < 5, cut.token_ids
+        out = llm.generate(PROMPTS[2], SamplingParams(**kw, min_tokens=len(cut.token_ids)))[0]
+        assert len(out.token_ids) > len(cut.token_ids) and out.token_ids == base.token_ids[:len(out.token_ids)]
+
+
+@pytest.mark.parametrize("text, new, stop, cut", [
+    ("xxetyyyy", 2, ["et", "zzzzzzzzzz"], None),      # "et" ended before the new text: no stop now
+    ("abcde", 1, ["de", "zzzz"], "abc"),               # ends in the new text
+    ("abcde", 1, ["cde"], "ab"),                       # begins before it
+    ("abcdef", 3, ["ef", "cd"], "ab"),                 # the one completed first wins, whatever the order
+])
+def test_a_stop_string_counts_only_where_it_ends_in_the_new_text(text, new, stop, cut):
+    from types import SimpleNamespace
+
+    from eagle_worker.engine import LLMEngine
+
+    seq = SimpleNamespace(text=text, params=SimpleNamespace(stop=stop, include_stop_str_in_output=False))
+    assert LLMEngine._hit_stop_string(None, seq, new) == (cut is not None)
+    assert seq.text == (text if cut is None else cut)
 
 
 def test_speculation_gives_plain_decodings_tokens_under_min_tokens(copying_target):
@@ -117,3 +136,13 @@ def test_allowed_token_ids_the_engine_cannot_honour_are_refused(llm):
         llm.engine.add_request("eos-only", "x", SamplingParams(allowed_token_ids=[EOS], min_tokens=2))
     assert not llm.engine.has_unfinished_requests()
     assert llm.generate("x", SamplingParams(allowed_token_ids=[EOS], max_tokens=3))[0].token_ids == [EOS]
+
+
+def test_an_eos_id_beyond_the_models_vocabulary_fails_no_step(tiny_model_dir):
+    """A tokenizer or generation config may name an EOS id the model has no logit for: min_tokens
+    bans only the ids the model can draw, and the step runs."""
+    llm = LLM(model=str(tiny_model_dir("llama")), draft=None, **KV)
+    llm.engine.runner.eos_token_ids = set(llm.engine.runner.eos_token_ids) | {10**6}
+    outs = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=6, temperature=0.0, min_tokens=3, logit_bias={EOS: 100}))
+    assert [o.token_ids[-1] for o in outs] == [EOS, EOS] and [len(o.token_ids) for o in outs] == [4, 4]
+    assert llm.engine.stats()["failed_steps"] == 0
