@@ -3,9 +3,9 @@
 A field we do not serve is refused with a 400 naming it, never silently ignored: unknown fields,
 `response_format` other than text, `tools`; the few that OpenAI clients send and that change nothing
 (`HARMLESS`) are accepted. Extensions beyond OpenAI (vLLM's names): top_k, min_p, repetition_penalty,
-ignore_eos, min_tokens, stop_token_ids, allowed_token_ids, include_stop_str_in_output, skip_special_tokens (true
-only) and `priority`
-(0 = online, the default; 1 = offline/batch work that yields to online requests).
+ignore_eos, min_tokens, stop_token_ids, allowed_token_ids, include_stop_str_in_output,
+skip_special_tokens (true only) and `priority` (0 = online, the default; 1 = offline/batch work that
+yields to online requests).
 """
 from __future__ import annotations
 
