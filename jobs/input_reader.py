@@ -23,6 +23,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from cluster.openai_requests import MAX_TOKEN_LIST
 from eagle_worker.engine_api import normalize_messages as engine_messages
 from jobs.id_set import IdSet
 from jobs.input_files import MIXED, InputError, file_identity, kind_of, label_of, resolve_files
@@ -385,6 +386,11 @@ def _parquet_row(rec: dict, derived_id: str | None, plan: InputPlan) -> Row:
         row.params["logit_bias"] = dict(bias)
         if len(row.params["logit_bias"]) < len(bias):
             row.error, row.error_param = "logit_bias: a token id appears more than once", "logit_bias"
+            return row
+    for name in ("logit_bias", "stop_token_ids", "allowed_token_ids"):     # the server's cap, for the same reason
+        if len(row.params.get(name) or ()) > MAX_TOKEN_LIST:
+            row.error = f"{name}: at most {MAX_TOKEN_LIST} token ids per row, got {len(row.params[name])}"
+            row.error_param = name
             return row
     prompt, messages = rec.get("prompt"), rec.get("messages")
     if prompt is not None and messages is not None:

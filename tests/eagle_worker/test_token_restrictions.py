@@ -1,7 +1,8 @@
 """vLLM's token restrictions. `min_tokens`: no EOS or stop token within the first that many output
 tokens, and a stop string ends the output only where it ends after their text; after them every stop
-works as before. `allowed_token_ids`: only those tokens can be drawn. Both are part of the draw at each output position, so speculation
-(head, lookup, hybrid) and seeded sampling give plain decoding's tokens."""
+works as before. `allowed_token_ids`: only those tokens can be drawn. Both are part of the draw at
+each output position, so speculation (head, lookup, hybrid) and seeded sampling give plain
+decoding's tokens."""
 from __future__ import annotations
 
 import pytest

@@ -77,6 +77,15 @@ def test_engine_sampling_columns_are_per_row_settings(tmp_path):
     assert c.error == "logit_bias: a token id appears more than once"
 
 
+def test_token_lists_longer_than_the_servers_cap_are_error_rows(tmp_path):
+    long_ids = list(range(1025))
+    p = write_parquet(tmp_path / "l.parquet", prompt=["a", "b", "c"],
+                      allowed_token_ids=[long_ids, None, list(range(1024))], stop_token_ids=[None, long_ids, None])
+    a, b, c = rows_of(p)
+    assert (a.error_param, b.error_param, c.error) == ("allowed_token_ids", "stop_token_ids", None)
+    assert a.error == "allowed_token_ids: at most 1024 token ids per row, got 1025"
+
+
 @pytest.mark.parametrize("column, value", [("n", [2]), ("best_of", [2]), ("logprobs", [5]), ("top_logprobs", [3]),
                                            ("max_completion_tokens", [8])])
 def test_sampling_columns_a_row_cannot_take_are_refused_by_name(tmp_path, column, value, no_ray):
