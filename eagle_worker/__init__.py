@@ -11,6 +11,7 @@ _EXPORTS = {
     "LLMEngine": "eagle_worker.engine",
     "EngineConfig": "eagle_worker.config",
     "SamplingParams": "eagle_worker.sampling_params",
+    "StructuredOutputs": "eagle_worker.structured_output",
     "SpecConfig": "eagle_worker.speculative.config",
     "choose_draft": "eagle_worker.speculative.config",
     "resolve_draft": "eagle_worker.speculative.config",

@@ -26,6 +26,7 @@ from eagle_worker.scheduler import Scheduler
 from eagle_worker.sequence import Sequence, SequenceStatus
 from eagle_worker.speculative.config import resolve_draft
 from eagle_worker.speculative.step_cost import StepCost
+from eagle_worker.structured_output import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ class LLMEngine:
         self.chat_template = resolve_chat_template(self.tokenizer, self.runner.hf_config, config.chat_template)
         check_template(self.chat_template)
         self.prompts = PromptTokenizer(self.tokenizer, self.chat_template, config.model)  # as the ingress has it
+        self.grammars = GrammarCompiler(self.tokenizer, self.runner.model.vocab_size, self.runner.eos_token_ids)
         self.requests: dict[str, Sequence] = {}
         self._aborted: list[RequestOutput] = []
         self._seed_source = random.Random(config.seed)    # the seed of each request that brings none
@@ -127,7 +129,9 @@ class LLMEngine:
         if params.min_tokens and params.allowed_token_ids and set(params.allowed_token_ids) <= stop_ids:
             raise ValueError(f"allowed_token_ids: every allowed token ends the output (EOS or a stop id), which "
                              f"min_tokens={params.min_tokens} forbids for the first tokens")
+        grammar = self.grammars.matcher(params.structured_outputs) if params.structured_outputs else None
         seq = Sequence(request_id, token_ids, params, priority, seed, stop_ids)
+        seq.grammar = grammar
         self.scheduler.add(seq)
         self.requests[request_id] = seq       # after the scheduler took it: never a request no step runs
         self.totals["prompt_tokens"] += len(token_ids)
@@ -194,6 +198,8 @@ class LLMEngine:
         p = seq.params
         for token, logprob in tokens:
             seq.token_ids.append(token)
+            if seq.grammar is not None:
+                seq.grammar.advance(token)          # a token the grammar refuses fails the request
             if p.logprobs is not None:
                 seq.logprobs.append(logprob)
             self.totals["generated_tokens"] += 1
@@ -207,6 +213,8 @@ class LLMEngine:
                 return self._finish(seq, "stop", drop_last=hidden)
             if p.stop and new_text and not early and self._hit_stop_string(seq, len(new_text)):
                 return self._finish(seq, "stop", flush=False)
+            if seq.grammar is not None and seq.grammar.is_finished:
+                return self._finish(seq, "stop")    # the match is complete: only EOS could follow
             if seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_model_len:
                 return self._finish(seq, "length")
 

@@ -8,8 +8,8 @@ preemption or on which replica runs it. Speculative acceptance (speculative/acce
 the same `draw_tokens` for each tree node it visits.
 
 Processing order (vLLM's): logit_bias, repetition penalty (prompt + output), frequency and presence
-penalties (output), allowed_token_ids and min_tokens (the tokens they exclude at that row: -inf),
-then temperature, top-k, top-p, min-p. Greedy is the argmax of the processed logits. Reported
+penalties (output), allowed_token_ids, min_tokens and a structured output's grammar (the tokens
+they exclude at that row: -inf), then temperature, top-k, top-p, min-p. Greedy is the argmax of the processed logits. Reported
 logprobs are always the raw target distribution's (`token_logprobs`).
 Whatever the input, a token is drawn: a distribution with no finite mass falls back to the argmax
 of the processed logits (never NaN probabilities, never an exception from the draw).
@@ -130,6 +130,7 @@ class SampleRow:
     prompt: Sequence[int] = ()     # prompt ids (repetition penalty)
     output: Sequence[int] = ()     # tokens before this row: the output so far (+ a tree node's ancestors)
     banned: Sequence[int] = ()     # token ids this row cannot yield (the stop tokens before min_tokens)
+    allowed: torch.Tensor | None = None   # [V] bool: the tokens a structured output's grammar lets come next
 
 
 def argmax_suffices(params: list[SamplingParams]) -> bool:
@@ -159,6 +160,8 @@ def processed_logits(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
         x = torch.full_like(x, float("-inf")).index_copy_(0, keep, x[keep])
     if row.banned:
         x[torch.tensor(list(row.banned), dtype=torch.long, device=dev)] = float("-inf")
+    if row.allowed is not None:
+        x.masked_fill_(~row.allowed.to(dev), float("-inf"))
     return x
 
 

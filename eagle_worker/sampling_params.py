@@ -53,6 +53,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     min_tokens: int = 0                  # no EOS / stop id within the first this many, and stop strings must end after them
     allowed_token_ids: list[int] | None = None   # only these tokens can be drawn (vLLM's)
+    structured_outputs: object = None    # StructuredOutputs (or its fields as a dict): the output matches a grammar
     # derived, not set by callers: what the engine reads per token, built once per request
     stop_id_set: frozenset = field(default=frozenset(), init=False, repr=False, compare=False)
     _bias_rows: tuple | None = field(default=None, init=False, repr=False, compare=False)
@@ -76,6 +77,8 @@ class SamplingParams:
         if self.logit_bias is not None and isinstance(self.logit_bias, dict):
             self.logit_bias = {_int_key(k): v for k, v in self.logit_bias.items()} or None
         bias = self.logit_bias or {}
+        self.structured_outputs = _structured(self.structured_outputs)
+        structured = self.structured_outputs is not None
         checks = [
             (stop_ok, "stop", f"must be a string or a list of strings, got {_short(self.stop)}"),
             (not stop_ok or all(self.stop), "stop", "must not hold an empty string (it would match at once; "
@@ -88,6 +91,8 @@ class SamplingParams:
             (is_int(self.min_tokens) and 0 <= self.min_tokens
              and (not is_int(self.max_tokens) or self.min_tokens <= self.max_tokens),
              "min_tokens", f"must be an integer in [0, max_tokens={self.max_tokens!r}], got {self.min_tokens!r}"),
+            (not structured or not (self.min_tokens or self.allowed_token_ids), "structured_outputs",
+             "cannot be combined with min_tokens or allowed_token_ids (the grammar alone says which tokens may come)"),
             (_number(self.temperature) and self.temperature >= 0,
              "temperature", f"must be a finite number >= 0, got {self.temperature!r}"),
             (_number(self.top_p) and 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p!r}"),
@@ -148,10 +153,26 @@ class SamplingParams:
 
     @property
     def processes_logits(self) -> bool:
-        """Bias, a penalty, min_tokens (its first rows forbid the stop tokens) or allowed_token_ids
-        changes the raw logits before temperature and the filters."""
+        """Bias, a penalty, min_tokens (its first rows forbid the stop tokens), allowed_token_ids or a
+        structured output changes the raw logits before temperature and the filters."""
         return (bool(self.logit_bias) or self.uses_output_counts or self.repetition_penalty != 1 or self.min_tokens > 0
-                or bool(self.allowed_token_ids))
+                or bool(self.allowed_token_ids) or self.structured_outputs is not None)
+
+
+def _structured(x):
+    """None, or a StructuredOutputs (built from a dict of its fields, as the HTTP and job edges send it)."""
+    from eagle_worker.structured_output import StructuredOutputs
+
+    if x is None or isinstance(x, StructuredOutputs):
+        return None if x is None else StructuredOutputs(**vars(x))   # checked again, and the request's own
+    if isinstance(x, dict):
+        odd = sorted(set(x) - set(StructuredOutputs.__dataclass_fields__), key=str)
+        if odd:
+            raise ValueError(f"SamplingParams.structured_outputs has unknown field(s) {_short(odd)}; "
+                             "it takes json, regex, choice, grammar or json_object")
+        return StructuredOutputs(**x)
+    raise ValueError(f"SamplingParams.structured_outputs must be a StructuredOutputs or a dict of its fields, "
+                     f"got {type(x).__name__}")
 
 
 def _int_key(k):

@@ -79,6 +79,7 @@ class Sequence:
         self.priority = priority
         self.seed = seed               # every request has one: its text is a function of it
         self.early_banned = tuple(sorted(set(stop_ids))) if params.min_tokens else ()
+        self.grammar = None            # a structured output's GrammarMatcher, fed every output token
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
@@ -119,7 +120,8 @@ class Sequence:
         prompt = self.prompt_token_ids if p.repetition_penalty != 1.0 else ()
         position = self.num_output_tokens + len(draft)
         banned = self.early_banned if position < p.min_tokens else ()
-        return SampleRow(p, self.seed, position, prompt, output, banned)
+        allowed = self.grammar.allowed(draft) if self.grammar is not None else None
+        return SampleRow(p, self.seed, position, prompt, output, banned, allowed)
 
     @property
     def num_pending_tokens(self) -> int:

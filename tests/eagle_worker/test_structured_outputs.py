@@ -1,0 +1,189 @@
+"""Structured outputs: the output matches the request's JSON schema, regex, choice or grammar, greedy
+or sampled; the grammar is part of each position's draw, so speculation (head, lookup, hybrid) gives
+plain decoding's tokens; bad specs are refused naming the field; a matcher that fails fails its own
+request, never the step it shares."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from eagle_worker import LLM, SamplingParams, SpecConfig, StructuredOutputs
+
+KV = dict(block_size=4, num_kv_blocks=512)
+PROMPTS = ["The quick brown fox", "def add(a, b):\n", "Question: what is two plus two?\nAnswer:", "x",
+           "The quick brown fox jumps over the lazy dog. The quick", "Bonjour"]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    return LLM(model=str(tiny_model_dir("llama")), draft=None, **KV)
+
+
+def _texts(llm, prompts, params):
+    return [(o.text, o.finish_reason) for o in llm.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_regex_or_a_choice_is_what_comes_out(llm, temperature):
+    rx = r"(ab|cd)[0-9]{2,4}!"
+    for text, reason in _texts(llm, PROMPTS, SamplingParams(max_tokens=24, temperature=temperature, seed=5,
+                                                            structured_outputs=StructuredOutputs(regex=rx))):
+        assert reason == "stop" and re.fullmatch(rx, text), (text, reason)
+    choices = ["red", "green", "a blue one"]
+    got = _texts(llm, PROMPTS, SamplingParams(max_tokens=24, temperature=temperature, seed=5,
+                                              structured_outputs={"choice": choices}))
+    assert all(reason == "stop" and text in choices for text, reason in got), got
+
+
+def test_unconstrained_text_would_not_match(llm):
+    """The regex test above checks something: without the grammar the tiny model writes other text."""
+    free = _texts(llm, PROMPTS, SamplingParams(max_tokens=8, temperature=0.0))
+    assert not any(re.fullmatch(r"(ab|cd)[0-9]{2,4}!", text) for text, _ in free)
+
+
+def test_a_json_schema_gives_json_that_validates(llm):
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                               "ok": {"type": "boolean"}},
+              "required": ["n", "ok"], "additionalProperties": False}
+    for temperature in (0.0, 1.0):
+        for text, reason in _texts(llm, PROMPTS[:3], SamplingParams(max_tokens=64, temperature=temperature, seed=2,
+                                                                    structured_outputs=StructuredOutputs(
+                                                                        json=schema, disable_any_whitespace=True))):
+            assert reason == "stop" and " " not in text, text
+            jsonschema.validate(json.loads(text), schema)
+    obj = _texts(llm, PROMPTS[:2], SamplingParams(max_tokens=64, temperature=0.0, structured_outputs={"json_object": True}))
+    for text, reason in obj:
+        assert reason in ("stop", "length"), text
+        assert text.lstrip().startswith("{") and (reason == "length" or isinstance(json.loads(text), dict)), text
+
+
+def test_a_lark_grammar_and_a_gbnf_grammar(llm):
+    lark = 'start: "yes" | "no" | NUMBER\nNUMBER: /[1-9][0-9]?/'
+    gbnf = 'root ::= "A" [0-9] [0-9] "Z"'
+    for grammar, rx in ((lark, r"yes|no|[1-9][0-9]?"), (gbnf, r"A[0-9]{2}Z")):
+        for text, reason in _texts(llm, PROMPTS[:4], SamplingParams(max_tokens=16, temperature=1.0, seed=8,
+                                                                    structured_outputs={"grammar": grammar})):
+            assert re.fullmatch(rx, text) and reason == "stop", (grammar, text, reason)
+
+
+def test_max_tokens_cuts_a_match_with_length(llm):
+    out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=3, temperature=0.0,
+                                                  structured_outputs={"regex": "[a-z]{40}"}))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 3 and re.fullmatch("[a-z]+", out.text)
+
+
+def test_speculation_gives_plain_decodings_tokens_under_a_grammar(copying_target):
+    """The head and lookup draft the prompt's tokens, which the grammar mostly forbids: verification
+    must accept exactly where plain decoding's masked draw agrees, greedy and sampled."""
+    target, head = copying_target
+    specs = [StructuredOutputs(regex=r"[a-z ]{3,30}\."), StructuredOutputs(choice=["quick", "brown fox", "lazy dog"]),
+             StructuredOutputs(json={"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}),
+             StructuredOutputs(regex=r"(The quick brown fox )+")]
+    params = [SamplingParams(max_tokens=20, temperature=t, seed=40 + i, structured_outputs=s)
+              for i, (s, t) in enumerate((s, t) for s in specs for t in (0.0, 1.0))]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(params))]
+    fixed = dict(adaptive=False, depth=3, top_k=3, num_draft_tokens=6)
+    runs = {}
+    for name, spec in {"plain": None, "head": SpecConfig(draft=str(head), lookup=False, **fixed),
+                       "lookup": SpecConfig(lookup=True, lookup_ngram=(1, 3), adaptive=False),
+                       "hybrid": SpecConfig(draft=str(head), lookup=True, lookup_ngram=(1, 3), **fixed)}.items():
+        llm = LLM(model=str(target), spec=spec, **KV)
+        outs = llm.generate(prompts, params)
+        runs[name] = [(o.token_ids, o.finish_reason) for o in outs]
+        assert llm.engine.stats()["failed_steps"] == 0
+        if name != "plain":     # drafts were accepted under the masks: the comparison checks verification
+            assert max(o.metrics["mean_accepted_tokens"] for o in outs) > 1.2, name
+    assert runs["head"] == runs["plain"] and runs["lookup"] == runs["plain"] and runs["hybrid"] == runs["plain"]
+
+
+@pytest.mark.parametrize("spec, needle", [
+    (dict(), "must set exactly one of json, regex, choice, grammar, json_object; got none"),
+    (dict(regex="a", choice=["b"]), r"must set exactly one .* got \['regex', 'choice'\]"),
+    (dict(json="{not json"), "json is not valid JSON"),
+    (dict(json=[1, 2]), "json must be a JSON schema"),
+    (dict(regex=""), "regex must be a non-empty string"),
+    (dict(grammar=7), "grammar must be a non-empty string"),
+    (dict(choice=[]), "choice must be a list of 1 to 1024 non-empty strings"),
+    (dict(choice=["a", ""]), "choice must be a list of 1 to 1024 non-empty strings"),
+    (dict(choice="ab"), "choice must be a list of 1 to 1024 non-empty strings"),
+    (dict(json_object=1), "json_object must be true or false"),
+    (dict(regex="a", disable_any_whitespace=None), "disable_any_whitespace must be true or false"),
+    (dict(regex="a" * ((1 << 20) + 1)), "regex is longer than 1048576 characters"),
+])
+def test_bad_specs_name_the_field(spec, needle):
+    with pytest.raises(ValueError, match=r"SamplingParams\.structured_outputs " + needle):
+        StructuredOutputs(**spec)
+    with pytest.raises(ValueError, match=r"SamplingParams\.structured_outputs " + needle):
+        SamplingParams(structured_outputs=spec)
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(structured_outputs={"regexp": "a"}), r"has unknown field\(s\) \['regexp'\]"),
+    (dict(structured_outputs="a+"), "must be a StructuredOutputs or a dict of its fields, got str"),
+    (dict(structured_outputs={"regex": "a"}, min_tokens=2), "cannot be combined with min_tokens or allowed_token_ids"),
+    (dict(structured_outputs={"regex": "a"}, allowed_token_ids=[3]), "cannot be combined with min_tokens"),
+])
+def test_bad_sampling_params_name_the_field(kwargs, needle):
+    with pytest.raises(ValueError, match=r"SamplingParams\.structured_outputs " + needle):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("spec, needle", [
+    (dict(regex="a(b"), "regex: (?s:.*)unclosed group"),
+    (dict(grammar="start: foo"), "grammar: (?s:.*)foo"),
+    (dict(json={"type": "nonsense"}), "json_schema: (?s:.*)nonsense"),
+])
+def test_a_grammar_that_does_not_compile_is_refused_before_it_runs(llm, spec, needle):
+    with pytest.raises(ValueError, match=r"SamplingParams\.structured_outputs " + needle):
+        StructuredOutputs(**spec).compile()
+    with pytest.raises(ValueError, match=r"SamplingParams\.structured_outputs " + needle):
+        llm.engine.add_request("bad-grammar", "x", SamplingParams(structured_outputs=spec))
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_failing_matcher_fails_its_request_alone(llm, monkeypatch):
+    """A matcher that allows nothing (as one in error does): its request ends with an error naming
+    the grammar, the request beside it in the same steps finishes as if alone."""
+    from eagle_worker.structured_output import GrammarMatcher
+
+    alone = llm.generate(PROMPTS[1], SamplingParams(max_tokens=6, temperature=0.0, structured_outputs={"regex": "[a-z]+"}))
+    real = GrammarMatcher.allowed
+    monkeypatch.setattr(GrammarMatcher, "allowed", lambda self, draft=(): real(self, draft) & getattr(self, "ok", True))
+    engine = llm.engine
+    engine.add_request("ok", PROMPTS[1], SamplingParams(max_tokens=6, temperature=0.0, structured_outputs={"regex": "[a-z]+"}))
+    engine.add_request("broken", PROMPTS[1], SamplingParams(max_tokens=6, temperature=1.0, seed=1,
+                                                            structured_outputs={"regex": "[a-z]+"}))
+    engine.requests["broken"].grammar.ok = False
+    outs = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = o
+    assert outs["broken"].finish_reason == "error" and "grammar refused token" in outs["broken"].error
+    assert outs["ok"].token_ids == alone[0].token_ids and engine.stats()["failed_steps"] == 0
+
+
+def test_the_default_model_writes_json_for_a_schema_with_and_without_speculation(default_model_dir):
+    """The real model and its tokenizer (262K tokens, SentencePiece pieces): the default (hybrid)
+    speculation and none give the same text, and it parses and validates."""
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+              "required": ["name", "age"], "additionalProperties": False}
+    prompts = ["Here is Alice, 31, as a JSON record:\n", "A person as JSON:\n"]
+    params = [SamplingParams(max_tokens=48, temperature=t, seed=11, structured_outputs=StructuredOutputs(json=schema))
+              for t in (0.0, 1.0)]
+    runs = []
+    for draft in ("default", None):
+        llm = LLM(model="gemma-3-270m", draft=draft)
+        runs.append([(o.token_ids, o.text, o.finish_reason) for p in params for o in llm.generate(prompts, p)])
+        del llm
+    assert runs[0] == runs[1]
+    for _, text, reason in runs[0]:
+        assert reason == "stop", text
+        jsonschema.validate(json.loads(text), schema)
