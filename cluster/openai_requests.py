@@ -1,11 +1,11 @@
 """The OpenAI API's request bodies (completions, chat), validated at the edge.
 
 A field we do not serve is refused with a 400 naming it, never silently ignored: unknown fields,
-`response_format` other than text, `tools`; the few that OpenAI clients send and that change nothing
-(`HARMLESS`) are accepted. Extensions beyond OpenAI (vLLM's names): top_k, min_p, repetition_penalty,
-ignore_eos, min_tokens, stop_token_ids, allowed_token_ids, include_stop_str_in_output,
-skip_special_tokens (true only) and `priority` (0 = online, the default; 1 = offline/batch work that
-yields to online requests).
+`tools`; the few that OpenAI clients send and that change nothing (`HARMLESS`) are accepted.
+`response_format` (text, json_object, json_schema) on both endpoints, as vLLM takes it. Extensions
+beyond OpenAI (vLLM's names): top_k, min_p, repetition_penalty, ignore_eos, min_tokens, stop_token_ids,
+allowed_token_ids, structured_outputs, include_stop_str_in_output, skip_special_tokens (true only)
+and `priority` (0 = online, the default; 1 = offline/batch work that yields to online requests).
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from eagle_worker.engine_api import echoed_empty, join_text_parts
+from eagle_worker.structured_output import MAX_CHOICES, StructuredOutputs
 
 MAX_LOGPROBS = 20      # vLLM's default max_logprobs
 MAX_N = 16             # parallel samples per request (each is an engine request)
@@ -57,6 +58,62 @@ class StreamOptions(BaseModel):
         return _null_is_not_given(cls, data)
 
 
+class StructuredOutputsBody(BaseModel):
+    """vLLM's `structured_outputs`: exactly one of json (a JSON schema), regex, choice, grammar (Lark
+    or GBNF), json_object; its other options (structural tags, whitespace patterns) are refused."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1, max_length=MAX_CHOICES)
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls(cls, data: Any) -> Any:
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+    def spec(self) -> dict[str, Any]:
+        out = dict(json=self.json_, regex=self.regex, choice=self.choice, grammar=self.grammar,
+                   json_object=bool(self.json_object), disable_any_whitespace=self.disable_any_whitespace)
+        return {k: v for k, v in out.items() if v not in (None, False)}
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: text (free), json_object (any JSON object), json_schema."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type \"json_schema\" and only allowed with it")
+        return self
+
+    def spec(self) -> dict[str, Any] | None:
+        if self.type == "json_object":
+            return {"json_object": True}
+        if self.type == "json_schema":   # OpenAI's schema is optional: without one, any JSON object
+            schema = self.json_schema.schema_
+            return {"json": schema} if schema is not None else {"json_object": True}
+        return None
+
+
 class _SamplingRequest(BaseModel):
     # A field we do not know is refused (400 naming it), never silently ignored; see HARMLESS.
     # NaN and infinities (Python's JSON reads them) are refused as not finite. Types are strict, as
@@ -93,6 +150,8 @@ class _SamplingRequest(BaseModel):
     allowed_token_ids: list[int] | None = Field(None, min_length=1, max_length=MAX_TOKEN_LIST)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True       # the engine's text always skips them: false is refused
+    structured_outputs: StructuredOutputsBody | None = None
+    response_format: ResponseFormat | None = None
     priority: int = Field(0, ge=0, le=1)
 
     @field_validator("skip_special_tokens")
@@ -134,6 +193,30 @@ class _SamplingRequest(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _one_structured_output(self):
+        """Both ways of asking for a format, or a spec the engine would refuse: a 400 before any replica
+        sees it (a bad regex, a schema that does not compile, min_tokens beside it)."""
+        if self.structured_outputs is not None and self.response_format is not None and self.response_format.type != "text":
+            raise ValueError("structured_outputs: give it or response_format, not both")
+        spec = self.structured_spec
+        if spec is not None:
+            field = "structured_outputs" if self.structured_outputs is not None else "response_format"
+            if self.min_tokens or self.allowed_token_ids:
+                raise ValueError(f"{field}: cannot be combined with min_tokens or allowed_token_ids")
+            try:
+                StructuredOutputs(**spec).compile()
+            except ValueError as e:
+                raise ValueError(f"{field}: {str(e).removeprefix('SamplingParams.structured_outputs').lstrip(': ')}") from None
+        return self
+
+    @property
+    def structured_spec(self) -> dict[str, Any] | None:
+        """The StructuredOutputs fields the request asks for, or None."""
+        if self.structured_outputs is not None:
+            return self.structured_outputs.spec()
+        return self.response_format.spec() if self.response_format is not None else None
+
+    @model_validator(mode="after")
     def _stream_options_need_stream(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true (as OpenAI answers)")
@@ -168,7 +251,7 @@ class _SamplingRequest(BaseModel):
             params["include_stop_str_in_output"] = True
         optional = dict(presence_penalty=(self.presence_penalty, 0.0), frequency_penalty=(self.frequency_penalty, 0.0),
                         repetition_penalty=(self.repetition_penalty, 1.0), min_tokens=(self.min_tokens, 0),
-                        allowed_token_ids=(self.allowed_token_ids, None),
+                        allowed_token_ids=(self.allowed_token_ids, None), structured_outputs=(self.structured_spec, None),
                         logit_bias=({int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None, None),
                         logprobs=(self.num_logprobs, None), prompt_logprobs=(self.num_prompt_logprobs, None))
         params.update({k: v for k, (v, default) in optional.items() if v != default})
@@ -286,22 +369,11 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    # Refused unless they ask for nothing: this server has no JSON mode and no tool calling.
-    response_format: dict[str, Any] | None = None
+    # Refused unless they ask for nothing: this server has no tool calling.
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, v):
-        if v is not None and v.get("type") != "text":
-            raise ValueError(f"{v.get('type')!r} is not supported; only {{\"type\": \"text\"}} (free text)")
-        if v is not None and set(v) != {"type"}:
-            raise ValueError(f"unsupported field(s) {', '.join(map(repr, sorted(set(v) - {'type'})))}; "
-                             "only {\"type\": \"text\"} (free text)")
-        return v
 
     @field_validator("tools", "functions")
     @classmethod

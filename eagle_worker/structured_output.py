@@ -156,7 +156,8 @@ class GrammarMatcher:
     def advance(self, token: int) -> None:
         """Consume an output token; ValueError if the grammar does not allow it."""
         if not self._m.consume_token(token):
-            raise ValueError(f"the structured output's grammar refused token {token}: {self._m.get_error()[:300]}")
+            why = (self._m.get_error().strip().splitlines() or ["no reason given"])[0][:300]
+            raise ValueError(f"the structured output's grammar refused token {token}: {why}")
 
     @property
     def is_finished(self) -> bool:

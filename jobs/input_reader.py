@@ -16,6 +16,7 @@ OpenAI Batch request lines are checked and parsed in jobs/openai_requests.py.
 from __future__ import annotations
 
 import difflib
+import json
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -37,7 +38,7 @@ __all__ = ["InputError", "InputPlan", "Row", "iter_rows", "open_input"]
 # one is an error row naming it, as the flags' own fields are)
 OVERRIDES = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "min_p", "presence_penalty",
              "frequency_penalty", "repetition_penalty", "stop_token_ids", "logit_bias", "ignore_eos",
-             "include_stop_str_in_output", "min_tokens", "allowed_token_ids")
+             "include_stop_str_in_output", "min_tokens", "allowed_token_ids", "structured_outputs")
 # sampling settings a Parquet row cannot take: refused up front by name, never read and silently ignored
 NOT_PER_ROW = {"n": "one completion per row", "best_of": "one completion per row",
                "logprobs": "the Parquet output has no logprobs; OpenAI Batch JSONL input returns them",
@@ -154,6 +155,7 @@ _EXPECTED = {  # column -> (check, expected type in words)
                    "map<integer, float> (token id -> bias)"),
     "ignore_eos": (pa.types.is_boolean, "bool"),
     "include_stop_str_in_output": (pa.types.is_boolean, "bool"),
+    "structured_outputs": (_is_str, "string (a JSON object: vLLM's structured_outputs)"),
 }
 
 
@@ -387,6 +389,17 @@ def _parquet_row(rec: dict, derived_id: str | None, plan: InputPlan) -> Row:
         if len(row.params["logit_bias"]) < len(bias):
             row.error, row.error_param = "logit_bias: a token id appears more than once", "logit_bias"
             return row
+    if "structured_outputs" in row.params:     # JSON text: {"json": {...}}, {"regex": "..."}, {"choice": [...]}, ...
+        try:
+            spec = json.loads(row.params["structured_outputs"])
+        except ValueError as e:
+            spec, why = None, f"not valid JSON ({e})"
+        else:
+            why = f"must be a JSON object, got {type(spec).__name__}"
+        if not isinstance(spec, dict):
+            row.error, row.error_param = f"structured_outputs: {why}", "structured_outputs"
+            return row
+        row.params["structured_outputs"] = spec
     for name in ("logit_bias", "stop_token_ids", "allowed_token_ids"):     # the server's cap, for the same reason
         if len(row.params.get(name) or ()) > MAX_TOKEN_LIST:
             row.error = f"{name}: at most {MAX_TOKEN_LIST} token ids per row, got {len(row.params[name])}"

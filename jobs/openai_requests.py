@@ -99,7 +99,7 @@ _BATCH_ONLY = {"n": (1, "n must be 1 in batch jobs (one completion per request)"
                "echo": (False, "`echo` is not supported in batch jobs"),
                "priority": (1, "priority must be 1 in batch jobs (their rows run at offline priority)")}
 # request fields -> the SamplingParams they set, where the names differ
-_PARAM_OF = {"max_completion_tokens": "max_tokens", "top_logprobs": "logprobs"}
+_PARAM_OF = {"max_completion_tokens": "max_tokens", "top_logprobs": "logprobs", "response_format": "structured_outputs"}
 
 
 def openai_row(rec: dict) -> Row:

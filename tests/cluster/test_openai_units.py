@@ -32,7 +32,7 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     ({"stop": ""}, "stop", "empty string"), ({"stop": ["x", ""]}, "stop", "empty string"),
     ({"logit_bias": {"7": 1, "07": -1}}, "logit_bias", "same token id 7"), ({"top_logprobs": 0}, "top_logprobs", "logprobs"),
     ({"max_tokens": 50, "max_completion_tokens": 3}, "max_tokens", "differs from max_completion_tokens 3"),
-    ({"response_format": {"type": "text", "json_schema": {}}}, "response_format", "'json_schema'"),
+    ({"response_format": {"type": "text", "json_schema": {"name": "x"}}}, "response_format", "only allowed with it"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role", ""),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {}}]}]},
      "messages.0", "'cache_control'"),
@@ -43,7 +43,23 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     ({"n": 17}, "n", "less than"), ({"temperature": float("nan")}, "temperature", "finite"),
     ({"logit_bias": {"1": float("-inf")}}, "logit_bias.1", "finite"), ({"presence_penalty": -3}, "presence_penalty", ""),
     ({"repetition_penalty": 0}, "repetition_penalty", ""), ({"top_logprobs": 2}, "top_logprobs", "logprobs"),
-    ({"response_format": {"type": "json_schema"}}, "response_format", "not supported"),
+    ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema is required"),
+    ({"response_format": {"type": "xml"}}, "response_format.type", "'json_schema'"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "nonsense"}}}},
+     "response_format", "nonsense"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "response_format.json_schema.name", ""),
+    ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs", "unclosed group"),
+    ({"structured_outputs": {"grammar": "start: foo"}}, "structured_outputs", "unknown name"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one of"),
+    ({"structured_outputs": {}}, "structured_outputs", "got none"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs.choice", "at least 1"),
+    ({"structured_outputs": {"choice": ["a"] * 1025}}, "structured_outputs.choice", "at most 1024"),
+    ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern", "not supported"),
+    ({"structured_outputs": "a+"}, "structured_outputs", "valid dictionary"),
+    ({"structured_outputs": {"choice": ["a"]}, "response_format": {"type": "json_object"}}, "structured_outputs",
+     "not both"),
+    ({"structured_outputs": {"choice": ["a"]}, "min_tokens": 1}, "structured_outputs", "min_tokens"),
+    ({"response_format": {"type": "json_object"}, "allowed_token_ids": [5]}, "response_format", "allowed_token_ids"),
     ({"tools": [{"type": "function"}]}, "tools", "tool calling"), ({"tool_choice": "auto"}, "tool_choice", ""),
     ({"stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats", ""),
     ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed when stream is true"),
@@ -453,3 +469,27 @@ def test_a_request_without_a_seed_gets_its_own_random_one():
     chat = ChatCompletionRequest.model_validate(CHAT | {"seed": 7, "n": 2})
     assert [chat.sampling_params(4, i)["seed"] for i in range(2)] == [7, 8]
 
+
+
+@pytest.mark.parametrize("extra, spec", [
+    ({"response_format": {"type": "text"}}, None),
+    ({"response_format": {"type": "json_object"}}, {"json_object": True}),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "object"}, "strict": True}}},
+     {"json": {"type": "object"}}),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "p"}}}, {"json_object": True}),   # no schema: any
+    ({"structured_outputs": {"regex": "[0-9]+", "json": None}}, {"regex": "[0-9]+"}),
+    ({"structured_outputs": {"choice": ["a", "b"]}, "response_format": {"type": "text"}}, {"choice": ["a", "b"]}),
+    ({"structured_outputs": {"json": '{"type": "string"}', "disable_any_whitespace": True}},
+     {"json": '{"type": "string"}', "disable_any_whitespace": True}),
+    ({"structured_outputs": {"grammar": 'root ::= "x" | "y"'}}, {"grammar": 'root ::= "x" | "y"'}),
+])
+def test_structured_outputs_reach_the_engine_as_its_fields(extra, spec):
+    """Both endpoints take OpenAI's response_format and vLLM's structured_outputs; the engine gets the
+    StructuredOutputs fields (a dict: SamplingParams is built on the replica), and they build."""
+    from eagle_worker import SamplingParams
+
+    for model, base in ((ChatCompletionRequest, CHAT), (CompletionRequest, {"model": "m", "prompt": "x"})):
+        params = model.model_validate(base | extra).sampling_params(4)
+        assert params.get("structured_outputs") == spec
+        assert SamplingParams(**params).structured_outputs == (None if spec is None else
+                                                                SamplingParams(structured_outputs=spec).structured_outputs)

@@ -194,7 +194,8 @@ def _err(exc_info):
     (dict(prompt=[1, -5], echo=True), 400, "prompt", ">= 0"),
     (dict(prompt=[1, 10**9], echo=True), 400, "prompt", "out of range"),
     (dict(seed=2**64), 400, "seed", "less than"),
-    (dict(extra_body={"response_format": {"type": "json_object"}}), 400, "response_format", "not supported"),
+    (dict(extra_body={"response_format": {"type": "json_schema"}}), 400, "response_format", "json_schema is required"),
+    (dict(extra_body={"structured_outputs": {"regex": "[a-"}}), 400, "structured_outputs", "regex"),
     (dict(prompt=""), 400, "prompt", "empty"),
     (dict(extra_body={"top_k": -5}), 400, "top_k", ""),
 ])

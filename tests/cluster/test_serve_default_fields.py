@@ -3,6 +3,7 @@ head, so logprobs come from speculative steps), over real HTTP with the `openai`
 loads the real model."""
 from __future__ import annotations
 
+import openai
 import pytest
 
 from cluster.config import ServeConfig
@@ -66,3 +67,33 @@ def test_chat_logprobs_and_stop_list(app):
         s = app.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, temperature=0,
                                                stop=["@@@", stop])
         assert s.choices[0].finish_reason == "stop" and s.choices[0].message.content == text[:text.index(stop)]
+
+
+def test_response_format_json_schema_and_structured_outputs(app):
+    """OpenAI's json_schema on chat (plain and streamed: the same text) parses and validates; vLLM's
+    structured_outputs on completions gives one of the choices; a sampled request too."""
+    import json
+
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+              "required": ["name", "age"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}}
+    msgs = [{"role": "user", "content": "Alice is 31. Give her as JSON."}]
+    for temperature in (0.0, 1.0):
+        kw = dict(model=MODEL, messages=msgs, max_tokens=24, temperature=temperature, seed=5, response_format=fmt)
+        r = app.client.chat.completions.create(**kw)
+        text = r.choices[0].message.content
+        assert r.choices[0].finish_reason == "stop", text
+        jsonschema.validate(json.loads(text), schema)
+        streamed = "".join(c.choices[0].delta.content or "" for c in app.client.chat.completions.create(**kw, stream=True)
+                           if c.choices)
+        assert streamed == text
+    choices = ["Paris", "London", "Rome"]
+    r = app.client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0,
+                                      extra_body={"structured_outputs": {"choice": choices}})
+    assert r.choices[0].text == "Paris" and r.choices[0].finish_reason == "stop"
+    with pytest.raises(openai.BadRequestError) as ei:
+        app.client.completions.create(model=MODEL, prompt="x", max_tokens=4, extra_body={"structured_outputs": {"regex": "(a"}})
+    assert ei.value.body["param"] == "structured_outputs"

@@ -142,7 +142,7 @@ def test_stop_list(app):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("response_format", {"type": "json_object"}), ("tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("response_format", {"type": "json_schema"}), ("tools", [{"type": "function", "function": {"name": "f"}}]),
     ("tool_choice", "required"), ("functions", [{"name": "f"}]), ("frobnicate", 1), ("best_of", 3),
 ])
 def test_unserved_fields_refused_by_name(app, field, value):

@@ -144,6 +144,10 @@ def test_openai_batch_bodies_are_checked_as_the_http_server_checks_them(tmp_path
         "bias": ({**chat, "logit_bias": {"x": 1}}, "logit_bias"),
         "min-over-max": ({**chat, "max_tokens": 3, "min_tokens": 4}, "min_tokens"),
         "allowed-none": ({**chat, "allowed_token_ids": []}, "allowed_token_ids"),
+        "bad-regex": ({**chat, "structured_outputs": {"regex": "(a"}}, "structured_outputs"),
+        "format-both": ({**chat, "structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
+                        "structured_outputs"),
+        "format-type": ({**chat, "response_format": {"type": "yaml"}}, "response_format.type"),
     }
     p = _jsonl(tmp_path / "b.jsonl", [{"custom_id": k, "url": "/v1/completions" if "prompt" in b else
                                        "/v1/chat/completions", "body": b} for k, (b, _) in cases.items()]
@@ -157,6 +161,13 @@ def test_openai_batch_bodies_are_checked_as_the_http_server_checks_them(tmp_path
     ok = rows["ok"]
     assert ok.error is None and ok.params == {"min_p": 0.1, "logit_bias": {7: -100}, "stop_token_ids": [3],
                                               "max_tokens": 9, "min_tokens": 4, "allowed_token_ids": [5, 6]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "array"}}}
+    p = _jsonl(tmp_path / "f.jsonl", [{"custom_id": "rf", "body": {**chat, "response_format": fmt}},
+                                      {"custom_id": "so", "body": {"prompt": "x", "structured_outputs": {"choice": ["a"]}}},
+                                      {"custom_id": "text", "body": {**chat, "response_format": {"type": "text"}}}])
+    rows = {r.id: r for r in rows_of(p)}
+    assert rows["rf"].params == {"structured_outputs": {"json": {"type": "array"}}}       # never dropped
+    assert rows["so"].params == {"structured_outputs": {"choice": ["a"]}} and rows["text"].params == {}
 
 
 @pytest.mark.parametrize("line, needle", [

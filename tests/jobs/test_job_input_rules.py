@@ -86,6 +86,27 @@ def test_token_lists_longer_than_the_servers_cap_are_error_rows(tmp_path):
     assert a.error == "allowed_token_ids: at most 1024 token ids per row, got 1025"
 
 
+def test_structured_outputs_is_a_per_row_json_column(tmp_path):
+    """vLLM's structured_outputs as JSON text per row: an object reaches SamplingParams; text that is not
+    a JSON object, or a spec the engine refuses, is an error row naming the column."""
+    specs = ['{"json": {"type": "object", "properties": {"a": {"type": "integer"}}}}', '{"choice": ["x", "y"]}',
+             None, "{oops", '["regex"]', '{"regex": "a", "choice": ["b"]}']
+    p = write_parquet(tmp_path / "so.parquet", prompt=list("abcdef"), structured_outputs=specs)
+    a, b, c, d, e, f = rows_of(p)
+    cfg = JobConfig(input=str(p), max_tokens=4)
+    assert SamplingParams(**row_params(cfg, a)).structured_outputs.json["properties"] == {"a": {"type": "integer"}}
+    assert SamplingParams(**row_params(cfg, b)).structured_outputs.choice == ["x", "y"]
+    assert "structured_outputs" not in c.params and SamplingParams(**row_params(cfg, c)).structured_outputs is None
+    assert (d.error_param, e.error_param) == ("structured_outputs", "structured_outputs")
+    assert d.error.startswith("structured_outputs: not valid JSON") and e.error == \
+        "structured_outputs: must be a JSON object, got list"
+    with pytest.raises(ValueError, match=r"SamplingParams\.structured_outputs must set exactly one"):
+        SamplingParams(**row_params(cfg, f))           # the replica's Rejected: an error row naming the field
+    bad = write_parquet(tmp_path / "so-int.parquet", prompt=["a"], structured_outputs=[3])
+    with pytest.raises(InputError, match=r"column `structured_outputs` .*string"):
+        open_input(str(bad))
+
+
 @pytest.mark.parametrize("column, value", [("n", [2]), ("best_of", [2]), ("logprobs", [5]), ("top_logprobs", [3]),
                                            ("max_completion_tokens", [8])])
 def test_sampling_columns_a_row_cannot_take_are_refused_by_name(tmp_path, column, value, no_ray):
