@@ -100,32 +100,41 @@ class StructuredOutputs:
         return grammar
 
 
+# llguidance's index of a tokenizer, per process: (name_or_path, len, vocab, eos ids) -> LLTokenizer
+_INDEXES: dict[tuple, object] = {}
+
+
 class GrammarCompiler:
-    """One engine's matchers. The tokenizer's byte strings are indexed once, on the first structured
-    request (seconds at a 262K vocabulary), not at start: engines that never see one never pay."""
+    """One engine's matchers. The tokenizer's byte strings are indexed once per process, on the first
+    structured request (about 6 s at a 262K vocabulary, holding the GIL), not at start: engines that
+    never see one never pay."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int]):
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.eos_token_ids = [t for t in eos_token_ids if t < vocab_size]
-        self._ll_tokenizer = None
+
+    def _index(self):
+        import llguidance.hf
+
+        n_vocab = max(self.vocab_size, len(self.tokenizer))   # the tokenizer may hold ids the model never draws
+        key = (getattr(self.tokenizer, "name_or_path", None), len(self.tokenizer), n_vocab, tuple(self.eos_token_ids))
+        if key[0] is None or key not in _INDEXES:
+            try:
+                _INDEXES[key] = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=n_vocab,
+                                                             eos_token=self.eos_token_ids or None)
+            except ValueError as e:
+                raise ValueError(f"structured outputs need a fast (tokenizers) tokenizer: {e}") from None
+        return _INDEXES[key]
 
     def matcher(self, spec: StructuredOutputs) -> GrammarMatcher:
         import llguidance
-        import llguidance.hf
 
         grammar = spec.compile()
-        if self._ll_tokenizer is None:
-            try:
-                # the tokenizer may hold more ids than the model's rows: those are never drawn
-                n_vocab = max(self.vocab_size, len(self.tokenizer))
-                self._ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=n_vocab,
-                                                                  eos_token=self.eos_token_ids or None)
-            except ValueError as e:
-                raise ValueError(f"structured outputs need a fast (tokenizers) tokenizer: {e}") from None
-        m = llguidance.LLMatcher(self._ll_tokenizer, grammar, log_level=0)
+        index = self._index()
+        m = llguidance.LLMatcher(index, grammar, log_level=0)
         if m.is_error():
             raise ValueError(f"SamplingParams.structured_outputs {spec.grammar_spec()[0]}: {m.get_error().strip()[:500]}")
-        return GrammarMatcher(m, self.vocab_size, self._ll_tokenizer.vocab_size)
+        return GrammarMatcher(m, self.vocab_size, index.vocab_size)
 
 
 _BITS = torch.arange(32, dtype=torch.int32)
