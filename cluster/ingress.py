@@ -138,7 +138,10 @@ class OpenAIIngress:
         body = await read_json_object(request, self.config.limits.max_request_body_bytes,
                                          self.config.limits.request_body_timeout_s)
         try:
-            req = model_cls.model_validate(body)
+            if "structured_outputs" in body or "response_format" in body:   # compiles a grammar: off the event loop
+                req = await asyncio.to_thread(model_cls.model_validate, body)
+            else:
+                req = model_cls.model_validate(body)
         except ValidationError as e:
             raise validation_error(e) from None
         self._known_model(req.model)

@@ -15,8 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from eagle_worker.engine_api import echoed_empty, join_text_parts
-from eagle_worker.structured_output import MAX_CHOICES, StructuredOutputs
+from eagle_worker.engine_api import MAX_CHOICES, StructuredOutputs, echoed_empty, join_text_parts
 
 MAX_LOGPROBS = 20      # vLLM's default max_logprobs
 MAX_N = 16             # parallel samples per request (each is an engine request)

@@ -18,6 +18,7 @@ from eagle_worker.chat_template import check_template, resolve_chat_template
 from eagle_worker.config import EngineConfig
 from eagle_worker.decode_worker import DecodeWorker
 from eagle_worker.detokenizer import detokenize_incrementally, finalize_text
+from eagle_worker.grammar import GrammarCompiler
 from eagle_worker.model_runner import ModelRunner
 from eagle_worker.outputs import RequestOutput, TokenLogprob
 from eagle_worker.prompt_tokenizer import PromptTokenizer
@@ -26,7 +27,6 @@ from eagle_worker.scheduler import Scheduler
 from eagle_worker.sequence import Sequence, SequenceStatus
 from eagle_worker.speculative.config import resolve_draft
 from eagle_worker.speculative.step_cost import StepCost
-from eagle_worker.structured_output import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +129,8 @@ class LLMEngine:
         if params.min_tokens and params.allowed_token_ids and set(params.allowed_token_ids) <= stop_ids:
             raise ValueError(f"allowed_token_ids: every allowed token ends the output (EOS or a stop id), which "
                              f"min_tokens={params.min_tokens} forbids for the first tokens")
-        grammar = self.grammars.matcher(params.structured_outputs) if params.structured_outputs else None
+        grammar = (self.grammars.matcher(params.structured_outputs, params.ignore_eos)
+                   if params.structured_outputs else None)
         seq = Sequence(request_id, token_ids, params, priority, seed, stop_ids)
         seq.grammar = grammar
         self.scheduler.add(seq)
@@ -197,9 +198,9 @@ class LLMEngine:
         tokens out of them; a stop string must end in text after them, as in vLLM)."""
         p = seq.params
         for token, logprob in tokens:
-            seq.token_ids.append(token)
             if seq.grammar is not None:
-                seq.grammar.advance(token)          # a token the grammar refuses fails the request
+                seq.grammar.advance(token)          # a token the grammar refuses fails the request (not kept)
+            seq.token_ids.append(token)
             if p.logprobs is not None:
                 seq.logprobs.append(logprob)
             self.totals["generated_tokens"] += 1

@@ -5,28 +5,31 @@ The grammar is a mask on each draw, after the other processing (sampler.py): tok
 continue a match are -inf, and once the match is complete only EOS is left. llguidance's matcher
 (an Earley parser over the tokenizer's byte strings, no per-vocabulary precompilation) gives the mask of
 the tokens so far. Tree verification asks it at each node the acceptance walk visits, with the node's
-path pushed and rolled back, so speculation stays lossless: a draft token the grammar forbids is simply
+path pushed on a copy, so speculation stays lossless: a draft token the grammar forbids is simply
 never the target's token. Drafts themselves are not constrained (they may waste tree rows, never text).
+A grammar that cannot run (left recursion without a base, a `$ref` loop, a parser limit at its first
+token) is refused when the request is added; one that fails later fails its own request ("error").
+This module is the request's spec (light: the ingress checks bodies with it); grammar.py runs it.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 
-import torch
-
 from eagle_worker.sampling_params import _short
 
 MAX_CHOICES = 1024
-MAX_GRAMMAR_CHARS = 1 << 20     # a schema, regex or grammar's text (the HTTP body is 2 MiB at most)
+# A schema, regex, grammar or choice list's text. Compiling takes about 1 s per 100 KB of a large
+# grammar, on the thread that adds the request, so each request's is bounded.
+MAX_GRAMMAR_CHARS = 64 * 1024
 
 
 @dataclass
 class StructuredOutputs:
     """Exactly one of: `json` (a JSON schema, as a dict or its JSON text), `regex`, `choice` (the output
     is one of these strings), `grammar` (Lark, or llama.cpp's GBNF), `json_object=True` (any JSON object).
-    `disable_any_whitespace`: JSON without whitespace between tokens (vLLM's option; a small model
-    left free to indent may spend its tokens on it)."""
+    `disable_any_whitespace` (json, json_object): no whitespace between JSON tokens (vLLM's option; a
+    small model left free to indent may spend its tokens on it)."""
 
     json: dict | str | None = None
     regex: str | None = None
@@ -52,10 +55,14 @@ class StructuredOutputs:
                     schema = json.loads(self.json)
                 except ValueError as e:
                     raise bad(f"json is not valid JSON: {e}") from None
+                except RecursionError:
+                    raise bad("json is nested too deeply") from None
             else:
                 schema = self.json
-            if not isinstance(schema, (dict, bool)):
-                raise bad(f"json must be a JSON schema (an object), got {type(schema).__name__}")
+            if not isinstance(schema, dict):
+                raise bad(f"json must be a JSON schema object, got {type(schema).__name__}")
+        if self.disable_any_whitespace and given[0] not in ("json", "json_object"):
+            raise bad(f"disable_any_whitespace applies to json and json_object, not {given[0]}")
         for name in ("regex", "grammar"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, str) or not v):
@@ -65,13 +72,19 @@ class StructuredOutputs:
             if not ok or not all(isinstance(c, str) and c for c in self.choice):
                 raise bad(f"choice must be a list of 1 to {MAX_CHOICES} non-empty strings, got {_short(self.choice)}")
             self.choice = list(self.choice)
-        if len(self.grammar_spec()[1]) > MAX_GRAMMAR_CHARS:
+        try:
+            text = self.grammar_spec()[1]
+        except (ValueError, TypeError) as e:     # a dict schema json cannot write (a set, a non-finite number)
+            raise bad(f"json is not JSON: {e}") from None
+        except RecursionError:
+            raise bad("json is nested too deeply") from None
+        if len(text) > MAX_GRAMMAR_CHARS:
             raise bad(f"{given[0]} is longer than {MAX_GRAMMAR_CHARS} characters")
 
     def grammar_spec(self) -> tuple[str, str]:
         """(llguidance format, text) of what was asked."""
         if self.json is not None:
-            return "json_schema", self.json if isinstance(self.json, str) else json.dumps(self.json)
+            return "json_schema", self.json if isinstance(self.json, str) else json.dumps(self.json, allow_nan=False)
         if self.json_object:
             return "json_schema", '{"type": "object"}'
         if self.regex is not None:
@@ -98,77 +111,3 @@ class StructuredOutputs:
         if error:
             raise ValueError(f"SamplingParams.structured_outputs {form}: {error.strip()[:500]}")
         return grammar
-
-
-# llguidance's index of a tokenizer, per process: (name_or_path, len, vocab, eos ids) -> LLTokenizer
-_INDEXES: dict[tuple, object] = {}
-
-
-class GrammarCompiler:
-    """One engine's matchers. The tokenizer's byte strings are indexed once per process, on the first
-    structured request (about 6 s at a 262K vocabulary, holding the GIL), not at start: engines that
-    never see one never pay."""
-
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int]):
-        self.tokenizer, self.vocab_size = tokenizer, vocab_size
-        self.eos_token_ids = [t for t in eos_token_ids if t < vocab_size]
-
-    def _index(self):
-        import llguidance.hf
-
-        n_vocab = max(self.vocab_size, len(self.tokenizer))   # the tokenizer may hold ids the model never draws
-        key = (getattr(self.tokenizer, "name_or_path", None), len(self.tokenizer), n_vocab, tuple(self.eos_token_ids))
-        if key[0] is None or key not in _INDEXES:
-            try:
-                _INDEXES[key] = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=n_vocab,
-                                                             eos_token=self.eos_token_ids or None)
-            except ValueError as e:
-                raise ValueError(f"structured outputs need a fast (tokenizers) tokenizer: {e}") from None
-        return _INDEXES[key]
-
-    def matcher(self, spec: StructuredOutputs) -> GrammarMatcher:
-        import llguidance
-
-        grammar = spec.compile()
-        index = self._index()
-        m = llguidance.LLMatcher(index, grammar, log_level=0)
-        if m.is_error():
-            raise ValueError(f"SamplingParams.structured_outputs {spec.grammar_spec()[0]}: {m.get_error().strip()[:500]}")
-        return GrammarMatcher(m, self.vocab_size, index.vocab_size)
-
-
-_BITS = torch.arange(32, dtype=torch.int32)
-
-
-class GrammarMatcher:
-    """One request's matcher: it has consumed the request's output tokens."""
-
-    def __init__(self, matcher, vocab_size: int, matcher_vocab_size: int):
-        self._m, self.vocab_size = matcher, vocab_size
-        self._words = torch.zeros((matcher_vocab_size + 31) // 32, dtype=torch.int32)
-
-    def allowed(self, draft=()) -> torch.Tensor:
-        """[V] bool: the tokens that may follow the output (and a tree node's `draft` path below the
-        root). Never raises: a matcher in error, or a path it does not take, allows nothing, and the
-        request fails when its next token is consumed (`advance`), not the step it shares."""
-        m, draft = self._m, list(draft)
-        pushed = m.try_consume_tokens(draft) if draft else 0
-        if pushed == len(draft) and not m.is_error():
-            m.unsafe_compute_mask_ptr(self._words.data_ptr(), self._words.numel() * 4)
-            words = self._words
-        else:
-            words = torch.zeros_like(self._words)
-        if pushed:
-            m.rollback(pushed)
-        return ((words[:, None] >> _BITS) & 1).flatten()[:self.vocab_size].bool()
-
-    def advance(self, token: int) -> None:
-        """Consume an output token; ValueError if the grammar does not allow it."""
-        if not self._m.consume_token(token):
-            why = (self._m.get_error().strip().splitlines() or ["no reason given"])[0][:300]
-            raise ValueError(f"the structured output's grammar refused token {token}: {why}")
-
-    @property
-    def is_finished(self) -> bool:
-        """The match is complete and nothing but EOS can follow (or EOS came)."""
-        return self._m.is_stopped()

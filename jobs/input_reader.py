@@ -394,6 +394,8 @@ def _parquet_row(rec: dict, derived_id: str | None, plan: InputPlan) -> Row:
             spec = json.loads(row.params["structured_outputs"])
         except ValueError as e:
             spec, why = None, f"not valid JSON ({e})"
+        except RecursionError:
+            spec, why = None, "nested too deeply"
         else:
             why = f"must be a JSON object, got {type(spec).__name__}"
         if not isinstance(spec, dict):

@@ -112,7 +112,13 @@ def test_speculation_gives_plain_decodings_tokens_under_a_grammar(copying_target
     (dict(choice="ab"), "choice must be a list of 1 to 1024 non-empty strings"),
     (dict(json_object=1), "json_object must be true or false"),
     (dict(regex="a", disable_any_whitespace=None), "disable_any_whitespace must be true or false"),
-    (dict(regex="a" * ((1 << 20) + 1)), "regex is longer than 1048576 characters"),
+    (dict(regex="a" * (64 * 1024 + 1)), "regex is longer than 65536 characters"),
+    (dict(choice=["x" * 70] * 1000), "choice is longer than 65536 characters"),
+    (dict(json=True), "json must be a JSON schema object, got bool"),
+    (dict(json="true"), "json must be a JSON schema object, got bool"),
+    (dict(json="[" * 100_000 + "]" * 100_000), "json is nested too deeply"),
+    (dict(json={"a": float("nan")}), "json is not JSON"),
+    (dict(regex="a+", disable_any_whitespace=True), "disable_any_whitespace applies to json and json_object, not regex"),
 ])
 def test_bad_specs_name_the_field(spec, needle):
     with pytest.raises(ValueError, match=r"SamplingParams\.structured_outputs " + needle):
@@ -145,26 +151,60 @@ def test_a_grammar_that_does_not_compile_is_refused_before_it_runs(llm, spec, ne
     assert not llm.engine.has_unfinished_requests()
 
 
-def test_a_failing_matcher_fails_its_request_alone(llm, monkeypatch):
-    """A matcher that allows nothing (as one in error does): its request ends with an error naming
-    the grammar, the request beside it in the same steps finishes as if alone."""
-    from eagle_worker.structured_output import GrammarMatcher
-
-    alone = llm.generate(PROMPTS[1], SamplingParams(max_tokens=6, temperature=0.0, structured_outputs={"regex": "[a-z]+"}))
-    real = GrammarMatcher.allowed
-    monkeypatch.setattr(GrammarMatcher, "allowed", lambda self, draft=(): real(self, draft) & getattr(self, "ok", True))
+def test_a_matcher_failing_mid_output_fails_its_request_alone(llm):
+    """A schema past the parser's limits after its first token (2,000 optional properties): its
+    request ends with an error naming the grammar, and without the refused token; the request beside
+    it in the same steps finishes as if alone."""
+    big = {"type": "object", "properties": {f"k{i}": {"type": "string"} for i in range(2000)}}
+    ok = SamplingParams(max_tokens=6, temperature=0.0, structured_outputs={"regex": "[a-z]+"})
+    alone = llm.generate(PROMPTS[1], ok)[0]
     engine = llm.engine
-    engine.add_request("ok", PROMPTS[1], SamplingParams(max_tokens=6, temperature=0.0, structured_outputs={"regex": "[a-z]+"}))
+    engine.add_request("ok", PROMPTS[1], ok)
     engine.add_request("broken", PROMPTS[1], SamplingParams(max_tokens=6, temperature=1.0, seed=1,
-                                                            structured_outputs={"regex": "[a-z]+"}))
-    engine.requests["broken"].grammar.ok = False
+                                                            structured_outputs={"json": big}))
     outs = {}
     while engine.has_unfinished_requests():
         for o in engine.step():
             if o.finished:
                 outs[o.request_id] = o
-    assert outs["broken"].finish_reason == "error" and "grammar refused token" in outs["broken"].error
-    assert outs["ok"].token_ids == alone[0].token_ids and engine.stats()["failed_steps"] == 0
+    broken = outs["broken"]
+    assert broken.finish_reason == "error" and "structured output's grammar failed" in broken.error, broken
+    assert "items" in broken.error and len(broken.token_ids) <= 1
+    assert outs["ok"].token_ids == alone.token_ids and engine.stats()["failed_steps"] == 0
+
+
+@pytest.mark.parametrize("spec", [{"grammar": 'start: start "a"'},                      # left recursion, no base
+                                  {"json": {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}}])
+def test_a_grammar_that_cannot_produce_anything_is_refused_when_added(llm, spec):
+    """It compiles (the ingress cannot tell), but its first mask fails: refused by the engine (a 400
+    over HTTP), never an empty output that looks finished."""
+    with pytest.raises(ValueError, match=r"SamplingParams\.structured_outputs \w+: the grammar cannot produce any output"):
+        llm.engine.add_request("never", "x", SamplingParams(structured_outputs=spec))
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_ignore_eos_keeps_going_while_the_grammar_allows_more(llm):
+    """`[a-z]+` may end after any letter: with ignore_eos the output runs to max_tokens without EOS; a
+    grammar that is complete still ends it (nothing but EOS could follow)."""
+    kw = dict(max_tokens=12, temperature=1.0, seed=3, logit_bias={2: 10.0})     # EOS (id 2) made likely
+    free = llm.generate(PROMPTS[:3], SamplingParams(**kw, structured_outputs={"regex": "[a-z]+"}))
+    assert any(o.token_ids[-1] == 2 and len(o.token_ids) < 12 for o in free), [o.token_ids for o in free]
+    for o in llm.generate(PROMPTS[:3], SamplingParams(**kw, ignore_eos=True, structured_outputs={"regex": "[a-z]+"})):
+        assert o.finish_reason == "length" and 2 not in o.token_ids and re.fullmatch("[a-z]+", o.text), o
+    done = llm.generate(PROMPTS[0], SamplingParams(**kw, ignore_eos=True, structured_outputs={"choice": ["ab"]}))[0]
+    assert done.text == "ab" and done.finish_reason == "stop"
+
+
+def test_preemption_under_a_grammar_gives_the_same_tokens(tiny_model_dir):
+    """A preempted request recomputes its KV; its matcher has all its output and goes on where it was."""
+    params = [SamplingParams(max_tokens=40, temperature=t, seed=i, ignore_eos=True,
+                             structured_outputs={"regex": "[a-z ]{10,60}"}) for i, t in enumerate([0.0, 1.0] * 3)]
+    roomy = LLM(model=str(tiny_model_dir("llama")), draft=None, block_size=4, num_kv_blocks=512)
+    tight = LLM(model=str(tiny_model_dir("llama")), draft=None, block_size=4, num_kv_blocks=40)
+    want = [o.token_ids for o in roomy.generate(PROMPTS, params)]
+    outs = tight.generate(PROMPTS, params)
+    assert sum(o.metrics["num_preemptions"] for o in outs) > 0, "no preemption: the test checks nothing"
+    assert [o.token_ids for o in outs] == want
 
 
 def test_the_default_model_writes_json_for_a_schema_with_and_without_speculation(default_model_dir):

@@ -148,6 +148,7 @@ def test_openai_batch_bodies_are_checked_as_the_http_server_checks_them(tmp_path
         "format-both": ({**chat, "structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
                         "structured_outputs"),
         "format-type": ({**chat, "response_format": {"type": "yaml"}}, "response_format.type"),
+        "format-deep": ({**chat, "structured_outputs": {"json": "[" * 5000 + "]" * 5000}}, "structured_outputs"),
     }
     p = _jsonl(tmp_path / "b.jsonl", [{"custom_id": k, "url": "/v1/completions" if "prompt" in b else
                                        "/v1/chat/completions", "body": b} for k, (b, _) in cases.items()]
