@@ -1,4 +1,4 @@
-"""`eaglectl bench decode|spec|job|serve|mixed|prefix`: the benchmarks in bench/, results as a table and JSON."""
+"""`eaglectl bench decode|spec|job|serve|mixed|prefix|structured`: the benchmarks in bench/, results as a table and JSON."""
 from __future__ import annotations
 
 import contextlib
@@ -384,3 +384,27 @@ def bench_prefix(model, dtype, draft, scenarios, rounds, requests, system_tokens
     with _job_failures():
         run(model=model, dtype=dtype, draft=draft, scenarios=scenarios, rounds=rounds, sizes=sizes, json_out=json_out,
             c_runner=c_runner)
+
+
+@bench.command("structured")
+@click.option("--model", default="gemma-3-270m", show_default=True)
+@click.option("--dtype", default="float32", show_default=True, type=click.Choice(DTYPES))
+@click.option("--draft", default="default", show_default=True,
+              help="The speculation measured against plain decoding: default, auto, a head folder.")
+@click.option("--formats", default="free,json_object,json_schema", show_default=True,
+              type=CommaList(("free", "json_object", "json_schema")))
+@click.option("--batch-sizes", default="1,4", show_default=True, type=CommaList())
+@click.option("--prompts", "num_prompts", default=8, show_default=True, type=POSITIVE, help="Spec-Bench prompts.")
+@click.option("--max-tokens", default=64, show_default=True, type=POSITIVE)
+@click.option("--rounds", default=2, show_default=True, type=POSITIVE,
+              help="Runs of each measurement, the methods taking turns; the median counts.")
+@click.option("--json", "json_out", default="bench/results/structured.json", show_default=True)
+def bench_structured(model, dtype, draft, formats, batch_sizes, num_prompts, max_tokens, rounds, json_out):
+    """Structured outputs (free text, json_object, a JSON schema): plain decoding vs speculation, tok/s and tau."""
+    if draft in ("none", "None"):
+        raise click.BadParameter("the benchmark compares a speculation with none; name one", param_hint="--draft")
+    _preflight(json_out, model=model, draft=draft)
+    from bench.structured import run
+
+    run(model=model, dtype=dtype, draft=draft, formats=list(formats), batch_sizes=list(batch_sizes),
+        num_prompts=num_prompts, max_tokens=max_tokens, rounds=rounds, json_out=json_out)

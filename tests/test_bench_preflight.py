@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from eaglectl.bench import bench as bench_cli
 from tests.jobs.test_bench_cli import _no_benchmark
 
-COMMANDS = ("decode", "spec", "job", "serve", "mixed", "prefix")
+COMMANDS = ("decode", "spec", "job", "serve", "mixed", "prefix", "structured")
 
 
 @pytest.fixture
@@ -258,7 +258,7 @@ def test_every_bench_module_writes_its_report_through_the_shared_helper():
     for path in root.glob("*.py"):
         src = path.read_text()
         assert not re.search(r"write_text\(json\.dumps", src), path.name
-    for name in ("decode", "spec", "spec_batch", "spec_tp", "job", "serve", "mixed", "prefix", "cuda_check"):
+    for name in ("decode", "spec", "spec_batch", "spec_tp", "job", "serve", "mixed", "prefix", "cuda_check", "structured"):
         assert "write_json(" in (root / f"{name}.py").read_text(), name
 
 

@@ -296,9 +296,10 @@ def _no_benchmark(monkeypatch):
     import bench.spec
     import bench.spec_batch
     import bench.spec_tp
+    import bench.structured
 
     for module in (bench.decode, bench.job, bench.mixed, bench.prefix, bench.serve, bench.spec, bench.spec_batch,
-                   bench.spec_tp):
+                   bench.spec_tp, bench.structured):
         monkeypatch.setattr(module, "run", lambda *a, _m=module.__name__, **k: pytest.fail(f"{_m}.run was reached"))
 
 
