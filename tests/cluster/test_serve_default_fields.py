@@ -90,6 +90,11 @@ def test_response_format_json_schema_and_structured_outputs(app):
         streamed = "".join(c.choices[0].delta.content or "" for c in app.client.chat.completions.create(**kw, stream=True)
                            if c.choices)
         assert streamed == text
+    r = app.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=24, temperature=1.0, seed=9, n=2,
+                                           response_format=fmt)
+    assert [c.index for c in r.choices] == [0, 1]
+    for c in r.choices:                                     # each sample matches the schema
+        jsonschema.validate(json.loads(c.message.content), schema)
     choices = ["Paris", "London", "Rome"]
     r = app.client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0,
                                       extra_body={"structured_outputs": {"choice": choices}})

@@ -9,11 +9,9 @@ import re
 
 import pytest
 
-from eagle_worker import LLM, SamplingParams, SpecConfig, StructuredOutputs
+from eagle_worker import LLM, SamplingParams, StructuredOutputs
 
-KV = dict(block_size=4, num_kv_blocks=512)
-PROMPTS = ["The quick brown fox", "def add(a, b):\n", "Question: what is two plus two?\nAnswer:", "x",
-           "The quick brown fox jumps over the lazy dog. The quick", "Bonjour"]
+from .test_token_restrictions import KV, PROMPTS, outputs_by_method  # the tiny model's settings, prompts, methods
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +68,22 @@ def test_a_lark_grammar_and_a_gbnf_grammar(llm):
             assert re.fullmatch(rx, text) and reason == "stop", (grammar, text, reason)
 
 
+def test_stop_strings_and_logprobs_work_under_a_grammar(llm):
+    """A stop string cuts the matched text as without a grammar; logprobs come for every kept token and
+    are the raw distribution's (the grammar masks the draw, not what is reported)."""
+    rx = "[a-z]{12}"
+    whole = llm.generate(PROMPTS[0], SamplingParams(max_tokens=20, temperature=0.0, logprobs=2,
+                                                    structured_outputs={"regex": rx}))[0]
+    assert re.fullmatch(rx, whole.text) and len(whole.logprobs) == len(whole.token_ids)
+    raw = llm.generate(PROMPTS[0], SamplingParams(max_tokens=1, temperature=0.0, logprobs=2))[0].logprobs[0]
+    assert [t for t, _ in whole.logprobs[0].top] == [t for t, _ in raw.top]      # the raw top-2 at the first position
+    assert [v for _, v in whole.logprobs[0].top] == pytest.approx([v for _, v in raw.top], abs=1e-5)
+    stop = whole.text[3:5]
+    cut = llm.generate(PROMPTS[0], SamplingParams(max_tokens=20, temperature=0.0, stop=[stop],
+                                                  structured_outputs={"regex": rx}))[0]
+    assert cut.finish_reason == "stop" and cut.text == whole.text[:whole.text.index(stop)]
+
+
 def test_max_tokens_cuts_a_match_with_length(llm):
     out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=3, temperature=0.0,
                                                   structured_outputs={"regex": "[a-z]{40}"}))[0]
@@ -86,15 +100,9 @@ def test_speculation_gives_plain_decodings_tokens_under_a_grammar(copying_target
     params = [SamplingParams(max_tokens=20, temperature=t, seed=40 + i, structured_outputs=s)
               for i, (s, t) in enumerate((s, t) for s in specs for t in (0.0, 1.0))]
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(params))]
-    fixed = dict(adaptive=False, depth=3, top_k=3, num_draft_tokens=6)
     runs = {}
-    for name, spec in {"plain": None, "head": SpecConfig(draft=str(head), lookup=False, **fixed),
-                       "lookup": SpecConfig(lookup=True, lookup_ngram=(1, 3), adaptive=False),
-                       "hybrid": SpecConfig(draft=str(head), lookup=True, lookup_ngram=(1, 3), **fixed)}.items():
-        llm = LLM(model=str(target), spec=spec, **KV)
-        outs = llm.generate(prompts, params)
+    for name, outs in outputs_by_method(target, head, prompts, params).items():
         runs[name] = [(o.token_ids, o.finish_reason) for o in outs]
-        assert llm.engine.stats()["failed_steps"] == 0
         if name != "plain":     # drafts were accepted under the masks: the comparison checks verification
             assert max(o.metrics["mean_accepted_tokens"] for o in outs) > 1.2, name
     assert runs["head"] == runs["plain"] and runs["lookup"] == runs["plain"] and runs["hybrid"] == runs["plain"]

@@ -85,19 +85,27 @@ def test_speculation_gives_plain_decodings_tokens_under_min_tokens(copying_targe
     allowed = [EOS, 30, 31, 40, 41, 50, 77]
     params += [SamplingParams(max_tokens=14, temperature=t, seed=200 + i, allowed_token_ids=allowed, min_tokens=m)
                for i, (t, m) in enumerate([(0.0, 0), (1.0, 4)])]
+    runs = {name: [o.token_ids for o in outs] for name, outs in
+            outputs_by_method(target, head, PROMPTS + PROMPTS[:2], params).items()}
+    assert runs["head"] == runs["plain"] and runs["lookup"] == runs["plain"] and runs["hybrid"] == runs["plain"]
+    for ids, p in zip(runs["plain"], params):
+        assert EOS not in ids[:p.min_tokens], (ids, p.min_tokens)
+        assert not p.allowed_token_ids or set(ids) <= set(p.allowed_token_ids), ids
+    assert any(ids[-1] == EOS and len(ids) < 14 for ids in runs["plain"]), "no run ended on EOS: the test checks nothing"
+
+
+def outputs_by_method(target, head, prompts, params) -> dict:
+    """Each method's outputs for the same requests: plain decoding, the head, lookup and the hybrid
+    (fixed trees, so every step drafts); no step may fail."""
     fixed = dict(adaptive=False, depth=3, top_k=3, num_draft_tokens=6)
     runs = {}
     for name, spec in {"plain": None, "head": SpecConfig(draft=str(head), lookup=False, **fixed),
                        "lookup": SpecConfig(lookup=True, lookup_ngram=(1, 3), adaptive=False),
                        "hybrid": SpecConfig(draft=str(head), lookup=True, lookup_ngram=(1, 3), **fixed)}.items():
         llm = LLM(model=str(target), spec=spec, **KV)
-        runs[name] = [o.token_ids for o in llm.generate(PROMPTS + PROMPTS[:2], params)]
+        runs[name] = llm.generate(prompts, params)
         assert llm.engine.stats()["failed_steps"] == 0
-    assert runs["head"] == runs["plain"] and runs["lookup"] == runs["plain"] and runs["hybrid"] == runs["plain"]
-    for ids, p in zip(runs["plain"], params):
-        assert EOS not in ids[:p.min_tokens], (ids, p.min_tokens)
-        assert not p.allowed_token_ids or set(ids) <= set(p.allowed_token_ids), ids
-    assert any(ids[-1] == EOS and len(ids) < 14 for ids in runs["plain"]), "no run ended on EOS: the test checks nothing"
+    return runs
 
 
 @pytest.mark.parametrize("kwargs", [dict(min_tokens=-1), dict(min_tokens=17), dict(min_tokens=True),
