@@ -14,7 +14,8 @@ import torch
 from eagle_worker.structured_output import StructuredOutputs
 
 MAX_CACHED_GRAMMARS = 32        # per engine: compiled matchers kept for the next request with the same spec
-# llguidance's index of a tokenizer, per process: (name_or_path, len, vocab, eos ids) -> LLTokenizer
+# llguidance's index of a tokenizer loaded from a path or hub id, per process: (name_or_path, len,
+# vocab, eos ids) -> LLTokenizer (a tokenizer built in memory has no name: its engine keeps its own)
 _INDEXES: dict[tuple, object] = {}
 
 
@@ -28,22 +29,41 @@ class GrammarCompiler:
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.eos_token_ids = [t for t in eos_token_ids if t < vocab_size]
         self._compiled: OrderedDict[tuple, object] = OrderedDict()
+        self._own_index = None
 
     def _index(self):
         import llguidance.hf
 
+        if self._own_index is not None:
+            return self._own_index
         n_vocab = max(self.vocab_size, len(self.tokenizer))   # the tokenizer may hold ids the model never draws
-        key = (getattr(self.tokenizer, "name_or_path", None), len(self.tokenizer), n_vocab, tuple(self.eos_token_ids))
-        if key[0] is None or key not in _INDEXES:
+        name = getattr(self.tokenizer, "name_or_path", None)
+        key = (name, len(self.tokenizer), n_vocab, tuple(self.eos_token_ids))
+        index = _INDEXES.get(key) if isinstance(name, str) and name else None
+        if index is None:
             try:
-                _INDEXES[key] = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=n_vocab,
-                                                             eos_token=self.eos_token_ids or None)
+                index = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=n_vocab, eos_token=self.eos_token_ids or None)
             except ValueError as e:
                 raise ValueError(f"structured outputs need a fast (tokenizers) tokenizer: {e}") from None
-        return _INDEXES[key]
+            if isinstance(name, str) and name:
+                _INDEXES[key] = index
+        self._own_index = index
+        return index
 
     def matcher(self, spec: StructuredOutputs, ignore_eos: bool = False) -> GrammarMatcher:
-        """A matcher for a new request; ValueError (naming the field) if the grammar cannot run."""
+        """A matcher for a new request; ValueError (naming the field) if the grammar cannot run. Whatever
+        llguidance raises becomes that ValueError: on the engine thread, anything else would end the replica."""
+        try:
+            return self._matcher(spec, ignore_eos)
+        except ValueError:
+            raise
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:      # noqa: BLE001 - pyo3's PanicException is a BaseException
+            raise ValueError(f"SamplingParams.structured_outputs: the grammar could not be built "
+                             f"({type(e).__name__}: {_first_line(str(e))})") from None
+
+    def _matcher(self, spec: StructuredOutputs, ignore_eos: bool) -> GrammarMatcher:
         import llguidance
 
         index = self._index()
@@ -54,7 +74,7 @@ class GrammarCompiler:
             words = torch.zeros((index.vocab_size + 31) // 32, dtype=torch.int32)
             if not fresh.is_error():        # the first mask: where left recursion or a $ref loop shows
                 fresh.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
-            if fresh.is_error() or not words.any():
+            if fresh.is_error() or not _unpack(words, self.vocab_size).any():    # ids the model has, not the tokenizer
                 raise ValueError(f"SamplingParams.structured_outputs {key[0]}: the grammar cannot produce any "
                                  f"output: {_first_line(fresh.get_error()) or 'it allows no token'}")
             self._compiled[key] = fresh
@@ -88,8 +108,7 @@ class GrammarMatcher:
             if not draft and self.error is None:
                 self.error = _first_line(m.get_error()) or "the grammar allows no token here"
             return torch.zeros(self.vocab_size, dtype=torch.bool)
-        bits = np.unpackbits(self._words.numpy().view(np.uint8), bitorder="little")[:self.vocab_size]
-        mask = torch.from_numpy(bits.view(np.bool_))
+        mask = _unpack(self._words, self.vocab_size)
         if self.no_eos and mask[self.no_eos].any():
             without = mask.clone()
             without[self.no_eos] = False
@@ -108,6 +127,13 @@ class GrammarMatcher:
     def is_finished(self) -> bool:
         """The match is complete and nothing but EOS can follow (or EOS came)."""
         return self._m.is_stopped()
+
+
+def _unpack(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[vocab_size] bool of llguidance's bitmask: token i is bit i % 32 of int32 word i // 32 (on a
+    little-endian machine, bit i % 8 of byte i // 8: numpy's little bit order)."""
+    bits = np.unpackbits(words.numpy().view(np.uint8), bitorder="little")[:vocab_size]
+    return torch.from_numpy(bits.view(np.bool_))
 
 
 def _first_line(text: str) -> str:

@@ -13,6 +13,7 @@ This module is the request's spec (light: the ingress checks bodies with it); gr
 """
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 
@@ -52,7 +53,7 @@ class StructuredOutputs:
         if self.json is not None:
             if isinstance(self.json, str):
                 try:
-                    schema = json.loads(self.json)
+                    schema = json.loads(self.json, object_pairs_hook=_object_once)
                 except ValueError as e:
                     raise bad(f"json is not valid JSON: {e}") from None
                 except RecursionError:
@@ -95,19 +96,35 @@ class StructuredOutputs:
 
     def compile(self) -> str:
         """The llguidance grammar, or ValueError naming what is wrong with it (checked without a
-        tokenizer: the ingress refuses a bad regex before any replica sees it)."""
-        import llguidance
+        tokenizer: the ingress refuses a bad regex or schema before any replica sees it; one that
+        compiles but cannot produce anything is the engine's refusal). Cached: the ingress checks every
+        request, and many bring the same spec."""
+        return _compile(*self.grammar_spec(), self.disable_any_whitespace)
 
-        form, text = self.grammar_spec()
-        try:
-            if form == "json_schema":
-                grammar = llguidance.LLMatcher.grammar_from_json_schema(
-                    text, defaults={"whitespace_flexible": not self.disable_any_whitespace})
-            else:
-                grammar = llguidance.grammar_from(form, text)
-        except ValueError as e:
-            raise ValueError(f"SamplingParams.structured_outputs: {e}") from None
-        error = llguidance.LLMatcher.validate_grammar(grammar)
-        if error:
-            raise ValueError(f"SamplingParams.structured_outputs {form}: {error.strip()[:500]}")
-        return grammar
+
+@functools.lru_cache(maxsize=64)
+def _compile(form: str, text: str, disable_any_whitespace: bool) -> str:
+    import llguidance
+
+    try:
+        if form == "json_schema":
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                text, defaults={"whitespace_flexible": not disable_any_whitespace})
+        else:
+            grammar = llguidance.grammar_from(form, text)
+    except ValueError as e:
+        raise ValueError(f"SamplingParams.structured_outputs: {e}") from None
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    if error:
+        raise ValueError(f"SamplingParams.structured_outputs {form}: {error.strip()[:500]}")
+    return grammar
+
+
+def _object_once(pairs: list) -> dict:
+    """A JSON object whose keys are each given once (a schema's second "type" would silently win)."""
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"the key {key!r} appears twice in one object")
+        out[key] = value
+    return out

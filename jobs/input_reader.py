@@ -16,7 +16,6 @@ OpenAI Batch request lines are checked and parsed in jobs/openai_requests.py.
 from __future__ import annotations
 
 import difflib
-import json
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -24,6 +23,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from cluster.openai_body import loads_strict
 from cluster.openai_requests import MAX_TOKEN_LIST
 from eagle_worker.engine_api import normalize_messages as engine_messages
 from jobs.id_set import IdSet
@@ -391,7 +391,7 @@ def _parquet_row(rec: dict, derived_id: str | None, plan: InputPlan) -> Row:
             return row
     if "structured_outputs" in row.params:     # JSON text: {"json": {...}}, {"regex": "..."}, {"choice": [...]}, ...
         try:
-            spec = json.loads(row.params["structured_outputs"])
+            spec = loads_strict(row.params["structured_outputs"])
         except ValueError as e:
             spec, why = None, f"not valid JSON ({e})"
         except RecursionError:

@@ -112,6 +112,7 @@ def test_speculation_gives_plain_decodings_tokens_under_a_grammar(copying_target
     (dict(), "must set exactly one of json, regex, choice, grammar, json_object; got none"),
     (dict(regex="a", choice=["b"]), r"must set exactly one .* got \['regex', 'choice'\]"),
     (dict(json="{not json"), "json is not valid JSON"),
+    (dict(json='{"type": "object", "type": "array"}'), "json is not valid JSON: the key 'type' appears twice"),
     (dict(json=[1, 2]), "json must be a JSON schema"),
     (dict(regex=""), "regex must be a non-empty string"),
     (dict(grammar=7), "grammar must be a non-empty string"),
@@ -189,6 +190,23 @@ def test_a_grammar_that_cannot_produce_anything_is_refused_when_added(llm, spec)
     with pytest.raises(ValueError, match=r"SamplingParams\.structured_outputs \w+: the grammar cannot produce any output"):
         llm.engine.add_request("never", "x", SamplingParams(structured_outputs=spec))
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_whatever_llguidance_raises_is_the_requests_refusal_not_the_engines_end(llm, monkeypatch):
+    """On a replica, add_request runs on the engine thread: only a ValueError is a refusal there."""
+    import llguidance
+
+    class Panicking:      # compiles as the real one; building a matcher raises
+        validate_grammar = staticmethod(llguidance.LLMatcher.validate_grammar)
+
+        def __init__(self, *a, **k):
+            raise RuntimeError("a panic in the matcher")
+
+    monkeypatch.setattr(llguidance, "LLMatcher", Panicking)
+    with pytest.raises(ValueError, match=r"structured_outputs: the grammar could not be built \(RuntimeError: a panic"):
+        llm.engine.add_request("panics", "x", SamplingParams(structured_outputs={"regex": "[0-9]{7}"}))
+    monkeypatch.undo()
+    assert llm.generate("x", SamplingParams(max_tokens=4, structured_outputs={"regex": "[0-9]{7}"}))[0].text.isdigit()
 
 
 def test_ignore_eos_keeps_going_while_the_grammar_allows_more(llm):

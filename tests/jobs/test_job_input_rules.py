@@ -90,9 +90,11 @@ def test_structured_outputs_is_a_per_row_json_column(tmp_path):
     """vLLM's structured_outputs as JSON text per row: an object reaches SamplingParams; text that is not
     a JSON object, or a spec the engine refuses, is an error row naming the column."""
     specs = ['{"json": {"type": "object", "properties": {"a": {"type": "integer"}}}}', '{"choice": ["x", "y"]}',
-             None, "{oops", '["regex"]', '{"regex": "a", "choice": ["b"]}', "[" * 100_000 + "]" * 100_000]
-    p = write_parquet(tmp_path / "so.parquet", prompt=list("abcdefg"), structured_outputs=specs)
-    a, b, c, d, e, f, g = rows_of(p)
+             None, "{oops", '["regex"]', '{"regex": "a", "choice": ["b"]}', "[" * 100_000 + "]" * 100_000,
+             '{"regex": "a", "regex": "b"}']
+    p = write_parquet(tmp_path / "so.parquet", prompt=list("abcdefgh"), structured_outputs=specs)
+    a, b, c, d, e, f, g, h = rows_of(p)
+    assert "the key 'regex' appears twice" in h.error and h.error_param == "structured_outputs"
     assert g.error == "structured_outputs: nested too deeply" and f.error is None     # that row alone
     cfg = JobConfig(input=str(p), max_tokens=4)
     assert SamplingParams(**row_params(cfg, a)).structured_outputs.json["properties"] == {"a": {"type": "integer"}}
