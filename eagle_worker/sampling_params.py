@@ -169,7 +169,7 @@ def _structured(x):
         odd = sorted(set(x) - set(StructuredOutputs.__dataclass_fields__), key=str)
         if odd:
             raise ValueError(f"SamplingParams.structured_outputs has unknown field(s) {_short(odd)}; "
-                             "it takes json, regex, choice, grammar or json_object")
+                             "it takes json, regex, choice, grammar, json_object and disable_any_whitespace")
         return StructuredOutputs(**x)
     raise ValueError(f"SamplingParams.structured_outputs must be a StructuredOutputs or a dict of its fields, "
                      f"got {type(x).__name__}")
