@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any
 
 from starlette.requests import ClientDisconnect
 
 from cluster.metrics import CLIENT_CLOSED
 from cluster.openai_errors import APIError
+from eagle_worker.engine_api import loads_strict
 
 
 async def read_json_object(request, max_bytes: int, timeout_s: float = 30.0) -> dict[str, Any]:
@@ -55,18 +55,3 @@ async def read_json_object(request, max_bytes: int, timeout_s: float = 30.0) -> 
     if not isinstance(body, dict):
         raise APIError(400, f"request body must be a JSON object, got {type(body).__name__}")
     return body
-
-
-def loads_strict(text: str | bytes) -> Any:
-    """json.loads, refusing (ValueError) a key twice in one object: a request is read the same way
-    over HTTP and in a batch file. (NaN and Infinity parse; the request models refuse them per field.)"""
-    return json.loads(text, object_pairs_hook=_object_once)
-
-
-def _object_once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"the key {key!r} appears twice in one object")
-        out[key] = value
-    return out

@@ -23,7 +23,7 @@ from eagle_worker.default_models import is_builtin, local_context  # noqa: F401 
 from eagle_worker.malloc_tuning import GLIBC_TUNABLES  # noqa: F401  (the env of the engine processes the fleet starts)
 from eagle_worker.prefix_hash import block_hashes  # noqa: F401  (the fleet's prefix-aware routing hashes as engines cache)
 from eagle_worker.speculative.config import SPEC_LIMITS  # noqa: F401  (the configs' bounds on tree sizes)
-from eagle_worker.structured_output import MAX_CHOICES, StructuredOutputs  # noqa: F401  (the ingress checks a grammar)
+from eagle_worker.structured_output import MAX_CHOICES, StructuredOutputs, loads_strict  # noqa: F401  (grammars; request JSON)
 
 # Keys of `Engine.stats()` the fleet reads (routing, metrics); an engine may report more.
 STATS_KEYS = ("num_running", "num_waiting", "num_free_blocks", "kv_usage")

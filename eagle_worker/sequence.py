@@ -69,9 +69,9 @@ class Sequence:
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 priority: int, seed: int, stop_ids: Iterable[int] = ()):
+                 priority: int, seed: int, stop_ids: Iterable[int] = (), grammar=None):
         """`stop_ids`: the tokens that would end it (EOS unless ignore_eos, stop_token_ids), which its
-        first `params.min_tokens` tokens cannot be."""
+        first `params.min_tokens` tokens cannot be; `grammar`: a structured output's GrammarMatcher."""
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)
@@ -79,7 +79,7 @@ class Sequence:
         self.priority = priority
         self.seed = seed               # every request has one: its text is a function of it
         self.early_banned = tuple(sorted(set(stop_ids))) if params.min_tokens else ()
-        self.grammar = None            # a structured output's GrammarMatcher, fed every output token
+        self.grammar = grammar         # fed every output token (engine._append)
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.num_computed_tokens = 0

@@ -53,7 +53,7 @@ class StructuredOutputs:
         if self.json is not None:
             if isinstance(self.json, str):
                 try:
-                    schema = json.loads(self.json, object_pairs_hook=_object_once)
+                    schema = loads_strict(self.json)
                 except ValueError as e:
                     raise bad(f"json is not valid JSON: {e}") from None
                 except RecursionError:
@@ -120,8 +120,14 @@ def _compile(form: str, text: str, disable_any_whitespace: bool) -> str:
     return grammar
 
 
+def loads_strict(text: str | bytes):
+    """json.loads, refusing (ValueError) a key twice in one object: one value would be dropped unseen
+    (a schema's second "type"). The one reading of request JSON: HTTP bodies, batch files, schema
+    text. (NaN and Infinity parse; the request models refuse them per field.)"""
+    return json.loads(text, object_pairs_hook=_object_once)
+
+
 def _object_once(pairs: list) -> dict:
-    """A JSON object whose keys are each given once (a schema's second "type" would silently win)."""
     out = {}
     for key, value in pairs:
         if key in out:
