@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from cluster.cpu_threads import ENGINE_MALLOC_ENV
 
 GATHER_BYTES = 40_000 * 256 * 4          # 41 MB: past glibc's largest default mmap threshold (32 MB)
@@ -39,6 +41,7 @@ def _probe(**env) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow      # two engine processes
 def test_the_engine_process_reuses_large_blocks_and_an_untuned_one_does_not():
     control = _probe(GLIBC_TUNABLES="glibc.malloc.check=0")       # the operator's setting: left alone
     assert not control["tuned"]

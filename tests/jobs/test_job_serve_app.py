@@ -213,6 +213,7 @@ def fake_app(cluster):
     return lambda: sum(ray.get([h.get_num_ongoing_requests.remote() for h in engines]))
 
 
+@pytest.mark.slow   # a `ray start` cluster and the job driver in a subprocess
 def test_the_rows_of_a_killed_driver_end_in_the_app(tmp_path, cluster, fake_app):
     """Ray does not cancel a call when its caller's process dies: the rows of a driver killed mid-job
     ran on in the app to max_tokens (here 60 steps of 0.5 s). The driver's stand-in actor dies
@@ -231,6 +232,7 @@ def test_the_rows_of_a_killed_driver_end_in_the_app(tmp_path, cluster, fake_app)
     assert not _committed(tmp_path / "in.out")                           # nothing finished: a rerun does all 3
 
 
+@pytest.mark.slow   # a `ray start` cluster and the job driver in a subprocess
 def test_a_stand_in_killed_under_a_live_driver_costs_a_resend_not_a_cut_row(tmp_path, cluster, fake_app):
     """The replicas end the rows of a driver whose stand-in is gone. Under a live driver (its
     stand-in killed by hand, or OOM) those rows came back as if finished: written with the tokens so

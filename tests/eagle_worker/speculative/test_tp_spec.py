@@ -113,7 +113,10 @@ def spec_job(name: str, heads: dict, **engine) -> dict:
     return {"name": name, "spec": dict(draft=heads[kind] if kind else None, adaptive=False, **method), "engine": engine}
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma3"])
+# gemma3 (one KV head, replicated: both ranks must keep the same cache) runs in the fast tier; the other
+# families spawn the same two rank processes for each of six methods (slow: subprocesses)
+@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow) for f in ("llama", "qwen2", "qwen3")]
+                         + ["gemma3"])
 def test_tp2_speculation_greedy_equals_tp1_plain(family, tmp_path):
     """Every method on llama, three on the others; a 7-token step budget chunks prompts, so trees
     share steps with prefill chunks and plain decodes."""
