@@ -95,6 +95,15 @@ def _accepted(out: Any) -> Any:
     return _unless_failed(out)
 
 
+def _as_asked(e: APIError, req) -> APIError:
+    """A replica refuses a format (a grammar that compiles but can produce nothing) in the engine's
+    words, SamplingParams.structured_outputs: the error names the field the client sent."""
+    if e.param == "structured_outputs":
+        e.param = "response_format" if req.structured_outputs is None and req.response_format is not None else e.param
+        e.message = e.message.replace("SamplingParams.structured_outputs", e.param, 1)
+    return e
+
+
 def _unless_failed(out: Any) -> Any:
     """An output, or the 500 of a request the engine failed (its step raised; the replica lives on)."""
     if isinstance(out, Failed):
@@ -241,7 +250,7 @@ class OpenAIIngress:
                                    headers={"Cache-Control": "no-cache"})
         except APIError as e:
             status = e.status
-            raise
+            raise _as_asked(e, req) from None
         finally:
             if not req.stream or status != 200:     # a stream's response releases it (cluster/stream_response.py)
                 await self._release(req, its)

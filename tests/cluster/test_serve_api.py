@@ -183,6 +183,9 @@ def _err(exc_info):
     return body.get("error", body) if isinstance(body, dict) and "error" in body else body
 
 
+LOOP = {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}     # a schema that can produce nothing
+
+
 @pytest.mark.parametrize("kwargs,status,param,needle", [
     (dict(max_tokens=10_000), 400, "max_tokens", "limit of 32"),
     (dict(prompt="hello " * 200), 400, "prompt", "maximum context"),
@@ -196,6 +199,11 @@ def _err(exc_info):
     (dict(seed=2**64), 400, "seed", "less than"),
     (dict(extra_body={"response_format": {"type": "json_schema"}}), 400, "response_format", "json_schema is required"),
     (dict(extra_body={"structured_outputs": {"regex": "[a-"}}), 400, "structured_outputs", "regex"),
+    # compiles at the ingress, refused by the replica (its first mask): named as the client asked for it
+    (dict(extra_body={"structured_outputs": {"json": LOOP}}), 400, "structured_outputs",
+     "structured_outputs json_schema: the grammar cannot produce"),
+    (dict(extra_body={"response_format": {"type": "json_schema", "json_schema": {"name": "loop", "schema": LOOP}}}), 400,
+     "response_format", "response_format json_schema: the grammar cannot produce"),
     (dict(prompt=""), 400, "prompt", "empty"),
     (dict(extra_body={"top_k": -5}), 400, "top_k", ""),
 ])
