@@ -75,8 +75,8 @@ class GrammarCompiler:
             if not fresh.is_error():        # the first mask: where left recursion or a $ref loop shows
                 fresh.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
             if fresh.is_error() or not _unpack(words, self.vocab_size).any():    # ids the model has, not the tokenizer
-                raise ValueError(f"SamplingParams.structured_outputs {key[0]}: the grammar cannot produce any "
-                                 f"output: {_first_line(fresh.get_error()) or 'it allows no token'}")
+                why = f"llguidance: {_first_line(fresh.get_error())}" if fresh.is_error() else "it allows no token"
+                raise ValueError(f"SamplingParams.structured_outputs {key[0]}: the grammar cannot produce any output ({why})")
             self._compiled[key] = fresh
             while len(self._compiled) > MAX_CACHED_GRAMMARS:
                 self._compiled.popitem(last=False)
