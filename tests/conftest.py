@@ -150,7 +150,8 @@ def default_model_dir() -> Path:
 # Test tiers. `python -m pytest` runs everything (CI); `python -m pytest -m "not slow"` is the fast
 # tier for development (unit tests and tiny random models, a few minutes on 2 cores).
 # `slow` = loads the real default model (gemma-3-270m), starts Ray (a local `ray.init`, a
-# multi-node `ray start` cluster, Serve apps) or runs the CLI/jobs/servers in subprocesses.
+# multi-node `ray start` cluster, Serve apps) or runs the CLI/jobs/servers in subprocesses (TP 2 rank
+# processes too, but for one family's parity and the copying-target cases, kept fast for engine work).
 # Tests that use one of the fixtures below are marked slow here, in one place; tests that start
 # such things themselves carry `pytestmark = pytest.mark.slow` (whole module) or `@pytest.mark.slow`.
 # ---------------------------------------------------------------------------------------------
