@@ -97,10 +97,9 @@ def _accepted(out: Any) -> Any:
 
 def _as_asked(e: APIError, req) -> APIError:
     """A replica refuses a format (a grammar that compiles but can produce nothing) in the engine's
-    words, SamplingParams.structured_outputs: the error names the field the client sent."""
+    words: the error names the field the client sent, as the ingress's own refusals do."""
     if e.param == "structured_outputs":
-        e.param = "response_format" if req.structured_outputs is None and req.response_format is not None else e.param
-        e.message = e.message.replace("SamplingParams.structured_outputs", e.param, 1)
+        e.param, e.message = req.structured_field, req.as_asked(e.message)
     return e
 
 

@@ -199,13 +199,12 @@ class _SamplingRequest(BaseModel):
             raise ValueError("structured_outputs: give it or response_format, not both")
         spec = self.structured_spec
         if spec is not None:
-            field = "structured_outputs" if self.structured_outputs is not None else "response_format"
             if self.min_tokens or self.allowed_token_ids:
-                raise ValueError(f"{field}: cannot be combined with min_tokens or allowed_token_ids")
+                raise ValueError(f"{self.structured_field}: cannot be combined with min_tokens or allowed_token_ids")
             try:
                 StructuredOutputs(**spec).compile()
             except ValueError as e:
-                raise ValueError(f"{field}: {str(e).removeprefix('SamplingParams.structured_outputs').lstrip(': ')}") from None
+                raise ValueError(self.as_asked(str(e))) from None
         return self
 
     @property
@@ -214,6 +213,16 @@ class _SamplingRequest(BaseModel):
         if self.structured_outputs is not None:
             return self.structured_outputs.spec()
         return self.response_format.spec() if self.response_format is not None else None
+
+    @property
+    def structured_field(self) -> str:
+        """The field the client asked for a format with (the engine's is structured_outputs)."""
+        return "response_format" if self.structured_outputs is None and self.response_format is not None \
+            else "structured_outputs"
+
+    def as_asked(self, engine_message: str) -> str:
+        """An engine refusal of the format (SamplingParams.structured_outputs ...) in the client's field."""
+        return f"{self.structured_field}: {engine_message.removeprefix('SamplingParams.structured_outputs').lstrip(': ')}"
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):

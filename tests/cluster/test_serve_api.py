@@ -201,9 +201,9 @@ LOOP = {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}     # a sche
     (dict(extra_body={"structured_outputs": {"regex": "[a-"}}), 400, "structured_outputs", "regex"),
     # compiles at the ingress, refused by the replica (its first mask): named as the client asked for it
     (dict(extra_body={"structured_outputs": {"json": LOOP}}), 400, "structured_outputs",
-     "structured_outputs json_schema: the grammar cannot produce"),
+     "structured_outputs: json_schema: the grammar cannot produce"),
     (dict(extra_body={"response_format": {"type": "json_schema", "json_schema": {"name": "loop", "schema": LOOP}}}), 400,
-     "response_format", "response_format json_schema: the grammar cannot produce"),
+     "response_format", "response_format: json_schema: the grammar cannot produce"),
     (dict(prompt=""), 400, "prompt", "empty"),
     (dict(extra_body={"top_k": -5}), 400, "top_k", ""),
 ])
