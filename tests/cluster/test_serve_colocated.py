@@ -48,8 +48,8 @@ def test_one_replica_is_one_deployment_that_answers_as_the_two_deployment_layout
 
     # a stream the client abandons is aborted in the engine (the in-process stream's cancel)
     with requests.post(f"{colocated.url}/v1/completions", stream=True, timeout=60,
-                       json={"model": MODEL, "prompt": "[slow:0.05] long", "max_tokens": 60, "stream": True}) as r:
-        next(r.iter_lines())
+                       json={"model": MODEL, "prompt": "[slow:0.5] long", "max_tokens": 60, "stream": True}) as r:
+        next(r.iter_lines())    # 60 steps of 0.5 s: left alone it runs 30 s, well past the wait below
         assert handle.stats.remote().result(timeout_s=60)["num_running"] == 1
     assert wait_for(lambda: handle.stats.remote().result(timeout_s=60)["num_running"] == 0, timeout=10)
 

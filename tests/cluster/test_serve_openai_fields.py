@@ -297,11 +297,11 @@ def test_abandoned_n_stream_aborts_every_choice(app):
     from tests.cluster.conftest import wait_for
 
     with requests.post(f"{app.url}/v1/completions", stream=True, timeout=60, json={
-            "model": MODEL, "prompt": "[slow:0.05] long", "max_tokens": 60, "n": 3, "stream": True}) as r:
+            "model": MODEL, "prompt": "[slow:0.5] long", "max_tokens": 60, "n": 3, "stream": True}) as r:
         lines = r.iter_lines()     # kept: a dropped line iterator closes the connection when collected
         next(lines)                # the first choice has started; the others join
         assert wait_for(lambda: _replica_stats("fields")["num_running"] == 3, timeout=5)
-    assert wait_for(lambda: _replica_stats("fields")["num_running"] == 0, timeout=5)   # not after ~3 s of steps
+    assert wait_for(lambda: _replica_stats("fields")["num_running"] == 0, timeout=5)   # not after ~30 s of steps
 
 
 def test_a_stream_with_more_choices_than_engine_slots_starts_at_once(deploy):
