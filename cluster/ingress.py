@@ -30,7 +30,7 @@ from cluster.replica_errors import Failed, Rejected
 from cluster.request_retry import PoisonRequestError, ReplicaLostError, stream_outputs
 from cluster.router_state import live_replica_stats
 from cluster.stream_response import Release, ReleasingStream
-from eagle_worker.engine_api import load_engine_module
+from eagle_worker.engine_api import kept_prompt_tokens, load_engine_module
 
 logger = logging.getLogger(__name__)
 api = FastAPI(title="eagle-serve", docs_url=None, redoc_url=None)
@@ -306,8 +306,13 @@ class OpenAIIngress:
         max_tokens = 1 if req.score_only else self._max_tokens(req.max_tokens, default=16)
         self._check_count(req, len(req.prompts))      # before tokenizing a batch that cannot run
         ids, texts = [], []
+        truncating = req.truncate_prompt_tokens is not None
         for prompt in req.prompts:
-            prompt_ids, text = await self.prompts.completion(prompt, self._context(), need_text=req.echo)
+            prompt_ids, text = await self.prompts.completion(prompt, self._context(), req.echo, truncating)
+            kept = self._truncated(prompt_ids, req.truncate_prompt_tokens, max_tokens)
+            if req.echo and len(kept) < len(prompt_ids):      # echo what the model reads
+                _, text = await self.prompts.completion(kept, self._context(), need_text=True)
+            prompt_ids = kept
             self._fits_context(len(prompt_ids), None if req.score_only else req.max_tokens, prompt_field="prompt")
             ids.append(prompt_ids)
             texts.append(text)
@@ -323,9 +328,22 @@ class OpenAIIngress:
             raise APIError(400, f"messages: {e}", param="messages") from None
         max_tokens = self._max_tokens(req.requested_max_tokens, self.config.limits.max_tokens, req.max_tokens_field)
         self._check_count(req, 1)
-        ids = await self.prompts.chat(messages, self._context())
+        ids = await self.prompts.chat(messages, self._context(), req.truncate_prompt_tokens is not None)
+        ids = self._truncated(ids, req.truncate_prompt_tokens, max_tokens)
         self._fits_context(len(ids), req.requested_max_tokens, req.max_tokens_field, prompt_field="messages")
         return await self._run("chat", req, [ids], max_tokens, ChatRender(self.config.model_name, self.prompts, req))
+
+    def _truncated(self, ids: list[int], truncate: int | None, max_tokens: int) -> list[int]:
+        """The prompt's tokens the request keeps (truncate_prompt_tokens), by the engine's own rule; with
+        the context not known yet, the replica's engine cuts them by the same rule."""
+        context = self._context()
+        if truncate is None or context is None:
+            return ids
+        try:
+            keep = kept_prompt_tokens(truncate, len(ids), context, max_tokens)
+        except ValueError as e:
+            raise APIError(400, str(e).removeprefix("SamplingParams."), param="truncate_prompt_tokens") from None
+        return ids[len(ids) - keep:]
 
     def _fits_context(self, prompt_tokens: int, requested: int | None, field: str = "max_tokens",
                       prompt_field: str = "prompt") -> None:

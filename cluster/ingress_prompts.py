@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 
 from cluster.openai_errors import APIError, chars_context_error
+from eagle_worker.engine_api import MAX_TRUNCATED_PROMPT_CHARS
 
 CONTEXT_BOUND = 32768  # tokens assumed for the character check until a replica reports max_model_len
 
@@ -32,15 +33,19 @@ class IngressPrompts:
     def bos_token(self) -> str | None:
         return getattr(self.prompts, "bos_token", None)
 
-    def _check_length(self, chars: int, max_model_len: int | None, param: str) -> None:
+    def _check_length(self, chars: int, max_model_len: int | None, param: str, truncating: bool) -> None:
         context = max_model_len or CONTEXT_BOUND
         limit = context * max(1, self.prompts.max_chars_per_token)
-        if chars > limit:
+        if truncating:       # tokenized whole, then its last tokens kept (truncate_prompt_tokens): bounded all the same
+            if chars > max(limit, MAX_TRUNCATED_PROMPT_CHARS):
+                raise APIError(400, f"{param}: {chars} characters; a prompt cut by truncate_prompt_tokens may have at "
+                                    f"most {max(limit, MAX_TRUNCATED_PROMPT_CHARS)}", param=param)
+        elif chars > limit:
             raise APIError(400, chars_context_error(chars, limit, context, param), param=param,
                            code="context_length_exceeded")
 
     async def completion(self, prompt: str | list[int], max_model_len: int | None,
-                         need_text: bool) -> tuple[list[int], str]:
+                         need_text: bool, truncating: bool = False) -> tuple[list[int], str]:
         """(token ids, prompt text); the text of a token-id prompt is decoded only if `need_text`."""
         if isinstance(prompt, list):
             if min(prompt) < 0:
@@ -52,16 +57,16 @@ class IngressPrompts:
             except Exception as e:
                 raise APIError(400, f"prompt: cannot decode these token ids: {e}", param="prompt") from None
             return prompt, text
-        self._check_length(len(prompt), max_model_len, "prompt")
+        self._check_length(len(prompt), max_model_len, "prompt", truncating)
         return await self._tokenize(prompt, "prompt"), prompt
 
-    async def chat(self, messages: list[dict], max_model_len: int | None) -> list[int]:
-        self._check_length(sum(len(m["content"]) for m in messages), max_model_len, "messages")
+    async def chat(self, messages: list[dict], max_model_len: int | None, truncating: bool = False) -> list[int]:
+        self._check_length(sum(len(m["content"]) for m in messages), max_model_len, "messages", truncating)
         try:
             text = await asyncio.to_thread(self.prompts.apply_chat_template, messages)
         except Exception as e:  # no template, malformed messages, a template's raise_exception()
             raise APIError(400, f"messages: cannot apply the chat template: {e}", param="messages") from None
-        self._check_length(len(text), max_model_len, "messages")
+        self._check_length(len(text), max_model_len, "messages", truncating)
         return await self._tokenize(text, "messages")
 
     async def _tokenize(self, text: str, param: str) -> list[int]:

@@ -4,8 +4,8 @@ A field we do not serve is refused with a 400 naming it, never silently ignored:
 `tools`; the few that OpenAI clients send and that change nothing (`HARMLESS`) are accepted.
 `response_format` (text, json_object, json_schema) on both endpoints, as vLLM takes it. Extensions
 beyond OpenAI (vLLM's names): top_k, min_p, repetition_penalty, ignore_eos, min_tokens, stop_token_ids,
-allowed_token_ids, structured_outputs, include_stop_str_in_output, skip_special_tokens (true only)
-and `priority` (0 = online, the default; 1 = offline/batch work that yields to online requests).
+allowed_token_ids, structured_outputs, include_stop_str_in_output, truncate_prompt_tokens,
+skip_special_tokens (true only) and `priority` (0 = online, the default; 1 = offline/batch work that yields to online requests).
 """
 from __future__ import annotations
 
@@ -28,6 +28,12 @@ HARMLESS = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", 
             "safety_identifier")
 # OpenAI fields this server does not serve, taken when null (they then ask for nothing); any value is a 400.
 UNSERVED_NULLABLE = ("audio", "modalities", "prediction", "reasoning_effort", "verbosity", "web_search_options")
+
+
+def format_refusal(field: str, engine_message: str) -> str:
+    """An engine refusal of a format (SamplingParams.structured_outputs ...) in the field the client
+    asked with: `response_format` or `structured_outputs` (HTTP requests and job rows alike)."""
+    return f"{field}: {engine_message.removeprefix('SamplingParams.structured_outputs').lstrip(': ')}"
 
 
 def _null_is_not_given(model: type[BaseModel], data: Any) -> Any:
@@ -148,6 +154,7 @@ class _SamplingRequest(BaseModel):
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_TOKEN_LIST)
     allowed_token_ids: list[int] | None = Field(None, min_length=1, max_length=MAX_TOKEN_LIST)
     include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)   # the prompt's last k tokens; -1: as many as fit
     skip_special_tokens: bool = True       # the engine's text always skips them: false is refused
     structured_outputs: StructuredOutputsBody | None = None
     response_format: ResponseFormat | None = None
@@ -158,6 +165,13 @@ class _SamplingRequest(BaseModel):
     def _special_tokens_skipped(cls, v: bool) -> bool:
         if not v:
             raise ValueError("false is not supported: text never holds special tokens here (logprobs name them)")
+        return v
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncation(cls, v: int | None) -> int | None:
+        if v == 0:
+            raise ValueError("must be -1 (keep as many tokens as fit beside max_tokens) or at least 1, got 0")
         return v
 
     @model_validator(mode="before")
@@ -222,7 +236,7 @@ class _SamplingRequest(BaseModel):
 
     def as_asked(self, engine_message: str) -> str:
         """An engine refusal of the format (SamplingParams.structured_outputs ...) in the client's field."""
-        return f"{self.structured_field}: {engine_message.removeprefix('SamplingParams.structured_outputs').lstrip(': ')}"
+        return format_refusal(self.structured_field, engine_message)
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
@@ -260,6 +274,7 @@ class _SamplingRequest(BaseModel):
         optional = dict(presence_penalty=(self.presence_penalty, 0.0), frequency_penalty=(self.frequency_penalty, 0.0),
                         repetition_penalty=(self.repetition_penalty, 1.0), min_tokens=(self.min_tokens, 0),
                         allowed_token_ids=(self.allowed_token_ids, None), structured_outputs=(self.structured_spec, None),
+                        truncate_prompt_tokens=(self.truncate_prompt_tokens, None),
                         logit_bias=({int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None, None),
                         logprobs=(self.num_logprobs, None), prompt_logprobs=(self.num_prompt_logprobs, None))
         params.update({k: v for k, (v, default) in optional.items() if v != default})

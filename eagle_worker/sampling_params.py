@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 MIN_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20          # top alternatives a request may ask for per token (OpenAI's limit)
 MAX_SEED = 2**63           # seeds are 0 <= seed < 2**63 (a signed 64-bit integer)
+# Characters a prompt that is truncated (truncate_prompt_tokens) may have: it is tokenized whole before
+# its last tokens are kept, so this bounds that work, as max_model_len bounds an untruncated prompt's.
+MAX_TRUNCATED_PROMPT_CHARS = 1 << 22
 
 
 def _number(x) -> bool:
@@ -54,6 +57,7 @@ class SamplingParams:
     min_tokens: int = 0                  # no EOS / stop id within the first this many, and stop strings must end after them
     allowed_token_ids: list[int] | None = None   # only these tokens can be drawn (vLLM's)
     structured_outputs: object = None    # StructuredOutputs (or its fields as a dict): the output matches a grammar
+    truncate_prompt_tokens: int | None = None    # keep the prompt's last k tokens; -1: as many as leave max_tokens room
     # derived, not set by callers: what the engine reads per token, built once per request
     stop_id_set: frozenset = field(default=frozenset(), init=False, repr=False, compare=False)
     _bias_rows: tuple | None = field(default=None, init=False, repr=False, compare=False)
@@ -111,6 +115,9 @@ class SamplingParams:
             (_number(self.repetition_penalty) and 0 < self.repetition_penalty <= 2, "repetition_penalty",
              f"must be in (0, 2], got {self.repetition_penalty!r}"),
             (isinstance(self.ignore_eos, bool), "ignore_eos", f"must be true or false, got {self.ignore_eos!r}"),
+            (self.truncate_prompt_tokens is None or (is_int(self.truncate_prompt_tokens) and (
+                self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1)), "truncate_prompt_tokens",
+             f"must be None, -1 (as many as fit) or an integer >= 1, got {self.truncate_prompt_tokens!r}"),
             (isinstance(self.include_stop_str_in_output, bool), "include_stop_str_in_output",
              f"must be true or false, got {self.include_stop_str_in_output!r}"),
             (self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
@@ -185,3 +192,21 @@ def _int_key(k):
 def _short(x) -> str:
     s = repr(x)
     return s if len(s) <= 80 else s[:77] + "..."
+
+
+def kept_prompt_tokens(truncate: int | None, num_prompt_tokens: int, max_model_len: int, max_tokens: int) -> int:
+    """How many of a prompt's tokens (its last ones) a request keeps: all without truncation; with
+    truncate_prompt_tokens k, the last k (k must leave room for a generated token); with -1, as many as
+    leave the context room for max_tokens. The one rule for the engine and the HTTP ingress."""
+    if truncate is None:
+        return num_prompt_tokens
+    if truncate == -1:
+        if max_tokens >= max_model_len:
+            raise ValueError(f"SamplingParams.truncate_prompt_tokens -1 keeps the prompt's last max_model_len - "
+                             f"max_tokens tokens, and max_tokens ({max_tokens}) leaves none of max_model_len "
+                             f"({max_model_len}); give a smaller max_tokens")
+        return min(num_prompt_tokens, max_model_len - max_tokens)
+    if truncate >= max_model_len:
+        raise ValueError(f"SamplingParams.truncate_prompt_tokens ({truncate}) must be less than max_model_len "
+                         f"({max_model_len}), leaving room for a generated token")
+    return min(num_prompt_tokens, truncate)

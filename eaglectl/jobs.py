@@ -56,6 +56,8 @@ def _run_local(cfg, ray_address: str) -> None:
 @click.option("--top-k", type=int, help="[default: -1, off]")
 @click.option("--seed", type=int, help="Seed for every row [default: one derived from each row's id].")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--truncate-prompt-tokens", type=int, help="Keep each prompt's last N tokens; -1: as many as leave "
+              "room for max_tokens [default: none; a prompt beyond the context is an error row].")
 @click.option("--max-model-len", type=int)
 @click.option("--replicas", type=int, help="Engine replicas [default: 1].")
 @click.option("--tp-size", type=int, help="Tensor-parallel ranks per replica [default: 1].")

@@ -38,7 +38,8 @@ __all__ = ["InputError", "InputPlan", "Row", "iter_rows", "open_input"]
 # one is an error row naming it, as the flags' own fields are)
 OVERRIDES = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "min_p", "presence_penalty",
              "frequency_penalty", "repetition_penalty", "stop_token_ids", "logit_bias", "ignore_eos",
-             "include_stop_str_in_output", "min_tokens", "allowed_token_ids", "structured_outputs")
+             "include_stop_str_in_output", "min_tokens", "allowed_token_ids", "structured_outputs",
+             "truncate_prompt_tokens")
 # sampling settings a Parquet row cannot take: refused up front by name, never read and silently ignored
 NOT_PER_ROW = {"n": "one completion per row", "best_of": "one completion per row",
                "logprobs": "the Parquet output has no logprobs; OpenAI Batch JSONL input returns them",
@@ -67,6 +68,7 @@ class Row:
     free_losses: int = 0                         # sends lost with a node taken away or to an unreachable
                                                  # replica (death_cause.free_loss; free up to FREE_NODE_LOSSES)
     strict_max_tokens: bool = False              # OpenAI request: prompt + max_tokens over the context is a 400
+    format_field: str = "structured_outputs"     # the field the row asked for a format with (error rows name it)
 
 
 @dataclass
@@ -145,6 +147,7 @@ _EXPECTED = {  # column -> (check, expected type in words)
     "max_tokens": (pa.types.is_integer, "integer"),
     "top_k": (pa.types.is_integer, "integer"),
     "min_tokens": (pa.types.is_integer, "integer"),
+    "truncate_prompt_tokens": (pa.types.is_integer, "integer"),
     "seed": (pa.types.is_integer, "integer"),
     **{c: (_is_number, "float") for c in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                                           "repetition_penalty")},

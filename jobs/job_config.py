@@ -79,6 +79,9 @@ class JobConfig(BaseModel):
     top_k: Count = Field(-1, ge=-1)
     seed: int | None = Field(None, ge=0, lt=MAX_SEED, description="the engine's range: [0, 2**63)")
     stop: list[str] | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, description="keep each prompt's last this many tokens "
+                                               "(-1: as many as leave the context room for max_tokens); default: "
+                                               "none, a prompt beyond the context is an error row")
 
     # execution: own replicas, or a running Serve app (jobs/app_pool.py)
     serve_app: str | None = Field(None, min_length=1, description="send rows to this running Serve application "
@@ -116,6 +119,13 @@ class JobConfig(BaseModel):
         if v is not None and not encodable(v):   # a shell's undecodable bytes: no file system call could take it
             raise ValueError(f"{v.encode('utf-8', 'backslashreplace').decode()}: not valid UTF-8; name the "
                              "folder in UTF-8")
+        return v
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncation(cls, v):
+        if v == 0:
+            raise ValueError("must be -1 (keep as many tokens as fit beside max_tokens) or at least 1, got 0")
         return v
 
     @field_validator("stop", mode="before")
@@ -187,7 +197,7 @@ class JobConfig(BaseModel):
         job through an app resumes through the same app (None, own replicas, matches older manifests)."""
         return {k: getattr(self, k) for k in ("model", "dtype", "engine", "chat_template", "max_model_len",
                                               "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-                                              "keep_columns", "serve_app")} | {
+                                              "truncate_prompt_tokens", "keep_columns", "serve_app")} | {
             "draft": self.resolved_draft(), "format": self.output_format()}
 
     def with_app_engine(self, engine: dict) -> "JobConfig":
@@ -243,7 +253,8 @@ OWN_REPLICA_FLAGS: dict[str, str] = {
 SUBMIT_JOB_FLAGS: dict[str, bool] = {
     "--output": True, "-o": True, "--format": True, "--model": True, "--draft": True, "--dtype": True,
     "--device": True, "--max-tokens": True, "--temperature": True, "--top-p": True, "--top-k": True,
-    "--seed": True, "--stop": True, "--max-model-len": True, "--replicas": True, "--tp-size": True,
+    "--seed": True, "--stop": True, "--truncate-prompt-tokens": True, "--max-model-len": True, "--replicas": True,
+    "--tp-size": True,
     "--cpus-per-replica": True, "--max-num-seqs": True, "--max-in-flight": True, "--min-ready-replicas": True,
     "--keep-columns": False, "--overwrite": False, "--retry-errors": False,
     "--enable-prefix-caching": False, "--no-enable-prefix-caching": False, "--rows-per-file": True, "--commit-interval": True,

@@ -120,6 +120,7 @@ def openai_row(rec: dict) -> Row:
         row.error, row.error_param = f"messages: {e}", "messages"
         return row
     row.model = req.model or None
+    row.format_field = req.structured_field
     if not chat and len(req.prompts) > 1:      # the server answers a batch of prompts; a row is one request
         row.error, row.error_param = "prompt: a batch line holds one prompt; give each prompt its own line", "prompt"
         return row

@@ -26,6 +26,7 @@ from collections import deque
 import psutil
 
 from cluster.death_cause import FREE_NODE_LOSSES
+from cluster.openai_requests import format_refusal
 from cluster.signals import on_stop_signals, restore_signals
 from jobs.id_set import IdSet
 from jobs.input_reader import Row, iter_rows, open_input
@@ -47,6 +48,8 @@ def row_seed(row_id: str | int) -> int:
 def row_params(cfg: JobConfig, row: Row) -> dict:
     p = {"max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k,
          "seed": cfg.seed, "stop": cfg.stop}
+    if cfg.truncate_prompt_tokens is not None:
+        p["truncate_prompt_tokens"] = cfg.truncate_prompt_tokens
     p.update(row.params)
     if isinstance(p["stop"], str):
         p["stop"] = [p["stop"]]
@@ -288,6 +291,8 @@ class JobRunner:
         rec = {"id": row.id, **_EMPTY, **res, "chat": row.chat, "model": row.model or self.cfg.model, KEPT: row.extra}
         if rec.get("error") is not None:
             rec["error_param"] = rec.get("error_param") or row.error_param
+            if rec["error"].startswith("SamplingParams.structured_outputs"):   # the engine's, in the row's field
+                rec["error"], rec["error_param"] = format_refusal(row.format_field, rec["error"]), row.format_field
         self.writer.add(rec)
         self.stats.add(rec)
 

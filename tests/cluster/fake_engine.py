@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from eagle_worker.engine_api import block_hashes
+from eagle_worker.engine_api import block_hashes, kept_prompt_tokens
 
 ALPHABET = b"abcdefghij klmnopqrstuvwxyz"
 EOS = 0
@@ -150,6 +150,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self):
         if self.seed is not None and not 0 <= self.seed < 2**63:
@@ -225,6 +226,8 @@ class LLMEngine:
             raise ValueError(f"logit_bias: token ids out of range [0, 256): {bad[:5]}")
         if not ids:
             raise ValueError("prompt must not be empty")
+        ids = ids[len(ids) - kept_prompt_tokens(params.truncate_prompt_tokens, len(ids), self.config.max_model_len,
+                                                params.max_tokens):]
         if len(ids) + params.max_tokens > self.config.max_model_len:
             raise ValueError(
                 f"prompt is too long: {len(ids)} prompt tokens + max_tokens {params.max_tokens} "

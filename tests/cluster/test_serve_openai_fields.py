@@ -194,6 +194,27 @@ def test_prompt_too_long_in_characters(app):
     assert err["param"] == "prompt" and "characters" in err["message"]
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(app):
+    """vLLM's truncate_prompt_tokens (byte tokens here, context 256): the prompt's last k tokens on both
+    endpoints, echo shows them, and the answer is the answer to them; -1 keeps what fits beside max_tokens;
+    a cut that leaves no room, or 0, is a 400 naming the field."""
+    long = "".join(chr(97 + i % 26) for i in range(600))           # more characters than the context holds
+    cut = app.client.completions.create(model=MODEL, prompt=long, max_tokens=4, temperature=0, echo=True,
+                                        extra_body={"truncate_prompt_tokens": 10})
+    alone = app.client.completions.create(model=MODEL, prompt=long[-10:], max_tokens=4, temperature=0)
+    assert cut.usage.prompt_tokens == 10 and cut.choices[0].text == long[-10:] + alone.choices[0].text
+    fit = app.client.completions.create(model=MODEL, prompt=[ord(c) for c in long], max_tokens=6,
+                                        extra_body={"truncate_prompt_tokens": -1})
+    assert fit.usage.prompt_tokens == 256 - 6 and fit.usage.completion_tokens == 6
+    chat = app.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": long}], max_tokens=3,
+                                              extra_body={"truncate_prompt_tokens": 20})
+    assert chat.usage.prompt_tokens == 20
+    for value, needle in [(256, "(256) must be less than max_model_len (256)"), (0, "at least 1, got 0")]:
+        err = _shape(_raw(app, json.dumps({"model": MODEL, "prompt": long, "max_tokens": 2, "truncate_prompt_tokens": value})),
+                     400)
+        assert err["param"] == "truncate_prompt_tokens" and needle in err["message"], err
+
+
 def test_token_ids_beyond_any_vocabulary_and_keys_twice_are_a_400(app):
     """A first id of 2**32 overflowed the tokenizer's decode in the echo check: a 500 and a traceback."""
     for ids in ([2 ** 32], [1, 2 ** 40]):

@@ -292,6 +292,25 @@ def test_duplicate_ids_exit_3_and_committed_rows_of_a_resume_are_not_duplicates(
     assert m["complete"] and m["duplicate_ids_skipped"] == 0 and m["last_noop_rerun"]["skipped_already_done"] == 2
 
 
+def test_a_replicas_refusal_of_a_format_is_an_error_row_naming_the_column(tmp_path, fake_pool):
+    """The replica refuses a spec with two kinds (SamplingParams.structured_outputs ...): the row's error
+    reads as the input's field, as the HTTP server words it; the other row runs."""
+    p = write_parquet(tmp_path / "so.parquet", id=["two", "ok"], prompt=["a", "b"],
+                      structured_outputs=['{"regex": "a", "choice": ["b"]}', '{"choice": ["x"]}'])
+    assert drive(JobConfig(input=str(p), model="no-model-needed", draft="none"), "local") == 3
+    rows = {r["id"]: r for r in read_rows(tmp_path / "so.out")}
+    assert rows["two"]["error"].startswith("structured_outputs: must set exactly one"), rows["two"]["error"]
+    assert rows["ok"]["error"] is None
+
+
+def test_truncate_prompt_tokens_is_a_job_setting_and_a_per_row_column(tmp_path, fake_pool):
+    p = write_parquet(tmp_path / "t.parquet", id=["job", "row"], prompt=["a", "b"], truncate_prompt_tokens=[None, 7])
+    assert drive(JobConfig(input=str(p), model="no-model-needed", draft="none", truncate_prompt_tokens=-1), "local") == 0
+    assert {rid: params["truncate_prompt_tokens"] for rid, params in fake_pool[-1].sent} == {"job": -1, "row": 7}
+    res = CliRunner().invoke(submit_job, [str(p), "--model", "no-model-needed", "--truncate-prompt-tokens", "0"], env=ENV)
+    assert res.exit_code == 2 and "truncate_prompt_tokens" in res.output and "got 0" in res.output, res.output
+
+
 # ---- 7. carried columns, the output format of JSONL input -----------------------------------------
 def test_kept_columns_named_like_a_results_keys_keep_their_input_values(tmp_path, fake_pool):
     """`{..., **row.extra, "chat": ..., "model": ...}`: a kept `model` or `chat` column took the job's values,

@@ -117,15 +117,23 @@ def test_openai_batch_jsonl_job(tmp_path, tiny_model, local_ray):
          "body": {"model": "tiny", "prompt": "x", "temperature": -3}},
         {"custom_id": "bad-n", "method": "POST", "url": "/v1/chat/completions",
          "body": {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": 3}},
+        {"custom_id": "cut", "method": "POST", "url": "/v1/completions",      # kept: what fits beside max_tokens
+         "body": {"prompt": "the lazy dog " * 100, "max_tokens": 2, "truncate_prompt_tokens": -1}},
+        {"custom_id": "uncut", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": "the lazy dog " * 100, "max_tokens": 2}},
+        {"custom_id": "loop-format", "method": "POST", "url": "/v1/completions",   # compiles, but produces nothing:
+         "body": {"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {   # the replica refuses it
+             "name": "loop", "schema": {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}}}}},
     ]
     inp = tmp_path / "batch.jsonl"
     inp.write_text("".join(json.dumps(r) + "\n" for r in reqs))
-    m = run_job(JobConfig(input=str(inp), model=tiny_model, draft="none", chat_template=TEMPLATE, max_tokens=4))
-    assert m["format"] == "openai-batch" and m["rows"] == 5 and m["error_rows"] == 3
+    m = run_job(JobConfig(input=str(inp), model=tiny_model, draft="none", chat_template=TEMPLATE, max_tokens=4,
+                          max_model_len=64))
+    assert m["format"] == "openai-batch" and m["rows"] == 8 and m["error_rows"] == 5
     lines = [json.loads(x) for p in sorted((tmp_path / "batch.out").glob("part-*.jsonl"))
              for x in p.read_text().splitlines()]
     by = {x["custom_id"]: x for x in lines}
-    assert sorted(by) == sorted(r["custom_id"] for r in reqs) and len(lines) == 5
+    assert sorted(by) == sorted(r["custom_id"] for r in reqs) and len(lines) == 8
     chat = by["chat-1"]["response"]
     assert chat["status_code"] == 200 and chat["body"]["object"] == "chat.completion"
     assert chat["body"]["model"] == tiny_model and chat["body"]["usage"]["completion_tokens"] <= 3
@@ -137,6 +145,11 @@ def test_openai_batch_jsonl_job(tmp_path, tiny_model, local_ray):
     assert by["bad-temp"]["response"]["status_code"] == 400
     assert "temperature" in by["bad-temp"]["response"]["body"]["error"]["message"]
     assert "n must be 1" in by["bad-n"]["response"]["body"]["error"]["message"]
+    assert by["cut"]["response"]["body"]["usage"] == {"prompt_tokens": 62, "completion_tokens": 2, "total_tokens": 64}
+    assert by["uncut"]["response"]["body"]["error"]["code"] == "context_length_exceeded"
+    loop = by["loop-format"]["response"]["body"]["error"]      # in the field the request used, as over HTTP
+    assert loop["param"] == "response_format", loop
+    assert loop["message"].startswith("response_format: json_schema: the grammar cannot produce any output"), loop
 
 
 def _run_in_thread(runner: JobRunner):
