@@ -4,7 +4,7 @@ A field we do not serve is refused with a 400 naming it, never silently ignored:
 `tools`; the few that OpenAI clients send and that change nothing (`HARMLESS`) are accepted.
 `response_format` (text, json_object, json_schema) on both endpoints, as vLLM takes it. Extensions
 beyond OpenAI (vLLM's names): top_k, min_p, repetition_penalty, ignore_eos, min_tokens, stop_token_ids,
-allowed_token_ids, structured_outputs, include_stop_str_in_output, truncate_prompt_tokens,
+allowed_token_ids, bad_words, structured_outputs, include_stop_str_in_output, truncate_prompt_tokens,
 skip_special_tokens (true only) and `priority` (0 = online, the default; 1 = offline/batch work that yields to online requests).
 """
 from __future__ import annotations
@@ -153,6 +153,7 @@ class _SamplingRequest(BaseModel):
     min_tokens: int = Field(0, ge=0)
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_TOKEN_LIST)
     allowed_token_ids: list[int] | None = Field(None, min_length=1, max_length=MAX_TOKEN_LIST)
+    bad_words: list[str] | None = Field(None, max_length=MAX_TOKEN_LIST)
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = Field(None, ge=-1)   # the prompt's last k tokens; -1: as many as fit
     skip_special_tokens: bool = True       # the engine's text always skips them: false is refused
@@ -165,6 +166,14 @@ class _SamplingRequest(BaseModel):
     def _special_tokens_skipped(cls, v: bool) -> bool:
         if not v:
             raise ValueError("false is not supported: text never holds special tokens here (logprobs name them)")
+        return v
+
+    @field_validator("bad_words")
+    @classmethod
+    def _words(cls, v: list[str] | None) -> list[str] | None:
+        blank = next((w for w in v or () if not w.strip()), None)
+        if blank is not None:
+            raise ValueError(f"must be words: {blank!r} is blank")
         return v
 
     @field_validator("truncate_prompt_tokens")
@@ -274,7 +283,7 @@ class _SamplingRequest(BaseModel):
         optional = dict(presence_penalty=(self.presence_penalty, 0.0), frequency_penalty=(self.frequency_penalty, 0.0),
                         repetition_penalty=(self.repetition_penalty, 1.0), min_tokens=(self.min_tokens, 0),
                         allowed_token_ids=(self.allowed_token_ids, None), structured_outputs=(self.structured_spec, None),
-                        truncate_prompt_tokens=(self.truncate_prompt_tokens, None),
+                        truncate_prompt_tokens=(self.truncate_prompt_tokens, None), bad_words=(self.bad_words or None, None),
                         logit_bias=({int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None, None),
                         logprobs=(self.num_logprobs, None), prompt_logprobs=(self.num_prompt_logprobs, None))
         params.update({k: v for k, (v, default) in optional.items() if v != default})

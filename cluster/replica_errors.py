@@ -9,8 +9,8 @@ import re
 from dataclasses import dataclass
 
 # Fields an engine ValueError may name; used to fill the OpenAI error's `param`.
-_PARAMS = ("structured_outputs", "truncate_prompt_tokens", "allowed_token_ids", "min_tokens", "max_tokens", "temperature",
-           "top_p", "top_k", "min_p",
+_PARAMS = ("structured_outputs", "truncate_prompt_tokens", "bad_words", "allowed_token_ids", "min_tokens", "max_tokens",
+           "temperature", "top_p", "top_k", "min_p",
            "seed", "stop_token_ids", "stop", "prompt_logprobs", "logprobs", "ignore_eos", "presence_penalty", "frequency_penalty",
            "repetition_penalty", "logit_bias", "messages", "prompt", "max_model_len")
 

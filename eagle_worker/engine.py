@@ -137,7 +137,8 @@ class LLMEngine:
                              f"min_tokens={params.min_tokens} forbids for the first tokens")
         grammar = (self.grammars.matcher(params.structured_outputs, params.ignore_eos)
                    if params.structured_outputs else None)
-        seq = Sequence(request_id, token_ids, params, priority, seed, stop_ids, grammar)
+        bad_words = self.prompts.bad_word_token_ids(params.bad_words) if params.bad_words else ()
+        seq = Sequence(request_id, token_ids, params, priority, seed, stop_ids, grammar, bad_words)
         self.scheduler.add(seq)
         self.requests[request_id] = seq       # after the scheduler took it: never a request no step runs
         self.totals["prompt_tokens"] += len(token_ids)

@@ -59,6 +59,17 @@ class PromptTokenizer:
     def bos_token(self) -> str | None:
         return getattr(self.tokenizer, "bos_token", None)
 
+    def bad_word_token_ids(self, words: list[str]) -> list[tuple[int, ...]]:
+        """The token sequences of `bad_words`, vLLM's rule: each word as it starts a text and, where a
+        leading space makes it a different first token of as many tokens, as it follows a space."""
+        seqs: list[tuple[int, ...]] = []
+        for word in words:
+            alone = tuple(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = tuple(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            seqs += [s for s in (alone, spaced) if s and s not in seqs
+                     and (s is alone or (len(s) == len(alone) and s[0] != alone[0]))]
+        return seqs
+
     def apply_chat_template(self, messages: list[dict]) -> str:
         return render_chat(self.tokenizer, self.chat_template, messages, self.model_name)
 

@@ -58,6 +58,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None   # only these tokens can be drawn (vLLM's)
     structured_outputs: object = None    # StructuredOutputs (or its fields as a dict): the output matches a grammar
     truncate_prompt_tokens: int | None = None    # keep the prompt's last k tokens; -1: as many as leave max_tokens room
+    bad_words: list[str] | None = None   # words the output cannot hold (vLLM's: their last token is banned after the rest)
     # derived, not set by callers: what the engine reads per token, built once per request
     stop_id_set: frozenset = field(default=frozenset(), init=False, repr=False, compare=False)
     _bias_rows: tuple | None = field(default=None, init=False, repr=False, compare=False)
@@ -73,6 +74,10 @@ class SamplingParams:
             self.stop = list(self.stop or [])
         if ids_ok:
             self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids or []))   # each id once
+        bad_ok = self.bad_words is None or (isinstance(self.bad_words, (list, tuple)) and all(
+            isinstance(w, str) and w.strip() for w in self.bad_words))
+        if bad_ok:
+            self.bad_words = list(dict.fromkeys(self.bad_words)) or None if self.bad_words is not None else None
         allowed_ok = self.allowed_token_ids is None or (
             isinstance(self.allowed_token_ids, (list, tuple)) and len(self.allowed_token_ids) > 0
             and all(is_int(t) and t >= 0 for t in self.allowed_token_ids))
@@ -88,6 +93,7 @@ class SamplingParams:
             (not stop_ok or all(self.stop), "stop", "must not hold an empty string (it would match at once; "
              "leave stop out for none)"),
             (ids_ok, "stop_token_ids", f"must be a list of token ids (integers >= 0), got {_short(self.stop_token_ids)}"),
+            (bad_ok, "bad_words", f"must be None or a list of words (strings that are not blank), got {_short(self.bad_words)}"),
             (allowed_ok, "allowed_token_ids", "must be None or a non-empty list of token ids (integers >= 0), "
              f"got {_short(self.allowed_token_ids)}"),
             (is_int(self.max_tokens) and self.max_tokens > 0, "max_tokens",
@@ -160,10 +166,10 @@ class SamplingParams:
 
     @property
     def processes_logits(self) -> bool:
-        """Bias, a penalty, min_tokens (its first rows forbid the stop tokens), allowed_token_ids or a
-        structured output changes the raw logits before temperature and the filters."""
+        """Bias, a penalty, min_tokens (its first rows forbid the stop tokens), allowed_token_ids, bad_words
+        or a structured output changes the raw logits before temperature and the filters."""
         return (bool(self.logit_bias) or self.uses_output_counts or self.repetition_penalty != 1 or self.min_tokens > 0
-                or bool(self.allowed_token_ids) or self.structured_outputs is not None)
+                or bool(self.allowed_token_ids) or self.structured_outputs is not None or bool(self.bad_words))
 
 
 def _structured(x):

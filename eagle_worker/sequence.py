@@ -69,9 +69,11 @@ class Sequence:
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 priority: int, seed: int, stop_ids: Iterable[int] = (), grammar=None):
+                 priority: int, seed: int, stop_ids: Iterable[int] = (), grammar=None,
+                 bad_words: Iterable[tuple[int, ...]] = ()):
         """`stop_ids`: the tokens that would end it (EOS unless ignore_eos, stop_token_ids), which its
-        first `params.min_tokens` tokens cannot be; `grammar`: a structured output's GrammarMatcher."""
+        first `params.min_tokens` tokens cannot be; `grammar`: a structured output's GrammarMatcher;
+        `bad_words`: token sequences the output cannot hold (`params.bad_words` tokenized)."""
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)
@@ -80,6 +82,7 @@ class Sequence:
         self.seed = seed               # every request has one: its text is a function of it
         self.early_banned = tuple(sorted(set(stop_ids))) if params.min_tokens else ()
         self.grammar = grammar         # fed every output token (engine._append)
+        self.bad_words = tuple(bad_words)
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
@@ -120,6 +123,8 @@ class Sequence:
         prompt = self.prompt_token_ids if p.repetition_penalty != 1.0 else ()
         position = self.num_output_tokens + len(draft)
         banned = self.early_banned if position < p.min_tokens else ()
+        if self.bad_words:
+            banned = (*banned, *bad_word_ends(self.bad_words, output))
         allowed = self.grammar.allowed(draft) if self.grammar is not None else None
         return SampleRow(p, self.seed, position, prompt, output, banned, allowed)
 
@@ -131,3 +136,14 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
+
+
+def bad_word_ends(bad_words: tuple[tuple[int, ...], ...], output: list[int]) -> list[int]:
+    """The tokens that would complete a bad word after `output`: a one-token word's always, a longer
+    word's last token where the output ends with the rest of it (vLLM's rule, over output tokens)."""
+    ends = []
+    for w in bad_words:
+        rest = len(w) - 1
+        if rest == 0 or (rest <= len(output) and tuple(output[len(output) - rest:]) == w[:-1]):
+            ends.append(w[-1])
+    return ends

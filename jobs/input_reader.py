@@ -38,7 +38,7 @@ __all__ = ["InputError", "InputPlan", "Row", "iter_rows", "open_input"]
 # one is an error row naming it, as the flags' own fields are)
 OVERRIDES = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "min_p", "presence_penalty",
              "frequency_penalty", "repetition_penalty", "stop_token_ids", "logit_bias", "ignore_eos",
-             "include_stop_str_in_output", "min_tokens", "allowed_token_ids", "structured_outputs",
+             "include_stop_str_in_output", "min_tokens", "allowed_token_ids", "bad_words", "structured_outputs",
              "truncate_prompt_tokens")
 # sampling settings a Parquet row cannot take: refused up front by name, never read and silently ignored
 NOT_PER_ROW = {"n": "one completion per row", "best_of": "one completion per row",
@@ -154,6 +154,7 @@ _EXPECTED = {  # column -> (check, expected type in words)
     "stop": (lambda t: _is_str(t) or (_is_list(t) and _is_str(t.value_type)), "string or list<string>"),
     "stop_token_ids": (lambda t: _is_list(t) and pa.types.is_integer(t.value_type), "list<integer>"),
     "allowed_token_ids": (lambda t: _is_list(t) and pa.types.is_integer(t.value_type), "list<integer>"),
+    "bad_words": (lambda t: _is_list(t) and _is_str(t.value_type), "list<string>"),
     "logit_bias": (lambda t: pa.types.is_map(t) and pa.types.is_integer(t.key_type) and _is_number(t.item_type),
                    "map<integer, float> (token id -> bias)"),
     "ignore_eos": (pa.types.is_boolean, "bool"),
@@ -405,9 +406,10 @@ def _parquet_row(rec: dict, derived_id: str | None, plan: InputPlan) -> Row:
             row.error, row.error_param = f"structured_outputs: {why}", "structured_outputs"
             return row
         row.params["structured_outputs"] = spec
-    for name in ("logit_bias", "stop_token_ids", "allowed_token_ids"):     # the server's cap, for the same reason
+    for name in ("logit_bias", "stop_token_ids", "allowed_token_ids", "bad_words"):   # the server's cap, for the same reason
         if len(row.params.get(name) or ()) > MAX_TOKEN_LIST:
-            row.error = f"{name}: at most {MAX_TOKEN_LIST} token ids per row, got {len(row.params[name])}"
+            what = "words" if name == "bad_words" else "token ids"
+            row.error = f"{name}: at most {MAX_TOKEN_LIST} {what} per row, got {len(row.params[name])}"
             row.error_param = name
             return row
     prompt, messages = rec.get("prompt"), rec.get("messages")

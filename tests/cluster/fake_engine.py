@@ -151,6 +151,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     truncate_prompt_tokens: int | None = None
+    bad_words: list[str] | None = None       # taken, not applied: the real engine's tests check the ban
 
     def __post_init__(self):
         if self.seed is not None and not 0 <= self.seed < 2**63:

@@ -390,6 +390,24 @@ def test_min_tokens_and_allowed_token_ids_are_sent_when_set_and_checked():
         assert err.param == param and needle in str(err), err
 
 
+def test_bad_words_and_truncate_prompt_tokens_are_sent_when_set_and_checked():
+    given = ChatCompletionRequest.model_validate(CHAT | {"bad_words": ["foo", "bar baz"], "truncate_prompt_tokens": -1})
+    sent = given.sampling_params(8)
+    assert sent["bad_words"] == ["foo", "bar baz"] and sent["truncate_prompt_tokens"] == -1
+    plain = CompletionRequest.model_validate({"model": "m", "prompt": "x", "bad_words": []}).sampling_params(8)
+    assert "bad_words" not in plain and "truncate_prompt_tokens" not in plain
+    for model, body, param, needle in [
+        (CompletionRequest, {"prompt": "x", "bad_words": ["ok", " "]}, "bad_words", "must be words: ' ' is blank"),
+        (CompletionRequest, {"prompt": "x", "bad_words": "foo"}, "bad_words", "valid list"),
+        (ChatCompletionRequest, CHAT | {"bad_words": ["w"] * 1025}, "bad_words", "at most 1024"),
+        (CompletionRequest, {"prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "got 0"),
+        (CompletionRequest, {"prompt": "x", "truncate_prompt_tokens": -2}, "truncate_prompt_tokens", "or equal to -1"),
+        (CompletionRequest, {"prompt": "x", "truncate_prompt_tokens": 3.0}, "truncate_prompt_tokens", "valid integer"),
+    ]:
+        err = _refusal(model, {"model": "m"} | body)
+        assert err.param == param and needle in str(err), err
+
+
 def test_max_tokens_and_max_completion_tokens_that_agree_are_one_limit():
     req = ChatCompletionRequest.model_validate(CHAT | {"max_tokens": 7, "max_completion_tokens": 7})
     assert req.requested_max_tokens == 7

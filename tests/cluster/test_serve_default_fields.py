@@ -102,3 +102,23 @@ def test_response_format_json_schema_and_structured_outputs(app):
     with pytest.raises(openai.BadRequestError) as ei:
         app.client.completions.create(model=MODEL, prompt="x", max_tokens=4, extra_body={"structured_outputs": {"regex": "(a"}})
     assert ei.value.body["param"] == "structured_outputs"
+
+
+def test_bad_words_and_truncate_prompt_tokens(app, tokenizer):
+    """vLLM's two prompt/output extensions on the real model under its EAGLE-3 head: a bad word's tokens
+    never come (its logprob tokens show it), and a truncated prompt answers as its last k tokens alone."""
+    kw = dict(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, logprobs=1)
+    base = app.client.completions.create(**kw).choices[0]
+    word = base.text.split()[0]
+    banned = [[tokenizer.token_text(t) for t in seq] for seq in tokenizer.bad_word_token_ids([word])]
+    assert any(base.logprobs.tokens[i:i + len(s)] == s for s in banned for i in range(8)), (word, base.logprobs.tokens)
+    cut = app.client.completions.create(**kw, extra_body={"bad_words": [word]}).choices[0]
+    assert not any(cut.logprobs.tokens[i:i + len(s)] == s for s in banned for i in range(8)), (word, cut.logprobs.tokens)
+    assert cut.text != base.text
+
+    long = "Some words that will be cut away. " * 40 + "The capital of France is"
+    ids = tokenizer.tokenize(long)
+    r = app.client.completions.create(model=MODEL, prompt=long, max_tokens=6, temperature=0,
+                                      extra_body={"truncate_prompt_tokens": 7})
+    alone = app.client.completions.create(model=MODEL, prompt=ids[-7:], max_tokens=6, temperature=0)
+    assert r.usage.prompt_tokens == 7 and r.choices[0].text == alone.choices[0].text

@@ -304,9 +304,16 @@ def test_a_replicas_refusal_of_a_format_is_an_error_row_naming_the_column(tmp_pa
 
 
 def test_truncate_prompt_tokens_is_a_job_setting_and_a_per_row_column(tmp_path, fake_pool):
-    p = write_parquet(tmp_path / "t.parquet", id=["job", "row"], prompt=["a", "b"], truncate_prompt_tokens=[None, 7])
+    p = write_parquet(tmp_path / "t.parquet", id=["job", "row"], prompt=["a", "b"], truncate_prompt_tokens=[None, 7],
+                      bad_words=[None, ["x", "y z"]])
     assert drive(JobConfig(input=str(p), model="no-model-needed", draft="none", truncate_prompt_tokens=-1), "local") == 0
     assert {rid: params["truncate_prompt_tokens"] for rid, params in fake_pool[-1].sent} == {"job": -1, "row": 7}
+    assert [params.get("bad_words") for _, params in fake_pool[-1].sent] == [None, ["x", "y z"]]
+    many = write_parquet(tmp_path / "many.parquet", prompt=["a"], bad_words=[["w"] * 1025])
+    assert rows_of(many)[0].error == "bad_words: at most 1024 words per row, got 1025"
+    ints = write_parquet(tmp_path / "ints.parquet", prompt=["a"], bad_words=[[3]])
+    with pytest.raises(InputError, match=r"column `bad_words` .*list<string>"):
+        open_input(str(ints))
     res = CliRunner().invoke(submit_job, [str(p), "--model", "no-model-needed", "--truncate-prompt-tokens", "0"], env=ENV)
     assert res.exit_code == 2 and "truncate_prompt_tokens" in res.output and "got 0" in res.output, res.output
 
