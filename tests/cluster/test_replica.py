@@ -77,7 +77,7 @@ def test_chat_messages_are_rendered(replica):
 
 def test_leaving_early_aborts_in_the_engine(replica):
     async def run():
-        gen = replica.submit("f", "[slow:0.02] long", {"max_tokens": 60})
+        gen = replica.submit("f", "[slow:0.2] long", {"max_tokens": 60})    # 12 s alone: longer than the wait
         await gen.__anext__()
         await gen.aclose()
         for _ in range(100):
