@@ -79,7 +79,7 @@ class JobConfig(BaseModel):
     top_k: Count = Field(-1, ge=-1)
     seed: int | None = Field(None, ge=0, lt=MAX_SEED, description="the engine's range: [0, 2**63)")
     stop: list[str] | None = None
-    truncate_prompt_tokens: int | None = Field(None, ge=-1, description="keep each prompt's last this many tokens "
+    truncate_prompt_tokens: Count | None = Field(None, ge=-1, description="keep each prompt's last this many tokens "
                                                "(-1: as many as leave the context room for max_tokens); default: "
                                                "none, a prompt beyond the context is an error row")
 
