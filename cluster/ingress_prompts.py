@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 
 from cluster.openai_errors import APIError, chars_context_error
-from eagle_worker.engine_api import MAX_TRUNCATED_PROMPT_CHARS
+from eagle_worker.engine_api import prompt_chars_limit
 
 CONTEXT_BOUND = 32768  # tokens assumed for the character check until a replica reports max_model_len
 
@@ -35,12 +35,11 @@ class IngressPrompts:
 
     def _check_length(self, chars: int, max_model_len: int | None, param: str, truncating: bool) -> None:
         context = max_model_len or CONTEXT_BOUND
-        limit = context * max(1, self.prompts.max_chars_per_token)
-        if truncating:       # tokenized whole, then its last tokens kept (truncate_prompt_tokens): bounded all the same
-            if chars > max(limit, MAX_TRUNCATED_PROMPT_CHARS):
-                raise APIError(400, f"{param}: {chars} characters; a prompt cut by truncate_prompt_tokens may have at "
-                                    f"most {max(limit, MAX_TRUNCATED_PROMPT_CHARS)}", param=param)
-        elif chars > limit:
+        limit = prompt_chars_limit(context, self.prompts.max_chars_per_token, truncating)
+        if truncating and chars > limit:     # tokenized whole, then its last tokens kept: bounded all the same
+            raise APIError(400, f"{param}: {chars} characters; a prompt cut by truncate_prompt_tokens may have at "
+                                f"most {limit}", param=param)
+        if chars > limit:
             raise APIError(400, chars_context_error(chars, limit, context, param), param=param,
                            code="context_length_exceeded")
 

@@ -36,6 +36,13 @@ def format_refusal(field: str, engine_message: str) -> str:
     return f"{field}: {engine_message.removeprefix('SamplingParams.structured_outputs').lstrip(': ')}"
 
 
+def truncation_given(v: int | None) -> int | None:
+    """truncate_prompt_tokens at an edge (HTTP bodies, job configs): 0 keeps nothing, so it is refused."""
+    if v == 0:
+        raise ValueError("must be -1 (keep as many tokens as fit beside max_tokens) or at least 1, got 0")
+    return v
+
+
 def _null_is_not_given(model: type[BaseModel], data: Any) -> Any:
     """OpenAI's optional fields are nullable: an explicit null (the official client sends one for a
     None argument) means "not given", so the field keeps its default, as OpenAI and vLLM read it. A
@@ -176,12 +183,7 @@ class _SamplingRequest(BaseModel):
             raise ValueError(f"must be words: {blank!r} is blank")
         return v
 
-    @field_validator("truncate_prompt_tokens")
-    @classmethod
-    def _truncation(cls, v: int | None) -> int | None:
-        if v == 0:
-            raise ValueError("must be -1 (keep as many tokens as fit beside max_tokens) or at least 1, got 0")
-        return v
+    _truncation = field_validator("truncate_prompt_tokens")(truncation_given)
 
     @model_validator(mode="before")
     @classmethod

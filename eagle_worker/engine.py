@@ -22,7 +22,7 @@ from eagle_worker.grammar import GrammarCompiler
 from eagle_worker.model_runner import ModelRunner
 from eagle_worker.outputs import RequestOutput, TokenLogprob
 from eagle_worker.prompt_tokenizer import PromptTokenizer
-from eagle_worker.sampling_params import MAX_TRUNCATED_PROMPT_CHARS, SamplingParams, is_token_id, kept_prompt_tokens
+from eagle_worker.sampling_params import SamplingParams, is_token_id, kept_prompt_tokens, prompt_chars_limit
 from eagle_worker.scheduler import Scheduler
 from eagle_worker.sequence import Sequence, SequenceStatus
 from eagle_worker.speculative.config import resolve_draft
@@ -94,12 +94,12 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:          # whitespace is a prompt (OpenAI and vLLM take it): its tokens
                 raise ValueError("prompt is empty")
-            limit = self.max_model_len * self.prompts.max_chars_per_token
-            if params.truncate_prompt_tokens is not None:     # tokenized whole, then cut: bounded all the same
-                if len(prompt) > max(limit, MAX_TRUNCATED_PROMPT_CHARS):
-                    raise ValueError(f"prompt has {len(prompt)} characters; a prompt cut by truncate_prompt_tokens "
-                                     f"may have at most {max(limit, MAX_TRUNCATED_PROMPT_CHARS)}")
-            elif len(prompt) > limit:     # a 50 MB row is refused without tokenizing it on the engine thread
+            truncating = params.truncate_prompt_tokens is not None    # tokenized whole, then cut: bounded all the same
+            limit = prompt_chars_limit(self.max_model_len, self.prompts.max_chars_per_token, truncating)
+            if truncating and len(prompt) > limit:
+                raise ValueError(f"prompt has {len(prompt)} characters; a prompt cut by truncate_prompt_tokens "
+                                 f"may have at most {limit}")
+            if len(prompt) > limit:     # a 50 MB row is refused without tokenizing it on the engine thread
                 raise ContextLengthError(f"{CONTEXT_LENGTH} {self.max_model_len} tokens. However, your prompt has "
                                          f"{len(prompt)} characters, more than that many tokens hold (at most "
                                          f"{limit}). Please reduce the length of the prompt.")

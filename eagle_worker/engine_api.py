@@ -22,7 +22,7 @@ from eagle_worker.chat_template import echoed_empty, join_text_parts, normalize_
 from eagle_worker.default_models import is_builtin, local_context  # noqa: F401  (built-in names; a job's context check)
 from eagle_worker.malloc_tuning import GLIBC_TUNABLES  # noqa: F401  (the env of the engine processes the fleet starts)
 from eagle_worker.prefix_hash import block_hashes  # noqa: F401  (the fleet's prefix-aware routing hashes as engines cache)
-from eagle_worker.sampling_params import MAX_TRUNCATED_PROMPT_CHARS, kept_prompt_tokens  # noqa: F401  (truncation, as engines cut)
+from eagle_worker.sampling_params import kept_prompt_tokens, prompt_chars_limit  # noqa: F401  (prompt bounds, as engines cut)
 from eagle_worker.speculative.config import SPEC_LIMITS  # noqa: F401  (the configs' bounds on tree sizes)
 from eagle_worker.structured_output import MAX_CHOICES, StructuredOutputs, loads_strict  # noqa: F401  (grammars; request JSON)
 

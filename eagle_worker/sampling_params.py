@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 MIN_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20          # top alternatives a request may ask for per token (OpenAI's limit)
 MAX_SEED = 2**63           # seeds are 0 <= seed < 2**63 (a signed 64-bit integer)
-# Characters a prompt that is truncated (truncate_prompt_tokens) may have: it is tokenized whole before
-# its last tokens are kept, so this bounds that work, as max_model_len bounds an untruncated prompt's.
+# Characters a prompt that is truncated (truncate_prompt_tokens) may have at least: it is tokenized
+# whole before its last tokens are kept, so this bounds that work (`prompt_chars_limit`).
 MAX_TRUNCATED_PROMPT_CHARS = 1 << 22
 
 
@@ -198,6 +198,14 @@ def _int_key(k):
 def _short(x) -> str:
     s = repr(x)
     return s if len(s) <= 80 else s[:77] + "..."
+
+
+def prompt_chars_limit(max_model_len: int, max_chars_per_token: int, truncating: bool) -> int:
+    """The most characters a prompt text may have before it is tokenized: what the context holds at the
+    tokenizer's longest piece, or for a prompt truncate_prompt_tokens cuts, at least
+    MAX_TRUNCATED_PROMPT_CHARS. The one bound for the engine and the HTTP ingress."""
+    limit = max_model_len * max(1, max_chars_per_token)
+    return max(limit, MAX_TRUNCATED_PROMPT_CHARS) if truncating else limit
 
 
 def kept_prompt_tokens(truncate: int | None, num_prompt_tokens: int, max_model_len: int, max_tokens: int) -> int:

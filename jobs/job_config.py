@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from cluster.config_base import MAX_COUNT
 from cluster.config_sections import SpeculationConfig
-from cluster.openai_requests import MAX_SEED
+from cluster.openai_requests import MAX_SEED, truncation_given
 from eagle_worker.engine_api import draft_rules
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
@@ -121,12 +121,7 @@ class JobConfig(BaseModel):
                              "folder in UTF-8")
         return v
 
-    @field_validator("truncate_prompt_tokens")
-    @classmethod
-    def _truncation(cls, v):
-        if v == 0:
-            raise ValueError("must be -1 (keep as many tokens as fit beside max_tokens) or at least 1, got 0")
-        return v
+    _truncation = field_validator("truncate_prompt_tokens")(truncation_given)
 
     @field_validator("stop", mode="before")
     @classmethod

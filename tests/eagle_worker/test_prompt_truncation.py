@@ -59,7 +59,7 @@ def test_a_truncated_text_prompt_may_be_longer_than_the_context_holds_but_is_bou
         llm.generate(huge, SamplingParams(max_tokens=2))
     out = llm.generate(huge, SamplingParams(max_tokens=2, truncate_prompt_tokens=10))[0]
     assert len(out.prompt_token_ids) == 10
-    monkeypatch.setattr("eagle_worker.engine.MAX_TRUNCATED_PROMPT_CHARS", 10)
+    monkeypatch.setattr("eagle_worker.sampling_params.MAX_TRUNCATED_PROMPT_CHARS", 10)
     huger = huge * 2                     # beyond what the context holds too (the bound is the larger of the two)
     with pytest.raises(ValueError, match=f"prompt has {len(huger)} characters; a prompt cut by truncate_prompt_tokens"):
         llm.generate(huger, SamplingParams(max_tokens=2, truncate_prompt_tokens=10))
