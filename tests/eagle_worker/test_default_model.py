@@ -82,7 +82,9 @@ def gguf_file(tmp_path_factory) -> Path:
 def gguf_reader(gguf_file):
     from gguf import GGUFReader
 
-    return GGUFReader(str(gguf_file))  # parsing the 262k-token vocabulary is slow: once a session
+    # parsing the 262k-token vocabulary is slow: once a session, over a plain array (the same
+    # values as gguf's own reader gives: test_plain_array_reader_reads_what_gguf_reads)
+    return default_models._plain_array_reader(GGUFReader)(str(gguf_file))
 
 
 @pytest.fixture(scope="session")
@@ -94,6 +96,46 @@ def gguf_model(gguf_file, gguf_reader):
         m = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32)
     print(f"\nloading the GGUF directly took {time.perf_counter() - t0:.1f}s")
     return m.eval()
+
+
+def test_plain_array_reader_reads_what_gguf_reads(tmp_path):
+    """The build's GGUF reader (gguf's, over a plain ndarray instead of a memmap) gives every field
+    and tensor gguf's own reader gives: strings, string and number arrays, scalars, quantized and
+    float tensors."""
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "small.gguf"
+    writer = gguf.GGUFWriter(str(path), "gemma3")
+    writer.add_block_count(2)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list([f"tok{i}" for i in range(300)] + ["▁日本", "🤖", ""])
+    writer.add_token_scores([float(-i) for i in range(303)])
+    writer.add_token_types([1] * 303)
+    writer.add_bool("test.flag", True)
+    rng = np.random.default_rng(0)
+    writer.add_tensor("norm.weight", rng.standard_normal(64).astype(np.float32))
+    q8 = gguf.quants.quantize(rng.standard_normal((4, 64)).astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
+    writer.add_tensor("blk.0.q8.weight", q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    ours, theirs = default_models._plain_array_reader(gguf.GGUFReader)(str(path)), gguf.GGUFReader(str(path))
+    assert ours.fields.keys() == theirs.fields.keys() and "tokenizer.ggml.tokens" in ours.fields
+    for key, field in theirs.fields.items():
+        got = ours.fields[key]
+        assert (got.data, got.types, got.offset) == (field.data, field.types, field.offset), key
+        assert len(got.parts) == len(field.parts) and all(np.array_equal(a, b) for a, b in zip(got.parts, field.parts)), key
+    tokens = ours.fields["tokenizer.ggml.tokens"]
+    assert [bytes(tokens.parts[i]).decode() for i in tokens.data[-3:]] == ["▁日本", "🤖", ""]
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors] == ["norm.weight", "blk.0.q8.weight"]
+    for a, b in zip(ours.tensors, theirs.tensors):
+        assert a.tensor_type == b.tensor_type and np.array_equal(a.data, b.data)
+        assert np.array_equal(gguf.quants.dequantize(a.data, a.tensor_type), gguf.quants.dequantize(b.data, b.tensor_type))
+    assert type(ours.tensors[0].data) is np.ndarray    # the point: no memmap subclass to slice through
 
 
 def test_folder_layout_and_config(model_dir):
